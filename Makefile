@@ -1,0 +1,30 @@
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install up test lint bench clean
+
+# CPU torch first, so the project's torch requirement is already met and no CUDA build is pulled.
+$(STAMP): pyproject.toml
+	python3.11 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/pdd up
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/pdd bench engine
+
+clean:
+	rm -rf $(VENV) bench/out .pytest_cache .ruff_cache

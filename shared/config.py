@@ -1,0 +1,77 @@
+"""Typed settings, one object per service, every field overridable from the environment.
+
+Environment names are `PDD_<FIELD>` for common fields and `PDD_<SERVICE>_<FIELD>` for
+service fields, e.g. `PDD_NATS_URL`, `PDD_RELAY_CATCHUP_THRESHOLD`. Nested model and
+engine fields use a double underscore: `PDD_MODEL__PRESET=small`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ModelSettings(BaseModel):
+    """Which weights to run and where."""
+
+    preset: str = "tiny"  # built-in seeded preset: tiny | small
+    path: str | None = None  # local Hugging Face directory; overrides preset
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    seed: int = 0  # seed of the preset's deterministic weights
+
+
+class EngineSettings(BaseModel):
+    """Paged KV pool and batching limits."""
+
+    block_size: int = 16
+    kv_memory_mb: float = 64.0  # KV pool budget; the block count follows from it
+    max_num_seqs: int = 64  # running sequences per step
+    max_batched_tokens: int = 2048  # tokens per forward (prefill chunks + decodes)
+    max_model_len: int = 4096
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PDD_", env_nested_delimiter="__", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    instance: str = "0"
+    datacenter: str = "dc-a"
+    secret: str = "pdd-dev-secret"  # shared secret of the KV bulk channel
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    request_timeout_s: float = 120.0  # hard bound on any single request
+
+
+class PrefillSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_", env_nested_delimiter="__", extra="ignore")
+
+    prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk
+
+
+class RelaySettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PDD_RELAY_", env_nested_delimiter="__", extra="ignore")
+
+    local_address: str = "unix:///tmp/pdd-relay-0.sock"  # local fast path from prefill
+    catchup_threshold: int = 64  # pending tokens above which handoff goes in batches
+    catchup_load: int = 4  # running requests at or above which RLD prefers one-shot
+    md_ready_timeout_s: float = 30.0  # after this, RLD finishes the request itself
+
+
+class MainDecodeSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PDD_MD_", env_nested_delimiter="__", extra="ignore")
+
+    datacenter: str = "dc-b"
+    bulk_address: str = "tcp://127.0.0.1:7400"  # where MD listens for KV
+    advertise_address: str | None = None  # what P dials (the WAN proxy in front of MD)
+
+
+class RouterSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="PDD_ROUTER_", env_nested_delimiter="__", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    wan_time_threshold_s: float = 0.5  # estimated WAN time above which the relay is used
+    default_bandwidth_bps: float = 1e9 / 8  # prior for the link estimator, bytes/s
+    default_rtt_s: float = 0.03
+    max_tokens_default: int = 256
