@@ -41,6 +41,7 @@ class CommonSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
+    metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
 
 
 class PrefillSettings(CommonSettings):
@@ -55,6 +56,7 @@ class RelaySettings(CommonSettings):
     local_address: str = "unix:///tmp/pdd-relay-0.sock"  # local fast path from prefill
     catchup_threshold: int = 64  # pending tokens above which handoff goes in batches
     catchup_load: int = 4  # running requests at or above which RLD prefers one-shot
+    catchup_max_rounds: int = 4  # catch-up batches before the final one, whatever remains
     md_ready_timeout_s: float = 30.0  # after this, RLD finishes the request itself
 
 
@@ -75,3 +77,5 @@ class RouterSettings(CommonSettings):
     default_bandwidth_bps: float = 1e9 / 8  # prior for the link estimator, bytes/s
     default_rtt_s: float = 0.03
     max_tokens_default: int = 256
+    prepare_timeout_s: float = 10.0  # MD's answer to prepare (one WAN round trip)
+    token_timeout_s: float = 30.0  # longest silence between two token events of a request

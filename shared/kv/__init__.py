@@ -1,0 +1,21 @@
+"""KV bulk channel: framed tensor streaming over TCP (WAN) or a Unix socket (local fast path)."""
+
+from shared.kv.client import KVClient, TransferStats, open_kv_client
+from shared.kv.errors import FrameError, KVTransferError
+from shared.kv.link_estimator import LinkEstimator
+from shared.kv.server import KVServer, start_kv_server
+from shared.kv.sink import KVSink
+from shared.kv.transport import register_transport
+
+__all__ = [
+    "FrameError",
+    "KVClient",
+    "KVServer",
+    "KVSink",
+    "KVTransferError",
+    "LinkEstimator",
+    "TransferStats",
+    "open_kv_client",
+    "register_transport",
+    "start_kv_server",
+]

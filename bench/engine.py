@@ -1,0 +1,282 @@
+"""Engine benchmark: our paged, continuously batched engine vs Hugging Face `generate`.
+
+Same weights on both sides (the preset is saved as a Hugging Face Llama directory and
+loaded with transformers). Three parts, all in one run:
+  1. KV accounting: bytes per token = 2 x layers x kv_heads x head_dim x dtype bytes, and
+     the pool holds nothing else (blocks used = sum of ceil(tokens / block_size)).
+  2. Mixed workload: N requests of mixed prompt/output lengths, greedy, EOS ignored.
+     Ours: all submitted at once (continuous batching). HF: padded batches (left padding,
+     every row runs to the batch's longest output). Throughput counts useful tokens only
+     (prompt + requested output); greedy outputs are compared token by token.
+  3. Prefill and decode tokens/s at batch 1, 8, 32 for both.
+Writes bench/out/engine.json (and engine.png when matplotlib is present).
+
+    python -m bench.engine [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineSettings, ModelSettings
+from shared.engine import LLMEngine, SamplingParams
+from shared.model.export_hf import save_hf
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pdd bench engine", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter prompts/outputs and fewer decode steps")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--hf-batch", type=int, default=32, help="rows per padded HF generate batch")
+    ap.add_argument("--batches", default="1,8,32", help="batch sizes of the prefill/decode sweep")
+    ap.add_argument("--repeat", type=int, default=2, help="alternate ours/HF this many times, keep the best")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/out/engine.json")
+    return ap.parse_args(argv)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _engine(args, kv_tokens: int, max_batched: int) -> LLMEngine:
+    probe = LLMEngine(ModelSettings(preset=args.preset, dtype=args.dtype, device=args.device),
+                      EngineSettings(kv_memory_mb=1))  # fmt: skip
+    mb = kv_tokens * 1.1 * probe.kv_bytes_per_token / 2**20 + 1
+    del probe
+    return LLMEngine(
+        ModelSettings(preset=args.preset, dtype=args.dtype, device=args.device),
+        EngineSettings(kv_memory_mb=mb, max_batched_tokens=max_batched, max_num_seqs=256, max_model_len=8192),
+    )
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_id is not None:
+                out.setdefault(o.rid, []).append(o.token_id)
+    return out
+
+
+def kv_accounting(engine: LLMEngine) -> dict:
+    c = engine.model_config
+    expected = 2 * c.num_layers * c.num_kv_heads * c.head_dim * engine.dtype.itemsize
+    pool_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    block_bytes = engine.pool.num_blocks * engine.block_size * engine.kv_bytes_per_token
+    rng = random.Random(1)
+    lens = [rng.randint(1, 100) for _ in range(8)]
+    for i, n in enumerate(lens):
+        engine.add_request(f"kv{i}", [rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=1), mode="prefill")
+    _drain(engine)
+    used = engine.stats()["used_blocks"]
+    rounded = sum(-(-n // engine.block_size) for n in lens)
+    for i in range(len(lens)):
+        engine.release(f"kv{i}")
+    return {
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "expected_2_x_layers_x_kv_heads_x_head_dim_x_dtype_bytes": expected,
+        "pool_bytes": pool_bytes,
+        "pool_overhead_bytes": pool_bytes - block_bytes,
+        "blocks_used_for_8_prompts": used,
+        "blocks_by_rounding": rounded,
+        "ok": engine.kv_bytes_per_token == expected and pool_bytes == block_bytes and used == rounded,
+    }
+
+
+def run_ours_mixed(engine: LLMEngine, reqs: list[tuple[list[int], int]], device: str) -> tuple[float, dict]:
+    engine.reset_prefix_cache()  # no help from an earlier repetition
+    _sync(device)
+    t0 = time.perf_counter()
+    for i, (prompt, n) in enumerate(reqs):
+        engine.add_request(f"m{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    out = _drain(engine)
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, device: str) -> torch.Tensor:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding, as generate expects for decoder-only models
+        ids[r, width - len(p) :] = torch.tensor(p)
+        mask[r, width - len(p) :] = 1
+    out = hf.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return out[:, width:].cpu()
+
+
+def run_hf_mixed(hf, reqs: list[tuple[list[int], int]], batch: int, device: str) -> tuple[float, dict]:
+    out: dict[str, list[int]] = {}
+    _sync(device)
+    t0 = time.perf_counter()
+    for s in range(0, len(reqs), batch):
+        group = reqs[s : s + batch]
+        gen = _hf_generate(hf, [p for p, _ in group], max(n for _, n in group), device)
+        for r, (_, n) in enumerate(group):
+            out[f"m{s + r}"] = gen[r, :n].tolist()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def sweep_ours(engine: LLMEngine, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, float]:
+    engine.reset_prefix_cache()
+    rng = random.Random(batch)
+    for i in range(batch):
+        prompt = [rng.randrange(256) for _ in range(prompt_len)]
+        engine.add_request(f"s{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    _sync(device)
+    t0 = time.perf_counter()
+    first = 0
+    while first < batch:  # prefill: until every request has its first token
+        first += sum(o.index == 0 for o in engine.step())
+    _sync(device)
+    t1 = time.perf_counter()
+    _drain(engine)
+    _sync(device)
+    t2 = time.perf_counter()
+    return batch * prompt_len / (t1 - t0), batch * steps / (t2 - t1)
+
+
+@torch.inference_mode()
+def sweep_hf(hf, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, float]:
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(256) for _ in range(prompt_len)] for _ in range(batch)]
+    ids = torch.tensor(prompts, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    hf(input_ids=ids, use_cache=True)
+    _sync(device)
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _hf_generate(hf, prompts, steps + 1, device)
+    _sync(device)
+    t_decode = max(time.perf_counter() - t0 - t_prefill, 1e-9)
+    return batch * prompt_len / t_prefill, batch * steps / t_decode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from transformers import LlamaForCausalLM as HFLlama
+
+    quick = args.quick
+    prompt_range, output_range = ((16, 128), (8, 64)) if quick else ((32, 512), (16, 256))
+    sweep_prompt, sweep_steps = (64, 16) if quick else (128, 32)
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = random.Random(args.seed)
+    reqs = [
+        ([rng.randrange(256) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+        for _ in range(args.requests)
+    ]
+    useful = sum(len(p) + n for p, n in reqs)
+    kv_tokens = max(useful, max(batches) * (sweep_prompt + sweep_steps + 1)) + 16 * len(reqs)
+    engine = _engine(args, kv_tokens, max_batched=2048)
+    print(f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads")
+
+    kv = kv_accounting(engine)
+    print(f"KV bytes/token {kv['kv_bytes_per_token']} (expected {kv['expected_2_x_layers_x_kv_heads_x_head_dim_x_dtype_bytes']}); "
+          f"pool {kv['pool_bytes'] / 2**20:.1f} MiB, overhead {kv['pool_overhead_bytes']} B; "
+          f"8 prompts use {kv['blocks_used_for_8_prompts']} blocks = {kv['blocks_by_rounding']} by rounding: "
+          f"{'OK' if kv['ok'] else 'MISMATCH'}")  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(engine.model, tmp)
+        hf = HFLlama.from_pretrained(tmp, dtype=engine.dtype).to(args.device).eval()
+
+    # Warm both up (first-call allocations of big activations, kernel selection).
+    for i in range(8):
+        engine.add_request(f"warm{i}", [(i + j) % 256 for j in range(256)], SamplingParams(max_tokens=4, ignore_eos=True))
+    _drain(engine)
+    _hf_generate(hf, [[(i + j) % 256 for j in range(256)] for i in range(8)], 4, args.device)
+
+    # The machine may be shared: alternate the two and keep each side's best time.
+    t_ours = t_hf = float("inf")
+    for _ in range(max(1, args.repeat)):
+        t, ours = run_ours_mixed(engine, reqs, args.device)
+        t_ours = min(t_ours, t)
+        t, theirs = run_hf_mixed(hf, reqs, args.hf_batch, args.device)
+        t_hf = min(t_hf, t)
+    same = sum(ours[k] == theirs[k] for k in ours)
+    tok_same = sum(a == b for k in ours for a, b in zip(ours[k], theirs[k], strict=True))
+    tok_total = sum(n for _, n in reqs)
+    mixed = {
+        "requests": len(reqs), "prompt_range": prompt_range, "output_range": output_range, "repeat": args.repeat,
+        "useful_tokens": useful, "hf_batch": args.hf_batch,
+        "ours_s": t_ours, "hf_s": t_hf,
+        "ours_tokens_per_s": useful / t_ours, "hf_tokens_per_s": useful / t_hf, "ratio": t_hf / t_ours,
+        "identical_outputs": same, "identical_tokens": tok_same, "output_tokens": tok_total,
+    }  # fmt: skip
+    print(f"\nmixed workload: {len(reqs)} requests, prompts {prompt_range}, outputs {output_range}, {useful} useful tokens")
+    print(f"  ours  {t_ours:7.2f} s  {mixed['ours_tokens_per_s']:8.0f} tok/s")
+    print(f"  HF    {t_hf:7.2f} s  {mixed['hf_tokens_per_s']:8.0f} tok/s   (padded batches of {args.hf_batch})")
+    print(f"  ratio {mixed['ratio']:.2f}x   greedy outputs identical: {same}/{len(reqs)} requests, "
+          f"{tok_same}/{tok_total} tokens")  # fmt: skip
+
+    sweep = []
+    print(f"\nbatch sweep: prompt {sweep_prompt} tokens, {sweep_steps} decode steps")
+    print(f"  {'batch':>5} {'prefill ours':>13} {'prefill HF':>11} {'ratio':>6} {'decode ours':>12} {'decode HF':>10} {'ratio':>6}")
+    for b in batches:
+        op = od = hp = hd = 0.0
+        for _ in range(max(1, args.repeat)):
+            p, d = sweep_ours(engine, b, sweep_prompt, sweep_steps, args.device)
+            op, od = max(op, p), max(od, d)
+            p, d = sweep_hf(hf, b, sweep_prompt, sweep_steps, args.device)
+            hp, hd = max(hp, p), max(hd, d)
+        sweep.append({"batch": b, "ours_prefill_tps": op, "hf_prefill_tps": hp, "prefill_ratio": op / hp,
+                      "ours_decode_tps": od, "hf_decode_tps": hd, "decode_ratio": od / hd})  # fmt: skip
+        print(f"  {b:>5} {op:13.0f} {hp:11.0f} {op / hp:6.2f} {od:12.0f} {hd:10.0f} {od / hd:6.2f}")
+
+    result = {"model": engine.model_id, "dtype": args.dtype, "device": args.device, "quick": quick,
+              "threads": torch.get_num_threads(), "kv": kv, "mixed": mixed, "sweep": sweep}  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    _plot(result, out.with_suffix(".png"))
+    print(f"\nwrote {out}")
+    return 0 if kv["ok"] else 1
+
+
+def _plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    m = result["mixed"]
+    axes[0].bar(["ours", "HF generate"], [m["ours_tokens_per_s"], m["hf_tokens_per_s"]], color=["C0", "C1"])
+    axes[0].set_title(f"mixed workload ({m['ratio']:.2f}x)")
+    axes[0].set_ylabel("tokens/s")
+    for ax, kind in zip(axes[1:], ("prefill", "decode"), strict=True):
+        bs = [str(s["batch"]) for s in result["sweep"]]
+        x = range(len(bs))
+        ax.bar([i - 0.2 for i in x], [s[f"ours_{kind}_tps"] for s in result["sweep"]], 0.4, label="ours")
+        ax.bar([i + 0.2 for i in x], [s[f"hf_{kind}_tps"] for s in result["sweep"]], 0.4, label="HF")
+        ax.set_xticks(list(x), bs)
+        ax.set_xlabel("batch")
+        ax.set_title(f"{kind} tokens/s")
+        ax.legend()
+    fig.suptitle(f"{result['model']} {result['dtype']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

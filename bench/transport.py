@@ -1,0 +1,381 @@
+"""Transport benchmark: bulk channel vs raw socket, WAN emulator accuracy, NATS latency.
+
+    python -m bench.transport [--quick] [--size-mib 64] [--repeats 3] [--out bench/out/transport.json]
+
+Receivers run in a child process (as in deployment), senders here. Prints ratios, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.bus import NatsServer, connect
+from shared.bus.nats_server import free_port
+from shared.kv import open_kv_client, start_kv_server
+from shared.wan import WanControl
+
+MiB = 1 << 20
+SECRET = "bench-secret"
+
+
+# ---------------------------------------------------------------- receivers (child process)
+
+
+class _CountingSink:
+    """Drops what it receives (as fast as a sink can be); counts bytes."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict) -> None:
+        self.nbytes += meta["nbytes"]
+
+    async def on_done(self, rid: str, meta: dict) -> None:
+        pass
+
+    async def on_abort(self, rid: str, reason: str) -> None:
+        pass
+
+
+def _raw_receiver(lsock: socket.socket, nbytes: int) -> None:
+    # Preallocated once, reused, huge pages like the bulk receiver's buffers: the best case for raw.
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    mv = memoryview(buf)
+    while True:
+        conn, _ = lsock.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                got = 0
+                while got < nbytes:
+                    k = conn.recv_into(mv[got:])
+                    if not k:
+                        break
+                    got += k
+                if got < nbytes:
+                    break
+                conn.sendall(b"k")
+
+
+def _receiver_main(conn: Any, nbytes: int, unix_path: str) -> None:
+    torch.set_num_threads(1)
+    lsock = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_receiver, args=(lsock, nbytes), daemon=True).start()
+
+    async def serve() -> None:
+        tcp = await start_kv_server("tcp://127.0.0.1:0", SECRET, _CountingSink())
+        unix = await start_kv_server(f"unix://{unix_path}", SECRET, _CountingSink())
+        conn.send({"raw": lsock.getsockname()[1], "tcp": tcp.address, "unix": unix.address})
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the parent says stop
+        await tcp.close()
+        await unix.close()
+
+    asyncio.run(serve())
+
+
+# ---------------------------------------------------------------- bulk vs raw
+
+
+def _raw_round(sock: socket.socket, data: memoryview) -> float:
+    t0 = time.perf_counter()
+    sock.sendall(data)
+    sock.recv(1)
+    return time.perf_counter() - t0
+
+
+async def _bulk_round(client: Any, blocks: list[torch.Tensor], rid: str) -> float:
+    t0 = time.perf_counter()
+    for i, kv in enumerate(blocks):
+        await client.send_blocks(rid, [i * 1000 + j for j in range(kv.shape[2])], kv)
+    await client.finish(rid)
+    return time.perf_counter() - t0
+
+
+def _kv_tensor(nbytes: int, nblocks: int) -> torch.Tensor:
+    # [L=32, 2, n, block_size=16, kv_heads=8, head_dim] fp16: one block = 32*2*16*8*d*2 bytes.
+    per_block = nbytes // nblocks
+    head_dim = per_block // (32 * 2 * 16 * 8 * 2)
+    return torch.randn(32, 2, nblocks, 16, 8, head_dim).to(torch.float16)
+
+
+async def bench_bulk(size: int, repeats: int) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
+    proc = ctx.Process(target=_receiver_main, args=(child, size, unix_path), daemon=True)
+    proc.start()
+    try:
+        addrs = await asyncio.wait_for(asyncio.to_thread(parent.recv), 60)
+        one = _kv_tensor(size, 32)  # 32 blocks of 2 MiB
+        assert one.numel() * 2 == size, "size must be a multiple of 4 MiB"
+        per_block = [one[:, :, i : i + 1].contiguous() for i in range(32)]  # as a producer would emit them
+        raw_data = memoryview(one.reshape(-1).view(torch.uint8).numpy())
+        variants = {
+            "bulk_tcp_1_frame": (addrs["tcp"], [one], "xxh3"),
+            "bulk_tcp_32_frames": (addrs["tcp"], per_block, "xxh3"),
+            "bulk_tcp_32_frames_nocsum": (addrs["tcp"], per_block, "none"),
+            "bulk_unix_32_frames": (addrs["unix"], per_block, "xxh3"),
+        }
+        # Long-lived connections, as in deployment (connect + handshake are not timed).
+        raw = socket.create_connection(("127.0.0.1", addrs["raw"]))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        clients = {k: await open_kv_client(a, SECRET, checksum=c) for k, (a, _, c) in variants.items()}
+        times: dict[str, list[float]] = {"raw_tcp": [], **{k: [] for k in variants}}
+        ratios: dict[str, list[float]] = {k: [] for k in variants}
+        try:
+            # Interleaved, so background load hits raw and bulk alike; ratios are per adjacent pair.
+            for r in range(repeats + 1):
+                raw_t = await asyncio.to_thread(_raw_round, raw, raw_data)
+                times["raw_tcp"].append(raw_t)
+                for name, (_, blocks, _) in variants.items():
+                    t = await _bulk_round(clients[name], blocks, f"bench-{r}")
+                    times[name].append(t)
+                    ratios[name].append(raw_t / t)
+        finally:
+            raw.close()
+            for c in clients.values():
+                await c.close()
+        parent.send("stop")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    out: dict[str, Any] = {"bytes": size, "repeats": repeats}
+    for name, ts in times.items():
+        best = statistics.median(ts[1:])  # the first round warms up
+        out[name] = {"seconds": best, "GBps": size / best / 1e9, "best_GBps": size / min(ts[1:]) / 1e9}
+        out[name]["ratio_vs_raw"] = statistics.median(ratios[name][1:]) if name in ratios else 1.0
+    return out
+
+
+# ---------------------------------------------------------------- WAN emulator accuracy
+
+
+def _start_wan(links: list[str]) -> tuple[subprocess.Popen, WanControl]:
+    control = f"127.0.0.1:{free_port()}"
+    args = [sys.executable, "-m", "shared.wan", "--control", control, "--log-level", "WARNING"]
+    for spec in links:
+        args += ["--link", spec]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # "wan control: ..." once it is up
+    return proc, WanControl(f"http://{control}")
+
+
+def _measure_throughput(listen_port: int, target: socket.socket, nbytes: int) -> float:
+    done: dict[str, float] = {}
+
+    def rx() -> None:
+        conn, _ = target.accept()
+        with conn:
+            buf = memoryview(bytearray(MiB))
+            got = 0
+            while got < nbytes:
+                k = conn.recv_into(buf)
+                if not k:
+                    break
+                got += k
+            done["t"] = time.perf_counter()
+            done["ok"] = got == nbytes
+
+    th = threading.Thread(target=rx)
+    th.start()
+    data = bytearray(nbytes)
+    with socket.create_connection(("127.0.0.1", listen_port)) as s:
+        t0 = time.perf_counter()
+        s.sendall(data)
+        th.join(60)
+    assert done.get("ok"), "short transfer through the WAN emulator"
+    return nbytes / (done["t"] - t0)
+
+
+def _echo_server(sock: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+
+def _ping(port: int, count: int) -> list[float]:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            s.sendall(b"x")
+            s.recv(1)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+async def bench_wan(quick: bool) -> dict:
+    sink = socket.create_server(("127.0.0.1", 0))
+    echo = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
+    lt, le = free_port(), free_port()
+    proc, ctl = _start_wan(
+        [f"tput=127.0.0.1:{lt}>127.0.0.1:{sink.getsockname()[1]}", f"echo=127.0.0.1:{le}>127.0.0.1:{echo.getsockname()[1]}"]
+    )
+    seconds = 0.6 if quick else 1.5
+    try:
+        rows = []
+        for mbps in (10, 100, 1000):
+            await ctl.set("tput", bandwidth_mbps=mbps, delay_ms=0, jitter_ms=0)
+            bps = await asyncio.to_thread(_measure_throughput, lt, sink, int(mbps * 1e6 / 8 * seconds))
+            rows.append({"set_mbps": mbps, "measured_mbps": bps * 8 / 1e6, "error_pct": (bps * 8 / 1e6 / mbps - 1) * 100})
+        direct = statistics.median(await asyncio.to_thread(_ping, echo.getsockname()[1], 50))
+        rtts = []
+        for delay_ms, jitter_ms in ((5, 0), (15, 0), (15, 2)):
+            await ctl.set("echo", delay_ms=delay_ms, jitter_ms=jitter_ms)
+            samples = await asyncio.to_thread(_ping, le, 20 if quick else 40)
+            med = statistics.median(samples)
+            rtts.append(
+                {
+                    "delay_ms": delay_ms,
+                    "jitter_ms": jitter_ms,
+                    "set_rtt_ms": 2 * delay_ms,
+                    "added_rtt_ms_p50": (med - direct) * 1000,
+                    "error_ms": (med - direct) * 1000 - 2 * delay_ms,
+                    "rtt_ms_max": max(samples) * 1000,
+                }
+            )
+        return {"bandwidth": rows, "rtt": rtts, "direct_rtt_ms": direct * 1000}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        sink.close()
+        echo.close()
+
+
+# ---------------------------------------------------------------- NATS request/reply
+
+
+async def _nats_latency(req_url: str, rep_url: str, count: int) -> dict:
+    nc_rep = await connect(rep_url, "bench-rep")
+    nc_req = await connect(req_url, "bench-req")
+    try:
+
+        async def pong(msg: Any) -> None:
+            await msg.respond(msg.data)
+
+        await nc_rep.subscribe("bench.ping", cb=pong)
+        await nc_rep.flush()
+        for _ in range(50):  # interest must cross the gateway first
+            try:
+                await nc_req.request("bench.ping", b"x", timeout=0.2)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        lat = []
+        payload = b"x" * 256
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await nc_req.request("bench.ping", payload, timeout=2)
+            lat.append((time.perf_counter() - t0) * 1000)
+        lat.sort()
+        return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99) - 1], "count": count}
+    finally:
+        await nc_req.drain()
+        await nc_rep.drain()
+
+
+async def bench_nats(quick: bool) -> dict:
+    count = 300 if quick else 1000
+    b = NatsServer("bench-b", gateway_port=free_port())
+    await b.start()
+    a = NatsServer("bench-a", gateways={"bench-b": b.gateway_url})
+    try:
+        await a.start()
+        await a.wait_gateways(15)
+        await b.wait_gateways(15, names=["bench-a"])
+        return {
+            "one_server": await _nats_latency(a.url, a.url, count),
+            "across_gateway": await _nats_latency(a.url, b.url, count),
+        }
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+# ---------------------------------------------------------------- main
+
+
+def _print(results: dict) -> None:
+    bulk = results.get("bulk")
+    if bulk:
+        print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB, loopback (median of {bulk['repeats']} interleaved rounds)")
+        for name, row in bulk.items():
+            if isinstance(row, dict):
+                print(f"  {name:26s} {row['GBps']:6.2f} GB/s (best {row['best_GBps']:5.2f})   x{row['ratio_vs_raw']:.2f} raw")
+    wan = results.get("wan")
+    if wan:
+        print("\nWAN emulator bandwidth (one direction)")
+        for r in wan["bandwidth"]:
+            print(f"  set {r['set_mbps']:6.0f} Mbit/s   measured {r['measured_mbps']:8.1f}   error {r['error_pct']:+5.1f}%")
+        print(f"WAN emulator round trip (direct loopback RTT {wan['direct_rtt_ms']:.3f} ms subtracted)")
+        for r in wan["rtt"]:
+            print(
+                f"  delay {r['delay_ms']:4.0f} ms jitter {r['jitter_ms']:3.0f} ms: set RTT {r['set_rtt_ms']:5.1f}  "
+                f"added p50 {r['added_rtt_ms_p50']:6.2f} ms  error {r['error_ms']:+5.2f} ms  max {r['rtt_ms_max']:.1f} ms"
+            )
+    nats = results.get("nats")
+    if nats:
+        print("\nNATS request/reply latency")
+        for name, r in nats.items():
+            print(f"  {name:16s} p50 {r['p50_ms']:.3f} ms   p99 {r['p99_ms']:.3f} ms   (n={r['count']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdd bench transport", description=__doc__)
+    p.add_argument("--size-mib", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="shorter WAN and NATS runs")
+    p.add_argument("--only", choices=["bulk", "wan", "nats"], action="append")
+    p.add_argument("--out", default="bench/out/transport.json")
+    args = p.parse_args(argv)
+    only = set(args.only or ["bulk", "wan", "nats"])
+
+    async def run() -> dict:
+        results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+        if "bulk" in only:
+            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.repeats)
+        if "wan" in only:
+            results["wan"] = await bench_wan(args.quick)
+        if "nats" in only:
+            results["nats"] = await bench_nats(args.quick)
+        return results
+
+    results = asyncio.run(run())
+    _print(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

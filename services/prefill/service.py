@@ -1,0 +1,296 @@
+"""Prefill (P): computes what its prefix cache lacks, samples the first token, and
+streams KV blocks as chunks finish — to MD over the WAN (only blocks MD lacks) and, on
+P→RLD→MD, to the relay over the local path at the same time (dual path)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.bus import subjects
+from shared.bus.connection import publish, respond, subscribe
+from shared.bus.messages import Abort, HandoffBatch, LoadReport, PrefillSubmit, SubmitReply, TokenEvent
+from shared.config import PrefillSettings
+from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
+from shared.engine.engine_loop import EngineLoop
+from shared.kv import KVClient, KVTransferError, LinkEstimator, open_kv_client
+from shared.runtime import every, spawn
+from shared.telemetry import metrics
+
+log = logging.getLogger(__name__)
+_DONE = None  # queue sentinel: no more blocks for this destination
+
+
+@dataclass
+class PrefillJob:
+    submit: PrefillSubmit
+    params: SamplingParams
+    md_missing: set[int]
+    md_queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    local_queue: asyncio.Queue | None = None
+    exported: int = 0  # computed full blocks already handed to the senders (engine thread only)
+    first_token: int | None = None
+    wan_bytes: int = 0
+    local_bytes: int = 0
+    senders: dict[str, asyncio.Task] = field(default_factory=dict)  # address -> sender
+    finished_at_prefill: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.submit.rid
+
+
+class PrefillService:
+    def __init__(self, settings: PrefillSettings, nc, engine: LLMEngine | None = None):
+        self.settings = settings
+        self.nc = nc
+        self.engine = engine or LLMEngine(settings.model, settings.engine)
+        self.loop = EngineLoop(self.engine, self._on_outputs, self._export_new_blocks)
+        self.jobs: dict[str, PrefillJob] = {}  # event-loop view
+        self._active: dict[str, PrefillJob] = {}  # engine-thread view (mutated only there)
+        self.clients: dict[str, KVClient] = {}
+        self._client_locks: dict[str, asyncio.Lock] = {}
+        self.links = LinkEstimator()
+        self._tasks: set[asyncio.Task] = set()
+        self._subs: list = []
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self.loop.start()
+        self._subs.append(await subscribe(self.nc, subjects.prefill_submit(), PrefillSubmit, self._on_submit, queue="prefill"))
+        self._subs.append(await subscribe(self.nc, subjects.all_req("abort"), Abort, self._on_abort))
+        spawn(every(0.5, self._report_load), self._tasks, "load-report")
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for t in list(self._tasks):
+            t.cancel()
+        for job in list(self.jobs.values()):
+            await self._drop(job, "shutdown")
+        for client in self.clients.values():
+            await client.close()
+        await self.loop.stop()
+
+    # ---- requests --------------------------------------------------------------------
+    async def _on_submit(self, msg: PrefillSubmit, raw) -> None:
+        if msg.rid in self.jobs:
+            await respond(raw, SubmitReply(ok=False, error=f"duplicate request id {msg.rid}"))
+            return
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            local_queue = asyncio.Queue() if msg.relay_address else None
+            job = PrefillJob(msg, params, set(msg.md_missing), local_queue=local_queue)
+            self.jobs[msg.rid] = job
+            await self.loop.call(self._admit, job)
+        except (EngineError, ValueError, TypeError) as e:
+            self.jobs.pop(msg.rid, None)
+            await respond(raw, SubmitReply(ok=False, error=str(e)))
+            return
+        job.senders[msg.md_bulk_address] = spawn(self._ship(job, "wan", msg.md_bulk_address, job.md_queue), self._tasks)
+        if job.local_queue is not None and msg.relay_address:
+            job.senders[msg.relay_address] = spawn(
+                self._ship(job, "local", msg.relay_address, job.local_queue), self._tasks
+            )
+        spawn(self._watch(job), self._tasks)
+        await respond(raw, SubmitReply(ok=True, instance=self.settings.instance))
+
+    def _admit(self, job: PrefillJob) -> None:  # engine thread
+        self.engine.add_request(job.rid, job.submit.prompt_ids, job.params, mode="prefill")
+        self._active[job.rid] = job
+
+    def _export_new_blocks(self, engine: LLMEngine) -> list[tuple[PrefillJob, list[int], torch.Tensor]]:
+        """Engine thread, after each step: export the full blocks that just got computed."""
+        out = []
+        for rid, job in list(self._active.items()):
+            try:
+                hashes = engine.computed_block_hashes(rid)
+            except EngineError:
+                continue
+            new = hashes[job.exported :]
+            if not new:
+                continue
+            job.exported = len(hashes)
+            wanted = new if job.local_queue is not None else [h for h in new if h in job.md_missing]
+            if wanted:
+                out.append((job, wanted, engine.export_blocks(wanted)))
+        return out
+
+    async def _on_outputs(self, outputs: list[StepOutput], exports) -> None:
+        for job, hashes, kv in exports or []:
+            if job.local_queue is not None:
+                job.local_queue.put_nowait((hashes, kv))
+            idx = [i for i, h in enumerate(hashes) if h in job.md_missing]
+            if idx:
+                md_kv = kv if len(idx) == len(hashes) else kv[:, :, idx].contiguous()
+                job.md_queue.put_nowait(([hashes[i] for i in idx], md_kv))
+        for out in outputs:
+            job = self.jobs.get(out.rid)
+            if job is None:
+                continue
+            if out.finish_reason == "prefill" and out.token_id is not None:
+                await self._first_token(job, out.token_id)
+            elif out.finished:  # error or abort inside the engine
+                await self._fail(job, out.error or out.finish_reason or "prefill failed")
+
+    async def _first_token(self, job: PrefillJob, token: int) -> None:
+        job.first_token = token
+        await self.loop.call(self._active.pop, job.rid, None)
+        done_reason = self._finishes_at_first_token(job, token)
+        await publish(
+            self.nc,
+            subjects.req_tokens(job.rid),
+            TokenEvent(job.rid, "prefill", 0, [token], finished=done_reason is not None, finish_reason=done_reason,
+                       stats={"pipeline": job.submit.pipeline} if done_reason else {}),
+        )
+        if done_reason is not None:
+            # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
+            job.finished_at_prefill = True
+            await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, "finished_at_prefill", "prefill"))
+            await self._drop(job, "finished_at_prefill")
+            return
+        job.md_queue.put_nowait(_DONE)
+        if job.local_queue is not None:
+            job.local_queue.put_nowait(_DONE)
+        else:
+            # P→MD: prefill is the only relay; hand the first token over right away.
+            batch = HandoffBatch(job.rid, seq=0, start_index=0, tokens=[token], final=True, mode="prefill")
+            await publish(self.nc, subjects.req_handoff(job.rid), batch)
+
+    def _finishes_at_first_token(self, job: PrefillJob, token: int) -> str | None:
+        p = job.params
+        if token == self.engine.tokenizer.eos_token_id and not p.ignore_eos:
+            return "stop"
+        if p.stop and any(s in self.engine.tokenizer.decode([token]) for s in p.stop):
+            return "stop"
+        if p.max_tokens <= 1:
+            return "length"
+        return None
+
+    # ---- transfers -------------------------------------------------------------------
+    async def _client(self, address: str) -> KVClient:
+        lock = self._client_locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            client = self.clients.get(address)
+            if client is None or client.closed:
+                client = await open_kv_client(address, self.settings.secret, timeout=10.0)
+                self.clients[address] = client
+            return client
+
+    async def _ship(self, job: PrefillJob, path: str, address: str, queue: asyncio.Queue) -> None:
+        """Stream one destination's blocks for one request, then wait for its ack."""
+        timeout = self.settings.request_timeout_s
+        meta = {}
+        try:
+            client = await self._client(address)
+            sent, t_first = 0, None
+            while True:
+                item = await asyncio.wait_for(queue.get(), timeout=timeout)
+                if item is _DONE:
+                    break
+                hashes, kv = item
+                t_first = t_first or time.monotonic()
+                n = await client.send_blocks(job.rid, hashes, kv, timeout=timeout)
+                sent += n
+                if path == "wan":
+                    job.wan_bytes += n
+                else:
+                    job.local_bytes += n
+                metrics.KV_BYTES.labels(path=path).inc(n)
+            if path == "local":
+                meta = {
+                    "prompt_ids": job.submit.prompt_ids,
+                    "first_token": job.first_token,
+                    "params": job.submit.params,
+                    "md_instance": job.submit.md_instance,
+                    "options": job.submit.options,
+                }
+            t_finish = time.monotonic()
+            await client.finish(job.rid, meta=meta, timeout=timeout)
+            t_end = time.monotonic()
+            if path == "wan":
+                self._observe_link(address, sent, t_first, t_finish, t_end)
+        except asyncio.CancelledError:
+            raise
+        except (KVTransferError, TimeoutError, OSError) as e:
+            log.warning("%s transfer of %s to %s failed: %s", path, job.rid, address, e)
+            if path == "local" or job.submit.pipeline == "p-md":
+                await self._fail(job, f"KV transfer to {path} peer failed: {e}")
+            # On P→RLD→MD a WAN failure is the relay's to absorb (it finishes the request).
+        finally:
+            others = [t for t in job.senders.values() if t is not asyncio.current_task()]
+            if all(t.done() for t in others) and job.first_token is not None:
+                await self._release(job)
+
+    def _observe_link(self, address: str, sent: int, t_first: float | None, t_finish: float, t_end: float) -> None:
+        rtt = self.links.rtt(address)
+        if sent < 256 * 1024 or t_first is None:
+            self.links.observe_rtt(address, t_end - t_finish)
+            return
+        self.links.observe_transfer(address, sent, max(t_end - t_first - rtt / 2, 1e-4))
+        metrics.WAN_BANDWIDTH.labels(peer=address).set(self.links.bandwidth(address))
+
+    async def _watch(self, job: PrefillJob) -> None:
+        """Bound every request: whatever happens, it is freed after the timeout."""
+        await asyncio.sleep(self.settings.request_timeout_s)
+        if self.jobs.get(job.rid) is job:
+            await self._fail(job, "prefill timed out")
+
+    async def _fail(self, job: PrefillJob, error: str) -> None:
+        if self.jobs.get(job.rid) is not job:
+            return
+        await publish(self.nc, subjects.req_tokens(job.rid),
+                      TokenEvent(job.rid, "prefill", 0, [], finished=True, finish_reason="error", error=error))
+        await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, error, "prefill"))
+        await self._drop(job, error)
+
+    async def _on_abort(self, msg: Abort, raw) -> None:
+        if msg.source == "prefill":
+            return
+        job = self.jobs.get(msg.rid)
+        if job is not None:
+            await self._drop(job, msg.reason)
+
+    async def _drop(self, job: PrefillJob, reason: str) -> None:
+        """Cancel transfers (peers are told to drop what they got) and free the blocks."""
+        for address, task in job.senders.items():
+            if task.done() or task is asyncio.current_task():
+                continue  # that stream completed (or is this one): nothing to abort there
+            task.cancel()
+            client = self.clients.get(address)
+            if client is not None and not client.closed:
+                try:
+                    await client.abort(job.rid, reason)
+                except Exception as e:  # the peer may already be gone
+                    log.debug("abort of %s at %s failed: %s", job.rid, address, e)
+        await self._release(job)
+
+    async def _release(self, job: PrefillJob) -> None:
+        if self.jobs.pop(job.rid, None) is None:
+            return
+
+        def free(engine: LLMEngine = self.engine) -> None:
+            self._active.pop(job.rid, None)
+            engine.abort(job.rid)
+            engine.release(job.rid)
+
+        await self.loop.call(free)
+
+    # ---- reporting -------------------------------------------------------------------
+    async def _report_load(self) -> None:
+        stats = await self.loop.call(self.engine.stats)
+        metrics.KV_BLOCKS_USED.labels(service="prefill", instance=self.settings.instance).set(stats["used_blocks"])
+        links = {peer: {"bandwidth": bw, "rtt": rtt} for peer, (bw, rtt) in self._link_table().items()}
+        report = LoadReport(
+            service="prefill", instance=self.settings.instance, running=stats["running"], waiting=stats["waiting"],
+            num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"],
+            links=links, model_id=self.engine.model_id,
+        )
+        await publish(self.nc, subjects.load("prefill", self.settings.instance), report)
+
+    def _link_table(self) -> dict[str, tuple[float, float]]:
+        return {peer: (self.links.bandwidth(peer), self.links.rtt(peer)) for peer in self.links.snapshot()}

@@ -1,0 +1,18 @@
+"""`python -m services.router`: the HTTP front door (settings from the environment)."""
+
+import uvicorn
+
+from shared.config import RouterSettings
+from shared.runtime import setup_logging
+
+from .main import build_app
+
+
+def main() -> None:
+    setup_logging("router")
+    settings = RouterSettings()
+    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Wires the router: NATS connection, tokenizer, RouterCore, HTTP app."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from shared.bus.connection import connect
+from shared.config import RouterSettings
+from shared.model.describe import describe_model
+from shared.telemetry.tracing import setup_tracing, shutdown_tracing
+
+from .app import create_app
+from .service import RouterCore
+
+
+def build_app(settings: RouterSettings, nc=None) -> FastAPI:
+    """An app whose lifespan connects to NATS (or uses `nc`) and starts the RouterCore."""
+
+    async def factory():
+        setup_tracing("router", settings.instance, settings.datacenter)
+        conn = nc or await connect(settings.nats_url, name=f"router-{settings.instance}")
+        info = describe_model(settings.model)
+        core = RouterCore(
+            settings, conn, model_id=info.model_id, block_size=settings.engine.block_size,
+            kv_bytes_per_token=info.kv_bytes_per_token,
+        )
+        await core.start()
+
+        async def close() -> None:
+            await core.stop()
+            if nc is None:
+                await conn.drain()
+            shutdown_tracing()
+
+        max_len = min(settings.engine.max_model_len, info.max_position_embeddings)
+        return core, info.tokenizer, max_len, close
+
+    return create_app(factory)

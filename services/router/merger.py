@@ -1,0 +1,49 @@
+"""Merges indexed token events from several instances into one ordered stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MergeResult:
+    tokens: list[int] = field(default_factory=list)  # newly released, in index order
+    finished: bool = False
+
+
+class TokenMerger:
+    """Emits each output index exactly once and in order, whoever produced it.
+
+    Relay and MD may both report the same index around a handoff; duplicates are
+    dropped. A finish marker ends the stream only once every earlier index arrived.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, int] = {}
+        self.next_index = 0  # first index not yet released
+        self.end_index: int | None = None  # one past the last token, once known
+        self.finish_reason: str | None = None
+        self.duplicates = 0
+
+    def add(self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None) -> MergeResult:
+        for i, tok in enumerate(tokens):
+            idx = index + i
+            if idx < self.next_index or idx in self._pending:
+                self.duplicates += 1
+                continue
+            if self.end_index is not None and idx >= self.end_index:
+                continue  # past a finish already seen: a late producer's extra token
+            self._pending[idx] = tok
+        if finished:
+            end = index + len(tokens)
+            if self.end_index is None or end < self.end_index:
+                self.end_index = end
+                self.finish_reason = finish_reason
+                for idx in [i for i in self._pending if i >= end]:
+                    del self._pending[idx]
+        out = MergeResult()
+        while self.next_index in self._pending:
+            out.tokens.append(self._pending.pop(self.next_index))
+            self.next_index += 1
+        out.finished = self.end_index is not None and self.next_index >= self.end_index
+        return out

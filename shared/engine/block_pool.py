@@ -1,0 +1,106 @@
+"""Fixed-size KV blocks with reference counts, and the prefix cache over them.
+
+A block with ref_count 0 sits in the free queue. If it holds a full, hashed block it also
+stays in the prefix cache until the allocator reuses it: that is LRU eviction (the queue's
+front is reused first). Blocks without a hash go to the front, so cached KV is reused last.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shared.engine.errors import EngineError
+
+NO_HASH = -1
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise EngineError("the KV pool has no block: raise kv_memory_mb or lower block_size")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.events: list[tuple[str, int]] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Block ids of the leading run of `hashes` present in the cache."""
+        ids = []
+        for h in hashes:
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            ids.append(bid)
+        return ids
+
+    def allocate(self) -> int:
+        """Take the least recently freed block (evicting its cached hash), with ref_count 1."""
+        if not self.free:
+            raise EngineError("no free KV block")
+        bid, _ = self.free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash != NO_HASH:
+            del self.cached[block.hash]
+            self.events.append(("evicted", block.hash))
+            block.hash = NO_HASH
+        block.ref_count = 1
+        return bid
+
+    def touch(self, bid: int) -> None:
+        """Take one more reference (a prefix hit or a pin); a free block leaves the free queue."""
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self.free[bid]
+        block.ref_count += 1
+
+    def release(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count <= 0:
+            raise EngineError(f"block {bid} released more often than referenced")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[bid] = None
+            if block.hash == NO_HASH:
+                self.free.move_to_end(bid, last=False)  # nothing worth keeping: reuse first
+
+    def register(self, bid: int, h: int) -> bool:
+        """Give a computed full block its hash. False if another block already holds it."""
+        if h in self.cached:
+            return False
+        self.blocks[bid].hash = h
+        self.cached[h] = bid
+        self.events.append(("stored", h))
+        return True
+
+    def cost_of(self, bids: list[int]) -> int:
+        """Free blocks that referencing `bids` would take out of the free queue."""
+        return sum(1 for b in bids if self.blocks[b].ref_count == 0)
+
+    def evict_unreferenced(self) -> int:
+        """Drop every cached hash no one references (reset of the prefix cache)."""
+        n = 0
+        for bid in self.free:
+            block = self.blocks[bid]
+            if block.hash != NO_HASH:
+                del self.cached[block.hash]
+                self.events.append(("evicted", block.hash))
+                block.hash = NO_HASH
+                n += 1
+        return n
+
+    def drain_events(self) -> list[tuple[str, int]]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,89 @@
+"""Runs an engine on one dedicated thread, driven from asyncio.
+
+The engine is not thread-safe, so every call — steps and commands alike — goes through
+one single-worker executor: commands queued by message handlers run between steps, in
+order, and the event loop never blocks on a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from shared.engine import LLMEngine, StepOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Called on the engine thread right after each step (e.g. to export freshly computed KV).
+PostStep = Callable[[LLMEngine], Any]
+# Called on the event loop with the step's outputs and what PostStep returned.
+OnOutputs = Callable[[list[StepOutput], Any], Awaitable[None]]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, post_step: PostStep | None = None):
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._post_step = post_step
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn(*args) on the engine thread between two steps."""
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        self._wake.set()
+        return result
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _tick(self) -> tuple[list[StepOutput], Any]:
+        outputs = self.engine.step()
+        extra = self._post_step(self.engine) if self._post_step else None
+        return outputs, extra
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            busy = await loop.run_in_executor(self._executor, self.engine.has_unfinished)
+            if not busy:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                outputs, extra = await loop.run_in_executor(self._executor, self._tick)
+            except Exception:  # a failing step must not kill the service; it is logged and retried
+                log.exception("engine step failed")
+                await asyncio.sleep(0.05)
+                continue
+            if outputs or extra:
+                try:
+                    await self._on_outputs(outputs, extra)
+                except Exception:
+                    log.exception("output handler failed")
+            else:
+                # Nothing came out (e.g. only held sequences waiting for a handoff batch):
+                # yield briefly instead of spinning on the engine thread.
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.002)
+                except TimeoutError:
+                    pass

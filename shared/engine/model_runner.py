@@ -1,0 +1,68 @@
+"""ModelRunner: turns a scheduled batch into one forward over the paged KV cache.
+
+Single-token steps (decodes) go first in the flat batch and share one padded attention
+call; every multi-token piece (a prefill chunk, an extend) is a Chunk of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.scheduler import ScheduledSeq, blocks_for
+from shared.model.attention import AttentionContext, Chunk
+from shared.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq], want_logits: list[bool]) -> torch.Tensor:
+        """Compute KV for every scheduled token; return fp32 logits of the last token of
+        each sequence with want_logits set, in batch order ([N, vocab])."""
+        bs = self.block_size
+        order = sorted(range(len(batch)), key=lambda j: batch[j].num_new > 1)  # decodes first, stable
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        last_row: dict[int, int] = {}
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        chunks: list[Chunk] = []
+        for j in order:
+            seq, n = batch[j].seq, batch[j].num_new
+            start, c = len(ids), seq.num_computed_tokens
+            ids += seq.token_ids[c : c + n]
+            table = torch.tensor(seq.block_table[: blocks_for(c + n, bs)], dtype=torch.long)
+            p = torch.arange(c, c + n)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                dec_tables.append(seq.block_table[: blocks_for(c + 1, bs)])
+                dec_lens.append(c + 1)
+            else:
+                chunks.append(Chunk(start, n, c + n, table.to(self.device)))
+            last_row[j] = start + n - 1
+        ctx = AttentionContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slots).to(self.device),
+            num_decode=len(dec_tables),
+            chunks=chunks,
+        )
+        if dec_tables:
+            width = max(len(t) for t in dec_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
+            mask = torch.arange(width * bs)[None, :] < torch.tensor(dec_lens)[:, None]
+            ctx.decode_block_tables = tables.to(self.device)
+            ctx.decode_mask = mask.view(len(dec_tables), 1, 1, width * bs).to(self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.cat(pos).to(self.device)
+        hidden = self.model(input_ids, positions, ctx)
+        rows = [last_row[j] for j in range(len(batch)) if want_logits[j]]
+        if not rows:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()

@@ -1,0 +1,137 @@
+"""Continuous batching: running sequences first (decodes, then prefill chunks and extends),
+then new prefills admitted by free blocks, all within max_batched_tokens per step.
+
+When a running sequence needs a block and none is free, the youngest running sequence is
+preempted: its blocks are released (full ones stay in the prefix cache) and it goes back
+to the queue, ahead of every newer request, to be recomputed later. The oldest always makes progress, and
+add_request already refused anything that cannot fit in the whole pool, so the loop never
+deadlocks on its own; it can only wait for blocks held by "hold"/"prefill" sequences or pins.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.config import EngineSettings
+from shared.engine.block_pool import BlockPool
+from shared.engine.hashing import extend_block_hashes
+from shared.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens of this sequence computed in this step, from seq.num_computed_tokens
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, settings: EngineSettings, model_id: str) -> None:
+        self.pool = pool
+        self.block_size = settings.block_size
+        self.max_num_seqs = settings.max_num_seqs
+        self.max_batched_tokens = settings.max_batched_tokens
+        self.model_id = model_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_hit_tokens = 0  # tokens admitted from the prefix cache, since start
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """A held sequence got new tokens: it runs again with the blocks it has."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_batched_tokens
+        out: list[ScheduledSeq] = []
+        done: set[int] = set()  # ids of sequences scheduled in this step
+        preempted = False
+        # Decodes first, so a long prefill chunk never stalls token streams; then by age.
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.arrival)):
+            if budget == 0 or len(out) >= self.max_num_seqs:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            need = blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
+            while need > self.pool.num_free:
+                # The youngest sequence not yet scheduled in this step (possibly seq itself).
+                victim = max((s for s in self.running if id(s) not in done), key=lambda s: s.arrival)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.block_table += [self.pool.allocate() for _ in range(need)]
+            out.append(ScheduledSeq(seq, n))
+            done.add(id(seq))
+            budget -= n
+        # New work only when nothing had to be preempted (it would be thrown out next step).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            item = self._admit(self.waiting[0], budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            out.append(item)
+            budget -= item.num_new
+        return out
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        bs = self.block_size
+        extend_block_hashes(seq.hashes, seq.token_ids, bs, self.model_id)
+        # Reuse the longest cached run of full blocks, but always compute >= 1 token:
+        # the last token's logits are needed (to sample, or to keep for a held sequence).
+        hit = self.pool.lookup(seq.hashes)[: (seq.num_tokens - 1) // bs]
+        num_cached = len(hit) * bs
+        n = min(seq.num_tokens - num_cached, budget)
+        new = blocks_for(num_cached + n, bs) - len(hit)
+        reserve = len(self.running)  # roughly one block per running sequence for its next step
+        if new + self.pool.cost_of(hit) + reserve > self.pool.num_free:
+            return None
+        for bid in hit:
+            self.pool.touch(bid)
+        seq.block_table = hit + [self.pool.allocate() for _ in range(new)]
+        seq.num_computed_tokens = num_cached
+        seq.num_registered_blocks = len(hit)
+        self.num_hit_tokens += num_cached
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return ScheduledSeq(seq, n)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        seq.last_logits = None
+        # Back to the queue, ahead of newer requests, behind older preempted ones.
+        pos = 0
+        while pos < len(self.waiting) and self.waiting[pos].arrival < seq.arrival:
+            pos += 1
+        self.waiting.insert(pos, seq)
+        self.num_preemptions += 1
+
+    def free_blocks(self, seq: Sequence) -> None:
+        # Tail first: the tail is evicted before the prefix, which other requests share.
+        for bid in reversed(seq.block_table):
+            self.pool.release(bid)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from the queues and free its blocks (finish, abort, release)."""
+        if seq.status is SeqStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_blocks(seq)

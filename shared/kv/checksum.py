@@ -1,0 +1,70 @@
+"""Payload checksums. xxh3-64 (~14 GB/s, releases the GIL) when `xxhash` is installed, else
+zlib crc32 (~2 GB/s here, which alone would halve loopback goodput). The frame names its algorithm."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Protocol
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash is a declared dependency
+    xxhash = None
+
+ALGOS = ("xxh3", "crc32", "none") if xxhash is not None else ("crc32", "none")
+DEFAULT_ALGO = ALGOS[0]  # "none" only where corruption cannot happen (a Unix socket is a memcpy)
+
+
+class Hasher(Protocol):
+    def update(self, data: memoryview | bytes) -> None: ...
+    def value(self) -> int: ...
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self._v = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._v = zlib.crc32(data, self._v)
+
+    def value(self) -> int:
+        return self._v
+
+
+class _Nothing:
+    def update(self, data: memoryview | bytes) -> None:
+        pass
+
+    def value(self) -> int:
+        return 0
+
+
+class _Xxh3:
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def value(self) -> int:
+        return self._h.intdigest()
+
+
+def new_hasher(algo: str) -> Hasher:
+    if algo == "xxh3" and xxhash is not None:
+        return _Xxh3()
+    if algo == "crc32":
+        return _Crc32()
+    if algo == "none":
+        return _Nothing()
+    raise ValueError(f"unsupported checksum {algo!r}")
+
+
+def checksum(algo: str, data: memoryview | bytes) -> int:
+    if algo == "xxh3" and xxhash is not None:
+        return xxhash.xxh3_64_intdigest(data)
+    if algo == "crc32":
+        return zlib.crc32(data)
+    if algo == "none":
+        return 0
+    raise ValueError(f"unsupported checksum {algo!r}")

@@ -1,0 +1,309 @@
+"""Sender side of the bulk channel: one connection per peer, many requests multiplexed on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from opentelemetry import propagate
+
+from shared.kv import auth
+from shared.kv.checksum import ALGOS, DEFAULT_ALGO, checksum
+from shared.kv.errors import FrameError, KVTransferError
+from shared.kv.frame import DEFAULT_MAX_HEADER, byte_view, dtype_name, pack, read_header
+from shared.kv.transport import Stream, transport_for
+
+log = logging.getLogger(__name__)
+
+SUBFRAME_BYTES = 4 << 20  # a group is cut along layers into frames of about this size
+THREAD_CHECKSUM_BYTES = 1 << 20  # hash bigger slices in a worker thread (xxhash/zlib drop the GIL)
+CONTROL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class TransferStats:
+    """One finished request. `seconds`: first send_blocks call -> receiver's ack (includes any wait
+    for the producer). `blocked_seconds`: time spent inside send_blocks plus the final ack wait,
+    i.e. the time the link was the bottleneck: feed `LinkEstimator.observe_transfer` with it."""
+
+    rid: str
+    nbytes: int
+    groups: int
+    seconds: float
+    blocked_seconds: float
+
+    @property
+    def goodput(self) -> float:
+        return self.nbytes / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Rid:
+    groups: int = 0
+    nbytes: int = 0
+    t_first: float | None = None
+    blocked: float = 0.0
+    error: str | None = None
+    ack: asyncio.Future | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one group at a time per rid
+
+
+class KVClient:
+    """`closed` turns True when the channel is unusable; every call then raises KVTransferError.
+    After a successful finish(), `last_transfer` (TransferStats) / `last_goodput` describe it;
+    `rtt` is the handshake round trip in seconds."""
+
+    def __init__(
+        self, stream: Stream, address: str, welcome: dict[str, Any], rtt: float, checksum: str = DEFAULT_ALGO
+    ):
+        if checksum not in ALGOS:
+            raise ValueError(f"checksum must be one of {ALGOS}")
+        self.address = address
+        self.checksum = checksum
+        self.closed = False
+        self.rtt = rtt
+        self.max_frame = int(welcome.get("max_frame", 0)) or None
+        self.last_transfer: TransferStats | None = None
+        self.bytes_sent = 0
+        self._stream = stream
+        self._wlock = asyncio.Lock()
+        self._rids: dict[str, _Rid] = {}
+        self._close_reason = "closed"
+        self._reader = asyncio.create_task(self._read_loop())
+
+    @property
+    def last_goodput(self) -> float | None:
+        """Bytes/s of the last finished request (TransferStats.goodput)."""
+        return self.last_transfer.goodput if self.last_transfer else None
+
+    async def send_blocks(
+        self,
+        rid: str,
+        hashes: list[int],
+        kv: torch.Tensor,
+        *,
+        traceparent: str | None = None,
+        timeout: float = 60.0,
+    ) -> int:
+        """Send blocks of rid (kv: [L, 2, n, block_size, kv_heads, head_dim], n == len(hashes)).
+        Returns bytes sent. CUDA / non-contiguous tensors are copied to contiguous CPU first.
+        `traceparent` defaults to the current OpenTelemetry context's."""
+        st = self._state(rid)
+        if st.error:
+            raise KVTransferError(st.error)
+        if kv.dim() != 6 or kv.shape[2] != len(hashes):
+            raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(hashes)} block hashes")
+        kv = kv.detach()
+        if kv.device.type != "cpu":
+            kv = kv.cpu()
+        kv = kv.contiguous()
+        payload = byte_view(kv)
+        n_layers = kv.shape[0]
+        layer_bytes = len(payload) // n_layers if n_layers else 0
+        step = max(1, SUBFRAME_BYTES // max(layer_bytes, 1))
+        ranges = [(lo, min(n_layers, lo + step)) for lo in range(0, n_layers, step)] or [(0, 0)]
+        if self.max_frame and step * layer_bytes + (64 << 10) + 9 * len(hashes) > self.max_frame:
+            raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
+        if traceparent is None:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            traceparent = carrier.get("traceparent")
+        base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+        t0 = time.perf_counter()
+        if st.t_first is None:
+            st.t_first = t0
+        sent = 0
+        hashing: asyncio.Future | None = None
+        try:
+            async with asyncio.timeout(timeout), st.lock:
+                seq = st.groups
+                st.groups += 1
+                hashing = asyncio.ensure_future(self._hash(payload[: ranges[0][1] * layer_bytes]))
+                for i, (lo, hi) in enumerate(ranges):
+                    csum = await hashing
+                    if i + 1 < len(ranges):  # hash the next slice while this one is on the wire
+                        nlo, nhi = ranges[i + 1]
+                        hashing = asyncio.ensure_future(
+                            self._hash(payload[nlo * layer_bytes : nhi * layer_bytes])
+                        )
+                    header = {**base, "seq": seq, "layers": [lo, hi], "nbytes": (hi - lo) * layer_bytes}
+                    header["csum"] = [self.checksum, csum]
+                    if lo == 0:
+                        header["hashes"] = list(hashes)
+                        header["tp"] = traceparent
+                    sent += await self._send_frame(st, header, payload[lo * layer_bytes : hi * layer_bytes])
+        except TimeoutError:
+            raise KVTransferError(f"send_blocks({rid}): timed out after {timeout}s") from None
+        finally:
+            if hashing is not None and not hashing.done():
+                hashing.cancel()
+            st.blocked += time.perf_counter() - t0
+            st.nbytes += sent
+        if st.error:  # the receiver failed rid while we were sending
+            raise KVTransferError(st.error)
+        return sent
+
+    async def finish(self, rid: str, *, meta: dict | None = None, timeout: float = 60.0) -> None:
+        """Tell the receiver rid is complete and wait for its ack (sent after sink.on_done returned).
+        Raises KVTransferError if the receiver rejected/aborted rid, the peer vanished, or on timeout."""
+        st = self._state(rid)
+        if st.error:
+            await self._forget(rid, st, notify=True)
+            raise KVTransferError(st.error)
+        st.ack = asyncio.get_running_loop().create_future()
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout):
+                async with st.lock:  # after any send_blocks of rid still in progress
+                    await self._send_frame(st, {"kind": "done", "rid": rid, "meta": meta or {}})
+                await st.ack
+        except TimeoutError:
+            await self._forget(rid, st, notify=True)
+            raise KVTransferError(f"finish({rid}): no ack from {self.address} within {timeout}s") from None
+        except BaseException:
+            await self._forget(rid, st, notify=st.error is not None)
+            raise
+        now = time.perf_counter()
+        self._rids.pop(rid, None)
+        first = st.t_first or t0
+        self.last_transfer = TransferStats(rid, st.nbytes, st.groups, now - first, st.blocked + now - t0)
+
+    async def abort(self, rid: str, reason: str) -> None:
+        """Stop sending rid (its pending/later send_blocks and finish raise); the receiver calls on_abort."""
+        st = self._rids.pop(rid, None) or _Rid()
+        if st.error is None:
+            st.error = f"aborted: {reason}"
+        if st.ack is not None and not st.ack.done():
+            st.ack.set_exception(KVTransferError(st.error))
+        if not self.closed:
+            with contextlib.suppress(KVTransferError, TimeoutError):
+                async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                    await self._send_frame(st, {"kind": "abort", "rid": rid, "reason": reason}, force=True)
+
+    async def close(self) -> None:
+        self._fail_all("closed by sender")
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+        self._stream.close()
+
+    # -- internals --
+
+    def _state(self, rid: str) -> _Rid:
+        if self.closed:
+            raise KVTransferError(f"kv channel to {self.address}: {self._close_reason}")
+        # An errored rid stays here until finish()/abort(), so those raise too.
+        return self._rids.setdefault(rid, _Rid())
+
+    async def _hash(self, data: memoryview) -> int:
+        if self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
+            return await asyncio.to_thread(checksum, self.checksum, data)
+        return checksum(self.checksum, data)
+
+    async def _forget(self, rid: str, st: _Rid, notify: bool) -> None:
+        if self._rids.get(rid) is not st:
+            return  # already forgotten by abort() or a channel failure
+        del self._rids[rid]
+        if notify and not self.closed:  # let the receiver drop its memory of rid too
+            with contextlib.suppress(KVTransferError, TimeoutError):
+                async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                    await self._send_frame(
+                        st, {"kind": "abort", "rid": rid, "reason": "sender gave up"}, force=True
+                    )
+
+    async def _send_frame(
+        self, st: _Rid, header: dict, payload: memoryview | None = None, force: bool = False
+    ) -> int:
+        """One whole frame under the write lock. Interrupted mid-frame (timeout, cancel), the stream
+        is unusable: the channel fails and every pending call raises."""
+        hdr = pack(header)
+        writing = False
+        try:
+            async with self._wlock:
+                if self.closed:
+                    raise KVTransferError(f"kv channel to {self.address}: {self._close_reason}")
+                if st.error and not force:
+                    raise KVTransferError(st.error)
+                writing = True
+                await self._stream.send(hdr, *([payload] if payload is not None else []))
+                writing = False
+        except asyncio.CancelledError:
+            if writing:
+                self._fail_all(f"{header['kind']} frame interrupted")
+            raise
+        except (ConnectionError, OSError) as e:
+            self._fail_all(f"connection lost: {e}")
+            raise KVTransferError(f"connection to {self.address} lost: {e}") from None
+        n = len(hdr) + (len(payload) if payload is not None else 0)
+        self.bytes_sent += n
+        return n
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                h = await read_header(self._stream, DEFAULT_MAX_HEADER)
+                rid = h.get("rid")
+                st = self._rids.get(rid) if isinstance(rid, str) else None
+                if h["kind"] == "ack":
+                    if st is not None and st.ack is not None and not st.ack.done():
+                        st.ack.set_result(None)
+                elif h["kind"] == "error":
+                    if st is not None:
+                        st.error = f"receiver failed {rid}: {h.get('reason')}"
+                        if st.ack is not None and not st.ack.done():
+                            st.ack.set_exception(KVTransferError(st.error))
+                else:
+                    raise FrameError(f"unexpected {h['kind']!r} frame from receiver")
+        except asyncio.CancelledError:
+            raise
+        except FrameError as e:
+            log.error("kv: receiver %s broke the protocol: %s", self.address, e)
+            self._fail_all(f"protocol error: {e}")
+        except (ConnectionError, OSError) as e:
+            self._fail_all(f"receiver gone: {e}")
+
+    def _fail_all(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._close_reason = reason
+        if reason != "closed by sender":
+            log.warning("kv: channel to %s failed: %s", self.address, reason)
+        self._stream.abort()  # wakes a send blocked on a dead or blackholed peer
+        for rid, st in self._rids.items():
+            st.error = st.error or f"{rid}: {reason}"
+            if st.ack is not None and not st.ack.done():
+                st.ack.set_exception(KVTransferError(st.error))
+        self._rids.clear()
+
+
+async def open_kv_client(
+    address: str, secret: str, *, timeout: float = 10.0, checksum: str = DEFAULT_ALGO
+) -> KVClient:
+    """Connect and authenticate. Raises KVTransferError when refused, unauthenticated or timed out.
+    `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://)."""
+    stream: Stream | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            stream = await transport_for(address).connect(address)
+            t0 = time.perf_counter()
+            welcome = await auth.client_handshake(stream, secret.encode())
+            rtt = time.perf_counter() - t0  # hello was already in flight: ~ one round trip
+    except KVTransferError:
+        if stream is not None:
+            stream.close()
+        raise
+    except TimeoutError:
+        if stream is not None:
+            stream.close()
+        raise KVTransferError(f"{address}: no answer within {timeout}s") from None
+    except (OSError, FrameError) as e:
+        if stream is not None:
+            stream.close()
+        raise KVTransferError(f"{address}: {e}") from None
+    return KVClient(stream, address, welcome, rtt, checksum)

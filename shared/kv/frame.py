@@ -1,0 +1,134 @@
+"""Wire format of the bulk channel.
+
+    frame := u32 header_len (big endian) | msgpack header | payload (header["nbytes"] raw bytes)
+
+Header kinds (client = KV sender, server = KV receiver):
+    hello / auth / welcome / denied     handshake (see auth.py)
+    blocks   c->s  rid, seq, hashes, layers [lo, hi), dtype, shape, nbytes, csum [algo, value], tp
+                   One send_blocks() call is one seq (a "group"); a big group is cut along the layer
+                   dim into sub-frames of a few MiB (contiguous slices), so hashing the next slice
+                   overlaps sending this one and no frame nears the size limit. `shape` is the
+                   whole group's; `hashes` ride only on the first sub-frame (lo == 0).
+    done     c->s  rid, meta                       all blocks of rid were sent
+    abort    c->s  rid, reason                     drop rid
+    ack      s->c  rid                             sink.on_done returned
+    error    s->c  rid, reason                     the receiver failed rid (checksum, sink raised, ...)
+Only "blocks" carries a payload. The tensor is [L, 2, n, block_size, kv_heads, head_dim], contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from shared.kv.errors import FrameError
+from shared.kv.transport import Stream
+
+PREFIX = struct.Struct("!I")
+DEFAULT_MAX_HEADER = 1 << 20
+DEFAULT_MAX_FRAME = 256 << 20
+PREAUTH_MAX_HEADER = 4096  # an unauthenticated peer gets no more than this
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
+        "int8", "uint8", "int16", "int32", "int64", "bool",
+    )
+    if hasattr(torch, name)
+}  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype} cannot travel on the bulk channel")
+    return name
+
+
+def pack(header: dict[str, Any]) -> bytes:
+    body = msgpack.packb(header, use_bin_type=True)
+    return PREFIX.pack(len(body)) + body
+
+
+async def read_header(stream: Stream, max_header: int) -> dict[str, Any]:
+    prefix = bytearray(PREFIX.size)
+    await stream.recv_into(memoryview(prefix))
+    (n,) = PREFIX.unpack(prefix)
+    if n > max_header:
+        raise FrameError(f"header of {n} bytes exceeds the limit of {max_header}")
+    body = bytearray(n)
+    await stream.recv_into(memoryview(body))
+    try:
+        header = msgpack.unpackb(body, raw=False)
+    except Exception as e:
+        raise FrameError(f"undecodable header: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise FrameError("header is not a map with a 'kind'")
+    header["_hlen"] = PREFIX.size + n
+    return header
+
+
+def field(header: dict[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:
+    value = header.get(name)
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is int:
+        raise FrameError(f"{header.get('kind')} frame: bad or missing {name!r}")
+    return value
+
+
+@dataclass
+class BlocksHeader:
+    rid: str
+    seq: int
+    lo: int
+    hi: int
+    dtype: torch.dtype
+    shape: list[int]
+    nbytes: int  # of this sub-frame's payload
+    layer_bytes: int
+    algo: str
+    csum: int
+
+
+def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
+    """Validate a blocks header (any violation drops the connection)."""
+    rid = field(header, "rid", str)
+    seq = field(header, "seq", int)
+    dtype = DTYPES.get(field(header, "dtype", str))
+    if dtype is None:
+        raise FrameError(f"blocks frame: unknown dtype {header['dtype']!r}")
+    shape = field(header, "shape", list)
+    if len(shape) != 6 or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise FrameError("blocks frame: shape must be [L, 2, n, block_size, kv_heads, head_dim]")
+    layers = field(header, "layers", list)
+    if (
+        len(layers) != 2
+        or not all(isinstance(x, int) for x in layers)
+        or not 0 <= layers[0] <= layers[1] <= shape[0]
+    ):
+        raise FrameError(f"blocks frame: bad layer range {layers}")
+    lo, hi = layers
+    if lo == 0:
+        hashes = field(header, "hashes", list)
+        if len(hashes) != shape[2] or not all(isinstance(h, int) for h in hashes):
+            raise FrameError("blocks frame: hashes must be one int per block")
+    layer_bytes = math.prod(shape[1:]) * dtype.itemsize
+    nbytes = field(header, "nbytes", int)
+    if nbytes != (hi - lo) * layer_bytes:
+        raise FrameError(f"blocks frame: nbytes {nbytes} does not match layers {layers} of {shape} {dtype}")
+    if header["_hlen"] + nbytes > max_frame:
+        raise FrameError(f"frame of {header['_hlen'] + nbytes} bytes exceeds the limit of {max_frame}")
+    csum = field(header, "csum", list)
+    if len(csum) != 2 or not isinstance(csum[0], str) or not isinstance(csum[1], int):
+        raise FrameError("blocks frame: bad csum")
+    return BlocksHeader(rid, seq, lo, hi, dtype, shape, nbytes, layer_bytes, csum[0], csum[1])
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without copying (works for bfloat16 too)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,88 @@
+"""Live estimate of each peer link's goodput and round trip, from observed transfers (EWMA).
+
+Used by the router to predict how long the missing KV of a request takes to reach MD.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class _Peer:
+    bandwidth: float | None = None  # bytes/s
+    rtt: float | None = None  # seconds
+    transfers: int = 0
+    rtt_samples: int = 0
+    updated: float = 0.0
+
+
+class LinkEstimator:
+    def __init__(
+        self,
+        alpha: float = 0.3,
+        default_bandwidth: float = 125e6,
+        default_rtt: float = 0.03,
+        min_bytes: int = 64 << 10,
+    ):
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.default_bandwidth = default_bandwidth
+        self.default_rtt = default_rtt
+        self.min_bytes = min_bytes  # smaller transfers say more about latency than bandwidth
+        self._peers: dict[str, _Peer] = {}
+
+    def _ewma(self, old: float | None, sample: float) -> float:
+        return sample if old is None else self.alpha * sample + (1 - self.alpha) * old
+
+    def observe_transfer(self, peer: str, nbytes: int, seconds: float) -> None:
+        """A transfer of nbytes took `seconds` from its first byte sent to the receiver's ack
+        (KVClient's TransferStats.blocked_seconds). One RTT (the ack's way back plus the last
+        byte's way there) is taken out before computing the goodput sample."""
+        if nbytes < self.min_bytes or seconds <= 0:
+            return
+        p = self._peers.setdefault(peer, _Peer())
+        wire = max(seconds - self.rtt(peer), 0.1 * seconds)  # never trust a sub-RTT transfer fully
+        p.bandwidth = self._ewma(p.bandwidth, nbytes / wire)
+        p.transfers += 1
+        p.updated = time.time()
+
+    def observe_rtt(self, peer: str, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        p = self._peers.setdefault(peer, _Peer())
+        p.rtt = self._ewma(p.rtt, seconds)
+        p.rtt_samples += 1
+        p.updated = time.time()
+
+    def bandwidth(self, peer: str) -> float:
+        p = self._peers.get(peer)
+        return p.bandwidth if p and p.bandwidth is not None else self.default_bandwidth
+
+    def rtt(self, peer: str) -> float:
+        p = self._peers.get(peer)
+        return p.rtt if p and p.rtt is not None else self.default_rtt
+
+    def estimate_seconds(self, peer: str, nbytes: int) -> float:
+        """Time until nbytes have *landed* at the peer on an open connection: one-way latency
+        (rtt/2) plus serialization at the estimated goodput. 0 when there is nothing to send."""
+        if nbytes <= 0:
+            return 0.0
+        return self.rtt(peer) / 2 + nbytes / self.bandwidth(peer)
+
+    def snapshot(self) -> dict:
+        return {
+            "defaults": {"bandwidth": self.default_bandwidth, "rtt": self.default_rtt},
+            "peers": {
+                name: {
+                    "bandwidth": self.bandwidth(name),
+                    "rtt": self.rtt(name),
+                    "transfers": p.transfers,
+                    "rtt_samples": p.rtt_samples,
+                    "updated": p.updated,
+                }
+                for name, p in self._peers.items()
+            },
+        }

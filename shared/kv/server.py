@@ -1,0 +1,249 @@
+"""Receiver side of the bulk channel: accepts senders, lands blocks in tensors, feeds a KVSink."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.kv import auth
+from shared.kv.buffers import RecvBuffers
+from shared.kv.checksum import ALGOS, new_hasher
+from shared.kv.errors import FrameError
+from shared.kv.frame import (
+    DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_HEADER,
+    BlocksHeader,
+    byte_view,
+    check_blocks,
+    field,
+    pack,
+    read_header,
+)
+from shared.kv.sink import KVSink
+from shared.kv.transport import Listener, Stream, transport_for
+
+log = logging.getLogger(__name__)
+
+AUTH_TIMEOUT_S = 5.0
+SEND_TIMEOUT_S = 10.0
+SINK_ABORT_TIMEOUT_S = 10.0
+FAILED_MEMORY = 4096  # failed rids remembered per connection, to discard their in-flight frames
+MAX_GROUP_FRAMES = 16  # one send_blocks() group may be at most this many max-size frames
+
+
+@dataclass
+class _Group:
+    """A send_blocks() group being received, sub-frame by sub-frame, into one tensor."""
+
+    seq: int
+    kv: torch.Tensor
+    hashes: list[int]
+    traceparent: str | None
+    next_layer: int = 0
+
+
+class _Receiver:
+    """One authenticated sender connection; frames are handled strictly in order."""
+
+    def __init__(self, server: KVServer, stream: Stream):
+        self.server, self.stream, self.sink = server, stream, server.sink
+        self.next_seq: dict[str, int] = {}  # rids in flight on this connection
+        self.groups: dict[str, _Group] = {}
+        self.failed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._scratch: memoryview | None = None
+
+    async def run(self) -> None:
+        reason = "sender disconnected"
+        try:
+            async with asyncio.timeout(AUTH_TIMEOUT_S):
+                limits = {
+                    "max_frame": self.server.max_frame_bytes,
+                    "max_header": self.server.max_header_bytes,
+                }
+                if not await auth.server_handshake(self.stream, self.server.secret, limits):
+                    return
+            while True:
+                h = await read_header(self.stream, self.server.max_header_bytes)
+                kind = h["kind"]
+                if kind == "blocks":
+                    await self._on_blocks(h)
+                elif kind == "done":
+                    await self._on_done(field(h, "rid", str), h.get("meta") or {})
+                elif kind == "abort":
+                    await self._on_abort(field(h, "rid", str), str(h.get("reason", "")))
+                else:
+                    raise FrameError(f"unexpected {kind!r} frame")
+        except FrameError as e:
+            reason = f"protocol error: {e}"
+            log.error("kv: dropping %s: %s", self.stream.peer, e)
+        except TimeoutError:
+            reason = "handshake timeout"
+            log.warning("kv: dropping %s: handshake timeout", self.stream.peer)
+        except (ConnectionError, OSError) as e:
+            log.info("kv: %s gone: %s", self.stream.peer, e)
+        except asyncio.CancelledError:
+            reason = "receiver closing"
+            raise
+        finally:
+            self.stream.abort()
+            for rid in list(self.next_seq):
+                await self._sink_abort(rid, reason)
+            self.next_seq.clear()
+            self.groups.clear()
+            self.stream.close()
+
+    async def _on_blocks(self, h: dict[str, Any]) -> None:
+        b = check_blocks(h, self.server.max_frame_bytes)
+        if b.rid in self.failed:
+            await self._discard(b.nbytes)
+            return
+        group = self._group(b, h)
+        if isinstance(group, str):
+            await self._discard(b.nbytes)
+            await self._fail(b.rid, group)
+            return
+        hasher = new_hasher(b.algo)
+        # Straight into the group's tensor, checksummed chunk by chunk while still in cache.
+        await self.stream.recv_into(
+            byte_view(group.kv)[b.lo * b.layer_bytes : b.hi * b.layer_bytes], hasher.update
+        )
+        if hasher.value() != b.csum:
+            await self._fail(b.rid, f"checksum mismatch in seq={b.seq} layers [{b.lo}, {b.hi})")
+            return
+        group.next_layer = b.hi
+        if b.hi < b.shape[0]:
+            return  # more sub-frames of this group follow
+        del self.groups[b.rid]
+        self.next_seq[b.rid] = b.seq + 1
+        meta = {
+            "seq": b.seq,
+            "layers": [0, b.shape[0]],
+            "traceparent": group.traceparent,
+            "nbytes": group.kv.numel() * group.kv.element_size(),
+            "peer": self.stream.peer,
+        }
+        kv, hashes = group.kv, group.hashes
+        del group
+        try:
+            await self.sink.on_blocks(b.rid, hashes, kv, meta)
+        except Exception as e:
+            log.warning("kv: sink rejected %s: %r", b.rid, e)
+            await self._fail(b.rid, f"rejected by receiver: {e!r}")
+
+    def _group(self, b: BlocksHeader, h: dict[str, Any]) -> _Group | str:
+        """The group this sub-frame belongs to (a new one when lo == 0), or why it is invalid."""
+        if b.algo not in ALGOS:
+            return f"unsupported checksum {b.algo!r}"
+        group = self.groups.get(b.rid)
+        if b.lo == 0:
+            expected = self.next_seq.get(b.rid, 0)
+            if group is not None or b.seq != expected:
+                return f"frame seq={b.seq} out of order (expected {expected})"
+            if math.prod(b.shape) * b.dtype.itemsize > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
+                return f"group of shape {b.shape} is too large"
+            kv = self.server.buffers.tensor(b.shape, b.dtype)
+            self.next_seq.setdefault(b.rid, expected)  # in flight from now on
+            group = self.groups[b.rid] = _Group(b.seq, kv, list(h["hashes"]), h.get("tp"))
+            return group
+        if group is None or group.seq != b.seq or group.next_layer != b.lo or list(group.kv.shape) != b.shape:
+            return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
+        return group
+
+    async def _on_done(self, rid: str, meta: dict) -> None:
+        reason = self.failed.pop(rid, None)
+        if reason is None and rid in self.groups:
+            reason = "done before the last sub-frame"
+        if reason is not None:  # (repeat the) error: the sender's finish() must not wait for an ack
+            self.groups.pop(rid, None)
+            if self.next_seq.pop(rid, None) is not None:
+                await self._sink_abort(rid, reason)
+            await self._send({"kind": "error", "rid": rid, "reason": reason})
+            return
+        try:
+            await self.sink.on_done(rid, meta)
+        except Exception as e:
+            log.warning("kv: sink failed on_done for %s: %r", rid, e)
+            await self._fail(rid, f"rejected by receiver: {e!r}")
+            self.failed.pop(rid, None)
+            return
+        self.next_seq.pop(rid, None)
+        await self._send({"kind": "ack", "rid": rid})
+
+    async def _on_abort(self, rid: str, reason: str) -> None:
+        self.next_seq.pop(rid, None)
+        self.groups.pop(rid, None)
+        if self.failed.pop(rid, None) is None:  # not yet aborted on our side
+            await self._sink_abort(rid, f"aborted by sender: {reason}")
+
+    async def _fail(self, rid: str, reason: str) -> None:
+        self.next_seq.pop(rid, None)
+        self.groups.pop(rid, None)
+        self.failed[rid] = reason
+        while len(self.failed) > FAILED_MEMORY:
+            self.failed.popitem(last=False)
+        await self._sink_abort(rid, reason)
+        await self._send({"kind": "error", "rid": rid, "reason": reason})
+
+    async def _sink_abort(self, rid: str, reason: str) -> None:
+        try:
+            async with asyncio.timeout(SINK_ABORT_TIMEOUT_S):
+                await self.sink.on_abort(rid, reason)
+        except Exception:
+            log.exception("kv: sink.on_abort(%s) failed", rid)
+
+    async def _discard(self, nbytes: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(1 << 20))
+        while nbytes:
+            n = min(nbytes, len(self._scratch))
+            await self.stream.recv_into(self._scratch[:n])
+            nbytes -= n
+
+    async def _send(self, header: dict[str, Any]) -> None:
+        async with asyncio.timeout(SEND_TIMEOUT_S):
+            await self.stream.send(pack(header))
+
+
+class KVServer:
+    def __init__(self, sink: KVSink, secret: str, max_frame_bytes: int, max_header_bytes: int):
+        self.sink = sink
+        self.secret = secret.encode()
+        self.max_frame_bytes = max_frame_bytes
+        self.max_header_bytes = max_header_bytes
+        self.buffers = RecvBuffers()
+        self._listener: Listener | None = None
+
+    @property
+    def address(self) -> str:
+        assert self._listener is not None
+        return self._listener.address
+
+    async def _serve(self, stream: Stream) -> None:
+        await _Receiver(self, stream).run()
+
+    async def close(self) -> None:
+        """Stop accepting, drop every connection (the sink gets on_abort for rids in flight)."""
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+
+
+async def start_kv_server(
+    address: str,
+    secret: str,
+    sink: KVSink,
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME,
+    max_header_bytes: int = DEFAULT_MAX_HEADER,
+) -> KVServer:
+    """Listen on "tcp://host:port" (port 0 = any) or "unix:///path"; `server.address` is the bound one."""
+    server = KVServer(sink, secret, max_frame_bytes, max_header_bytes)
+    server._listener = await transport_for(address).listen(address, server._serve)
+    log.info("kv receiver listening on %s", server.address)
+    return server

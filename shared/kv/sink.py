@@ -1,0 +1,23 @@
+"""What a KV receiver (relay, main decode) implements."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class KVSink(Protocol):
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict[str, Any]) -> None:
+        """kv: [L, 2, n, block_size, kv_heads, head_dim], freshly allocated and owned by the sink.
+        meta: {"seq", "layers": [lo, hi], "traceparent", "nbytes", "peer"}.
+        Raise to reject the request: the receiver aborts it and the sender's finish() fails.
+        Calls for one connection are sequential: keep this quick (copy into the pool, return)."""
+
+    async def on_done(self, rid: str, meta: dict[str, Any]) -> None:
+        """The sender called finish(rid, meta=...); every block of rid was delivered before this.
+        The sender's finish() returns once this returns (raise to fail it)."""
+
+    async def on_abort(self, rid: str, reason: str) -> None:
+        """Drop everything held for rid. May come for a rid with no blocks delivered yet;
+        comes at most once per failure, and for every rid in flight when the sender vanishes."""

@@ -1,0 +1,241 @@
+"""Byte streams under the bulk channel, chosen by URL scheme.
+
+`tcp://host:port` for the WAN path, `unix:///path` for the co-located fast path (P -> RLD).
+Both are plain non-blocking sockets (`loop.sock_sendall`, and a reader callback doing `recv_into`):
+sends go straight from the tensor's memory and receives land straight in the destination
+tensor (no StreamReader/transport buffer copies). An RDMA backend would register its own
+scheme with a `Transport` whose streams offer the same four methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+RECV_CHUNK = 512 << 10  # checksum each piece while it is still in cache
+SNDBUF = 4 << 20  # Linux doubles it; larger than the default autotuning cap (4 MiB)
+
+
+class Stream(Protocol):
+    peer: str
+
+    async def send(self, *bufs: bytes | memoryview) -> None:
+        """Write all bytes, in order (returns once they are in the kernel: TCP backpressure)."""
+
+    async def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
+        """Fill `view` exactly; raises ConnectionError at EOF."""
+
+    def abort(self) -> None:
+        """Make pending and future send/recv fail now (safe to call from any task)."""
+
+    def close(self) -> None:
+        """Release the stream; call once no send/recv is pending."""
+
+
+class Listener(Protocol):
+    address: str
+
+    async def close(self) -> None: ...
+
+
+OnStream = Callable[[Stream], Awaitable[None]]
+
+
+class Transport(Protocol):
+    async def listen(self, address: str, on_stream: OnStream) -> Listener: ...
+    async def connect(self, address: str) -> Stream: ...
+
+
+class SocketStream:
+    def __init__(self, sock: socket.socket, peer: str):
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self.peer = peer
+        # state of the one pending recv_into
+        self._view = memoryview(b"")
+        self._got = 0
+        self._on_chunk: Callable[[memoryview], None] | None = None
+        self._waiter: asyncio.Future | None = None
+
+    async def send(self, *bufs: bytes | memoryview) -> None:
+        for buf in bufs:
+            if len(buf):
+                await self._loop.sock_sendall(self._sock, buf)  # zero-copy: slices a memoryview
+
+    async def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
+        # Reads until EAGAIN on every readiness event, registered once per call: loop.sock_recv_into
+        # would pay a future + two epoll_ctl per chunk, ~20% of loopback goodput.
+        self._view, self._got, self._on_chunk = view, 0, on_chunk
+        if self._pump():
+            return
+        self._waiter = self._loop.create_future()
+        self._loop.add_reader(self._fd, self._on_readable)
+        try:
+            await self._waiter
+        finally:
+            self._loop.remove_reader(self._fd)
+            self._waiter = None
+
+    def _on_readable(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        try:
+            if self._pump():
+                waiter.set_result(None)
+        except Exception as e:
+            waiter.set_exception(e)
+
+    def _pump(self) -> bool:
+        """Read what the kernel has; True once the view is full."""
+        view, n = self._view, len(self._view)
+        while self._got < n:
+            try:
+                k = self._sock.recv_into(view[self._got : min(n, self._got + RECV_CHUNK)])
+            except (BlockingIOError, InterruptedError):
+                return False
+            if k == 0:
+                raise ConnectionResetError(f"{self.peer} closed the connection")
+            if self._on_chunk is not None:
+                self._on_chunk(view[self._got : self._got + k])
+            self._got += k
+        return True
+
+    def abort(self) -> None:
+        # shutdown wakes any task blocked in recv_into/sock_sendall; close() would not.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.abort()
+        self._sock.close()
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, val in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, opt):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+    # Receive buffers are left to kernel autotuning (it may grow past rmem_max; a fixed
+    # SO_RCVBUF would cap a long-fat WAN pipe). Send buffers are raised explicitly.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+
+
+def _parse(address: str) -> tuple[str, tuple | str]:
+    u = urlsplit(address)
+    if u.scheme == "tcp":
+        if not u.hostname or u.port is None:
+            raise ValueError(f"expected tcp://host:port, got {address!r}")
+        return "tcp", (u.hostname, u.port)
+    if u.scheme == "unix":
+        path = (u.netloc + u.path) if u.netloc else u.path
+        if not path:
+            raise ValueError(f"expected unix:///path, got {address!r}")
+        return "unix", path
+    raise ValueError(f"unsupported address {address!r}")
+
+
+class SocketListener:
+    def __init__(self, sock: socket.socket, address: str, on_stream: OnStream):
+        self.address = address
+        self._sock = sock
+        self._on_stream = on_stream
+        self._conns: set[asyncio.Task] = set()
+        self._accepting = asyncio.create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except OSError as e:  # e.g. EMFILE: back off instead of spinning
+                log.error("kv listener %s: accept failed: %s", self.address, e)
+                await asyncio.sleep(0.1)
+                continue
+            _tune(conn)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else self.address
+            task = asyncio.create_task(self._on_stream(SocketStream(conn, peer)))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def close(self) -> None:
+        self._accepting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._accepting
+        self._sock.close()
+        for t in list(self._conns):
+            t.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await asyncio.gather(*self._conns, return_exceptions=True)
+        if self.address.startswith("unix://"):
+            with contextlib.suppress(OSError):
+                os.unlink(_parse(self.address)[1])
+
+
+class SocketTransport:
+    async def listen(self, address: str, on_stream: OnStream) -> Listener:
+        kind, where = _parse(address)
+        if kind == "unix":
+            assert isinstance(where, str)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(where)  # a stale socket file from a previous run
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(where)
+            bound = f"unix://{where}"
+        else:
+            host, port = where
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            h = f"[{host}]" if family == socket.AF_INET6 else host
+            bound = f"tcp://{h}:{sock.getsockname()[1]}"
+        sock.listen(128)
+        sock.setblocking(False)
+        return SocketListener(sock, bound, on_stream)
+
+    async def connect(self, address: str) -> Stream:
+        kind, where = _parse(address)
+        loop = asyncio.get_running_loop()
+        if kind == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        else:
+            infos = await loop.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)
+            family, _, _, _, where = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            await loop.sock_connect(sock, where)
+        except BaseException:
+            sock.close()
+            raise
+        return SocketStream(sock, address)
+
+
+_TRANSPORTS: dict[str, Transport] = {"tcp": SocketTransport(), "unix": SocketTransport()}
+
+
+def register_transport(scheme: str, transport: Transport) -> None:
+    """Plug in another backend (e.g. "rdma") without touching the services."""
+    _TRANSPORTS[scheme] = transport
+
+
+def transport_for(address: str) -> Transport:
+    scheme = urlsplit(address).scheme
+    if scheme not in _TRANSPORTS:
+        raise ValueError(f"no KV transport for {address!r} (known: {', '.join(sorted(_TRANSPORTS))})")
+    return _TRANSPORTS[scheme]

@@ -1,0 +1,67 @@
+"""Save one of our models as a Hugging Face LlamaForCausalLM directory (bench, parity tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from shared.model.llama import LlamaForCausalLM
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our packed parameters split back into Hugging Face names."""
+    c = model.config
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        if name.startswith("model.rotary"):
+            continue
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if ".qkv_proj." in name:
+            for part, (lo, hi) in zip(("q_proj", "k_proj", "v_proj"), ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
+                out[name.replace("qkv_proj", part)] = t[lo:hi].clone()
+        elif ".gate_up_proj." in name:
+            out[name.replace("gate_up_proj", "gate_proj")] = t[:inter].clone()
+            out[name.replace("gate_up_proj", "up_proj")] = t[inter:].clone()
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def save_hf(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors. Only plain Llama (no qkv bias, no qk-norm)."""
+    c = model.config
+    if c.qkv_bias or c.qk_norm or c.o_bias:
+        raise ValueError("save_hf writes plain Llama checkpoints only")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "torch_dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
+    }
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

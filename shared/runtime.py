@@ -1,0 +1,82 @@
+"""Lifecycle helpers shared by every service: logging, signals, periodic tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(service: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def wait_for_shutdown() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def every(interval_s: float, fn: Callable[[], Awaitable[None]]) -> None:
+    """Run fn every interval_s until cancelled; a failing round is logged, not fatal."""
+    while True:
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("periodic task %s failed", getattr(fn, "__name__", fn))
+        await asyncio.sleep(interval_s)
+
+
+def spawn(coro: Awaitable, tasks: set[asyncio.Task], name: str | None = None) -> asyncio.Task:
+    """create_task that keeps a strong reference and logs an unexpected failure."""
+    task = asyncio.ensure_future(coro)
+    if name:
+        task.set_name(name)
+    tasks.add(task)
+
+    def _done(t: asyncio.Task) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("task %s failed: %r", t.get_name(), t.exception())
+
+    task.add_done_callback(_done)
+    return task
+
+
+async def serve_service(name: str, settings, factory) -> None:
+    """Connect to NATS, start `factory(settings, nc)`, register it for discovery, run until
+    SIGINT/SIGTERM, then stop it and drain the connection."""
+    from shared.bus.connection import connect
+    from shared.bus.micro import register_service
+    from shared.telemetry.metrics import start_metrics_server
+    from shared.telemetry.tracing import setup_tracing, shutdown_tracing
+
+    setup_tracing(name, settings.instance, settings.datacenter)
+    if getattr(settings, "metrics_port", None):
+        start_metrics_server(settings.metrics_port)
+    nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}")
+    service = factory(settings, nc)
+    await service.start()
+    micro = await register_service(
+        nc, f"pdd-{name.replace('_', '-')}", "0.1.0", f"pdd {name}",
+        metadata={"instance": settings.instance, "datacenter": settings.datacenter},
+    )
+    log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
+    try:
+        await wait_for_shutdown()
+    finally:
+        await micro.stop()
+        await service.stop()
+        await nc.drain()
+        shutdown_tracing()

@@ -1,0 +1,134 @@
+"""`pdd up`: the whole two-DC system on one machine, from the specs in shared/launch.py.
+
+Order: WAN emulator, the two NATS servers (their gateway crosses the WAN), then prefill,
+relay, main_decode, router; ready once the router's /health answers 200. Ctrl-C / SIGTERM
+(or any child dying) stops everything in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from shared.launch import NatsSpec, UpOptions, nats_specs, service_specs
+from shared.supervisor import ProcessDied, Supervisor
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+async def _first(*aws: Awaitable[Any]) -> None:
+    """Run until the first awaitable finishes; cancel the rest; re-raise its error."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in done:
+        t.result()
+
+
+def _nats_server(spec: NatsSpec, opts: UpOptions) -> Any:
+    from shared.bus.nats_server import NatsServer  # lazy: owned by the transport layer
+
+    workdir = opts.workdir.resolve() / "nats" / spec.name
+    workdir.mkdir(parents=True, exist_ok=True)
+    return NatsServer(
+        spec.name,
+        host=opts.host,
+        port=spec.port,
+        gateway_port=spec.gateway_port,
+        gateways=spec.gateways,
+        workdir=workdir,
+        gateway_advertise=spec.advertise,
+    )
+
+
+async def _watch(sup: Supervisor, servers: list[Any], interval_s: float = 0.5) -> None:
+    """Raise ProcessDied when a service or a NATS server exits."""
+    while True:
+        sup.check()
+        for server in servers:
+            if not server.running:
+                raise ProcessDied(f"nats-server {server.name} exited; log {server.log_path}")
+        await asyncio.sleep(interval_s)
+
+
+async def smoke_request(base_url: str, out: Callable[[str], None] = print) -> bool:
+    """One non-streaming completion; prints the pipeline header and the body."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as client:
+        models = (await client.get("/v1/models")).json().get("data") or [{"id": "pdd"}]
+        r = await client.post(
+            "/v1/completions",
+            json={"model": models[0]["id"], "prompt": "Hello from pdd", "max_tokens": 16, "temperature": 0},
+        )
+    out(f"POST /v1/completions -> {r.status_code}  x-pdd-pipeline={r.headers.get('x-pdd-pipeline')}")
+    with contextlib.suppress(ValueError):
+        out(json.dumps(r.json(), indent=2))
+    return r.status_code == 200
+
+
+async def run_up(
+    opts: UpOptions,
+    *,
+    smoke: bool = False,
+    start_timeout_s: float = 180.0,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Bring the system up; serve until a signal (or, with smoke, one request). Exit code."""
+    workdir = opts.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(workdir / "logs")
+    servers: list[Any] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    base_url = f"http://{_client_host(opts.host)}:{opts.router_port}"
+    ok = True
+
+    async def bring_up() -> None:
+        nonlocal ok
+        wan, *services = service_specs(opts)
+        sup.start(wan)
+        for spec in nats_specs(opts):
+            server = _nats_server(spec, opts)
+            await server.start()  # cleans up after itself if it fails
+            servers.append(server)
+        await asyncio.gather(*(s.wait_gateways(start_timeout_s) for s in servers))
+        sup.start_all(services)
+        await sup.wait_http_ok(f"{base_url}/health", start_timeout_s)
+        out(f"pdd is up: {base_url}")
+        out(f"  logs: {workdir / 'logs'}   traces: pdd trace <x-request-id> --dir {workdir / 'traces'}")
+        if smoke:
+            ok = await smoke_request(base_url, out)
+            return
+        await asyncio.Event().wait()  # serve until stopped
+
+    try:
+        await _first(bring_up(), _watch(sup, servers), stop.wait())
+    except ProcessDied as e:
+        print(f"pdd up: {e}", file=sys.stderr)
+        ok = False
+    except (TimeoutError, RuntimeError, OSError) as e:  # NATS failing to start, ports in use, ...
+        print(f"pdd up: {e}; logs in {workdir / 'logs'}", file=sys.stderr)
+        ok = False
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        out("pdd up: stopping")
+        await sup.stop_all()
+        for server in reversed(servers):
+            with contextlib.suppress(Exception):
+                await server.stop()
+    return 0 if ok else 1

@@ -1,0 +1,3 @@
+from shared.wan.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""When may a chunk of one direction of a WAN link be delivered? Pure timing, no I/O.
+
+Bandwidth is a token bucket written as a virtual clock (GCRA): each chunk of n bytes advances
+the link's "busy until" time by n / rate; up to `burst_s` worth of idle credit may be saved.
+Then one-way delay plus uniform jitter is added, and release times are forced monotonic: a
+TCP stream is never reordered, a late chunk holds back the ones behind it (as TCP would).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LinkSettings:
+    delay_ms: float = 0.0  # one way, per direction
+    jitter_ms: float = 0.0  # uniform in [-jitter, +jitter] around delay_ms, never below 0
+    bandwidth_mbps: float | None = None  # per direction; None = unlimited
+
+    def validate(self) -> None:
+        if self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ValueError("delay_ms and jitter_ms must be >= 0")
+        if self.bandwidth_mbps is not None and self.bandwidth_mbps <= 0:
+            raise ValueError("bandwidth_mbps must be > 0 (or None for unlimited)")
+
+    @property
+    def rate_bps(self) -> float | None:
+        """Bytes per second, or None."""
+        return None if self.bandwidth_mbps is None else self.bandwidth_mbps * 1e6 / 8
+
+
+@dataclass
+class Shaper:
+    """One direction of one link, shared by all the link's connections (they share the pipe)."""
+
+    settings: LinkSettings
+    burst_s: float = 0.002  # idle credit the bucket may hold, in seconds of the rate
+    rng: random.Random = field(default_factory=random.Random)
+    _busy_until: float = 0.0  # when the virtual wire finishes the last scheduled byte
+
+    def serialize(self, nbytes: int, now: float) -> float:
+        """Time at which the last byte of the chunk has left the (virtual) sender."""
+        rate = self.settings.rate_bps
+        if rate is None:
+            return now
+        start = max(now - self.burst_s, self._busy_until)
+        self._busy_until = start + nbytes / rate
+        return max(now, self._busy_until)
+
+    def propagate(self, departed: float, last_release: float) -> float:
+        """Arrival time: departure + one-way delay + jitter, never before the previous chunk's."""
+        s = self.settings
+        d = s.delay_ms
+        if s.jitter_ms:
+            d = max(0.0, d + self.rng.uniform(-s.jitter_ms, s.jitter_ms))
+        return max(departed + d / 1000.0, last_release)
+
+    def chunk_size(self) -> int:
+        """Read size: ~2 ms of the rate, so pacing is smooth at 10 Mbit/s and cheap at 10 Gbit/s."""
+        rate = self.settings.rate_bps
+        if rate is None:
+            return 256 << 10
+        return int(min(256 << 10, max(4 << 10, rate * 0.002)))
+
+    def queue_limit(self) -> int:
+        """Bytes a connection may hold "on the wire": at least 2x bandwidth-delay product."""
+        s = self.settings
+        rate = s.rate_bps
+        if rate is None:
+            return 32 << 20
+        in_flight_s = (s.delay_ms + s.jitter_ms) / 1000.0 + 0.02
+        return int(max(512 << 10, 2 * rate * in_flight_s))

@@ -1,0 +1,91 @@
+"""Starts the whole two-DC system (`pdd up`) as real processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n free consecutive ports after it (best effort, checked by binding)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65000:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", base + i))
+                socks.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port block")
+
+
+@dataclass
+class RunningSystem:
+    proc: subprocess.Popen
+    router_url: str
+    wan_url: str
+    workdir: Path
+
+    def wan(self, link: str, **settings) -> None:
+        r = httpx.post(f"{self.wan_url}/links/{link}", json=settings, timeout=10)
+        r.raise_for_status()
+
+    def instances(self) -> dict:
+        return httpx.get(f"{self.router_url}/v1/instances", timeout=10).json()
+
+    def log(self, name: str) -> str:
+        path = self.workdir / "logs" / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_system(workdir: Path, env: dict[str, str] | None = None, *, delay_ms: float = 10, jitter_ms: float = 0,
+                 bandwidth_mbps: float = 1000, timeout_s: float = 180) -> RunningSystem:
+    base = free_port_block(20)
+    args = [
+        sys.executable, "-m", "shared.cli", "up", "--workdir", str(workdir), "--base-port", str(base),
+        "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(bandwidth_mbps),
+    ]
+    out = open(workdir / "pdd-up.log", "wb")
+    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    router_url = f"http://127.0.0.1:{base}"
+    system = RunningSystem(proc, router_url, f"http://127.0.0.1:{base + 19}", workdir)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdd up exited early:\n{(workdir / 'pdd-up.log').read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{router_url}/health", timeout=2).status_code == 200:
+                return system
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    system.stop()
+    raise RuntimeError(f"system not healthy in {timeout_s}s:\n{(workdir / 'pdd-up.log').read_text()[-4000:]}")

@@ -1,0 +1,64 @@
+"""`pdd` argument parsing and `pdd trace` over a span store written here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared import cli
+from shared.launch import UpOptions
+from shared.telemetry import tracing
+
+
+def test_up_flags_map_to_up_options() -> None:
+    args, extra = cli.parse_args(
+        ["up", "--port", "9000", "--delay-ms", "40", "--model-path", "/m", "--smoke"]
+    )
+    opts = cli.up_options(args)
+    assert extra == [] and args.smoke
+    assert (opts.router_port, opts.delay_ms, opts.model_path) == (9000, 40.0, "/m")
+    assert cli.up_options(cli.parse_args(["up"])[0]) == UpOptions()
+    assert isinstance(cli.up_options(cli.parse_args(["up", "--workdir", "/x"])[0]).workdir, Path)
+
+
+def test_base_port_moves_every_port_but_explicit_flags_win() -> None:
+    opts = cli.up_options(cli.parse_args(["up", "--base-port", "20000", "--nats-b-port", "5555"])[0])
+    ports = {k: v for k, v in vars(opts).items() if k.endswith("_port")}
+    assert opts.router_port == 20000 and opts.wan_control_port == 20019 and opts.nats_b_port == 5555
+    assert all(20000 <= p < 20020 for k, p in ports.items() if k != "nats_b_port")
+    assert len(set(ports.values())) == len(ports)
+
+
+def test_forwarded_and_rejected_arguments() -> None:
+    args, extra = cli.parse_args(["wan", "--delay-ms", "5", "--help"])
+    assert args.command == "wan" and extra == ["--delay-ms", "5", "--help"]
+    args, extra = cli.parse_args(["bench", "e2e", "--requests", "3"])
+    assert (args.name, extra) == ("e2e", ["--requests", "3"])
+    assert cli.parse_args(["serve", "main_decode"])[0].service == "main_decode"
+    for bad in (["serve", "nope"], ["bench", "nope"], ["trace", "x", "--bogus"], ["up", "--bogus"], []):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
+
+
+def test_trace_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("PDD_TRACE_DIR", str(tmp_path))
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    router = tracing.get_tracer("router", "0", "dc-a")
+    md = tracing.get_tracer("main_decode", "0", "dc-b")
+    with router.start_as_current_span("router.request", attributes={"pdd.request_id": "cmpl-42"}) as root:
+        with md.start_as_current_span("md.decode", context=tracing.extract(tracing.inject())):
+            pass
+    trace_id = f"{root.get_span_context().trace_id:032x}"
+
+    assert cli.main(["trace", "cmpl-42"]) == 0
+    text = capsys.readouterr().out
+    assert trace_id in text and "dc-a" in text and "dc-b" in text and "md.decode" in text
+
+    assert cli.main(["trace", trace_id, "--dir", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["trace_id"] == trace_id and len(data["spans"]) == 2
+
+    assert cli.main(["trace", "cmpl-missing"]) == 1
+    assert "no trace" in capsys.readouterr().err

@@ -1,0 +1,246 @@
+"""End to end against real processes (`pdd up`: two NATS servers joined by a gateway
+across the WAN emulator, prefill, relay, main decode, router): every pipeline gives
+exactly the single-process engine's tokens."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from shared.config import EngineSettings, ModelSettings
+from shared.engine import LLMEngine, SamplingParams
+
+from .e2e_system import RunningSystem, start_system
+
+MD_READY_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory) -> RunningSystem:
+    env = {
+        "PDD_RELAY_MD_READY_TIMEOUT_S": str(MD_READY_TIMEOUT_S),
+        "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
+    }
+    sysm = start_system(tmp_path_factory.mktemp("pdd"), env, delay_ms=10, bandwidth_mbps=1000)
+    yield sysm
+    sysm.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(ModelSettings(), EngineSettings())
+
+
+def ref_tokens(engine: LLMEngine, prompt: list[int], **params) -> list[int]:
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(**params))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.rid == rid and o.token_id is not None:
+                out.append(o.token_id)
+    return out
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7 + salt * 13 + 3) % 250 for i in range(n)]
+
+
+def complete(system: RunningSystem, prompt: list[int], **body) -> httpx.Response:
+    payload = {"prompt": prompt, "temperature": 0, **body}
+    return httpx.post(f"{system.router_url}/v1/completions", json=payload, timeout=120)
+
+
+def wait_idle(system: RunningSystem, timeout: float = 20.0) -> dict:
+    """Until every service reports zero referenced KV blocks and no running request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        inst = system.instances()
+        busy = {k: v for k, v in inst.items() if v["used_blocks"] or v["running"] or v["waiting"]}
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.3)
+
+
+def test_p_md_matches_single_engine(system, reference):
+    prompt = prompt_of(70, salt=1)
+    r = complete(system, prompt, max_tokens=24, ignore_eos=True, pdd={"pipeline": "p-md"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert r.headers["x-pdd-pipeline"] == "p-md"
+    assert body["pdd"]["pipeline"] == "p-md" and body["pdd"]["rld_tokens"] == 0
+    assert body["pdd"]["md_tokens"] == 23  # prefill sampled the first
+    assert body["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=24, ignore_eos=True)
+
+
+def test_relay_one_shot_matches(system, reference):
+    prompt = prompt_of(600, salt=2)
+    system.wan("bulk", bandwidth_mbps=1.0)  # ~0.3 MB of KV → ≈2.5 s on the wire
+    try:
+        r = complete(system, prompt, max_tokens=120, ignore_eos=True,
+                     pdd={"pipeline": "p-rld-md", "catchup_threshold": 10_000})
+    finally:
+        system.wan("bulk", bandwidth_mbps=1000.0)
+    assert r.status_code == 200, r.text
+    stats = r.json()["pdd"]
+    assert r.headers["x-pdd-pipeline"] == "p-rld-md"
+    assert stats["handoff_mode"] == "one-shot"
+    assert stats["rld_tokens"] > 0 and stats["md_tokens"] > 0
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=120, ignore_eos=True)
+
+
+def test_relay_catch_up_several_batches_matches(system, reference):
+    prompt = prompt_of(600, salt=3)
+    system.wan("bulk", bandwidth_mbps=1.0)
+    try:
+        r = complete(system, prompt, max_tokens=160, ignore_eos=True,
+                     pdd={"pipeline": "p-rld-md", "catchup_threshold": 2})
+    finally:
+        system.wan("bulk", bandwidth_mbps=1000.0)
+    assert r.status_code == 200, r.text
+    stats = r.json()["pdd"]
+    assert stats["handoff_mode"] == "catch-up"
+    assert stats["pipeline"] == "p-rld-md"
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=160, ignore_eos=True)
+
+
+def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference):
+    prompt = prompt_of(600, salt=4)
+    system.wan("bulk", bandwidth_mbps=1.0)
+    try:
+        r = complete(system, prompt, max_tokens=6, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
+    finally:
+        system.wan("bulk", bandwidth_mbps=1000.0)
+    assert r.status_code == 200, r.text
+    assert r.json()["pdd"]["pipeline"] == "rld-only"
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=6, ignore_eos=True)
+    assert wait_idle(system) == {}
+
+
+def test_wan_cut_falls_back_to_relay(system, reference):
+    prompt = prompt_of(300, salt=5)
+    system.wan("bulk", cut=True)
+    try:
+        r = complete(system, prompt, max_tokens=40, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
+    finally:
+        system.wan("bulk", cut=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["pdd"]["pipeline"] == "rld-only"
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=40, ignore_eos=True)
+    assert wait_idle(system) == {}
+
+
+@pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
+def test_seeded_sampling_is_identical_across_pipelines(system, reference, pipeline):
+    prompt = prompt_of(400, salt=6)
+    params = dict(max_tokens=40, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    if pipeline == "p-rld-md":
+        system.wan("bulk", bandwidth_mbps=2.0)
+    try:
+        r = complete(system, prompt, **params, pdd={"pipeline": pipeline})
+    finally:
+        system.wan("bulk", bandwidth_mbps=1000.0)
+    assert r.status_code == 200, r.text
+    assert r.json()["pdd"]["pipeline"] in (pipeline, "rld-only")
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, **params)
+
+
+def test_prefix_held_by_md_is_not_resent(system):
+    base = prompt_of(320, salt=7)  # 20 full blocks
+    first = complete(system, base, max_tokens=4, pdd={"pipeline": "p-md"})
+    assert first.status_code == 200, first.text
+    block_bytes_total = first.json()["pdd"]["wan_bytes"]
+    assert block_bytes_total > 0
+    per_block = block_bytes_total / 20
+    second = complete(system, base + prompt_of(64, salt=8), max_tokens=4, pdd={"pipeline": "p-md"})
+    assert second.status_code == 200, second.text
+    stats = second.json()["pdd"]
+    assert stats["wan_bytes"] == 4 * per_block  # only the 4 new full blocks crossed
+    assert stats["prefix_hit_rate"] >= 320 / 384 - 1e-6
+
+
+def test_concurrent_streams_complete_in_order(system, reference):
+    prompts = [prompt_of(20 + 9 * i, salt=20 + i) for i in range(32)]
+    expected = [ref_tokens(reference, p, max_tokens=12, ignore_eos=True) for p in prompts]
+
+    def stream(i: int) -> list[int]:
+        toks: list[int] = []
+        body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{system.router_url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            done = False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    toks.extend(chunk["choices"][0]["token_ids"])
+            assert done
+        return toks
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(stream, range(32)))
+    assert got == expected
+
+
+def test_client_disconnect_frees_blocks_everywhere(system):
+    body = {"prompt": prompt_of(200, salt=9), "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True, "pdd": {"pipeline": "p-rld-md"}}
+    system.wan("bulk", bandwidth_mbps=0.5)
+    try:
+        with httpx.stream("POST", f"{system.router_url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                if seen >= 5:
+                    break  # hang up mid-stream
+    finally:
+        system.wan("bulk", bandwidth_mbps=1000.0)
+    assert wait_idle(system) == {}
+
+
+@pytest.mark.parametrize(
+    "payload, status",
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (json.dumps({"prompt": "hi", "model": "nope"}).encode(), 404),
+        (json.dumps({"prompt": "x" * 5000, "max_tokens": 10}).encode(), 400),
+        (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400),
+        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400),
+        (json.dumps({"prompt": [1, 2, 999999]}).encode(), 400),
+        (json.dumps({"prompt": ""}).encode(), 400),
+        (json.dumps({"max_tokens": 3}).encode(), 400),
+        (json.dumps({"prompt": "hi", "pdd": {"pipeline": "rld-only"}}).encode(), 400),
+    ],
+)
+def test_bad_input_is_a_clear_4xx(system, payload, status):
+    r = httpx.post(f"{system.router_url}/v1/completions", content=payload,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_system_keeps_serving_after_bad_input(system, reference):
+    prompt = prompt_of(40, salt=11)
+    r = complete(system, prompt, max_tokens=8, ignore_eos=True)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=8, ignore_eos=True)
+
+
+def test_chat_and_models(system):
+    models = httpx.get(f"{system.router_url}/v1/models", timeout=10).json()
+    model = models["data"][0]["id"]
+    r = httpx.post(f"{system.router_url}/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert r.headers["x-request-id"].startswith("cmpl-")

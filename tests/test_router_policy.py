@@ -1,0 +1,71 @@
+"""Pure routing and handoff policies."""
+
+from services.relay.handoff_policy import CATCH_UP, ONE_SHOT, catchup_is_final, choose_handoff_mode
+from services.router.policy import (
+    P_MD,
+    P_RLD_MD,
+    InstanceLoad,
+    choose_least_loaded,
+    choose_main_decode,
+    choose_pipeline,
+    estimate_wan_seconds,
+)
+
+
+def test_low_hit_long_prompt_takes_the_relay():
+    # 4000 tokens × 50 KB over 1 Gbit/s ≈ 1.6 s > 0.5 s threshold
+    d = choose_pipeline(4000, 0, 50_000, 125e6, 0.03, 0.5, relay_available=True)
+    assert d.pipeline == P_RLD_MD
+    assert d.missing_bytes == 4000 * 50_000
+    assert d.hit_rate == 0.0
+    assert abs(d.est_wan_s - (0.015 + 4000 * 50_000 / 125e6)) < 1e-9
+
+
+def test_high_hit_goes_straight_to_md():
+    d = choose_pipeline(4000, 3968, 50_000, 125e6, 0.03, 0.5, relay_available=True)
+    assert d.pipeline == P_MD
+    assert d.missing_bytes == 32 * 50_000
+    assert abs(d.hit_rate - 0.992) < 1e-9
+
+
+def test_no_relay_means_p_md_never_relay_only():
+    d = choose_pipeline(4000, 0, 50_000, 1e6, 0.03, 0.5, relay_available=False)
+    assert d.pipeline == P_MD
+
+
+def test_threshold_boundary_and_bandwidth_drop():
+    fast = choose_pipeline(1000, 0, 1000, 10e6, 0.0, 0.1, True)  # exactly 0.1 s: not above the threshold
+    assert fast.pipeline == P_MD
+    slow = choose_pipeline(1000, 0, 1000, 5e6, 0.0, 0.1, True)  # bandwidth halves → 0.2 s
+    assert slow.pipeline == P_RLD_MD
+
+
+def test_cached_tokens_are_clamped():
+    d = choose_pipeline(100, 500, 10, 1e6, 0.0, 1.0, True)
+    assert d.missing_bytes == 0 and d.hit_rate == 1.0
+    assert estimate_wan_seconds(0, 1e6, 0.04) == 0.02
+
+
+def test_md_with_longest_prefix_wins_then_least_loaded():
+    mds = [InstanceLoad("a", running=1), InstanceLoad("b", running=9), InstanceLoad("c", running=0)]
+    assert choose_main_decode(mds, {"a": 3, "b": 7, "c": 0}) == "b"
+    assert choose_main_decode(mds, {"a": 2, "b": 2, "c": 2}) == "c"
+    assert choose_main_decode([], {}) is None
+
+
+def test_least_loaded_relay():
+    loads = [InstanceLoad("x", running=3), InstanceLoad("y", running=1, waiting=1), InstanceLoad("z", running=5)]
+    assert choose_least_loaded(loads) == "y"
+    assert choose_least_loaded([]) is None
+
+
+def test_handoff_mode_by_pending_and_load():
+    assert choose_handoff_mode(pending=100, relay_running=1, threshold=64, busy_at=4) == CATCH_UP
+    assert choose_handoff_mode(pending=100, relay_running=4, threshold=64, busy_at=4) == ONE_SHOT
+    assert choose_handoff_mode(pending=64, relay_running=0, threshold=64, busy_at=4) == ONE_SHOT
+
+
+def test_catchup_terminates():
+    assert catchup_is_final(pending=10, rounds_done=1, threshold=64, max_rounds=4)
+    assert not catchup_is_final(pending=100, rounds_done=1, threshold=64, max_rounds=4)
+    assert catchup_is_final(pending=100, rounds_done=4, threshold=64, max_rounds=4)

@@ -1,0 +1,77 @@
+"""Waterfall text/JSON rendering and the Prometheus metric names."""
+
+from __future__ import annotations
+
+from shared.telemetry.span_store import SpanRecord
+from shared.telemetry.waterfall import render_waterfall, trace_to_json
+
+MS = 1_000_000
+TID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def _span(sid: str, parent: str | None, name: str, svc: str, dc: str, start: int, end: int) -> SpanRecord:
+    return SpanRecord(TID, sid, parent, name, svc, "0", dc, start * MS, end * MS)
+
+
+SPANS = [
+    _span("a1", None, "router.request", "router", "dc-a", 0, 100),
+    _span("a2", "a1", "router.route", "router", "dc-a", 1, 2),
+    _span("p1", "a1", "prefill.request", "prefill", "dc-a", 2, 30),
+    _span("p2", "p1", "prefill.forward", "prefill", "dc-a", 3, 20),
+    _span("m1", "p1", "md.receive_kv", "main_decode", "dc-b", 10, 60),
+    _span("m2", "m1", "md.extend", "main_decode", "dc-b", 60, 65),
+]
+
+
+def test_waterfall_groups_by_dc_and_service() -> None:
+    text = render_waterfall(SPANS)
+    lines = text.splitlines()
+    assert TID in lines[0] and "100.0 ms" in lines[0]
+    for needle in ("dc-a", "dc-b", "router/0", "prefill/0", "main_decode/0", "md.extend"):
+        assert any(needle in line for line in lines), needle
+    assert lines.index("dc-a") < lines.index("dc-b")
+    # nesting by indentation, and the cross-service parent is named
+    fwd = next(line for line in lines if "prefill.forward" in line)
+    req = next(line for line in lines if "prefill.request" in line)
+    assert len(fwd) - len(fwd.lstrip()) > len(req) - len(req.lstrip())
+    assert "<- router/0" in req
+    assert "<- prefill/0" in next(line for line in lines if "md.receive_kv" in line)
+    # bar of the root spans the whole width
+    root = next(line for line in lines if "router.request" in line)
+    assert "|" + "█" * 40 + "|" in root
+    assert render_waterfall([]) == "(no spans)\n"
+
+
+def test_trace_to_json() -> None:
+    data = trace_to_json(SPANS)
+    assert data["trace_id"] == TID
+    assert data["datacenters"] == ["dc-a", "dc-b"]
+    assert data["duration_ms"] == 100.0
+    assert {s["span_id"] for s in data["spans"]} == {s.span_id for s in SPANS}
+    md = next(s for s in data["spans"] if s["span_id"] == "m1")
+    assert (md["offset_ms"], md["duration_ms"], md["parent_span_id"]) == (10.0, 50.0, "p1")
+
+
+def test_metric_names_exported() -> None:
+    from shared.telemetry import metrics
+
+    metrics.REQUESTS.labels(pipeline="p-md", outcome="ok").inc()
+    metrics.TTFT.labels(pipeline="p-md").observe(0.3)
+    metrics.PREFIX_HIT_RATE.observe(0.95)
+    body, ctype = metrics.metrics_text()
+    text = body.decode()
+    assert ctype.startswith("text/plain")
+    for name in (
+        "pdd_requests_total",
+        "pdd_ttft_seconds",
+        "pdd_itl_seconds",
+        "pdd_kv_bytes_total",
+        "pdd_handoff_batches_total",
+        "pdd_prefix_hit_rate",
+        "pdd_relay_running",
+        "pdd_wan_bandwidth_bytes_per_second",
+        "pdd_kv_blocks_used",
+    ):
+        assert f"# HELP {name}" in text, name
+    assert 'pdd_requests_total{outcome="ok",pipeline="p-md"}' in text
+    assert 'pdd_ttft_seconds_bucket{le="0.5",pipeline="p-md"}' in text
