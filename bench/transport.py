@@ -117,7 +117,7 @@ def _kv_tensor(nbytes: int, nblocks: int) -> torch.Tensor:
 
 
 async def bench_bulk(size: int, repeats: int) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(os.environ.get("MPCTX", "spawn"))
     parent, child = ctx.Pipe()
     unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
     proc = ctx.Process(target=_receiver_main, args=(child, size, unix_path), daemon=True)

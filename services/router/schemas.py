@@ -24,7 +24,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)

@@ -7,6 +7,7 @@ prefill), whatever instance produced it. KV bytes never travel in these messages
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.bus.codec import Message
 
@@ -17,7 +18,7 @@ class PrepareRequest(Message):
 
     rid: str
     prompt_ids: list[int]
-    params: dict
+    params: dict[str, Any]
     block_hashes: list[int]
     pipeline: str  # "p-md" | "p-rld-md"
 
@@ -36,14 +37,14 @@ class PrefillSubmit(Message):
 
     rid: str
     prompt_ids: list[int]
-    params: dict
+    params: dict[str, Any]
     pipeline: str
     md_instance: str
     md_bulk_address: str
     md_missing: list[int]
     relay_instance: str | None = None
     relay_address: str | None = None
-    options: dict = field(default_factory=dict)  # per-request operator overrides (e.g. catchup_threshold)
+    options: dict[str, Any] = field(default_factory=dict)  # per-request operator overrides (e.g. catchup_threshold)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class TokenEvent(Message):
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,5 +133,5 @@ class LoadReport(Message):
     used_blocks: int = 0
     free_blocks: int = 0
     address: str | None = None  # MD: bulk address to dial; RLD: local fast-path address
-    links: dict = field(default_factory=dict)  # P: peer -> {"bandwidth": B/s, "rtt": s}
+    links: dict[str, Any] = field(default_factory=dict)  # P: peer -> {"bandwidth": B/s, "rtt": s}
     model_id: str = ""
