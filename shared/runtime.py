@@ -78,5 +78,8 @@ async def serve_service(name: str, settings, factory) -> None:
     finally:
         await micro.stop()
         await service.stop()
-        await nc.drain()
+        try:
+            await nc.drain()
+        except Exception:  # NATS already gone (e.g. stopped first): just close
+            await nc.close()
         shutdown_tracing()

@@ -66,11 +66,11 @@ class RunningSystem:
 
 
 def start_system(workdir: Path, env: dict[str, str] | None = None, *, delay_ms: float = 10, jitter_ms: float = 0,
-                 bandwidth_mbps: float = 1000, timeout_s: float = 180) -> RunningSystem:
+                 bandwidth_mbps: float = 1000, model_preset: str = "tiny", timeout_s: float = 180) -> RunningSystem:
     base = free_port_block(20)
     args = [
         sys.executable, "-m", "shared.cli", "up", "--workdir", str(workdir), "--base-port", str(base),
-        "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(bandwidth_mbps),
+        "--model-preset", model_preset, "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(bandwidth_mbps),
     ]
     out = open(workdir / "pdd-up.log", "wb")
     proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,

@@ -73,6 +73,7 @@ class RequestStream:
             "pipeline": self.pipeline,
             "prefix_hit_rate": round(self.decision.hit_rate, 4),
             "handoff_mode": self.stats.get("handoff_mode"),
+            "handoff_batches": self.stats.get("handoff_batches", 0),
             "rld_tokens": self.stats.get("rld_tokens", 0),
             "md_tokens": self.stats.get("md_tokens", 0),
             "wan_bytes": self.stats.get("wan_bytes", 0),
