@@ -11,10 +11,9 @@ import time
 import httpx
 import pytest
 
+from bench.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
-
-from .e2e_system import RunningSystem, start_system
 
 MD_READY_TIMEOUT_S = 2.5
 # The `small` preset: its KV (16 KB/token) takes long enough to cross a capped link that the

@@ -1,4 +1,4 @@
-"""Starts the whole two-DC system (`pdd up`) as real processes for end-to-end tests."""
+"""Starts the whole two-DC system (`pdd up`) as real processes, for end-to-end tests and benchmarks."""
 
 from __future__ import annotations
 
