@@ -11,6 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, respond, subscribe
@@ -31,6 +34,8 @@ from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVServer, start_kv_server
 from shared.runtime import every, spawn
 from shared.telemetry import metrics
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.tracing import context_from_traceparent, get_tracer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,10 @@ class MDJob:
     handoff_mode: str = ""
     created: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ctx: Context | None = None  # the router's request context
+    batch_ctx: dict[int, Context] = field(default_factory=dict)  # each handoff batch's sender context
+    receive_span: Span | None = None
+    decode_span: Span | None = None
 
     @property
     def rid(self) -> str:
@@ -67,6 +76,7 @@ class MainDecodeService:
         self.jobs: dict[str, MDJob] = {}
         self.kv_server: KVServer | None = None
         self.unknown_messages = 0
+        self.tracer = get_tracer("main_decode", settings.instance, settings.datacenter)
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
 
@@ -111,7 +121,7 @@ class MainDecodeService:
             await respond(raw, PrepareReply(ok=False, error=str(e)))
             return
         missing = msg.block_hashes[have:]
-        self.jobs[msg.rid] = MDJob(msg, params, set(missing))
+        self.jobs[msg.rid] = MDJob(msg, params, set(missing), ctx=otel_context.get_current())
         await respond(raw, PrepareReply(ok=True, missing=missing, bulk_address=self.advertise_address))
 
     # ---- KV sink (bulk channel over the WAN) -------------------------------------------
@@ -121,6 +131,11 @@ class MainDecodeService:
             raise KeyError(f"unknown request id {rid}")
         if not set(hashes) <= job.missing:
             raise ValueError(f"request {rid}: unexpected blocks")
+        if job.receive_span is None:  # parented by prefill's transfer span, from the frame header
+            job.receive_span = self.tracer.start_span(
+                "md.kv_receive", context=context_from_traceparent(meta.get("traceparent")),
+                attributes={REQUEST_ID_ATTR: rid, "path": "wan"},
+            )
         await self.loop.call(self.engine.import_blocks, hashes, kv, pin=_pin(rid))
         job.received.update(hashes)
         job.wan_bytes += kv.numel() * kv.element_size()
@@ -133,7 +148,15 @@ class MainDecodeService:
         if lacking:
             raise ValueError(f"request {rid}: {len(lacking)} prompt blocks never arrived")
         job.kv_complete = True
-        await publish(self.nc, subjects.req_kv_ready(rid), KVReady(rid, self.settings.instance, job.wan_bytes))
+        if job.receive_span:
+            job.receive_span.set_attributes({"bytes": job.wan_bytes, "blocks": len(job.received)})
+            job.receive_span.end()
+        token = otel_context.attach(job.ctx) if job.ctx is not None else None
+        try:  # kv_ready belongs to the request's trace, not to the bulk connection's
+            await publish(self.nc, subjects.req_kv_ready(rid), KVReady(rid, self.settings.instance, job.wan_bytes))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         await self._drain_handoffs(job)
 
     async def on_abort(self, rid: str, reason: str) -> None:
@@ -148,7 +171,8 @@ class MainDecodeService:
             self.unknown_messages += 1
             return
         job.batches[msg.seq] = msg
-        await self._drain_handoffs(job)
+        job.batch_ctx[msg.seq] = otel_context.get_current()
+        spawn(self._drain_handoffs(job), self._tasks)  # keep this subscription free for other requests
 
     async def _drain_handoffs(self, job: MDJob) -> None:
         async with job.lock:  # batches are applied strictly in seq order, one at a time
@@ -157,8 +181,13 @@ class MainDecodeService:
                 if batch.start_index != job.next_index or not batch.tokens:
                     await self._fail(job, f"handoff batch {batch.seq} out of order or empty")
                     return
+                attrs = {REQUEST_ID_ATTR: job.rid, "seq": batch.seq, "tokens": len(batch.tokens), "mode": batch.mode,
+                         "final": batch.final}
                 try:
-                    await self.loop.call(self._apply, job, batch)
+                    with self.tracer.start_as_current_span(
+                        "md.extend", context=job.batch_ctx.pop(batch.seq, job.ctx), attributes=attrs
+                    ):
+                        await self.loop.call(self._apply, job, batch)
                 except EngineError as e:
                     await self._fail(job, f"extend failed: {e}")
                     return
@@ -166,6 +195,10 @@ class MainDecodeService:
                 job.next_index += len(batch.tokens)
                 job.handoff_mode = batch.mode
                 job.decoding = batch.final
+                if batch.final:
+                    job.decode_span = self.tracer.start_span(
+                        "md.decode", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "mode": batch.mode}
+                    )
 
     def _apply(self, job: MDJob, batch: HandoffBatch) -> None:  # engine thread
         if not job.started:
@@ -199,6 +232,7 @@ class MainDecodeService:
                 event.error = last.error
                 event.stats = {"md_tokens": job.md_tokens, "wan_bytes": job.wan_bytes, "md_instance": self.settings.instance}
                 self.jobs.pop(rid, None)
+                self._end_spans(job)
                 await self.loop.call(self.engine.release, _pin(rid))
             await publish(self.nc, subjects.req_tokens(rid), event)
 
@@ -206,7 +240,8 @@ class MainDecodeService:
     async def _on_abort(self, msg: Abort, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None and msg.source != "main_decode":
-            await self._drop(job)
+            with self.tracer.start_as_current_span("abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}):
+                await self._drop(job)
 
     async def _fail(self, job: MDJob, error: str) -> None:
         log.warning("request %s failed on MD: %s", job.rid, error)
@@ -217,9 +252,18 @@ class MainDecodeService:
                                      finish_reason="error", error=error))
         await self._drop(job)
 
+    def _end_spans(self, job: MDJob) -> None:
+        if job.decode_span and job.decode_span.is_recording():
+            job.decode_span.set_attribute("md_tokens", job.md_tokens)
+            job.decode_span.end()
+        if job.receive_span and job.receive_span.is_recording():
+            job.receive_span.set_attribute("aborted", True)
+            job.receive_span.end()
+
     async def _drop(self, job: MDJob) -> None:
         if self.jobs.pop(job.rid, None) is None:
             return
+        self._end_spans(job)
 
         def free() -> None:
             self.engine.abort(job.rid)

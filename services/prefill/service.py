@@ -10,6 +10,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, respond, subscribe
@@ -20,6 +24,8 @@ from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVClient, KVTransferError, LinkEstimator, open_kv_client
 from shared.runtime import every, spawn
 from shared.telemetry import metrics
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.tracing import get_tracer, traceparent
 
 log = logging.getLogger(__name__)
 _DONE = None  # queue sentinel: no more blocks for this destination
@@ -38,6 +44,8 @@ class PrefillJob:
     local_bytes: int = 0
     senders: dict[str, asyncio.Task] = field(default_factory=dict)  # address -> sender
     finished_at_prefill: bool = False
+    ctx: Context | None = None  # trace context of the router's request
+    compute_span: Span | None = None
 
     @property
     def rid(self) -> str:
@@ -55,6 +63,7 @@ class PrefillService:
         self.clients: dict[str, KVClient] = {}
         self._client_locks: dict[str, asyncio.Lock] = {}
         self.links = LinkEstimator()
+        self.tracer = get_tracer("prefill", settings.instance, settings.datacenter)
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
 
@@ -84,11 +93,17 @@ class PrefillService:
         try:
             params = SamplingParams.from_dict(msg.params)
             local_queue = asyncio.Queue() if msg.relay_address else None
-            job = PrefillJob(msg, params, set(msg.md_missing), local_queue=local_queue)
+            job = PrefillJob(msg, params, set(msg.md_missing), local_queue=local_queue, ctx=otel_context.get_current())
+            job.compute_span = self.tracer.start_span(
+                "prefill.compute", context=job.ctx,
+                attributes={REQUEST_ID_ATTR: msg.rid, "prompt_tokens": len(msg.prompt_ids), "pdd.pipeline": msg.pipeline},
+            )
             self.jobs[msg.rid] = job
             await self.loop.call(self._admit, job)
         except (EngineError, ValueError, TypeError) as e:
-            self.jobs.pop(msg.rid, None)
+            dropped = self.jobs.pop(msg.rid, None)
+            if dropped and dropped.compute_span:
+                dropped.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
         job.senders[msg.md_bulk_address] = spawn(self._ship(job, "wan", msg.md_bulk_address, job.md_queue), self._tasks)
@@ -139,6 +154,9 @@ class PrefillService:
 
     async def _first_token(self, job: PrefillJob, token: int) -> None:
         job.first_token = token
+        if job.compute_span:
+            job.compute_span.set_attribute("pdd.blocks_exported", job.exported)
+            job.compute_span.end()
         await self.loop.call(self._active.pop, job.rid, None)
         done_reason = self._finishes_at_first_token(job, token)
         await publish(
@@ -185,16 +203,22 @@ class PrefillService:
         """Stream one destination's blocks for one request, then wait for its ack."""
         timeout = self.settings.request_timeout_s
         meta = {}
+        span = self.tracer.start_span(
+            "kv.transfer", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "path": path, "peer": address},
+        )
+        t_start = time.monotonic()
+        sent = 0
         try:
             client = await self._client(address)
-            sent, t_first = 0, None
+            tp = traceparent_of(span)
+            t_first = None
             while True:
                 item = await asyncio.wait_for(queue.get(), timeout=timeout)
                 if item is _DONE:
                     break
                 hashes, kv = item
                 t_first = t_first or time.monotonic()
-                n = await client.send_blocks(job.rid, hashes, kv, timeout=timeout)
+                n = await client.send_blocks(job.rid, hashes, kv, traceparent=tp, timeout=timeout)
                 sent += n
                 if path == "wan":
                     job.wan_bytes += n
@@ -208,6 +232,7 @@ class PrefillService:
                     "params": job.submit.params,
                     "md_instance": job.submit.md_instance,
                     "options": job.submit.options,
+                    "traceparent": tp,
                 }
             t_finish = time.monotonic()
             await client.finish(job.rid, meta=meta, timeout=timeout)
@@ -218,10 +243,13 @@ class PrefillService:
             raise
         except (KVTransferError, TimeoutError, OSError) as e:
             log.warning("%s transfer of %s to %s failed: %s", path, job.rid, address, e)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
             if path == "local" or job.submit.pipeline == "p-md":
                 await self._fail(job, f"KV transfer to {path} peer failed: {e}")
             # On P→RLD→MD a WAN failure is the relay's to absorb (it finishes the request).
         finally:
+            span.set_attributes({"bytes": sent, "duration_s": time.monotonic() - t_start})
+            span.end()
             others = [t for t in job.senders.values() if t is not asyncio.current_task()]
             if all(t.done() for t in others) and job.first_token is not None:
                 await self._release(job)
@@ -253,7 +281,8 @@ class PrefillService:
             return
         job = self.jobs.get(msg.rid)
         if job is not None:
-            await self._drop(job, msg.reason)
+            with self.tracer.start_as_current_span("abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}):
+                await self._drop(job, msg.reason)
 
     async def _drop(self, job: PrefillJob, reason: str) -> None:
         """Cancel transfers (peers are told to drop what they got) and free the blocks."""
@@ -272,6 +301,8 @@ class PrefillService:
     async def _release(self, job: PrefillJob) -> None:
         if self.jobs.pop(job.rid, None) is None:
             return
+        if job.compute_span and job.compute_span.is_recording():
+            job.compute_span.end()
 
         def free(engine: LLMEngine = self.engine) -> None:
             self._active.pop(job.rid, None)
@@ -294,3 +325,8 @@ class PrefillService:
 
     def _link_table(self) -> dict[str, tuple[float, float]]:
         return {peer: (self.links.bandwidth(peer), self.links.rtt(peer)) for peer in self.links.snapshot()}
+
+
+def traceparent_of(span: Span) -> str | None:
+    with trace.use_span(span, end_on_exit=False):
+        return traceparent()

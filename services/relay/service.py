@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, subscribe
@@ -21,6 +23,8 @@ from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVServer, start_kv_server
 from shared.runtime import every, spawn
 from shared.telemetry import metrics
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.tracing import context_from_traceparent, get_tracer
 
 from .handoff_policy import CATCH_UP, ONE_SHOT, catchup_is_final, choose_handoff_mode
 
@@ -42,6 +46,7 @@ class RelayJob:
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
     timers: list[asyncio.Task] = field(default_factory=list)
     catchup_threshold: int = 64
+    span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
 
 
 class RelayService:
@@ -52,6 +57,7 @@ class RelayService:
         self.loop = EngineLoop(self.engine, self._on_outputs)
         self.jobs: dict[str, RelayJob] = {}
         self.early_ready: set[str] = set()  # kv_ready that beat the local KV
+        self.tracer = get_tracer("relay", settings.instance, settings.datacenter)
         self.kv_server: KVServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
@@ -88,11 +94,16 @@ class RelayService:
         override = (meta.get("options") or {}).get("catchup_threshold")
         if isinstance(override, int) and override > 0:
             job.catchup_threshold = override
+        job.span = self.tracer.start_span(
+            "relay.decode", context=context_from_traceparent(meta.get("traceparent")),
+            attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt)},
+        )
         self.jobs[rid] = job
         await self.loop.call(self.engine.add_request, rid, prompt + [first], params, num_prompt_tokens=len(prompt))
         job.timers.append(spawn(self._md_deadline(job), self._tasks))
         if rid in self.early_ready:
             self.early_ready.discard(rid)
+            job.state = HANDING_OFF
             await self._start_handoff(job)
 
     async def on_abort(self, rid: str, reason: str) -> None:
@@ -108,7 +119,7 @@ class RelayService:
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            if job.produced == 0 and job.state == RELAYING:
+            if job.produced == 0:
                 await self.loop.call(self.engine.release, _pin(rid))  # the sequence holds its blocks now
             toks = [o.token_id for o in outs if o.token_id is not None]
             last = outs[-1]
@@ -122,7 +133,11 @@ class RelayService:
                     # The relay finished the request before (or while) handing over: MD and
                     # the WAN transfer stop; this is the anomalous-traffic filter at work.
                     event.stats = {"pipeline": "rld-only", "rld_tokens": job.produced}
-                    await publish(self.nc, subjects.req_abort(rid), Abort(rid, "relay_finished", "relay"))
+                    ctx = trace.set_span_in_context(job.span) if job.span else None
+                    with self.tracer.start_as_current_span(
+                        "abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": "relay_finished"}
+                    ):
+                        await publish(self.nc, subjects.req_abort(rid), Abort(rid, "relay_finished", "relay"))
                 await publish(self.nc, subjects.req_tokens(rid), event)
                 self._forget(job)
             elif toks:
@@ -136,7 +151,8 @@ class RelayService:
                 self.early_ready.add(msg.rid)
             return
         if job.state == RELAYING:
-            await self._start_handoff(job)
+            job.state = HANDING_OFF  # claimed now, so a duplicate kv_ready cannot start a second handoff
+            spawn(self._start_handoff(job), self._tasks)
 
     async def _start_handoff(self, job: RelayJob) -> None:
         tokens = await self.loop.call(self._snapshot, job.rid, False)
@@ -144,7 +160,6 @@ class RelayService:
             return  # finished in the meantime: the output path handles it
         running = (await self.loop.call(self.engine.stats))["running"]
         job.mode = choose_handoff_mode(len(tokens), running, job.catchup_threshold, self.settings.catchup_load)
-        job.state = HANDING_OFF
         if job.mode == ONE_SHOT:
             await self._send_final(job)
         else:
@@ -158,6 +173,7 @@ class RelayService:
             return None
         if final:
             self.engine.abort(rid)
+            self.engine.release(_pin(rid))
         return tokens
 
     async def _send_batch(self, job: RelayJob, tokens: list[int]) -> None:
@@ -169,7 +185,7 @@ class RelayService:
         job.seq += 1
         job.rounds += 1
         metrics.HANDOFF_BATCHES.labels(mode=CATCH_UP).inc()
-        await publish(self.nc, subjects.req_handoff(job.rid), msg)
+        await self._publish_batch(job, msg)
         job.timers.append(spawn(self._ack_deadline(job, msg.seq), self._tasks))
 
     async def _send_final(self, job: RelayJob) -> None:
@@ -179,15 +195,25 @@ class RelayService:
         job.state = HANDED
         batch = HandoffBatch(job.rid, job.seq, job.handed, tokens[job.handed :], final=True, mode=job.mode or ONE_SHOT)
         metrics.HANDOFF_BATCHES.labels(mode=batch.mode).inc()
-        await publish(self.nc, subjects.req_handoff(job.rid), batch)
+        await self._publish_batch(job, batch)
         stats = {"handoff_mode": job.mode, "rld_tokens": max(len(tokens) - 1, 0), "handoff_batches": job.seq + 1}
         await publish(self.nc, subjects.req_tokens(job.rid), TokenEvent(job.rid, "relay", len(tokens), [], stats=stats))
         self._forget(job)
+
+    async def _publish_batch(self, job: RelayJob, batch: HandoffBatch) -> None:
+        ctx = trace.set_span_in_context(job.span) if job.span else None
+        attrs = {REQUEST_ID_ATTR: job.rid, "mode": batch.mode, "seq": batch.seq, "tokens": len(batch.tokens),
+                 "final": batch.final}
+        with self.tracer.start_as_current_span("relay.handoff_batch", context=ctx, attributes=attrs):
+            await publish(self.nc, subjects.req_handoff(job.rid), batch)
 
     async def _on_ack(self, msg: HandoffAck, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None or job.state != HANDING_OFF or msg.seq != job.seq - 1:
             return
+        spawn(self._continue_catchup(job, msg), self._tasks)
+
+    async def _continue_catchup(self, job: RelayJob, msg: HandoffAck) -> None:
         if not msg.ok:
             await self._go_solo(job, f"MD rejected handoff: {msg.error}")
             return
@@ -215,7 +241,9 @@ class RelayService:
         """Fault fallback: MD is out of the picture; the relay finishes the request."""
         log.warning("request %s: %s; relay finishes it", job.rid, reason)
         job.state = SOLO
-        await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, reason, "relay-fallback"))
+        ctx = trace.set_span_in_context(job.span) if job.span else None
+        with self.tracer.start_as_current_span("abort", context=ctx, attributes={REQUEST_ID_ATTR: job.rid, "reason": reason}):
+            await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, reason, "relay-fallback"))
 
     async def _on_abort(self, msg: Abort, raw) -> None:
         if msg.source.startswith("relay"):
@@ -239,6 +267,9 @@ class RelayService:
     def _forget(self, job: RelayJob) -> None:
         if self.jobs.get(job.rid) is job:
             del self.jobs[job.rid]
+        if job.span and job.span.is_recording():
+            job.span.set_attributes({"rld_tokens": job.produced, "state": job.state, "mode": job.mode or ""})
+            job.span.end()
         for t in job.timers:
             if t is not asyncio.current_task():
                 t.cancel()

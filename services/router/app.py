@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.engine import SamplingParams
 from shared.telemetry import metrics
+from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_trace
+from shared.telemetry.waterfall import trace_to_json
 
 from .detokenizer import Detokenizer
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body
@@ -83,6 +85,19 @@ def create_app(core_factory) -> FastAPI:
                 }
         return out
 
+    @app.get("/v1/traces/{trace_or_request_id}")
+    async def get_trace(trace_or_request_id: str) -> JSONResponse:
+        """One request's spans from every service, both datacenters (local span store)."""
+        directory = default_trace_dir()
+        tid = trace_or_request_id.lower()
+        if not (len(tid) == 32 and all(c in "0123456789abcdef" for c in tid)):
+            tid = await asyncio.to_thread(find_trace_id, directory, trace_or_request_id)
+        spans = await asyncio.to_thread(load_trace, directory, tid) if tid else []
+        if not spans:
+            return JSONResponse(error_body(f"no trace for '{trace_or_request_id}' in {directory}", type_="not_found"),
+                                status_code=404)
+        return JSONResponse(trace_to_json(spans))
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -142,6 +157,8 @@ def create_app(core_factory) -> FastAPI:
             metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
             return JSONResponse(error_body(str(e), type_=e.type), status_code=e.status)
         headers = {"x-request-id": stream.rid, "x-pdd-pipeline": stream.decision.pipeline}
+        if stream.traceparent:
+            headers["traceparent"] = stream.traceparent
         detok = Detokenizer(tokenizer, params.stop)
         if body.stream:
             gen = _sse(core, stream, detok, chat, core.model_id)

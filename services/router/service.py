@@ -10,6 +10,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode, format_trace_id
+
 from shared.bus import subjects
 from shared.bus.connection import publish, request, subscribe
 from shared.bus.messages import (
@@ -26,6 +29,8 @@ from shared.config import RouterSettings
 from shared.engine import SamplingParams, block_hashes
 from shared.runtime import spawn
 from shared.telemetry import metrics
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.tracing import get_tracer
 
 from .merger import TokenMerger
 from .policy import P_RLD_MD, RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
@@ -63,6 +68,18 @@ class RequestStream:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     done: bool = False
+    span: Span | None = None  # the request's root span: one trace across both datacenters
+
+    @property
+    def trace_id(self) -> str | None:
+        return format_trace_id(self.span.get_span_context().trace_id) if self.span else None
+
+    @property
+    def traceparent(self) -> str | None:
+        if not self.span:
+            return None
+        ctx = self.span.get_span_context()
+        return f"00-{format_trace_id(ctx.trace_id)}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
     @property
     def pipeline(self) -> str:
@@ -77,7 +94,7 @@ class RequestStream:
             "rld_tokens": self.stats.get("rld_tokens", 0),
             "md_tokens": self.stats.get("md_tokens", 0),
             "wan_bytes": self.stats.get("wan_bytes", 0),
-            "trace_id": self.stats.get("trace_id"),
+            "trace_id": self.trace_id,
         }
 
 
@@ -92,6 +109,7 @@ class RouterCore:
         self.registry = Registry()
         self.streams: dict[str, RequestStream] = {}
         self.unknown_events = 0
+        self.tracer = get_tracer("router", settings.instance, settings.datacenter)
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
 
@@ -151,8 +169,27 @@ class RouterCore:
         if params.seed is None:  # every instance must sample a request the same way
             params.seed = secrets.randbits(63)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        decision, md, relay, hashes = self.route(prompt_ids, options.get("pipeline"))
-        stream = RequestStream(rid, prompt_ids, decision, md_instance=md)
+        span = self.tracer.start_span("router.request", attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt_ids)})
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                return await self._dispatch(rid, span, prompt_ids, params, options)
+        except RequestError as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            span.end()
+            raise
+
+    async def _dispatch(self, rid: str, span: Span, prompt_ids: list[int], params: SamplingParams,
+                        options: dict) -> RequestStream:
+        with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
+            decision, md, relay, hashes = self.route(prompt_ids, options.get("pipeline"))
+            route_span.set_attributes({
+                "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
+                "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline,
+                "pdd.md_instance": md, "pdd.relay_instance": relay or "",
+                "pdd.bandwidth_estimate": self._bandwidth_to(md),
+            })
+        stream = RequestStream(rid, prompt_ids, decision, md_instance=md, span=span)
+        span.set_attribute("pdd.pipeline", decision.pipeline)
         self.streams[rid] = stream
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
         try:
@@ -187,6 +224,13 @@ class RouterCore:
             raise RequestError(f"could not dispatch the request: {e}", 503) from e
         return stream
 
+    def _bandwidth_to(self, md: str) -> float:
+        report = self.registry.get("main_decode", md)
+        link = self.registry.link_to(report.address) if report and report.address else None
+        bandwidth = link[0] if link else self.settings.default_bandwidth_bps
+        metrics.WAN_BANDWIDTH.labels(peer=md).set(bandwidth)
+        return bandwidth
+
     async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
         """Ordered new tokens until the request finishes; raises RequestError on failure."""
         deadline = stream.created + self.settings.request_timeout_s
@@ -211,14 +255,26 @@ class RouterCore:
                 if merged.finished:
                     stream.done = True
                     return
+        except RequestError as e:
+            if stream.span:
+                stream.span.set_status(Status(StatusCode.ERROR, str(e)))
+            raise
         finally:
             self.streams.pop(stream.rid, None)
+            if stream.span:
+                stream.span.set_attributes({
+                    "pdd.pipeline": stream.pipeline, "pdd.output_tokens": stream.merger.next_index,
+                    "pdd.outcome": "ok" if stream.done else "aborted",
+                })
+                stream.span.end()
             if not stream.done:
-                spawn(self.abort(stream.rid, "client went away or request failed"), self._tasks)
+                spawn(self.abort(stream.rid, "client went away or request failed", stream.span), self._tasks)
 
-    async def abort(self, rid: str, reason: str) -> None:
+    async def abort(self, rid: str, reason: str, parent: Span | None = None) -> None:
         self.streams.pop(rid, None)
+        ctx = trace.set_span_in_context(parent) if parent else None
         try:
-            await publish(self.nc, subjects.req_abort(rid), Abort(rid, reason, "router"))
+            with self.tracer.start_as_current_span("abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": reason}):
+                await publish(self.nc, subjects.req_abort(rid), Abort(rid, reason, "router"))
         except Exception as e:  # NATS gone: peers time the request out on their own
             log.warning("could not publish abort for %s: %s", rid, e)
