@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shared.engine import SamplingParams
 from shared.telemetry import metrics
 from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_trace
+from shared.telemetry.tracing import extract
 from shared.telemetry.waterfall import trace_to_json
 
 from .detokenizer import Detokenizer
@@ -152,7 +153,7 @@ def create_app(core_factory) -> FastAPI:
         )
         options = body.pdd.model_dump() if body.pdd else {}
         try:
-            stream = await core.open(prompt_ids, params, options)
+            stream = await core.open(prompt_ids, params, options, extract(dict(request.headers)))
         except RequestError as e:
             metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
             return JSONResponse(error_body(str(e), type_=e.type), status_code=e.status)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode, format_trace_id
 
 from shared.bus import subjects
@@ -163,13 +164,16 @@ class RouterCore:
             decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
         return decision, md, relay if decision.pipeline == P_RLD_MD else None, hashes
 
-    async def open(self, prompt_ids: list[int], params: SamplingParams, options: dict) -> RequestStream:
+    async def open(self, prompt_ids: list[int], params: SamplingParams, options: dict,
+                   trace_context: Context | None = None) -> RequestStream:
+        """Route and dispatch a request; `trace_context` is the caller's (W3C headers), if any."""
         if not self.registry.alive("prefill"):
             raise RequestError("no prefill instance is available", 503)
         if params.seed is None:  # every instance must sample a request the same way
             params.seed = secrets.randbits(63)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        span = self.tracer.start_span("router.request", attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt_ids)})
+        span = self.tracer.start_span("router.request", context=trace_context or Context(),
+                                      attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt_ids)})
         try:
             with trace.use_span(span, end_on_exit=False):
                 return await self._dispatch(rid, span, prompt_ids, params, options)

@@ -1,0 +1,97 @@
+"""One P→RLD→MD request is one trace across both datacenters; metrics after traffic."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from bench.system import RunningSystem, start_system
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory) -> RunningSystem:
+    sysm = start_system(tmp_path_factory.mktemp("pdd-tel"), {"PDD_RELAY_CATCHUP_THRESHOLD": "1"},
+                        delay_ms=5, model_preset="small")
+    yield sysm
+    sysm.stop()
+
+
+def _trace(system: RunningSystem, rid: str, want: set[str], timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{system.router_url}/v1/traces/{rid}", timeout=10)
+        names = {s["name"] for s in r.json().get("spans", [])} if r.status_code == 200 else set()
+        if want <= names or time.monotonic() > deadline:
+            return r.json()
+        time.sleep(0.3)
+
+
+def test_relay_request_is_one_trace_across_both_datacenters(system):
+    prompt = [(i * 11 + 5) % 250 for i in range(600)]
+    system.wan("bulk", bandwidth_mbps=80.0)
+    try:
+        r = httpx.post(f"{system.router_url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+            "pdd": {"pipeline": "p-rld-md"}})
+    finally:
+        system.wan("bulk", bandwidth_mbps=1000.0)
+    assert r.status_code == 200, r.text
+    rid, body = r.headers["x-request-id"], r.json()
+    assert body["pdd"]["pipeline"] == "p-rld-md"
+    trace_id = body["pdd"]["trace_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", trace_id)
+    assert r.headers["traceparent"].split("-")[1] == trace_id
+
+    want = {"router.request", "router.route", "prefill.compute", "kv.transfer", "relay.decode",
+            "relay.handoff_batch", "md.kv_receive", "md.extend", "md.decode"}
+    data = _trace(system, rid, want)
+    spans = data["spans"]
+    names = {s["name"] for s in spans}
+    assert want <= names, names
+    assert {s["trace_id"] for s in spans} == {trace_id}
+    assert {s["datacenter"] for s in spans} == {"dc-a", "dc-b"}
+    by_id = {s["span_id"]: s for s in spans}
+
+    def parent(name: str, **attrs) -> str:
+        span = next(s for s in spans if s["name"] == name and all(s["attributes"].get(k) == v for k, v in attrs.items()))
+        return by_id[span["parent_span_id"]]["name"]
+
+    root = next(s for s in spans if s["name"] == "router.request")
+    assert root["parent_span_id"] is None
+    assert parent("prefill.compute") == "router.request"  # across NATS (submit)
+    assert parent("kv.transfer", path="wan") == "router.request"
+    assert parent("md.kv_receive") == "kv.transfer"  # across the bulk channel, over the WAN
+    assert parent("relay.decode") == "kv.transfer"  # across the local fast path
+    assert parent("relay.handoff_batch") == "relay.decode"
+    assert parent("md.extend") == "relay.handoff_batch"  # across the NATS gateway
+    assert parent("md.decode") == "router.request"  # across the gateway (prepare)
+    services = {s["service"] for s in spans}
+    assert services == {"router", "prefill", "relay", "main_decode"}
+
+    # `pdd trace` renders the same trace as a waterfall grouped by datacenter.
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "trace", rid, "--dir", str(system.workdir / "traces")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "dc-a" in out.stdout and "dc-b" in out.stdout and "md.extend" in out.stdout
+
+
+def test_metrics_after_traffic(system):
+    r = httpx.post(f"{system.router_url}/v1/completions", timeout=60,
+                   json={"prompt": "metrics please", "max_tokens": 5, "temperature": 0, "pdd": {"pipeline": "p-md"}})
+    assert r.status_code == 200
+    text = httpx.get(f"{system.router_url}/metrics", timeout=10).text
+    count = re.search(r'pdd_requests_total\{outcome="ok",pipeline="p-md"\} (\d+\.\d+)', text)
+    assert count and float(count.group(1)) >= 1
+    ttft = re.search(r'pdd_ttft_seconds_count\{pipeline="p-md"\} (\d+\.\d+)', text)
+    assert ttft and float(ttft.group(1)) >= 1
+    assert "pdd_prefix_hit_rate_bucket" in text
+    # Each non-router service serves its own /metrics (see README).
+    inst = httpx.get(f"{system.router_url}/v1/instances", timeout=10).json()
+    assert set(inst) == {"prefill/0", "relay/0", "main_decode/0"}
