@@ -241,7 +241,9 @@ class PrefillService:
                 self._observe_link(address, sent, t_first, t_finish, t_end)
         except asyncio.CancelledError:
             raise
-        except (KVTransferError, TimeoutError, OSError) as e:
+        except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
+            if not isinstance(e, KVTransferError | TimeoutError | OSError):
+                log.exception("%s transfer of %s crashed", path, job.rid)
             log.warning("%s transfer of %s to %s failed: %s", path, job.rid, address, e)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
             if path == "local" or job.submit.pipeline == "p-md":

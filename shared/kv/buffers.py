@@ -39,7 +39,7 @@ class RecvBuffers:
 
     def _take(self, nbytes: int) -> mmap.mmap:
         for i in range(len(self._bufs)):
-            if nbytes <= len(self._bufs[i]) <= 2 * nbytes and self._free(i):
+            if nbytes <= len(self._bufs[i]) <= max(2 * nbytes, nbytes + ALIGN) and self._free(i):
                 self.reused += 1
                 return self._bufs[i]
         size = -(-nbytes // ALIGN) * ALIGN

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 SUBFRAME_BYTES = 4 << 20  # a group is cut along layers into frames of about this size
 THREAD_CHECKSUM_BYTES = 1 << 20  # hash bigger slices in a worker thread (xxhash/zlib drop the GIL)
 CONTROL_TIMEOUT_S = 10.0
+ABORTED_MEMORY = 4096  # aborted rids remembered, so a producer still running gets an error
 
 
 @dataclass
@@ -73,6 +75,7 @@ class KVClient:
         self._stream = stream
         self._wlock = asyncio.Lock()
         self._rids: dict[str, _Rid] = {}
+        self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()  # bounded memory
         self._close_reason = "closed"
         self._reader = asyncio.create_task(self._read_loop())
 
@@ -123,13 +126,14 @@ class KVClient:
             async with asyncio.timeout(timeout), st.lock:
                 seq = st.groups
                 st.groups += 1
-                hashing = asyncio.ensure_future(self._hash(payload[: ranges[0][1] * layer_bytes]))
+                threaded = len(ranges) > 1  # a thread only pays off when it overlaps a send
+                hashing = asyncio.ensure_future(self._hash(payload[: ranges[0][1] * layer_bytes], threaded))
                 for i, (lo, hi) in enumerate(ranges):
                     csum = await hashing
                     if i + 1 < len(ranges):  # hash the next slice while this one is on the wire
                         nlo, nhi = ranges[i + 1]
                         hashing = asyncio.ensure_future(
-                            self._hash(payload[nlo * layer_bytes : nhi * layer_bytes])
+                            self._hash(payload[nlo * layer_bytes : nhi * layer_bytes], threaded)
                         )
                     header = {**base, "seq": seq, "layers": [lo, hi], "nbytes": (hi - lo) * layer_bytes}
                     header["csum"] = [self.checksum, csum]
@@ -163,8 +167,9 @@ class KVClient:
                     await self._send_frame(st, {"kind": "done", "rid": rid, "meta": meta or {}})
                 await st.ack
         except TimeoutError:
-            await self._forget(rid, st, notify=True)
-            raise KVTransferError(f"finish({rid}): no ack from {self.address} within {timeout}s") from None
+            why = f"finish({rid}): no ack from {self.address} within {timeout}s"
+            await self._forget(rid, st, notify=True, reason=why)
+            raise KVTransferError(why) from None
         except BaseException:
             await self._forget(rid, st, notify=st.error is not None)
             raise
@@ -178,6 +183,7 @@ class KVClient:
         st = self._rids.pop(rid, None) or _Rid()
         if st.error is None:
             st.error = f"aborted: {reason}"
+        self._remember_failed(rid, st.error)
         if st.ack is not None and not st.ack.done():
             st.ack.set_exception(KVTransferError(st.error))
         if not self.closed:
@@ -197,24 +203,31 @@ class KVClient:
     def _state(self, rid: str) -> _Rid:
         if self.closed:
             raise KVTransferError(f"kv channel to {self.address}: {self._close_reason}")
+        if rid in self._aborted:
+            raise KVTransferError(f"{rid}: {self._aborted[rid]}")
         # An errored rid stays here until finish()/abort(), so those raise too.
         return self._rids.setdefault(rid, _Rid())
 
-    async def _hash(self, data: memoryview) -> int:
-        if self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
+    async def _hash(self, data: memoryview, threaded: bool) -> int:
+        if threaded and self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
             return await asyncio.to_thread(checksum, self.checksum, data)
         return checksum(self.checksum, data)
 
-    async def _forget(self, rid: str, st: _Rid, notify: bool) -> None:
+    def _remember_failed(self, rid: str, reason: str) -> None:
+        self._aborted[rid] = reason
+        while len(self._aborted) > ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+
+    async def _forget(self, rid: str, st: _Rid, notify: bool, reason: str | None = None) -> None:
+        """Drop a failed rid (later calls for it keep raising) and tell the receiver to drop it too."""
         if self._rids.get(rid) is not st:
             return  # already forgotten by abort() or a channel failure
         del self._rids[rid]
-        if notify and not self.closed:  # let the receiver drop its memory of rid too
+        self._remember_failed(rid, st.error or reason or "failed")
+        if notify and not self.closed:
             with contextlib.suppress(KVTransferError, TimeoutError):
                 async with asyncio.timeout(CONTROL_TIMEOUT_S):
-                    await self._send_frame(
-                        st, {"kind": "abort", "rid": rid, "reason": "sender gave up"}, force=True
-                    )
+                    await self._send_frame(st, {"kind": "abort", "rid": rid, "reason": "sender gave up"}, force=True)
 
     async def _send_frame(
         self, st: _Rid, header: dict, payload: memoryview | None = None, force: bool = False

@@ -72,17 +72,15 @@ class LinkEstimator:
             return 0.0
         return self.rtt(peer) / 2 + nbytes / self.bandwidth(peer)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, dict]:
+        """{peer: {bandwidth, rtt, transfers, rtt_samples, updated}} for every peer observed."""
         return {
-            "defaults": {"bandwidth": self.default_bandwidth, "rtt": self.default_rtt},
-            "peers": {
-                name: {
-                    "bandwidth": self.bandwidth(name),
-                    "rtt": self.rtt(name),
-                    "transfers": p.transfers,
-                    "rtt_samples": p.rtt_samples,
-                    "updated": p.updated,
-                }
-                for name, p in self._peers.items()
-            },
+            name: {
+                "bandwidth": self.bandwidth(name),
+                "rtt": self.rtt(name),
+                "transfers": p.transfers,
+                "rtt_samples": p.rtt_samples,
+                "updated": p.updated,
+            }
+            for name, p in self._peers.items()
         }

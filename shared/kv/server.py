@@ -218,14 +218,25 @@ class KVServer:
         self.max_header_bytes = max_header_bytes
         self.buffers = RecvBuffers()
         self._listener: Listener | None = None
+        self._receivers: set[_Receiver] = set()
 
     @property
     def address(self) -> str:
         assert self._listener is not None
         return self._listener.address
 
+    @property
+    def in_flight(self) -> dict[str, list[str]]:
+        """{sender peer: rids with blocks received and no done/abort yet} (and partial groups)."""
+        return {r.stream.peer: sorted(set(r.next_seq) | set(r.groups)) for r in self._receivers}
+
     async def _serve(self, stream: Stream) -> None:
-        await _Receiver(self, stream).run()
+        receiver = _Receiver(self, stream)
+        self._receivers.add(receiver)
+        try:
+            await receiver.run()
+        finally:
+            self._receivers.discard(receiver)
 
     async def close(self) -> None:
         """Stop accepting, drop every connection (the sink gets on_abort for rids in flight)."""

@@ -29,7 +29,17 @@ control API:
       -d '{"delay_ms": 40, "bandwidth_mbps": 100}'      # or {"cut": true, "cut_mode": "blackhole"}, {"cut": false}
 """
 
-_OPTS = {"delay_ms": float, "jitter_ms": float, "bandwidth_mbps": float}
+def _mbps(value: str) -> float | None:
+    """A bandwidth in Mbit/s; "none", "unlimited" or 0 mean no cap."""
+    if value.strip().lower() in ("none", "unlimited", "inf", "0", "0.0"):
+        return None
+    mbps = float(value)
+    if mbps <= 0:
+        raise ValueError(f"bandwidth must be > 0, got {value!r}")
+    return mbps
+
+
+_OPTS = {"delay_ms": float, "jitter_ms": float, "bandwidth_mbps": _mbps}
 
 
 def parse_link(spec: str, defaults: dict) -> WanLink:
@@ -63,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per direction")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="uniform jitter +-ms on the delay")
-    p.add_argument("--bandwidth-mbps", type=float, default=None, help="cap per direction (default unlimited)")
+    p.add_argument(
+        "--bandwidth-mbps", type=_mbps, default=None, help="cap per direction; none/0 = unlimited (default)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -1,0 +1,358 @@
+"""The KV bulk channel over real sockets: integrity, multiplexing, auth, faults, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import shared.kv.client as kv_client
+import shared.kv.server as kv_server
+from shared.kv import KVTransferError, open_kv_client, start_kv_server
+from shared.kv.auth import client_handshake
+from shared.kv.checksum import checksum
+from shared.kv.frame import PREFIX, byte_view, pack, read_header
+from shared.kv.transport import transport_for
+
+SECRET = "test-secret"
+L, BS, H, D = 4, 16, 2, 16  # one block: 4 layers x 2 x 16 tokens x 2 heads x 16 dims fp16 = 8 KiB
+
+
+def blocks(n: int, seed: int = 0, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, 2, n, BS, H, D, generator=g).to(dtype)
+
+
+class MemorySink:
+    """Keeps what arrives; frees on abort; records every callback."""
+
+    def __init__(self, reject_at: int | None = None) -> None:
+        self.held: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+        self.done: dict[str, dict] = {}
+        self.aborts: list[tuple[str, str]] = []
+        self.metas: list[dict] = []
+        self.reject_at = reject_at
+        self.got_blocks = asyncio.Event()
+
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict[str, Any]) -> None:
+        if self.reject_at is not None and meta["seq"] == self.reject_at:
+            raise RuntimeError("pool full")
+        self.held.setdefault(rid, []).append((hashes, kv))
+        self.metas.append(meta)
+        self.got_blocks.set()
+
+    async def on_done(self, rid: str, meta: dict[str, Any]) -> None:
+        self.done[rid] = meta
+
+    async def on_abort(self, rid: str, reason: str) -> None:
+        self.aborts.append((rid, reason))
+        self.held.pop(rid, None)
+
+    def tensor(self, rid: str) -> torch.Tensor:
+        return torch.cat([kv for _, kv in self.held[rid]], dim=2)
+
+    def hashes(self, rid: str) -> list[int]:
+        return [h for hs, _ in self.held[rid] for h in hs]
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def kv_pair():
+    sink = MemorySink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
+    client = await open_kv_client(server.address, SECRET)
+    try:
+        yield sink, server, client
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_thousand_blocks_bit_exact(kv_pair) -> None:
+    sink, server, client = kv_pair
+    src = blocks(1000)
+    sent = 0
+    for i in range(0, 1000, 25):  # as a producer would: a few blocks at a time, sent at once
+        sent += await client.send_blocks("r1", list(range(i, i + 25)), src[:, :, i : i + 25], traceparent="00-tp")
+    await client.finish("r1", meta={"prompt_len": 16000})
+    assert torch.equal(sink.tensor("r1"), src)
+    assert sink.hashes("r1") == list(range(1000))
+    assert sink.done["r1"] == {"prompt_len": 16000}
+    assert [m["seq"] for m in sink.metas] == list(range(40)) and sink.metas[0]["traceparent"] == "00-tp"
+    stats = client.last_transfer
+    assert stats is not None and stats.rid == "r1" and stats.nbytes == sent > src.numel() * 2
+    assert stats.groups == 40 and stats.goodput > 0 and client.last_goodput == stats.goodput
+    assert server.in_flight == {next(iter(server.in_flight)): []}
+
+
+async def test_many_requests_multiplexed_on_one_connection(kv_pair) -> None:
+    sink, _, client = kv_pair
+    srcs = {f"r{i}": blocks(40, seed=i, dtype=dt) for i, dt in enumerate([torch.float16, torch.bfloat16, torch.float32])}
+
+    async def stream(rid: str, src: torch.Tensor) -> None:
+        for i in range(0, 40, 4):
+            await client.send_blocks(rid, list(range(i, i + 4)), src[:, :, i : i + 4])
+            await asyncio.sleep(0)
+        await client.finish(rid)
+
+    await asyncio.gather(*(stream(rid, src) for rid, src in srcs.items()))
+    for rid, src in srcs.items():
+        got = sink.tensor(rid)
+        assert got.dtype == src.dtype and torch.equal(got, src)
+
+
+async def test_unix_fast_path_and_large_groups_split_by_layer(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(kv_client, "SUBFRAME_BYTES", 3000)  # force many sub-frames per group
+    monkeypatch.setattr(kv_client, "THREAD_CHECKSUM_BYTES", 1000)  # and the threaded hashing path
+    sink = MemorySink()
+    server = await start_kv_server(f"unix://{tmp_path}/kv.sock", SECRET, sink)
+    assert server.address == f"unix://{tmp_path}/kv.sock"
+    client = await open_kv_client(server.address, SECRET)
+    try:
+        src = blocks(3)  # 4 layers x 6 KiB: one sub-frame per layer
+        await client.send_blocks("u", [7, 8, 9], src)
+        await client.finish("u")
+        assert torch.equal(sink.tensor("u"), src) and sink.hashes("u") == [7, 8, 9]
+        assert len(sink.metas) == 1 and sink.metas[0]["layers"] == [0, L]
+    finally:
+        await client.close()
+        await server.close()
+    assert not (tmp_path / "kv.sock").exists()
+
+
+async def test_wrong_secret_is_refused() -> None:
+    sink = MemorySink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
+    try:
+        with pytest.raises(KVTransferError, match="authentication failed"):
+            await open_kv_client(server.address, "not-the-secret", timeout=5)
+        with pytest.raises(KVTransferError):
+            await open_kv_client("tcp://127.0.0.1:1", SECRET, timeout=5)  # nobody listens
+        # A server with another secret: the client refuses to stream to it (mutual auth).
+        impostor = await start_kv_server("tcp://127.0.0.1:0", "other", MemorySink())
+        try:
+            with pytest.raises(KVTransferError):
+                await open_kv_client(impostor.address, SECRET, timeout=5)
+        finally:
+            await impostor.close()
+        assert server.in_flight == {}
+    finally:
+        await server.close()
+
+
+async def test_silent_peer_is_dropped_after_handshake_timeout(monkeypatch) -> None:
+    monkeypatch.setattr(kv_server, "AUTH_TIMEOUT_S", 0.2)
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, MemorySink())
+    try:
+        reader, writer = await asyncio.open_connection(*server.address[6:].rsplit(":", 1))
+        await reader.readexactly(4)  # the server's hello arrives; we never answer
+        async with asyncio.timeout(3):
+            while await reader.read(4096):
+                pass  # EOF: the server hung up on us
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def _raw_authenticated(address: str):
+    """A hand-rolled sender: real handshake, then frames we build ourselves (to inject faults)."""
+    stream = await transport_for(address).connect(address)
+    await client_handshake(stream, SECRET.encode())
+    return stream
+
+
+async def test_flipped_byte_is_detected_and_reported(kv_pair) -> None:
+    # Fault injection: a raw client speaks the protocol but corrupts one payload byte after
+    # computing the checksum over the original bytes.
+    sink, server, client = kv_pair
+    stream = await _raw_authenticated(server.address)
+    try:
+        kv = blocks(2)
+        payload = bytearray(byte_view(kv))
+        header = {
+            "kind": "blocks", "rid": "bad", "seq": 0, "hashes": [1, 2], "layers": [0, L], "dtype": "float16",
+            "shape": list(kv.shape), "nbytes": len(payload), "csum": ["xxh3", checksum("xxh3", payload)], "tp": None,
+        }  # fmt: skip
+        payload[1234] ^= 0x01
+        await stream.send(pack(header), payload)
+        reply = await asyncio.wait_for(read_header(stream, 1 << 20), 5)
+        assert reply["kind"] == "error" and reply["rid"] == "bad" and "checksum mismatch" in reply["reason"]
+        assert sink.aborts == [("bad", reply["reason"])] and "bad" not in sink.held
+        # The connection stays usable, and the rid's later frames are discarded; done repeats the error.
+        await stream.send(pack({**header, "seq": 1, "csum": ["xxh3", checksum("xxh3", payload)]}), payload)
+        await stream.send(pack({"kind": "done", "rid": "bad", "meta": {}}))
+        reply = await asyncio.wait_for(read_header(stream, 1 << 20), 5)
+        assert reply["kind"] == "error" and "checksum mismatch" in reply["reason"]
+        assert "bad" not in sink.held and "bad" not in sink.done
+    finally:
+        stream.close()
+    # The same fault through KVClient: its finish() raises with the receiver's reason.
+    real_send = client._stream.send
+
+    async def corrupting_send(*bufs):
+        if len(bufs) == 2:
+            bad = bytearray(bufs[1])
+            bad[-1] ^= 0x80
+            bufs = (bufs[0], bad)
+        await real_send(*bufs)
+
+    client._stream.send = corrupting_send
+    await client.send_blocks("bad2", [1, 2], blocks(2))
+    client._stream.send = real_send
+    with pytest.raises(KVTransferError, match="checksum mismatch"):
+        await client.finish("bad2", timeout=5)
+    with pytest.raises(KVTransferError):  # an errored rid cannot be continued
+        await client.send_blocks("bad2", [3], blocks(1))
+    await client.send_blocks("good", [1], blocks(1))  # others are unaffected
+    await client.finish("good", timeout=5)
+
+
+async def test_sink_rejection_fails_the_senders_finish() -> None:
+    sink = MemorySink(reject_at=1)
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
+    client = await open_kv_client(server.address, SECRET)
+    try:
+        await client.send_blocks("r", [1], blocks(1))
+        await client.send_blocks("r", [2], blocks(1))  # rejected by the sink
+        with pytest.raises(KVTransferError, match="pool full"):
+            await client.finish("r", timeout=5)
+        assert [rid for rid, _ in sink.aborts] == ["r"] and "r" not in sink.held
+        assert client._rids == {}
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_abort_mid_stream_frees_both_sides(kv_pair) -> None:
+    sink, server, client = kv_pair
+    src = blocks(200)
+
+    async def producer() -> None:
+        for i in range(200):
+            await client.send_blocks("a", [i], src[:, :, i : i + 1])
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(producer())
+    await until(lambda: len(sink.held.get("a", [])) >= 5)
+    await client.abort("a", "relay finished first")
+    with pytest.raises(KVTransferError, match="aborted"):
+        await asyncio.wait_for(task, 5)  # the producer's next send raises: it stops sending
+    await until(lambda: sink.aborts)
+    assert sink.aborts == [("a", "aborted by sender: relay finished first")]
+    assert "a" not in sink.held and "a" not in sink.done
+    assert client._rids == {}
+    await until(lambda: all(not rids for rids in server.in_flight.values()))
+    with pytest.raises(KVTransferError, match="aborted"):
+        await client.finish("a")
+
+
+async def test_receiver_vanishing_fails_pending_calls_within_timeout() -> None:
+    sink = MemorySink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
+    client = await open_kv_client(server.address, SECRET)
+
+    async def never_done(rid: str, meta: dict) -> None:
+        await asyncio.sleep(3600)
+
+    sink.on_done = never_done
+    try:
+        await client.send_blocks("v", [1], blocks(1))
+        pending = asyncio.create_task(client.finish("v", timeout=30))
+        await asyncio.sleep(0.1)
+        t0 = time.perf_counter()
+        await server.close()  # the receiver goes away with the request in flight
+        with pytest.raises(KVTransferError):
+            await asyncio.wait_for(pending, 5)
+        assert time.perf_counter() - t0 < 5
+        assert client.closed
+        with pytest.raises(KVTransferError):
+            await client.send_blocks("w", [1], blocks(1))
+        assert sink.aborts and sink.aborts[0][0] == "v"
+    finally:
+        await client.close()
+
+
+async def test_sender_vanishing_aborts_its_requests(kv_pair) -> None:
+    sink, server, client = kv_pair
+    await client.send_blocks("x", [1], blocks(1))
+    await client.send_blocks("y", [1], blocks(1))
+    await until(lambda: len(sink.held) == 2)
+    client._stream.abort()  # the sender's socket dies without a goodbye
+    await until(lambda: len(sink.aborts) == 2)
+    assert sorted(rid for rid, _ in sink.aborts) == ["x", "y"] and not sink.held
+
+
+async def test_finish_times_out_when_the_receiver_hangs(kv_pair) -> None:
+    sink, _, client = kv_pair
+
+    async def slow_done(rid: str, meta: dict) -> None:
+        await asyncio.sleep(3600)
+
+    sink.on_done = slow_done
+    t0 = time.perf_counter()
+    with pytest.raises(KVTransferError, match="no ack"):
+        await client.finish("slow", timeout=0.3)
+    assert 0.25 < time.perf_counter() - t0 < 2
+
+
+async def test_oversized_header_and_frame_drop_the_connection() -> None:
+    sink = MemorySink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, max_frame_bytes=64 << 10, max_header_bytes=1024)
+    try:
+        stream = await _raw_authenticated(server.address)
+        await stream.send(PREFIX.pack(1 << 30))  # a 1 GiB header
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(read_header(stream, 1 << 20), 5)
+        stream.close()
+
+        stream = await _raw_authenticated(server.address)
+        shape = [L, 2, 64, BS, H, D]  # 512 KiB > 64 KiB limit
+        header = {
+            "kind": "blocks", "rid": "big", "seq": 0, "hashes": list(range(64)), "layers": [0, L],
+            "dtype": "float16", "shape": shape, "nbytes": 512 << 10, "csum": ["xxh3", 0], "tp": None,
+        }  # fmt: skip
+        await stream.send(pack(header))
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(read_header(stream, 1 << 20), 5)
+        stream.close()
+        # KVClient knows the receiver's limit and refuses locally instead of being dropped.
+        client = await open_kv_client(server.address, SECRET)
+        try:
+            with pytest.raises(KVTransferError, match="frame limit"):
+                await client.send_blocks("big", list(range(64)), torch.zeros(shape, dtype=torch.float16))
+        finally:
+            await client.close()
+        assert not sink.held
+    finally:
+        await server.close()
+
+
+async def test_receive_buffers_are_recycled_once_released() -> None:
+    sink = MemorySink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
+    client = await open_kv_client(server.address, SECRET)
+    try:
+        big = torch.ones(L, 2, 64, BS, H, D, dtype=torch.float16)  # 512 KiB: pooled size
+        for i in range(3):
+            await client.send_blocks(f"b{i}", list(range(64)), big)
+            await client.finish(f"b{i}")
+            kept = sink.held.pop(f"b{i}")  # the sink lets go...
+            assert torch.equal(kept[0][1], big)
+            del kept
+        assert server.buffers.allocated == 1 and server.buffers.reused == 2  # ...so memory is reused
+        await client.send_blocks("keep", list(range(64)), big)
+        await client.send_blocks("keep", list(range(64)), big * 2)
+        await client.finish("keep")
+        held = sink.held["keep"]  # kept by the sink: never overwritten
+        assert torch.equal(held[0][1], big) and torch.equal(held[1][1], big * 2)
+    finally:
+        await client.close()
+        await server.close()
