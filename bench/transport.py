@@ -28,6 +28,7 @@ import torch
 from shared.bus import NatsServer, connect
 from shared.bus.nats_server import free_port
 from shared.kv import open_kv_client, start_kv_server
+from shared.kv.transport import SNDBUF
 from shared.wan import WanControl
 
 MiB = 1 << 20
@@ -117,7 +118,7 @@ def _kv_tensor(nbytes: int, nblocks: int) -> torch.Tensor:
 
 
 async def bench_bulk(size: int, repeats: int) -> dict:
-    ctx = mp.get_context(os.environ.get("MPCTX", "spawn"))
+    ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
     proc = ctx.Process(target=_receiver_main, args=(child, size, unix_path), daemon=True)
@@ -137,6 +138,7 @@ async def bench_bulk(size: int, repeats: int) -> dict:
         # Long-lived connections, as in deployment (connect + handshake are not timed).
         raw = socket.create_connection(("127.0.0.1", addrs["raw"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # same socket options as the bulk channel
         clients = {k: await open_kv_client(a, SECRET, checksum=c) for k, (a, _, c) in variants.items()}
         times: dict[str, list[float]] = {"raw_tcp": [], **{k: [] for k in variants}}
         ratios: dict[str, list[float]] = {k: [] for k in variants}
@@ -237,7 +239,10 @@ async def bench_wan(quick: bool) -> dict:
     threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
     lt, le = free_port(), free_port()
     proc, ctl = _start_wan(
-        [f"tput=127.0.0.1:{lt}>127.0.0.1:{sink.getsockname()[1]}", f"echo=127.0.0.1:{le}>127.0.0.1:{echo.getsockname()[1]}"]
+        [
+            f"tput=127.0.0.1:{lt}>127.0.0.1:{sink.getsockname()[1]}",
+            f"echo=127.0.0.1:{le}>127.0.0.1:{echo.getsockname()[1]}",
+        ]
     )
     seconds = 0.6 if quick else 1.5
     try:
@@ -245,7 +250,13 @@ async def bench_wan(quick: bool) -> dict:
         for mbps in (10, 100, 1000):
             await ctl.set("tput", bandwidth_mbps=mbps, delay_ms=0, jitter_ms=0)
             bps = await asyncio.to_thread(_measure_throughput, lt, sink, int(mbps * 1e6 / 8 * seconds))
-            rows.append({"set_mbps": mbps, "measured_mbps": bps * 8 / 1e6, "error_pct": (bps * 8 / 1e6 / mbps - 1) * 100})
+            rows.append(
+                {
+                    "set_mbps": mbps,
+                    "measured_mbps": bps * 8 / 1e6,
+                    "error_pct": (bps * 8 / 1e6 / mbps - 1) * 100,
+                }
+            )
         direct = statistics.median(await asyncio.to_thread(_ping, echo.getsockname()[1], 50))
         rtts = []
         for delay_ms, jitter_ms in ((5, 0), (15, 0), (15, 2)):
@@ -326,15 +337,21 @@ async def bench_nats(quick: bool) -> dict:
 def _print(results: dict) -> None:
     bulk = results.get("bulk")
     if bulk:
-        print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB, loopback (median of {bulk['repeats']} interleaved rounds)")
+        print(
+            f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB, loopback (median of {bulk['repeats']} interleaved rounds)"
+        )
         for name, row in bulk.items():
             if isinstance(row, dict):
-                print(f"  {name:26s} {row['GBps']:6.2f} GB/s (best {row['best_GBps']:5.2f})   x{row['ratio_vs_raw']:.2f} raw")
+                print(
+                    f"  {name:26s} {row['GBps']:6.2f} GB/s (best {row['best_GBps']:5.2f})   x{row['ratio_vs_raw']:.2f} raw"
+                )
     wan = results.get("wan")
     if wan:
         print("\nWAN emulator bandwidth (one direction)")
         for r in wan["bandwidth"]:
-            print(f"  set {r['set_mbps']:6.0f} Mbit/s   measured {r['measured_mbps']:8.1f}   error {r['error_pct']:+5.1f}%")
+            print(
+                f"  set {r['set_mbps']:6.0f} Mbit/s   measured {r['measured_mbps']:8.1f}   error {r['error_pct']:+5.1f}%"
+            )
         print(f"WAN emulator round trip (direct loopback RTT {wan['direct_rtt_ms']:.3f} ms subtracted)")
         for r in wan["rtt"]:
             print(

@@ -21,10 +21,14 @@ async def nats_server() -> AsyncIterator[NatsServer]:
         await server.stop()
 
 
-async def _pair(gw_a_dials: str, gw_a_port: int, gw_b_port: int, advertise_a: str | None) -> tuple[NatsServer, NatsServer]:
+async def _pair(
+    gw_a_dials: str, gw_a_port: int, gw_b_port: int, advertise_a: str | None
+) -> tuple[NatsServer, NatsServer]:
     # B only listens; A dials B at `gw_a_dials`, and B dials A back at A's advertised gateway address.
     b = NatsServer("dc-b", gateway_port=gw_b_port)
-    a = NatsServer("dc-a", gateway_port=gw_a_port, gateways={"dc-b": gw_a_dials}, gateway_advertise=advertise_a)
+    a = NatsServer(
+        "dc-a", gateway_port=gw_a_port, gateways={"dc-b": gw_a_dials}, gateway_advertise=advertise_a
+    )
     await b.start()
     try:
         await a.start()

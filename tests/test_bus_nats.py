@@ -14,7 +14,17 @@ from opentelemetry import context, trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from prometheus_client import REGISTRY
 
-from shared.bus import MALFORMED, Message, NatsServer, connect, publish, register_service, request, respond, subscribe
+from shared.bus import (
+    MALFORMED,
+    Message,
+    NatsServer,
+    connect,
+    publish,
+    register_service,
+    request,
+    respond,
+    subscribe,
+)
 
 
 @dataclass
@@ -63,7 +73,12 @@ async def test_malformed_is_dropped_counted_and_the_subscriber_survives(nats_ser
     try:
         q = await _collect(nc, subject, Ping)
         before = MALFORMED[subject]
-        for junk in (b"\xc1", b"not msgpack at all", b"\x81\xa1v\x01", b"\x93\x01\x02\x03"):  # last two: map w/o n, array
+        for junk in (
+            b"\xc1",
+            b"not msgpack at all",
+            b"\x81\xa1v\x01",
+            b"\x93\x01\x02\x03",
+        ):  # last two: map w/o n, array
             await nc.publish(subject, junk)
         await publish(nc, subject, Pong(5))  # a different (unknown to this subscriber) message type
         await publish(nc, subject, Ping(9))
@@ -78,9 +93,12 @@ async def test_malformed_is_dropped_counted_and_the_subscriber_survives(nats_ser
 async def test_handler_exception_is_contained(nats_server: NatsServer) -> None:
     nc = await connect(nats_server.url, "t")
     seen: list[int] = []
+    both = asyncio.Event()
 
     async def handler(msg: Ping, raw: Msg) -> None:
         seen.append(msg.n)
+        if len(seen) == 2:
+            both.set()
         if msg.n == 1:
             raise RuntimeError("boom")
 
@@ -88,10 +106,8 @@ async def test_handler_exception_is_contained(nats_server: NatsServer) -> None:
         await subscribe(nc, "pdd.test.boom", Ping, handler)
         for n in (1, 2):
             await publish(nc, "pdd.test.boom", Ping(n))
-        async with asyncio.timeout(5):
-            while seen != [1, 2]:
-                await asyncio.sleep(0.01)
-        assert nc.is_connected
+        await asyncio.wait_for(both.wait(), 5)
+        assert seen == [1, 2] and nc.is_connected
     finally:
         await nc.drain()
 
@@ -129,7 +145,12 @@ async def test_micro_service_discovery(nats_server: NatsServer) -> None:
         await req.respond(req.data)
 
     svc = await register_service(
-        nc, "pdd-test", "1.2.3", "test service", endpoints={"pdd.test.echo": echo}, metadata={"dc": "dc-a", "n": 1}
+        nc,
+        "pdd-test",
+        "1.2.3",
+        "test service",
+        endpoints={"pdd.test.echo": echo},
+        metadata={"dc": "dc-a", "n": 1},
     )
     try:
         ping = json.loads((await nc.request("$SRV.PING.pdd-test", b"", timeout=2)).data)
@@ -197,3 +218,25 @@ async def test_server_stop_leaves_no_process() -> None:
     assert server.running and proc is not None
     await server.stop()
     assert proc.returncode is not None and not server.running and not server.workdir.exists()
+
+
+async def test_client_reconnects_and_resubscribes_after_a_server_restart() -> None:
+    server = NatsServer("restart")
+    await server.start()
+    nc = await connect(server.url, "t")
+    try:
+        q = await _collect(nc, "pdd.test.again", Ping)
+        await server.stop()
+        server = NatsServer("restart", port=server.port)  # same address, new process
+        await server.start()
+        async with asyncio.timeout(10):
+            while True:  # the client's own reconnect loop (backoff) brings it back
+                if nc.is_connected:
+                    break
+                await asyncio.sleep(0.05)
+        await publish(nc, "pdd.test.again", Ping(3))
+        assert (await asyncio.wait_for(q.get(), 5))[0] == Ping(3)
+        assert nc.stats["reconnects"] >= 1
+    finally:
+        await nc.drain()
+        await server.stop()

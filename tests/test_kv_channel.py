@@ -59,8 +59,11 @@ class MemorySink:
 
 
 async def until(cond, timeout: float = 5.0) -> None:
+    """Poll a condition on state the sink/server change from their own tasks."""
     async with asyncio.timeout(timeout):
-        while not cond():
+        while True:
+            if cond():
+                return
             await asyncio.sleep(0.01)
 
 
@@ -81,7 +84,9 @@ async def test_thousand_blocks_bit_exact(kv_pair) -> None:
     src = blocks(1000)
     sent = 0
     for i in range(0, 1000, 25):  # as a producer would: a few blocks at a time, sent at once
-        sent += await client.send_blocks("r1", list(range(i, i + 25)), src[:, :, i : i + 25], traceparent="00-tp")
+        sent += await client.send_blocks(
+            "r1", list(range(i, i + 25)), src[:, :, i : i + 25], traceparent="00-tp"
+        )
     await client.finish("r1", meta={"prompt_len": 16000})
     assert torch.equal(sink.tensor("r1"), src)
     assert sink.hashes("r1") == list(range(1000))
@@ -95,7 +100,10 @@ async def test_thousand_blocks_bit_exact(kv_pair) -> None:
 
 async def test_many_requests_multiplexed_on_one_connection(kv_pair) -> None:
     sink, _, client = kv_pair
-    srcs = {f"r{i}": blocks(40, seed=i, dtype=dt) for i, dt in enumerate([torch.float16, torch.bfloat16, torch.float32])}
+    srcs = {
+        f"r{i}": blocks(40, seed=i, dtype=dt)
+        for i, dt in enumerate([torch.float16, torch.bfloat16, torch.float32])
+    }
 
     async def stream(rid: str, src: torch.Tensor) -> None:
         for i in range(0, 40, 4):
@@ -305,7 +313,9 @@ async def test_finish_times_out_when_the_receiver_hangs(kv_pair) -> None:
 
 async def test_oversized_header_and_frame_drop_the_connection() -> None:
     sink = MemorySink()
-    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, max_frame_bytes=64 << 10, max_header_bytes=1024)
+    server = await start_kv_server(
+        "tcp://127.0.0.1:0", SECRET, sink, max_frame_bytes=64 << 10, max_header_bytes=1024
+    )
     try:
         stream = await _raw_authenticated(server.address)
         await stream.send(PREFIX.pack(1 << 30))  # a 1 GiB header

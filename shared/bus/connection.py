@@ -8,6 +8,7 @@ messages are logged, counted and dropped, and handler exceptions are logged and 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 from collections import Counter as _Tally
@@ -77,13 +78,14 @@ async def connect(url: str | list[str], name: str, *, timeout: float | None = 30
         name=name,
         allow_reconnect=True,
         max_reconnect_attempts=-1,
-        reconnect_to_server_handler=_backoff,
         connect_timeout=2,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
         closed_cb=on_closed,
     )
+    if "reconnect_to_server_handler" in inspect.signature(Client.connect).parameters:  # newer nats-py only
+        opts["reconnect_to_server_handler"] = _backoff
     opts.update(kw)
     nc = Client()
     try:

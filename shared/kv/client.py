@@ -192,10 +192,14 @@ class KVClient:
                     await self._send_frame(st, {"kind": "abort", "rid": rid, "reason": reason}, force=True)
 
     async def close(self) -> None:
-        self._fail_all("closed by sender")
+        self._fail_all("closed by sender")  # shutdown: pending sends/receives error out at once
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader
+        # Close the socket only once no send is registered on it any more.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2), self._wlock:
+                pass
         self._stream.close()
 
     # -- internals --
@@ -227,7 +231,9 @@ class KVClient:
         if notify and not self.closed:
             with contextlib.suppress(KVTransferError, TimeoutError):
                 async with asyncio.timeout(CONTROL_TIMEOUT_S):
-                    await self._send_frame(st, {"kind": "abort", "rid": rid, "reason": "sender gave up"}, force=True)
+                    await self._send_frame(
+                        st, {"kind": "abort", "rid": rid, "reason": "sender gave up"}, force=True
+                    )
 
     async def _send_frame(
         self, st: _Rid, header: dict, payload: memoryview | None = None, force: bool = False

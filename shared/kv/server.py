@@ -206,8 +206,11 @@ class _Receiver:
             nbytes -= n
 
     async def _send(self, header: dict[str, Any]) -> None:
-        async with asyncio.timeout(SEND_TIMEOUT_S):
-            await self.stream.send(pack(header))
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self.stream.send(pack(header))
+        except TimeoutError:
+            raise ConnectionError(f"{self.stream.peer} stopped reading our replies") from None
 
 
 class KVServer:

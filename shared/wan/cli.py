@@ -29,6 +29,7 @@ control API:
       -d '{"delay_ms": 40, "bandwidth_mbps": 100}'      # or {"cut": true, "cut_mode": "blackhole"}, {"cut": false}
 """
 
+
 def _mbps(value: str) -> float | None:
     """A bandwidth in Mbit/s; "none", "unlimited" or 0 mean no cap."""
     if value.strip().lower() in ("none", "unlimited", "inf", "0", "0.0"):

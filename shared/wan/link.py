@@ -135,8 +135,12 @@ class _Side(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def send_eof(self) -> None:
-        if self.transport is not None and self.transport.can_write_eof():
-            self.transport.write_eof()
+        if self.transport is not None and not self.transport.is_closing() and self.transport.can_write_eof():
+            try:
+                self.transport.write_eof()
+            except OSError:  # the peer is already gone
+                self.conn.close(reset=True)
+                return
         self.conn.eofs += 1
         if self.conn.eofs == 2:  # both directions finished
             self.conn.close()
@@ -156,19 +160,18 @@ class _Conn:
 
     async def dial(self) -> None:
         loop = asyncio.get_running_loop()
+        while not self.link.is_open:  # blackholed: the new connection hangs until restore
+            await self.link.opened.wait()
         try:
             async with asyncio.timeout(10):
-                while not self.link.is_open:  # blackholed: the new connection hangs until restore
-                    await self.link.opened.wait()
-                await loop.create_connection(
-                    lambda: self.target, self.link.target_host, self.link.target_port
-                )
+                await loop.create_connection(lambda: self.target, self.link.target_host, self.link.target_port)
         except (OSError, TimeoutError) as e:
             log.info("wan link %s: cannot reach %s: %s", self.link.name, self.link.target, e)
             self.close(reset=True)
             return
-        if self.closed:
-            self.close()
+        if self.closed:  # the client left while we dialed
+            if self.target.transport is not None:
+                self.target.transport.close()
             return
         self.up.dst = self.target
         self.up.schedule()
