@@ -170,3 +170,8 @@ def start_systems(specs: dict[str, dict]) -> dict[str, RunningSystem]:
             s.stop()
         raise errors[0]
     return {n: started[n] for n in specs}
+
+
+def stop_all(systems: dict[str, RunningSystem]) -> None:
+    with ThreadPoolExecutor(max(1, len(systems))) as pool:
+        list(pool.map(lambda s: s.stop(), systems.values()))

@@ -45,6 +45,7 @@ from bench.client import (
     service_env,
     set_wan,
     start_systems,
+    stop_all,
     stream_completion,
     wan_counters,
 )
@@ -233,7 +234,12 @@ def build_prompt(a: argparse.Namespace, step: Step, sess: Session, shared: list[
             append = max(a.append_min, math.floor(cached / step.hit) - len(sess.ctx))
             if len(sess.ctx) + append <= room:
                 return sess.ctx + random_tokens(rng, append), False
-    # A new session (a new task): the shared system prompt's first part, then fresh tokens.
+    # A new session (a new task): part of the shared system prompt, then fresh tokens. A
+    # high-hit one is the whole system prompt and a short instruction; a low-hit one has a
+    # long fresh part (a document, a code base) and keeps step.hit of the system prompt.
+    if step.kind == "high":
+        fresh = max(a.append_min, math.floor(len(shared) / step.hit) - len(shared))
+        return shared + random_tokens(rng, min(fresh, room - len(shared))), True
     n = rng.randint(a.new_min, min(a.new_max, room))
     k = min(len(shared), int(step.hit * n) // BLOCK * BLOCK)
     return shared[:k] + random_tokens(rng, n - k), True
@@ -288,11 +294,14 @@ def run_agentic(args: argparse.Namespace) -> dict:
     try:
         if "same-dc" in systems:
             set_wan(systems["same-dc"], delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
-        for d, s in systems.items():  # warm up torch and the channels; seed the shared prompt in MD
+        for d, s in systems.items():
             with httpx.Client(base_url=s.router_url) as c:
-                pipeline = None if d == "pdd" else "p-md"
-                stream_completion(c, shared + random_tokens(random.Random(1), 64), 16, pipeline=pipeline)
-                stream_completion(c, random_tokens(random.Random(2), 1024), 64, pipeline="p-rld-md" if d == "pdd" else "p-md")
+                # The shared system prompt is in MD's cache (steady state of a service); P→MD
+                # also for PDD: through the relay, this short request would end on RLD alone
+                # and MD would drop the KV (the anomalous-traffic filter).
+                stream_completion(c, shared + random_tokens(random.Random(1), 64), 16, pipeline="p-md")
+                if d == "pdd":  # warm the relay's engine too
+                    stream_completion(c, random_tokens(random.Random(2), 256), 48, pipeline="p-rld-md")
             counters0[d] = wan_counters(s)
         time.sleep(1.0)
         sessions = {d: [Session() for _ in range(args.clients)] for d in deps}
@@ -312,8 +321,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
             link_bytes[d] = {ln: c1[ln]["bytes_up"] + c1[ln]["bytes_down"]
                              - counters0[d][ln]["bytes_up"] - counters0[d][ln]["bytes_down"] for ln in WAN_LINKS}
     finally:
-        for s in systems.values():
-            s.stop()
+        stop_all(systems)
     rows = [asdict(r) for r in results]
     summary = {d: _summarize(args, [r for r in rows if r["deployment"] == d], busy[d], link_bytes[d]) for d in deps}
     by_hit = {d: _by_hit([r for r in rows if r["deployment"] == d]) for d in deps}
@@ -612,8 +620,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.output_tokens = min(args.output_tokens, 300)
             args.rounds = 1
         else:
-            args.requests = min(args.requests, 15)
-            args.wave = min(args.wave, 5)
+            args.requests = min(args.requests, 12)
+            args.wave = min(args.wave, 4)
             args.output_max = min(args.output_max, 128)
     return args
 

@@ -234,11 +234,9 @@ class PrefillService:
                     "options": job.submit.options,
                     "traceparent": tp,
                 }
-            t_finish = time.monotonic()
             await client.finish(job.rid, meta=meta, timeout=timeout)
-            t_end = time.monotonic()
             if path == "wan":
-                self._observe_link(address, sent, t_first, t_finish, t_end)
+                self._observe_link(address, client, sent, t_first, time.monotonic())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
@@ -256,12 +254,12 @@ class PrefillService:
             if all(t.done() for t in others) and job.first_token is not None:
                 await self._release(job)
 
-    def _observe_link(self, address: str, sent: int, t_first: float | None, t_finish: float, t_end: float) -> None:
-        rtt = self.links.rtt(address)
-        if sent < 256 * 1024 or t_first is None:
-            self.links.observe_rtt(address, t_end - t_finish)
-            return
-        self.links.observe_transfer(address, sent, max(t_end - t_first - rtt / 2, 1e-4))
+    def _observe_link(self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float) -> None:
+        """Feed the link estimator: the handshake RTT, and goodput from first byte to ack."""
+        if client.rtt:
+            self.links.observe_rtt(address, client.rtt)
+        if t_first is not None:
+            self.links.observe_transfer(address, sent, t_end - t_first)  # small transfers are ignored there
         metrics.WAN_BANDWIDTH.labels(peer=address).set(self.links.bandwidth(address))
 
     async def _watch(self, job: PrefillJob) -> None:
@@ -317,16 +315,15 @@ class PrefillService:
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
         metrics.KV_BLOCKS_USED.labels(service="prefill", instance=self.settings.instance).set(stats["used_blocks"])
-        links = {peer: {"bandwidth": bw, "rtt": rtt} for peer, (bw, rtt) in self._link_table().items()}
+        # Only links with measured transfers: otherwise the router keeps its configured prior.
+        links = {peer: {"bandwidth": info["bandwidth"], "rtt": info["rtt"]}
+                 for peer, info in self.links.snapshot().items() if info["transfers"]}
         report = LoadReport(
             service="prefill", instance=self.settings.instance, running=stats["running"], waiting=stats["waiting"],
             num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"],
             links=links, model_id=self.engine.model_id,
         )
         await publish(self.nc, subjects.load("prefill", self.settings.instance), report)
-
-    def _link_table(self) -> dict[str, tuple[float, float]]:
-        return {peer: (self.links.bandwidth(peer), self.links.rtt(peer)) for peer in self.links.snapshot()}
 
 
 def traceparent_of(span: Span) -> str | None:
