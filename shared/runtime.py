@@ -54,6 +54,34 @@ def spawn(coro: Awaitable, tasks: set[asyncio.Task], name: str | None = None) ->
     return task
 
 
+class Lifecycle:
+    """The subscriptions and background tasks one service owns, stopped together."""
+
+    def __init__(self) -> None:
+        self.subs: list = []
+        self.tasks: set[asyncio.Task] = set()
+
+    async def subscribe(self, nc, subject: str, cls, handler, *, queue: str = "") -> None:
+        from shared.bus.connection import subscribe
+
+        self.subs.append(await subscribe(nc, subject, cls, handler, queue=queue))
+
+    def spawn(self, coro: Awaitable, name: str | None = None) -> asyncio.Task:
+        return spawn(coro, self.tasks, name)
+
+    def every(self, interval_s: float, fn: Callable[[], Awaitable[None]]) -> asyncio.Task:
+        return spawn(every(interval_s, fn), self.tasks, getattr(fn, "__name__", None))
+
+    async def close(self) -> None:
+        for sub in self.subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # the connection may already be closed
+                log.debug("unsubscribe failed: %s", e)
+        for t in list(self.tasks):
+            t.cancel()
+
+
 async def serve_service(name: str, settings, factory) -> None:
     """Connect to NATS, start `factory(settings, nc)`, register it for discovery, run until
     SIGINT/SIGTERM, then stop it and drain the connection."""

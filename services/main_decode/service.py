@@ -16,23 +16,23 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.connection import publish, respond, subscribe
+from shared.bus.connection import publish, respond
 from shared.bus.messages import (
     Abort,
     HandoffAck,
     HandoffBatch,
     KVEvents,
     KVReady,
-    LoadReport,
     PrepareReply,
     PrepareRequest,
     TokenEvent,
+    load_report,
 )
 from shared.config import MainDecodeSettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVServer, start_kv_server
-from shared.runtime import every, spawn
+from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent, get_tracer
@@ -77,8 +77,7 @@ class MainDecodeService:
         self.kv_server: KVServer | None = None
         self.unknown_messages = 0
         self.tracer = get_tracer("main_decode", settings.instance, settings.datacenter)
-        self._tasks: set[asyncio.Task] = set()
-        self._subs: list = []
+        self.life = Lifecycle()
 
     @property
     def advertise_address(self) -> str:
@@ -93,17 +92,14 @@ class MainDecodeService:
             (subjects.all_req("handoff"), HandoffBatch, self._on_handoff),
             (subjects.all_req("abort"), Abort, self._on_abort),
         ]:
-            self._subs.append(await subscribe(self.nc, subject, cls, handler))
+            await self.life.subscribe(self.nc, subject, cls, handler)
         await publish(self.nc, subjects.kv_events(inst), KVEvents(inst, reset=True))
-        spawn(every(0.05, self._publish_kv_events), self._tasks, "kv-events")
-        spawn(every(0.5, self._report_load), self._tasks, "load-report")
-        spawn(every(1.0, self._expire), self._tasks, "expire")
+        self.life.every(0.05, self._publish_kv_events)
+        self.life.every(0.5, self._report_load)
+        self.life.every(1.0, self._expire)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            await sub.unsubscribe()
-        for t in list(self._tasks):
-            t.cancel()
+        await self.life.close()
         if self.kv_server:
             await self.kv_server.close()
         await self.loop.stop()
@@ -133,7 +129,8 @@ class MainDecodeService:
             raise ValueError(f"request {rid}: unexpected blocks")
         if job.receive_span is None:  # parented by prefill's transfer span, from the frame header
             job.receive_span = self.tracer.start_span(
-                "md.kv_receive", context=context_from_traceparent(meta.get("traceparent")),
+                "md.kv_receive",
+                context=context_from_traceparent(meta.get("traceparent")),
                 attributes={REQUEST_ID_ATTR: rid, "path": "wan"},
             )
         await self.loop.call(self.engine.import_blocks, hashes, kv, pin=_pin(rid))
@@ -153,7 +150,9 @@ class MainDecodeService:
             job.receive_span.end()
         token = otel_context.attach(job.ctx) if job.ctx is not None else None
         try:  # kv_ready belongs to the request's trace, not to the bulk connection's
-            await publish(self.nc, subjects.req_kv_ready(rid), KVReady(rid, self.settings.instance, job.wan_bytes))
+            await publish(
+                self.nc, subjects.req_kv_ready(rid), KVReady(rid, self.settings.instance, job.wan_bytes)
+            )
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -172,7 +171,7 @@ class MainDecodeService:
             return
         job.batches[msg.seq] = msg
         job.batch_ctx[msg.seq] = otel_context.get_current()
-        spawn(self._drain_handoffs(job), self._tasks)  # keep this subscription free for other requests
+        self.life.spawn(self._drain_handoffs(job))  # keep this subscription free for other requests
 
     async def _drain_handoffs(self, job: MDJob) -> None:
         async with job.lock:  # batches are applied strictly in seq order, one at a time
@@ -181,8 +180,13 @@ class MainDecodeService:
                 if batch.start_index != job.next_index or not batch.tokens:
                     await self._fail(job, f"handoff batch {batch.seq} out of order or empty")
                     return
-                attrs = {REQUEST_ID_ATTR: job.rid, "seq": batch.seq, "tokens": len(batch.tokens), "mode": batch.mode,
-                         "final": batch.final}
+                attrs = {
+                    REQUEST_ID_ATTR: job.rid,
+                    "seq": batch.seq,
+                    "tokens": len(batch.tokens),
+                    "mode": batch.mode,
+                    "final": batch.final,
+                }
                 try:
                     with self.tracer.start_as_current_span(
                         "md.extend", context=job.batch_ctx.pop(batch.seq, job.ctx), attributes=attrs
@@ -197,14 +201,18 @@ class MainDecodeService:
                 job.decoding = batch.final
                 if batch.final:
                     job.decode_span = self.tracer.start_span(
-                        "md.decode", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "mode": batch.mode}
+                        "md.decode",
+                        context=job.ctx,
+                        attributes={REQUEST_ID_ATTR: job.rid, "mode": batch.mode},
                     )
 
     def _apply(self, job: MDJob, batch: HandoffBatch) -> None:  # engine thread
         if not job.started:
             mode = "generate" if batch.final else "hold"
             tokens = job.req.prompt_ids + batch.tokens
-            self.engine.add_request(job.rid, tokens, job.params, num_prompt_tokens=len(job.req.prompt_ids), mode=mode)
+            self.engine.add_request(
+                job.rid, tokens, job.params, num_prompt_tokens=len(job.req.prompt_ids), mode=mode
+            )
             job.started = True
         else:
             self.engine.extend(job.rid, batch.tokens, final=batch.final)
@@ -230,7 +238,11 @@ class MainDecodeService:
                 event.finished = True
                 event.finish_reason = last.finish_reason
                 event.error = last.error
-                event.stats = {"md_tokens": job.md_tokens, "wan_bytes": job.wan_bytes, "md_instance": self.settings.instance}
+                event.stats = {
+                    "md_tokens": job.md_tokens,
+                    "wan_bytes": job.wan_bytes,
+                    "md_instance": self.settings.instance,
+                }
                 self.jobs.pop(rid, None)
                 self._end_spans(job)
                 await self.loop.call(self.engine.release, _pin(rid))
@@ -240,16 +252,28 @@ class MainDecodeService:
     async def _on_abort(self, msg: Abort, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None and msg.source != "main_decode":
-            with self.tracer.start_as_current_span("abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}):
+            with self.tracer.start_as_current_span(
+                "abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}
+            ):
                 await self._drop(job)
 
     async def _fail(self, job: MDJob, error: str) -> None:
         log.warning("request %s failed on MD: %s", job.rid, error)
         await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, error, "main_decode"))
         if job.decoding:  # nobody else can finish it
-            await publish(self.nc, subjects.req_tokens(job.rid),
-                          TokenEvent(job.rid, "main_decode", job.next_index, [], finished=True,
-                                     finish_reason="error", error=error))
+            await publish(
+                self.nc,
+                subjects.req_tokens(job.rid),
+                TokenEvent(
+                    job.rid,
+                    "main_decode",
+                    job.next_index,
+                    [],
+                    finished=True,
+                    finish_reason="error",
+                    error=error,
+                ),
+            )
         await self._drop(job)
 
     def _end_spans(self, job: MDJob) -> None:
@@ -289,11 +313,15 @@ class MainDecodeService:
 
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
-        metrics.KV_BLOCKS_USED.labels(service="main_decode", instance=self.settings.instance).set(stats["used_blocks"])
-        report = LoadReport(
-            service="main_decode", instance=self.settings.instance, running=stats["running"],
-            waiting=stats["waiting"], num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"],
-            free_blocks=stats["free_blocks"], address=self.advertise_address, model_id=self.engine.model_id,
+        metrics.KV_BLOCKS_USED.labels(service="main_decode", instance=self.settings.instance).set(
+            stats["used_blocks"]
+        )
+        report = load_report(
+            "main_decode",
+            self.settings.instance,
+            stats,
+            address=self.advertise_address,
+            model_id=self.engine.model_id,
         )
         await publish(self.nc, subjects.load("main_decode", self.settings.instance), report)
 

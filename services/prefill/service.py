@@ -16,13 +16,13 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.connection import publish, respond, subscribe
-from shared.bus.messages import Abort, HandoffBatch, LoadReport, PrefillSubmit, SubmitReply, TokenEvent
+from shared.bus.connection import publish, respond
+from shared.bus.messages import Abort, HandoffBatch, PrefillSubmit, SubmitReply, TokenEvent, load_report
 from shared.config import PrefillSettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVClient, KVTransferError, LinkEstimator, open_kv_client
-from shared.runtime import every, spawn
+from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer, traceparent
@@ -64,21 +64,19 @@ class PrefillService:
         self._client_locks: dict[str, asyncio.Lock] = {}
         self.links = LinkEstimator()
         self.tracer = get_tracer("prefill", settings.instance, settings.datacenter)
-        self._tasks: set[asyncio.Task] = set()
-        self._subs: list = []
+        self.life = Lifecycle()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.loop.start()
-        self._subs.append(await subscribe(self.nc, subjects.prefill_submit(), PrefillSubmit, self._on_submit, queue="prefill"))
-        self._subs.append(await subscribe(self.nc, subjects.all_req("abort"), Abort, self._on_abort))
-        spawn(every(0.5, self._report_load), self._tasks, "load-report")
+        await self.life.subscribe(
+            self.nc, subjects.prefill_submit(), PrefillSubmit, self._on_submit, queue="prefill"
+        )
+        await self.life.subscribe(self.nc, subjects.all_req("abort"), Abort, self._on_abort)
+        self.life.every(0.5, self._report_load)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            await sub.unsubscribe()
-        for t in list(self._tasks):
-            t.cancel()
+        await self.life.close()
         for job in list(self.jobs.values()):
             await self._drop(job, "shutdown")
         for client in self.clients.values():
@@ -93,10 +91,17 @@ class PrefillService:
         try:
             params = SamplingParams.from_dict(msg.params)
             local_queue = asyncio.Queue() if msg.relay_address else None
-            job = PrefillJob(msg, params, set(msg.md_missing), local_queue=local_queue, ctx=otel_context.get_current())
+            job = PrefillJob(
+                msg, params, set(msg.md_missing), local_queue=local_queue, ctx=otel_context.get_current()
+            )
             job.compute_span = self.tracer.start_span(
-                "prefill.compute", context=job.ctx,
-                attributes={REQUEST_ID_ATTR: msg.rid, "prompt_tokens": len(msg.prompt_ids), "pdd.pipeline": msg.pipeline},
+                "prefill.compute",
+                context=job.ctx,
+                attributes={
+                    REQUEST_ID_ATTR: msg.rid,
+                    "prompt_tokens": len(msg.prompt_ids),
+                    "pdd.pipeline": msg.pipeline,
+                },
             )
             self.jobs[msg.rid] = job
             await self.loop.call(self._admit, job)
@@ -106,12 +111,14 @@ class PrefillService:
                 dropped.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
-        job.senders[msg.md_bulk_address] = spawn(self._ship(job, "wan", msg.md_bulk_address, job.md_queue), self._tasks)
+        job.senders[msg.md_bulk_address] = self.life.spawn(
+            self._ship(job, "wan", msg.md_bulk_address, job.md_queue)
+        )
         if job.local_queue is not None and msg.relay_address:
-            job.senders[msg.relay_address] = spawn(
-                self._ship(job, "local", msg.relay_address, job.local_queue), self._tasks
+            job.senders[msg.relay_address] = self.life.spawn(
+                self._ship(job, "local", msg.relay_address, job.local_queue)
             )
-        spawn(self._watch(job), self._tasks)
+        self.life.spawn(self._watch(job))
         await respond(raw, SubmitReply(ok=True, instance=self.settings.instance))
 
     def _admit(self, job: PrefillJob) -> None:  # engine thread
@@ -162,13 +169,22 @@ class PrefillService:
         await publish(
             self.nc,
             subjects.req_tokens(job.rid),
-            TokenEvent(job.rid, "prefill", 0, [token], finished=done_reason is not None, finish_reason=done_reason,
-                       stats={"pipeline": job.submit.pipeline} if done_reason else {}),
+            TokenEvent(
+                job.rid,
+                "prefill",
+                0,
+                [token],
+                finished=done_reason is not None,
+                finish_reason=done_reason,
+                stats={"pipeline": job.submit.pipeline} if done_reason else {},
+            ),
         )
         if done_reason is not None:
             # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
             job.finished_at_prefill = True
-            await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, "finished_at_prefill", "prefill"))
+            await publish(
+                self.nc, subjects.req_abort(job.rid), Abort(job.rid, "finished_at_prefill", "prefill")
+            )
             await self._drop(job, "finished_at_prefill")
             return
         job.md_queue.put_nowait(_DONE)
@@ -204,7 +220,9 @@ class PrefillService:
         timeout = self.settings.request_timeout_s
         meta = {}
         span = self.tracer.start_span(
-            "kv.transfer", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "path": path, "peer": address},
+            "kv.transfer",
+            context=job.ctx,
+            attributes={REQUEST_ID_ATTR: job.rid, "path": path, "peer": address},
         )
         t_start = time.monotonic()
         sent = 0
@@ -254,7 +272,9 @@ class PrefillService:
             if all(t.done() for t in others) and job.first_token is not None:
                 await self._release(job)
 
-    def _observe_link(self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float) -> None:
+    def _observe_link(
+        self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float
+    ) -> None:
         """Feed the link estimator: the handshake RTT, and goodput from first byte to ack."""
         if client.rtt:
             self.links.observe_rtt(address, client.rtt)
@@ -271,8 +291,11 @@ class PrefillService:
     async def _fail(self, job: PrefillJob, error: str) -> None:
         if self.jobs.get(job.rid) is not job:
             return
-        await publish(self.nc, subjects.req_tokens(job.rid),
-                      TokenEvent(job.rid, "prefill", 0, [], finished=True, finish_reason="error", error=error))
+        await publish(
+            self.nc,
+            subjects.req_tokens(job.rid),
+            TokenEvent(job.rid, "prefill", 0, [], finished=True, finish_reason="error", error=error),
+        )
         await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, error, "prefill"))
         await self._drop(job, error)
 
@@ -281,7 +304,9 @@ class PrefillService:
             return
         job = self.jobs.get(msg.rid)
         if job is not None:
-            with self.tracer.start_as_current_span("abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}):
+            with self.tracer.start_as_current_span(
+                "abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}
+            ):
                 await self._drop(job, msg.reason)
 
     async def _drop(self, job: PrefillJob, reason: str) -> None:
@@ -314,14 +339,17 @@ class PrefillService:
     # ---- reporting -------------------------------------------------------------------
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
-        metrics.KV_BLOCKS_USED.labels(service="prefill", instance=self.settings.instance).set(stats["used_blocks"])
+        metrics.KV_BLOCKS_USED.labels(service="prefill", instance=self.settings.instance).set(
+            stats["used_blocks"]
+        )
         # Only links with measured transfers: otherwise the router keeps its configured prior.
-        links = {peer: {"bandwidth": info["bandwidth"], "rtt": info["rtt"]}
-                 for peer, info in self.links.snapshot().items() if info["transfers"]}
-        report = LoadReport(
-            service="prefill", instance=self.settings.instance, running=stats["running"], waiting=stats["waiting"],
-            num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"],
-            links=links, model_id=self.engine.model_id,
+        links = {
+            peer: {"bandwidth": info["bandwidth"], "rtt": info["rtt"]}
+            for peer, info in self.links.snapshot().items()
+            if info["transfers"]
+        }
+        report = load_report(
+            "prefill", self.settings.instance, stats, links=links, model_id=self.engine.model_id
         )
         await publish(self.nc, subjects.load("prefill", self.settings.instance), report)
 

@@ -15,13 +15,13 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.connection import publish, subscribe
-from shared.bus.messages import Abort, HandoffAck, HandoffBatch, KVReady, LoadReport, TokenEvent
+from shared.bus.connection import publish
+from shared.bus.messages import Abort, HandoffAck, HandoffBatch, KVReady, TokenEvent, load_report
 from shared.config import RelaySettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVServer, start_kv_server
-from shared.runtime import every, spawn
+from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent, get_tracer
@@ -59,8 +59,7 @@ class RelayService:
         self.early_ready: set[str] = set()  # kv_ready that beat the local KV
         self.tracer = get_tracer("relay", settings.instance, settings.datacenter)
         self.kv_server: KVServer | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._subs: list = []
+        self.life = Lifecycle()
 
     async def start(self) -> None:
         self.loop.start()
@@ -70,14 +69,11 @@ class RelayService:
             (subjects.all_req("handoff_ack"), HandoffAck, self._on_ack),
             (subjects.all_req("abort"), Abort, self._on_abort),
         ]:
-            self._subs.append(await subscribe(self.nc, subject, cls, handler))
-        spawn(every(0.5, self._report_load), self._tasks, "load-report")
+            await self.life.subscribe(self.nc, subject, cls, handler)
+        self.life.every(0.5, self._report_load)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            await sub.unsubscribe()
-        for t in list(self._tasks):
-            t.cancel()
+        await self.life.close()
         if self.kv_server:
             await self.kv_server.close()
         await self.loop.stop()
@@ -90,17 +86,22 @@ class RelayService:
         """All prompt blocks are here: start decoding after prefill's first token."""
         prompt, first = list(meta["prompt_ids"]), int(meta["first_token"])
         params = SamplingParams.from_dict(meta["params"])
-        job = RelayJob(rid, prompt, str(meta["md_instance"]), catchup_threshold=self.settings.catchup_threshold)
+        job = RelayJob(
+            rid, prompt, str(meta["md_instance"]), catchup_threshold=self.settings.catchup_threshold
+        )
         override = (meta.get("options") or {}).get("catchup_threshold")
         if isinstance(override, int) and override > 0:
             job.catchup_threshold = override
         job.span = self.tracer.start_span(
-            "relay.decode", context=context_from_traceparent(meta.get("traceparent")),
+            "relay.decode",
+            context=context_from_traceparent(meta.get("traceparent")),
             attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt)},
         )
         self.jobs[rid] = job
-        await self.loop.call(self.engine.add_request, rid, prompt + [first], params, num_prompt_tokens=len(prompt))
-        job.timers.append(spawn(self._md_deadline(job), self._tasks))
+        await self.loop.call(
+            self.engine.add_request, rid, prompt + [first], params, num_prompt_tokens=len(prompt)
+        )
+        job.timers.append(self.life.spawn(self._md_deadline(job)))
         if rid in self.early_ready:
             self.early_ready.discard(rid)
             job.state = HANDING_OFF
@@ -152,14 +153,16 @@ class RelayService:
             return
         if job.state == RELAYING:
             job.state = HANDING_OFF  # claimed now, so a duplicate kv_ready cannot start a second handoff
-            spawn(self._start_handoff(job), self._tasks)
+            self.life.spawn(self._start_handoff(job))
 
     async def _start_handoff(self, job: RelayJob) -> None:
         tokens = await self.loop.call(self._snapshot, job.rid, False)
         if tokens is None:
             return  # finished in the meantime: the output path handles it
         running = (await self.loop.call(self.engine.stats))["running"]
-        job.mode = choose_handoff_mode(len(tokens), running, job.catchup_threshold, self.settings.catchup_load)
+        job.mode = choose_handoff_mode(
+            len(tokens), running, job.catchup_threshold, self.settings.catchup_load
+        )
         if job.mode == ONE_SHOT:
             await self._send_final(job)
         else:
@@ -186,24 +189,37 @@ class RelayService:
         job.rounds += 1
         metrics.HANDOFF_BATCHES.labels(mode=CATCH_UP).inc()
         await self._publish_batch(job, msg)
-        job.timers.append(spawn(self._ack_deadline(job, msg.seq), self._tasks))
+        job.timers.append(self.life.spawn(self._ack_deadline(job, msg.seq)))
 
     async def _send_final(self, job: RelayJob) -> None:
         tokens = await self.loop.call(self._snapshot, job.rid, True)
         if tokens is None:
             return
         job.state = HANDED
-        batch = HandoffBatch(job.rid, job.seq, job.handed, tokens[job.handed :], final=True, mode=job.mode or ONE_SHOT)
+        batch = HandoffBatch(
+            job.rid, job.seq, job.handed, tokens[job.handed :], final=True, mode=job.mode or ONE_SHOT
+        )
         metrics.HANDOFF_BATCHES.labels(mode=batch.mode).inc()
         await self._publish_batch(job, batch)
-        stats = {"handoff_mode": job.mode, "rld_tokens": max(len(tokens) - 1, 0), "handoff_batches": job.seq + 1}
-        await publish(self.nc, subjects.req_tokens(job.rid), TokenEvent(job.rid, "relay", len(tokens), [], stats=stats))
+        stats = {
+            "handoff_mode": job.mode,
+            "rld_tokens": max(len(tokens) - 1, 0),
+            "handoff_batches": job.seq + 1,
+        }
+        await publish(
+            self.nc, subjects.req_tokens(job.rid), TokenEvent(job.rid, "relay", len(tokens), [], stats=stats)
+        )
         self._forget(job)
 
     async def _publish_batch(self, job: RelayJob, batch: HandoffBatch) -> None:
         ctx = trace.set_span_in_context(job.span) if job.span else None
-        attrs = {REQUEST_ID_ATTR: job.rid, "mode": batch.mode, "seq": batch.seq, "tokens": len(batch.tokens),
-                 "final": batch.final}
+        attrs = {
+            REQUEST_ID_ATTR: job.rid,
+            "mode": batch.mode,
+            "seq": batch.seq,
+            "tokens": len(batch.tokens),
+            "final": batch.final,
+        }
         with self.tracer.start_as_current_span("relay.handoff_batch", context=ctx, attributes=attrs):
             await publish(self.nc, subjects.req_handoff(job.rid), batch)
 
@@ -211,7 +227,7 @@ class RelayService:
         job = self.jobs.get(msg.rid)
         if job is None or job.state != HANDING_OFF or msg.seq != job.seq - 1:
             return
-        spawn(self._continue_catchup(job, msg), self._tasks)
+        self.life.spawn(self._continue_catchup(job, msg))
 
     async def _continue_catchup(self, job: RelayJob, msg: HandoffAck) -> None:
         if not msg.ok:
@@ -242,7 +258,9 @@ class RelayService:
         log.warning("request %s: %s; relay finishes it", job.rid, reason)
         job.state = SOLO
         ctx = trace.set_span_in_context(job.span) if job.span else None
-        with self.tracer.start_as_current_span("abort", context=ctx, attributes={REQUEST_ID_ATTR: job.rid, "reason": reason}):
+        with self.tracer.start_as_current_span(
+            "abort", context=ctx, attributes={REQUEST_ID_ATTR: job.rid, "reason": reason}
+        ):
             await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, reason, "relay-fallback"))
 
     async def _on_abort(self, msg: Abort, raw) -> None:
@@ -277,11 +295,15 @@ class RelayService:
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
         metrics.RELAY_RUNNING.set(stats["running"])
-        metrics.KV_BLOCKS_USED.labels(service="relay", instance=self.settings.instance).set(stats["used_blocks"])
-        report = LoadReport(
-            service="relay", instance=self.settings.instance, running=stats["running"], waiting=stats["waiting"],
-            num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"],
-            address=self.kv_server.address if self.kv_server else None, model_id=self.engine.model_id,
+        metrics.KV_BLOCKS_USED.labels(service="relay", instance=self.settings.instance).set(
+            stats["used_blocks"]
+        )
+        report = load_report(
+            "relay",
+            self.settings.instance,
+            stats,
+            address=self.kv_server.address if self.kv_server else None,
+            model_id=self.engine.model_id,
         )
         await publish(self.nc, subjects.load("relay", self.settings.instance), report)
 

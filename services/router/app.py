@@ -59,14 +59,18 @@ def create_app(core_factory) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), type_="invalid_request_error"), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), type_="invalid_request_error"), status_code=exc.status_code
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
         core: RouterCore = state["core"]
         ready = core.ready()
         ok = core.nc.is_connected and ready["prefill"] > 0 and ready["main_decode"] > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", "instances": ready}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "instances": ready}, status_code=200 if ok else 503
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -81,8 +85,12 @@ def create_app(core_factory) -> FastAPI:
         for svc in ("prefill", "relay", "main_decode"):
             for r in core.registry.alive(svc):
                 out[f"{svc}/{r.instance}"] = {
-                    "running": r.running, "waiting": r.waiting, "used_blocks": r.used_blocks,
-                    "free_blocks": r.free_blocks, "num_blocks": r.num_blocks, "address": r.address,
+                    "running": r.running,
+                    "waiting": r.waiting,
+                    "used_blocks": r.used_blocks,
+                    "free_blocks": r.free_blocks,
+                    "num_blocks": r.num_blocks,
+                    "address": r.address,
                 }
         return out
 
@@ -95,8 +103,10 @@ def create_app(core_factory) -> FastAPI:
             tid = await asyncio.to_thread(find_trace_id, directory, trace_or_request_id)
         spans = await asyncio.to_thread(load_trace, directory, tid) if tid else []
         if not spans:
-            return JSONResponse(error_body(f"no trace for '{trace_or_request_id}' in {directory}", type_="not_found"),
-                                status_code=404)
+            return JSONResponse(
+                error_body(f"no trace for '{trace_or_request_id}' in {directory}", type_="not_found"),
+                status_code=404,
+            )
         return JSONResponse(trace_to_json(spans))
 
     @app.get("/metrics")
@@ -124,12 +134,20 @@ def create_app(core_factory) -> FastAPI:
         if not isinstance(payload, dict):
             return _bad("request body must be a JSON object")
         try:
-            body = ChatCompletionRequest.model_validate(payload) if chat else CompletionRequest.model_validate(payload)
+            body = (
+                ChatCompletionRequest.model_validate(payload)
+                if chat
+                else CompletionRequest.model_validate(payload)
+            )
         except ValidationError as e:
             return _bad(_describe(e.errors()))
         if body.model is not None and body.model != core.model_id:
-            return _bad(f"model '{body.model}' does not exist; this server serves '{core.model_id}'",
-                        param="model", status=404, code="model_not_found")
+            return _bad(
+                f"model '{body.model}' does not exist; this server serves '{core.model_id}'",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
         if chat:
             prompt_ids = tokenizer.encode(chat_prompt(body.messages))
         elif isinstance(body.prompt, str):
@@ -145,11 +163,17 @@ def create_app(core_factory) -> FastAPI:
         if len(prompt_ids) + max_tokens > limit:
             return _bad(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the context limit of {limit} tokens",
-                param="prompt", code="context_length_exceeded",
+                param="prompt",
+                code="context_length_exceeded",
             )
         params = SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
-            stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            max_tokens=max_tokens,
+            stop=body.stop,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
         )
         options = body.pdd.model_dump() if body.pdd else {}
         try:
@@ -169,8 +193,9 @@ def create_app(core_factory) -> FastAPI:
     return app
 
 
-async def _complete(request: Request, core: RouterCore, stream: RequestStream, detok: Detokenizer,
-                    chat: bool, headers: dict) -> Response:
+async def _complete(
+    request: Request, core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool, headers: dict
+) -> Response:
     finish_reason = None
 
     async def collect() -> str | None:
@@ -214,14 +239,19 @@ async def _complete(request: Request, core: RouterCore, stream: RequestStream, d
         "created": int(time.time()),
         "model": core.model_id,
         "choices": [choice],
-        "usage": {"prompt_tokens": len(stream.prompt_ids), "completion_tokens": n_out,
-                  "total_tokens": len(stream.prompt_ids) + n_out},
+        "usage": {
+            "prompt_tokens": len(stream.prompt_ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(stream.prompt_ids) + n_out,
+        },
         "pdd": stream.summary(),
     }
     return JSONResponse(body, headers=headers)
 
 
-async def _sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool, model: str) -> AsyncIterator[bytes]:
+async def _sse(
+    core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool, model: str
+) -> AsyncIterator[bytes]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     last = time.monotonic()
@@ -258,9 +288,19 @@ async def _sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, chat
                     reason = delta.finish_reason
         tail = detok.flush()
         _count(stream, "ok")
-        yield chunk(tail, [], _openai_reason(reason), {"pdd": stream.summary(), "usage": {
-            "prompt_tokens": len(stream.prompt_ids), "completion_tokens": len(detok.tokens),
-            "total_tokens": len(stream.prompt_ids) + len(detok.tokens)}})
+        yield chunk(
+            tail,
+            [],
+            _openai_reason(reason),
+            {
+                "pdd": stream.summary(),
+                "usage": {
+                    "prompt_tokens": len(stream.prompt_ids),
+                    "completion_tokens": len(detok.tokens),
+                    "total_tokens": len(stream.prompt_ids) + len(detok.tokens),
+                },
+            },
+        )
     except RequestError as e:
         _count(stream, "error")
         yield f"data: {json.dumps(error_body(str(e), type_=e.type))}\n\n".encode()
@@ -281,4 +321,3 @@ def _describe(errors) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "invalid request: " + "; ".join(parts)
-

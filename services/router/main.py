@@ -21,7 +21,10 @@ def build_app(settings: RouterSettings, nc=None) -> FastAPI:
         conn = nc or await connect(settings.nats_url, name=f"router-{settings.instance}")
         info = describe_model(settings.model)
         core = RouterCore(
-            settings, conn, model_id=info.model_id, block_size=settings.engine.block_size,
+            settings,
+            conn,
+            model_id=info.model_id,
+            block_size=settings.engine.block_size,
             kv_bytes_per_token=info.kv_bytes_per_token,
         )
         await core.start()

@@ -25,7 +25,9 @@ class TokenMerger:
         self.finish_reason: str | None = None
         self.duplicates = 0
 
-    def add(self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None) -> MergeResult:
+    def add(
+        self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None
+    ) -> MergeResult:
         for i, tok in enumerate(tokens):
             idx = index + i
             if idx < self.next_index or idx in self._pending:

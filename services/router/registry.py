@@ -19,7 +19,11 @@ class Registry:
 
     def alive(self, service: str) -> list[LoadReport]:
         now = time.monotonic()
-        return [r for (svc, _), (r, seen) in self._reports.items() if svc == service and now - seen < self.stale_after_s]
+        return [
+            r
+            for (svc, _), (r, seen) in self._reports.items()
+            if svc == service and now - seen < self.stale_after_s
+        ]
 
     def get(self, service: str, instance: str) -> LoadReport | None:
         entry = self._reports.get((service, instance))

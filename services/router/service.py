@@ -15,7 +15,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode, format_trace_id
 
 from shared.bus import subjects
-from shared.bus.connection import publish, request, subscribe
+from shared.bus.connection import publish, request
 from shared.bus.messages import (
     Abort,
     KVEvents,
@@ -28,7 +28,7 @@ from shared.bus.messages import (
 )
 from shared.config import RouterSettings
 from shared.engine import SamplingParams, block_hashes
-from shared.runtime import spawn
+from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
@@ -100,7 +100,9 @@ class RequestStream:
 
 
 class RouterCore:
-    def __init__(self, settings: RouterSettings, nc, *, model_id: str, block_size: int, kv_bytes_per_token: int):
+    def __init__(
+        self, settings: RouterSettings, nc, *, model_id: str, block_size: int, kv_bytes_per_token: int
+    ):
         self.settings = settings
         self.nc = nc
         self.model_id = model_id
@@ -111,17 +113,15 @@ class RouterCore:
         self.streams: dict[str, RequestStream] = {}
         self.unknown_events = 0
         self.tracer = get_tracer("router", settings.instance, settings.datacenter)
-        self._subs: list = []
-        self._tasks: set[asyncio.Task] = set()
+        self.life = Lifecycle()
 
     async def start(self) -> None:
-        self._subs.append(await subscribe(self.nc, subjects.all_req("tokens"), TokenEvent, self._on_tokens))
-        self._subs.append(await subscribe(self.nc, subjects.all_kv_events(), KVEvents, self._on_kv_events))
-        self._subs.append(await subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load))
+        await self.life.subscribe(self.nc, subjects.all_req("tokens"), TokenEvent, self._on_tokens)
+        await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self._on_kv_events)
+        await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            await sub.unsubscribe()
+        await self.life.close()
         for rid in list(self.streams):
             await self.abort(rid, "router shutdown")
 
@@ -143,7 +143,9 @@ class RouterCore:
         self.registry.update(report)
 
     # ---- a request ---------------------------------------------------------------------
-    def route(self, prompt_ids: list[int], forced: str | None) -> tuple[RouteDecision, str, str | None, list[int]]:
+    def route(
+        self, prompt_ids: list[int], forced: str | None
+    ) -> tuple[RouteDecision, str, str | None, list[int]]:
         hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         mds = self.registry.loads("main_decode")
         cached = {m.instance: self.index.cached_prefix_blocks(m.instance, hashes) for m in mds}
@@ -155,8 +157,13 @@ class RouterCore:
         link = self.registry.link_to(report.address) if report and report.address else None
         bandwidth, rtt = link or (self.settings.default_bandwidth_bps, self.settings.default_rtt_s)
         decision = choose_pipeline(
-            len(prompt_ids), cached.get(md, 0) * self.block_size, self.kv_bytes_per_token,
-            bandwidth, rtt, self.settings.wan_time_threshold_s, relay is not None,
+            len(prompt_ids),
+            cached.get(md, 0) * self.block_size,
+            self.kv_bytes_per_token,
+            bandwidth,
+            rtt,
+            self.settings.wan_time_threshold_s,
+            relay is not None,
         )
         if forced is not None and forced != decision.pipeline:
             if forced == P_RLD_MD and relay is None:
@@ -164,16 +171,24 @@ class RouterCore:
             decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
         return decision, md, relay if decision.pipeline == P_RLD_MD else None, hashes
 
-    async def open(self, prompt_ids: list[int], params: SamplingParams, options: dict,
-                   trace_context: Context | None = None) -> RequestStream:
+    async def open(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        options: dict,
+        trace_context: Context | None = None,
+    ) -> RequestStream:
         """Route and dispatch a request; `trace_context` is the caller's (W3C headers), if any."""
         if not self.registry.alive("prefill"):
             raise RequestError("no prefill instance is available", 503)
         if params.seed is None:  # every instance must sample a request the same way
             params.seed = secrets.randbits(63)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        span = self.tracer.start_span("router.request", context=trace_context or Context(),
-                                      attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt_ids)})
+        span = self.tracer.start_span(
+            "router.request",
+            context=trace_context or Context(),
+            attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt_ids)},
+        )
         try:
             with trace.use_span(span, end_on_exit=False):
                 return await self._dispatch(rid, span, prompt_ids, params, options)
@@ -182,25 +197,35 @@ class RouterCore:
             span.end()
             raise
 
-    async def _dispatch(self, rid: str, span: Span, prompt_ids: list[int], params: SamplingParams,
-                        options: dict) -> RequestStream:
-        with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
+    async def _dispatch(
+        self, rid: str, span: Span, prompt_ids: list[int], params: SamplingParams, options: dict
+    ) -> RequestStream:
+        with self.tracer.start_as_current_span(
+            "router.route", attributes={REQUEST_ID_ATTR: rid}
+        ) as route_span:
             decision, md, relay, hashes = self.route(prompt_ids, options.get("pipeline"))
-            route_span.set_attributes({
-                "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
-                "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline,
-                "pdd.md_instance": md, "pdd.relay_instance": relay or "",
-                "pdd.bandwidth_estimate": self._bandwidth_to(md),
-            })
+            route_span.set_attributes(
+                {
+                    "pdd.hit_rate": decision.hit_rate,
+                    "pdd.missing_bytes": decision.missing_bytes,
+                    "pdd.est_wan_s": decision.est_wan_s,
+                    "pdd.pipeline": decision.pipeline,
+                    "pdd.md_instance": md,
+                    "pdd.relay_instance": relay or "",
+                    "pdd.bandwidth_estimate": self._bandwidth_to(md),
+                }
+            )
         stream = RequestStream(rid, prompt_ids, decision, md_instance=md, span=span)
         span.set_attribute("pdd.pipeline", decision.pipeline)
         self.streams[rid] = stream
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
         try:
             prep = await request(
-                self.nc, subjects.md_prepare(md),
+                self.nc,
+                subjects.md_prepare(md),
                 PrepareRequest(rid, prompt_ids, params.to_dict(), hashes, decision.pipeline),
-                PrepareReply, timeout=self.settings.prepare_timeout_s,
+                PrepareReply,
+                timeout=self.settings.prepare_timeout_s,
             )
             if not prep.ok:
                 raise RequestError(f"main decode refused the request: {prep.error}", 503)
@@ -209,14 +234,28 @@ class RouterCore:
                 rep = self.registry.get("relay", relay)
                 relay_address = rep.address if rep else None
             submit = PrefillSubmit(
-                rid, prompt_ids, params.to_dict(), decision.pipeline, md, prep.bulk_address, prep.missing,
-                relay_instance=relay, relay_address=relay_address,
+                rid,
+                prompt_ids,
+                params.to_dict(),
+                decision.pipeline,
+                md,
+                prep.bulk_address,
+                prep.missing,
+                relay_instance=relay,
+                relay_address=relay_address,
                 options={k: v for k, v in options.items() if v is not None and k != "pipeline"},
             )
-            reply = await request(self.nc, subjects.prefill_submit(), submit, SubmitReply,
-                                  timeout=self.settings.prepare_timeout_s)
+            reply = await request(
+                self.nc,
+                subjects.prefill_submit(),
+                submit,
+                SubmitReply,
+                timeout=self.settings.prepare_timeout_s,
+            )
             if not reply.ok:
-                raise RequestError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
+                raise RequestError(
+                    f"prefill refused the request: {reply.error}", 400, "invalid_request_error"
+                )
         except TimeoutError as e:
             await self.abort(rid, "dispatch timed out")
             raise RequestError("timed out dispatching the request", 503) from e
@@ -246,16 +285,24 @@ class RouterCore:
                 try:
                     ev: TokenEvent = await asyncio.wait_for(stream.queue.get(), timeout=timeout)
                 except TimeoutError as e:
-                    raise RequestError("no progress from the serving instances before the timeout", 504, "timeout") from e
+                    raise RequestError(
+                        "no progress from the serving instances before the timeout", 504, "timeout"
+                    ) from e
                 stream.stats.update(ev.stats)
                 if ev.finish_reason == "error":
                     raise RequestError(f"request failed on {ev.source}: {ev.error}", 502)
                 merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.finish_reason)
                 if merged.tokens and stream.first_token_at is None:
                     stream.first_token_at = time.monotonic()
-                    metrics.TTFT.labels(pipeline=stream.decision.pipeline).observe(stream.first_token_at - stream.created)
+                    metrics.TTFT.labels(pipeline=stream.decision.pipeline).observe(
+                        stream.first_token_at - stream.created
+                    )
                 if merged.tokens or merged.finished:
-                    yield Delta(merged.tokens, merged.finished, stream.merger.finish_reason if merged.finished else None)
+                    yield Delta(
+                        merged.tokens,
+                        merged.finished,
+                        stream.merger.finish_reason if merged.finished else None,
+                    )
                 if merged.finished:
                     stream.done = True
                     return
@@ -266,19 +313,24 @@ class RouterCore:
         finally:
             self.streams.pop(stream.rid, None)
             if stream.span:
-                stream.span.set_attributes({
-                    "pdd.pipeline": stream.pipeline, "pdd.output_tokens": stream.merger.next_index,
-                    "pdd.outcome": "ok" if stream.done else "aborted",
-                })
+                stream.span.set_attributes(
+                    {
+                        "pdd.pipeline": stream.pipeline,
+                        "pdd.output_tokens": stream.merger.next_index,
+                        "pdd.outcome": "ok" if stream.done else "aborted",
+                    }
+                )
                 stream.span.end()
             if not stream.done:
-                spawn(self.abort(stream.rid, "client went away or request failed", stream.span), self._tasks)
+                self.life.spawn(self.abort(stream.rid, "client went away or request failed", stream.span))
 
     async def abort(self, rid: str, reason: str, parent: Span | None = None) -> None:
         self.streams.pop(rid, None)
         ctx = trace.set_span_in_context(parent) if parent else None
         try:
-            with self.tracer.start_as_current_span("abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": reason}):
+            with self.tracer.start_as_current_span(
+                "abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": reason}
+            ):
                 await publish(self.nc, subjects.req_abort(rid), Abort(rid, reason, "router"))
         except Exception as e:  # NATS gone: peers time the request out on their own
             log.warning("could not publish abort for %s: %s", rid, e)

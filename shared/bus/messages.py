@@ -135,3 +135,11 @@ class LoadReport(Message):
     address: str | None = None  # MD: bulk address to dial; RLD: local fast-path address
     links: dict[str, Any] = field(default_factory=dict)  # P: peer -> {"bandwidth": B/s, "rtt": s}
     model_id: str = ""
+
+
+def load_report(service: str, instance: str, stats: dict[str, Any], **extra: Any) -> LoadReport:
+    """A LoadReport from an engine's stats()."""
+    return LoadReport(
+        service=service, instance=instance, running=stats["running"], waiting=stats["waiting"],
+        num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"], **extra,
+    )
