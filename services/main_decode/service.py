@@ -31,6 +31,7 @@ from shared.bus.messages import (
 from shared.config import MainDecodeSettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
+from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
@@ -218,10 +219,7 @@ class MainDecodeService:
             self.engine.extend(job.rid, batch.tokens, final=batch.final)
 
     async def _on_outputs(self, outputs: list[StepOutput], _extra) -> None:
-        by_rid: dict[str, list[StepOutput]] = {}
-        for out in outputs:
-            by_rid.setdefault(out.rid, []).append(out)
-        for rid, outs in by_rid.items():
+        for rid, outs in group_by_request(outputs).items():
             job = self.jobs.get(rid)
             if job is None:
                 continue
