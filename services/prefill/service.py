@@ -17,7 +17,15 @@ from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
-from shared.bus.messages import Abort, HandoffBatch, PrefillSubmit, SubmitReply, TokenEvent, load_report
+from shared.bus.messages import (
+    MD_LOST,
+    Abort,
+    HandoffBatch,
+    PrefillSubmit,
+    SubmitReply,
+    TokenEvent,
+    load_report,
+)
 from shared.config import PrefillSettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
@@ -303,6 +311,15 @@ class PrefillService:
         if msg.source == "prefill":
             return
         job = self.jobs.get(msg.rid)
+        if job is not None and msg.reason == MD_LOST:
+            # Only the WAN stream goes: the relay's local stream must go on.
+            sender = job.senders.get(job.submit.md_bulk_address)
+            client = self.clients.get(job.submit.md_bulk_address)
+            if sender is not None and not sender.done():
+                sender.cancel()
+                if client is not None and not client.closed:
+                    self.life.spawn(client.abort(job.rid, MD_LOST))
+            return
         if job is not None:
             with self.tracer.start_as_current_span(
                 "abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason}

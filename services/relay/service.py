@@ -16,7 +16,7 @@ from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish
-from shared.bus.messages import Abort, HandoffAck, HandoffBatch, KVReady, TokenEvent, load_report
+from shared.bus.messages import MD_LOST, Abort, HandoffAck, HandoffBatch, KVReady, TokenEvent, load_report
 from shared.config import RelaySettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
@@ -268,7 +268,7 @@ class RelayService:
         if job is None:
             await self.loop.call(self.engine.release, _pin(msg.rid))
             return
-        if msg.source == "main_decode" and job.state in (RELAYING, HANDING_OFF):
+        if (msg.source == "main_decode" or msg.reason == MD_LOST) and job.state in (RELAYING, HANDING_OFF):
             await self._go_solo(job, f"MD gave up: {msg.reason}")
             return
         if job.state == HANDED:

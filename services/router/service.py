@@ -17,6 +17,7 @@ from opentelemetry.trace import Span, Status, StatusCode, format_trace_id
 from shared.bus import subjects
 from shared.bus.connection import publish, request
 from shared.bus.messages import (
+    MD_LOST,
     Abort,
     KVEvents,
     LoadReport,
@@ -34,7 +35,7 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
 from .merger import TokenMerger
-from .policy import P_RLD_MD, RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
+from .policy import P_MD, P_RLD_MD, RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
 from .prefix_index import PrefixIndex
 from .registry import Registry
 
@@ -64,6 +65,7 @@ class RequestStream:
     decision: RouteDecision
     md_instance: str = ""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    failure: str | None = None  # set when the router itself gives up on the request
     merger: TokenMerger = field(default_factory=TokenMerger)
     stats: dict = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
@@ -119,6 +121,7 @@ class RouterCore:
         await self.life.subscribe(self.nc, subjects.all_req("tokens"), TokenEvent, self._on_tokens)
         await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self._on_kv_events)
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
+        self.life.every(1.0, self._watch_main_decode)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -141,6 +144,21 @@ class RouterCore:
 
     async def _on_load(self, report: LoadReport, raw) -> None:
         self.registry.update(report)
+
+    async def _watch_main_decode(self) -> None:
+        """A request whose MD stopped reporting fails fast instead of waiting for a timeout,
+        unless a relay still holds it: then the relay is told to finish it."""
+        alive = {r.instance for r in self.registry.alive("main_decode")}
+        for stream in list(self.streams.values()):
+            if stream.md_instance in alive or stream.failure:
+                continue
+            handed_over = stream.decision.pipeline == P_MD or "handoff_mode" in stream.stats
+            if handed_over:
+                stream.failure = f"main decode instance {stream.md_instance} was lost"
+                stream.queue.put_nowait(None)
+            else:
+                stream.failure = "md-lost-relayed"
+                await publish(self.nc, subjects.req_abort(stream.rid), Abort(stream.rid, MD_LOST, "router"))
 
     # ---- a request ---------------------------------------------------------------------
     def route(
@@ -288,6 +306,8 @@ class RouterCore:
                     raise RequestError(
                         "no progress from the serving instances before the timeout", 504, "timeout"
                     ) from e
+                if ev is None:  # the watchdog gave up on this request
+                    raise RequestError(stream.failure or "request failed", 502)
                 stream.stats.update(ev.stats)
                 if ev.finish_reason == "error":
                     raise RequestError(f"request failed on {ev.source}: {ev.error}", 502)

@@ -102,9 +102,12 @@ class HandoffAck(Message):
     error: str | None = None
 
 
+MD_LOST = "md_lost"  # Abort reason: the request's MD stopped reporting; a relay still holding it finishes it
+
+
 @dataclass
 class Abort(Message):
-    """anyone → all: stop work on `rid` and free what it holds."""
+    """anyone → all: stop work on `rid` and free what it holds (but see MD_LOST)."""
 
     rid: str
     reason: str
