@@ -107,6 +107,11 @@ class MainDecodeService:
 
     # ---- prepare: which blocks must cross the WAN -------------------------------------
     async def _on_prepare(self, msg: PrepareRequest, raw) -> None:
+        # Admission waits for the engine thread (up to one step): do it off the subscription
+        # so requests arriving together are admitted together.
+        self.life.spawn(self._prepare(msg, raw))
+
+    async def _prepare(self, msg: PrepareRequest, raw) -> None:
         if msg.rid in self.jobs:
             await respond(raw, PrepareReply(ok=False, error=f"duplicate request id {msg.rid}"))
             return

@@ -93,6 +93,11 @@ class PrefillService:
 
     # ---- requests --------------------------------------------------------------------
     async def _on_submit(self, msg: PrefillSubmit, raw) -> None:
+        # Admission waits for the engine thread (up to one step): do it off the subscription
+        # so requests arriving together are admitted together.
+        self.life.spawn(self._submit(msg, raw))
+
+    async def _submit(self, msg: PrefillSubmit, raw) -> None:
         if msg.rid in self.jobs:
             await respond(raw, SubmitReply(ok=False, error=f"duplicate request id {msg.rid}"))
             return
