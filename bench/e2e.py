@@ -71,7 +71,9 @@ SINGLE_VARIANTS = {
     "p-md": (True, "p-md", None),
     "p-rld-md": (True, "p-rld-md", None),
     "p-rld-md/one-shot": (True, "p-rld-md", 100_000),
+    "p-rld-md/catch-up-16": (True, "p-rld-md", 16),  # smaller final batch, shorter MD stall
 }
+DEFAULT_SINGLE = "no-wan,p-md,p-rld-md,p-rld-md/one-shot"
 
 
 def run_single(args: argparse.Namespace) -> dict:
@@ -151,20 +153,24 @@ def _single_targets(s: dict, nominal_s: float) -> list[dict]:
     base = s.get("no-wan")
     if base is None:
         return out
-    for v in ("p-rld-md", "p-rld-md/one-shot"):
-        if v not in s:
+    for v in SINGLE_VARIANTS:
+        if not v.startswith("p-rld-md") or v not in s:
             continue
         for k, label in (("ttft", "TTFT"), ("max_gap", "max inter-token gap")):
             ratio = s[v][k] / base[k]
             out.append({"what": f"{v} {label} within 1.5x of no-WAN", "value": f"x{ratio:.2f}", "met": ratio <= 1.5})
-        out.append({"what": f"{v} RLD share of output tokens <= 10%", "value": f"{s[v]['rld_share']:.1%}",
-                    "met": s[v]["rld_share"] <= 0.10})
+        full = s[v]["n_tokens"] >= 1000  # the target is stated for a 1000-token output
+        out.append({"what": f"{v} RLD share of output tokens <= 10%" + ("" if full else " (for 1000-token outputs)"),
+                    "value": f"{s[v]['rld_share']:.1%} ({s[v]['rld_tokens']:.0f} of {s[v]['n_tokens']:.0f})",
+                    "met": s[v]["rld_share"] <= 0.10 if full else None})
     if "p-md" in s:
+        # P→MD's first decode-side token must wait for the whole KV: the 2nd token comes after
+        # the transfer time (the transfer overlaps prefill, so the stall after token 1 is shorter).
         grow_gap = s["p-md"]["max_gap"] - base["max_gap"]
-        grow_tt2 = s["p-md"]["tt2t"] - base["tt2t"]
-        out.append({"what": "P→MD: stall grows by about the transfer time (2nd token / max gap vs no-WAN)",
-                    "value": f"+{grow_tt2:.2f} s / +{grow_gap:.2f} s vs {nominal_s:.2f} s nominal",
-                    "met": grow_gap >= 0.5 * nominal_s})
+        out.append({"what": "P→MD waits for the KV: 2nd token after the transfer time (stall = transfer - prefill)",
+                    "value": f"2nd token {s['p-md']['tt2t']:.2f} s vs {nominal_s:.2f} s on the wire; "
+                             f"max gap +{grow_gap:.2f} s vs no-WAN",
+                    "met": s["p-md"]["tt2t"] >= 0.9 * nominal_s})
         out.append({"what": "P→MD TTFT (P streams the 1st token itself)",
                     "value": f"x{s['p-md']['ttft'] / base['ttft']:.2f} of no-WAN", "met": None})
     return out
@@ -290,19 +296,24 @@ def run_agentic(args: argparse.Namespace) -> dict:
     print(f"  {len(systems)} systems up in {time.monotonic() - t_start:.0f} s", flush=True)
     results: list[Result] = []
     busy = dict.fromkeys(deps, 0.0)
-    counters0: dict[str, dict] = {}
     try:
         if "same-dc" in systems:
             set_wan(systems["same-dc"], delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
-        for d, s in systems.items():
-            with httpx.Client(base_url=s.router_url) as c:
+        def warm(d: str) -> None:
+            with httpx.Client(base_url=systems[d].router_url) as c:
                 # The shared system prompt is in MD's cache (steady state of a service); P→MD
                 # also for PDD: through the relay, this short request would end on RLD alone
                 # and MD would drop the KV (the anomalous-traffic filter).
                 stream_completion(c, shared + random_tokens(random.Random(1), 64), 16, pipeline="p-md")
                 if d == "pdd":  # warm the relay's engine too
                     stream_completion(c, random_tokens(random.Random(2), 256), 48, pipeline="p-rld-md")
-            counters0[d] = wan_counters(s)
+
+        threads = [threading.Thread(target=warm, args=(d,)) for d in deps]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        counters0 = {d: wan_counters(s) for d, s in systems.items()}
         time.sleep(1.0)
         sessions = {d: [Session() for _ in range(args.clients)] for d in deps}
         n_waves = math.ceil(max(len(p) for p in plans) / args.wave)
@@ -507,6 +518,7 @@ def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
         import numpy as np
     except ImportError:
         return []
@@ -521,6 +533,8 @@ def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
             if len(xs):
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=d, drawstyle="steps-post")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("seconds")
         ax.set_ylabel("CDF")
         ax.set_title(title)
@@ -541,7 +555,8 @@ def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
         for i, d in enumerate(deps):
             ys = [res["by_hit"][d][b][key] for b in buckets]
             ax.bar(x + (i - (len(deps) - 1) / 2) * width, [0 if math.isnan(y) else y for y in ys], width, label=d)
-        ax.set_xticks(x, [f"{b}\n(n={res['by_hit'][deps[0]][b]['n']})" for b in buckets], fontsize=8)
+        ax.set_xticks(x, [f"{b}\n(n={'/'.join(str(res['by_hit'][d][b]['n']) for d in deps)})" for b in buckets],
+                      fontsize=8)
         ax.set_xlabel("prefix hit rate at MD")
         ax.set_ylabel("seconds")
         ax.set_title(title)
@@ -590,10 +605,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--prompt-tokens", type=int, default=2048)
     g.add_argument("--output-tokens", type=int, default=1000)
     g.add_argument("--rounds", type=int, default=2)
-    g.add_argument("--variants", default="no-wan,p-md,p-rld-md", help=f"from {', '.join(SINGLE_VARIANTS)}")
+    g.add_argument("--variants", default=DEFAULT_SINGLE, help=f"comma list from {', '.join(SINGLE_VARIANTS)}")
     g = p.add_argument_group("agentic workload")
     g.add_argument("--deployments", default=",".join(DEPLOYMENTS))
-    g.add_argument("--requests", type=int, default=48, help="requests per deployment")
+    g.add_argument("--requests", type=int, default=36, help="requests per deployment")
     g.add_argument("--clients", type=int, default=3, help="concurrent agent sessions")
     g.add_argument("--wave", type=int, default=4, help="requests per agent before switching deployment")
     g.add_argument("--shared-prefix", type=int, default=1536, help="system prompt shared by every session")
@@ -620,9 +635,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.output_tokens = min(args.output_tokens, 300)
             args.rounds = 1
         else:
-            args.requests = min(args.requests, 12)
-            args.wave = min(args.wave, 4)
-            args.output_max = min(args.output_max, 128)
+            args.requests = min(args.requests, 9)
+            args.wave = min(args.wave, 3)
+            args.output_max = min(args.output_max, 96)
     return args
 
 

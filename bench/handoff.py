@@ -10,7 +10,8 @@ Two ways, measured side by side, repetition by repetition (alternating which goe
       and samples the next token. Latency: publish -> next token sampled on MD.
 MD (engine, KV receiver, NATS subscriber) runs in a child process, as in deployment; the
 WAN emulator and the NATS servers are their own processes. One-way latencies use the
-machine-wide monotonic clock.
+machine-wide monotonic clock. The extend pass is also timed in CPU time (torch runs on one
+thread here), which separates its own cost from waits for a core on a shared host.
 
 Two conditions, each with --reps repetitions:
   jitter    the WAN link alone: one-way delay, uniform jitter, bandwidth cap.
@@ -121,6 +122,7 @@ class _MDSide:
         t_recv = time.monotonic()
         batch = decode(HandoffBatch, raw.data)
         e = self.engine
+        c0 = time.thread_time()  # torch runs single-threaded here: the forward's own CPU time
         e.extend(batch.rid, batch.tokens, final=batch.final)
         token = None
         while token is None:
@@ -128,8 +130,9 @@ class _MDSide:
                 if o.rid == batch.rid and o.token_id is not None:
                     token = o.token_id
         t_done = time.monotonic()
+        cpu = time.thread_time() - c0
         e.abort(batch.rid)
-        self.conn.send(("tok", batch.rid, t_recv, t_done, token, len(raw.data)))
+        self.conn.send(("tok", batch.rid, t_recv, t_done, token, len(raw.data), cpu))
 
 
 def _md_main(conn: Any, cfg: dict) -> None:
@@ -317,10 +320,10 @@ class Bench:
         t0 = time.monotonic()
         await self.nc.publish(SUBJECT, payload)
         await self.nc.flush()
-        kind, _, t_recv, t_done, token, nbytes = await self._recv(30)
+        kind, _, t_recv, t_done, token, nbytes, cpu = await self._recv(30)
         assert kind == "tok"
-        return {"total": t_done - t0, "wire": t_recv - t0, "extend": t_done - t_recv, "payload": nbytes,
-                "correct": token == self.reference[self.args.tokens]}
+        return {"total": t_done - t0, "wire": t_recv - t0, "extend": t_done - t_recv, "extend_cpu": cpu,
+                "total_cpu": t_recv - t0 + cpu, "payload": nbytes, "correct": token == self.reference[self.args.tokens]}
 
     async def wire_bytes(self) -> dict:
         """Bytes that cross the WAN for one handoff each way (the links' counters, idle link)."""
@@ -373,12 +376,13 @@ class Bench:
         out = {
             "cross_load": cross_load,
             "kv": {k: stats([r[k] for r in kv]) for k in ("total", "wire", "copy")},
-            "token": {k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend")},
+            "token": {k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend", "extend_cpu", "total_cpu")},
             "kv_payload_bytes": kv[0]["payload"],
             "kv_frame_bytes": kv[0]["frame_bytes"],
             "token_payload_bytes": tok[0]["payload"],
             "extend_correct": sum(r["correct"] for r in tok),
-            "samples": {"kv": [r["total"] for r in kv], "token": [r["total"] for r in tok]},
+            "samples": {"kv": [r["total"] for r in kv], "token": [r["total"] for r in tok],
+                        "token_cpu": [r["total_cpu"] for r in tok]},
         }
         out["ratios"] = {
             "token_mean_over_kv_mean": out["token"]["total"]["mean"] / out["kv"]["total"]["mean"],
@@ -413,6 +417,8 @@ def _print(res: dict) -> None:
             ("token IDs + extend", cond["token"]["total"]),
             ("  of which NATS/WAN", cond["token"]["wire"]),
             ("  of which extend pass", cond["token"]["extend"]),
+            ("  extend pass, CPU time", cond["token"]["extend_cpu"]),
+            ("token IDs, extend at CPU", cond["token"]["total_cpu"]),
         ]
         for label, s in rows:
             print(f"  {label:24s} {_fmt_ms(s['mean'])} {_fmt_ms(s['p50'])} {_fmt_ms(s['p99'])} {_fmt_ms(s['max'])} "
@@ -437,9 +443,10 @@ def _plot(res: dict, path: Path) -> None:
     conds = res["conditions"]
     fig, axes = plt.subplots(1, len(conds), figsize=(5.5 * len(conds), 3.8), squeeze=False)
     for ax, (name, cond) in zip(axes[0], conds.items(), strict=True):
-        for key, label in (("kv", "KV over WAN + pool copy"), ("token", "token IDs + extend pass")):
+        for key, label, style in (("kv", "KV over WAN + pool copy", "-"), ("token", "token IDs + extend pass", "-"),
+                                  ("token_cpu", "token IDs + extend pass at its CPU time", ":")):
             xs = np.sort(np.asarray(cond["samples"][key]) * 1000)
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), style, label=label)
         ax.set_xlabel("handoff latency (ms)")
         ax.set_ylabel("CDF")
         ax.set_title(name + (f" (+{cond['cross_load']:.0%} cross traffic)" if cond["cross_load"] else ""))
@@ -501,10 +508,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, c in conds.items():
             tr, kr = c["token"]["total"]["p99_over_p50"], c["kv"]["total"]["p99_over_p50"]
             targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2", "value": f"{tr:.2f}", "met": tr <= 1.2})
+            tc = c["token"]["total_cpu"]["p99_over_p50"]
+            targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2, extend pass at its CPU time (host noise out)",
+                            "value": f"{tc:.2f}", "met": tc <= 1.2})
             targets.append({"what": f"{name}: KV p99/p50 > 1.2", "value": f"{kr:.2f}", "met": kr > 1.2})
         return {
             "config": {k: v for k, v in vars(args).items() if k != "out"},
-            "machine": {"cpus": os.cpu_count()},
+            "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
             "payload": payload,
             "conditions": conds,
             "targets": targets,

@@ -1,0 +1,195 @@
+"""WAN bytes per request vs average prefix hit rate: prefix-aware transfer vs full transfer.
+
+Measured through the real system (`pdd up`, small preset): every request's `pdd.wan_bytes`
+is what MD received over the bulk channel. For each target average hit rate, a fresh
+"document" of --prompt-tokens is put into MD's cache by one seeding request (not counted);
+then --requests requests reuse a prefix of it and add fresh tokens, with per-request hit
+rates drawn around the target (skewed like agentic traffic: most near the top, a few far
+below; the mean is the target). Full transfer (what a prefix-unaware PD system sends) is
+measured the same way with requests MD holds nothing of (hit 0, same length). The model's
+expectation is (uncached full blocks) x KV bytes per token.
+
+    python -m bench.bandwidth [--quick] [--hits 0,0.25,0.5,0.75,0.9,0.95,0.99] [--requests 6]
+
+Writes bench/out/bandwidth.json and bench/out/bandwidth.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
+from bench.system import start_system
+
+BLOCK = 16
+KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
+
+
+def hit_mix(rng: random.Random, mean: float, n: int, spread: float) -> list[float]:
+    """n hit rates in [0, 0.99] whose mean is `mean`: most requests just above it, a few far
+    below (a skewed mix, as in agentic traffic). spread=0: every request exactly at the mean."""
+    if spread <= 0 or mean <= 0 or mean >= 0.99:
+        return [min(mean, 0.99)] * n
+    n_low = max(1, round(n * spread))
+    n_high = n - n_low
+    high = min(0.99, mean + (1 - mean) * 0.7)  # the majority sits above the mean
+    low_mean = (mean * n - high * n_high) / n_low
+    if low_mean < 0:  # cannot balance: shrink the high group towards the mean
+        high = mean * n / n_high
+        low_mean = 0.0
+    lows = [min(max(low_mean + rng.uniform(-1, 1) * min(low_mean, 0.99 - low_mean), 0.0), 0.99) for _ in range(n_low)]
+    shift = low_mean - statistics.fmean(lows)  # keep the exact mean
+    lows = [min(max(x + shift, 0.0), 0.99) for x in lows]
+    hits = [high] * n_high + lows
+    rng.shuffle(hits)
+    return hits
+
+
+def run(args: argparse.Namespace) -> dict:
+    env = service_env(args.torch_threads, md_kv_mb=512, prefill_kv_mb=512, relay_kv_mb=128)
+    workdir = Path(tempfile.mkdtemp(prefix="pdd-bench-bandwidth-"))
+    system = start_system(workdir, env, delay_ms=0, jitter_ms=0, bandwidth_mbps=1000, model_preset="small",
+                          timeout_s=300)
+    # Bytes do not depend on the link's speed: no cap, so the run is quick.
+    set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
+    L = args.prompt_tokens // BLOCK * BLOCK
+    rng = random.Random(args.seed)
+    points = []
+    try:
+        with httpx.Client(base_url=system.router_url) as client:
+            stream_completion(client, random_tokens(random.Random(99), L), 2, pipeline="p-md")  # warm up
+            full = []
+            for i in range(args.full_requests):  # full transfer: nothing of these prompts is cached at MD
+                t = stream_completion(client, random_tokens(random.Random(f"full-{i}"), L), args.max_tokens,
+                                      pipeline="p-md")
+                if t.ok:
+                    full.append(t.pdd.get("wan_bytes", 0))
+            full_bytes = statistics.fmean(full)
+            for h in args.hits:
+                doc = random_tokens(random.Random(f"doc-{h}-{args.seed}"), L)
+                seed = stream_completion(client, doc, 2, pipeline="p-md")  # MD now holds doc's blocks
+                if not seed.ok:
+                    raise RuntimeError(f"seeding request failed: {seed.error}")
+                time.sleep(0.3)  # MD's KV events reach the router (its hit-rate view)
+                before = wan_counters(system)["bulk"]["bytes_up"]
+                rows = []
+                for j, target in enumerate(hit_mix(rng, h, args.requests, args.spread)):
+                    k = int(target * L) // BLOCK * BLOCK
+                    prompt = doc[:k] + random_tokens(random.Random(f"q-{h}-{j}-{args.seed}"), L - k)
+                    t = stream_completion(client, prompt, args.max_tokens, pipeline="p-md")
+                    rows.append({"target": target, "cached_tokens": k, "ok": t.ok, "error": t.error,
+                                 "hit": t.pdd.get("prefix_hit_rate"), "wan_bytes": t.pdd.get("wan_bytes", 0),
+                                 "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN})
+                time.sleep(0.2)
+                link = (wan_counters(system)["bulk"]["bytes_up"] - before) / len(rows)
+                ok = [r for r in rows if r["ok"]]
+                aware = statistics.fmean(r["wan_bytes"] for r in ok)
+                model = statistics.fmean(r["model_bytes"] for r in ok)
+                point = {
+                    "target_mean_hit": h, "mean_hit": statistics.fmean(r["hit"] for r in ok),
+                    "requests": len(ok), "aware_bytes": aware, "full_bytes": full_bytes, "link_bytes": link,
+                    "model_aware_bytes": model, "model_full_bytes": L * KV_BYTES_PER_TOKEN,
+                    "full_over_aware": full_bytes / aware if aware else float("inf"),
+                    "aware_over_model": aware / model if model else (1.0 if aware == 0 else float("inf")),
+                    "rows": rows,
+                }
+                points.append(point)
+                print(f"  mean hit {point['mean_hit']:6.1%}: {aware / 2**20:7.2f} MiB/request (model "
+                      f"{model / 2**20:.2f}), full {full_bytes / 2**20:.2f} MiB -> x{point['full_over_aware']:.1f} less",
+                      flush=True)
+    finally:
+        system.stop()
+    at90 = min(points, key=lambda p: abs(p["target_mean_hit"] - 0.9)) if points else None
+    targets = []
+    if at90 is not None:
+        ratio = at90["aware_bytes"] / at90["full_bytes"]
+        targets.append({"what": f"WAN bytes at {at90['mean_hit']:.0%} average hit <= 1/8 of full transfer",
+                        "value": f"1/{1 / ratio:.1f}" if ratio else "0", "met": ratio <= 1 / 8})
+    return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "prompt_tokens": L,
+            "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "full_bytes_measured": full, "points": points,
+            "targets": targets}
+
+
+def _print(res: dict) -> None:
+    c = res["config"]
+    print(f"\nWAN bytes per request, prompt {res['prompt_tokens']} tokens ({res['kv_bytes_per_token'] // 1024} KiB "
+          f"of KV per token), {c['requests']} requests per point, hit spread {c['spread']:g}; prefix-aware = "
+          f"pdd.wan_bytes (KV MD received), on the link = the WAN emulator's bulk-link byte counter")
+    print(f"  {'mean hit':>8s} {'prefix-aware':>13s} {'on the link':>11s} {'model':>10s} {'full':>10s} "
+          f"{'full/aware':>10s} {'aware/model':>11s}")
+    for p in res["points"]:
+        print(f"  {p['mean_hit']:8.1%} {p['aware_bytes'] / 2**20:9.2f} MiB {p['link_bytes'] / 2**20:7.2f} MiB "
+              f"{p['model_aware_bytes'] / 2**20:6.2f} MiB "
+              f"{p['full_bytes'] / 2**20:6.2f} MiB {p['full_over_aware']:9.1f}x {p['aware_over_model']:10.3f}")
+    print("\ntargets:")
+    for t in res["targets"]:
+        print(f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {t['value']}")
+
+
+def _plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    pts = res["points"]
+    xs = [p["mean_hit"] * 100 for p in pts]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(xs, [p["full_bytes"] / 2**20 for p in pts], "s--", label="full transfer (measured, hit 0)")
+    ax.plot(xs, [p["aware_bytes"] / 2**20 for p in pts], "o-", label="prefix-aware (measured)")
+    ax.plot(xs, [p["model_aware_bytes"] / 2**20 for p in pts], ":", color="k", label="model: uncached blocks x KV/token")
+    ax.set_yscale("log")
+    ax.set_xlabel("average prefix hit rate at MD (%)")
+    ax.set_ylabel("WAN bytes per request (MiB)")
+    ax.set_title(f"KV over the WAN per request ({res['prompt_tokens']}-token prompts)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdd bench bandwidth", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts")
+    p.add_argument("--hits", default="0,0.25,0.5,0.75,0.9,0.95,0.99", help="target average hit rates")
+    p.add_argument("--requests", type=int, default=6, help="requests per hit-rate point")
+    p.add_argument("--full-requests", type=int, default=3, help="cold requests measuring the full transfer")
+    p.add_argument("--spread", type=float, default=0.25,
+                   help="share of requests far below the mean (0 = all exactly at the mean)")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/out/bandwidth.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests = min(args.requests, 4)
+        args.full_requests = min(args.full_requests, 2)
+        args.prompt_tokens = min(args.prompt_tokens, 1024)
+    args.hits = [float(x) for x in str(args.hits).split(",")] if isinstance(args.hits, str) else args.hits
+    t0 = time.monotonic()
+    res = run(args)
+    res["wall_s"] = time.monotonic() - t0
+    _print(res)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    _plot(res, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}  ({res['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
