@@ -41,13 +41,14 @@ class CommonSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
+    torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
 
 
 class PrefillSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_", env_nested_delimiter="__", extra="ignore")
 
-    prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk
+    prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk (0 = no cap)
 
 
 class RelaySettings(CommonSettings):

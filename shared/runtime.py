@@ -91,6 +91,10 @@ async def serve_service(name: str, settings, factory) -> None:
     from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
     setup_tracing(name, settings.instance, settings.datacenter)
+    if settings.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     if getattr(settings, "metrics_port", None):
         start_metrics_server(settings.metrics_port)
     nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}")

@@ -26,7 +26,7 @@ from shared.bus.messages import (
     TokenEvent,
     load_report,
 )
-from shared.config import PrefillSettings
+from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVClient, KVTransferError, LinkEstimator, open_kv_client
@@ -64,7 +64,7 @@ class PrefillService:
     def __init__(self, settings: PrefillSettings, nc, engine: LLMEngine | None = None):
         self.settings = settings
         self.nc = nc
-        self.engine = engine or LLMEngine(settings.model, settings.engine)
+        self.engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.loop = EngineLoop(self.engine, self._on_outputs, self._export_new_blocks)
         self.jobs: dict[str, PrefillJob] = {}  # event-loop view
         self._active: dict[str, PrefillJob] = {}  # engine-thread view (mutated only there)
@@ -374,6 +374,14 @@ class PrefillService:
             "prefill", self.settings.instance, stats, links=links, model_id=self.engine.model_id
         )
         await publish(self.nc, subjects.load("prefill", self.settings.instance), report)
+
+
+def chunked(engine: EngineSettings, prefill_chunk: int) -> EngineSettings:
+    """Cap the tokens per forward so KV blocks stream to the peers while the prompt is still
+    being prefilled, instead of after one long forward."""
+    if prefill_chunk <= 0:
+        return engine
+    return engine.model_copy(update={"max_batched_tokens": min(engine.max_batched_tokens, prefill_chunk)})
 
 
 def traceparent_of(span: Span) -> str | None:
