@@ -53,7 +53,6 @@ class MDJob:
     next_index: int = 0  # output index the next handoff batch must start at
     started: bool = False  # the engine holds a sequence for it
     decoding: bool = False  # the final batch is in: MD generates from here
-    final_acked: bool = False  # the relay was told MD streams on its own
     wan_bytes: int = 0
     md_tokens: int = 0
     handoff_mode: str = ""
@@ -236,10 +235,6 @@ class MainDecodeService:
             if not toks and not last.finished:
                 continue
             job.md_tokens += len(toks)
-            if toks and job.decoding and not job.final_acked and job.handoff_mode != "prefill":
-                # MD's first own token is out: the relay, still decoding in overlap, can stop.
-                job.final_acked = True
-                await publish(self.nc, subjects.req_handoff_ack(rid), HandoffAck(rid, job.next_seq - 1))
             first = next((o.index for o in outs if o.index is not None), job.next_index)
             event = TokenEvent(rid, "main_decode", first, toks)
             if last.finished:

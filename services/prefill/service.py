@@ -29,7 +29,7 @@ from shared.bus.messages import (
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
-from shared.kv import KVClient, KVTransferError, LinkEstimator, open_kv_client
+from shared.kv import KVClient, KVClientPool, KVTransferError, LinkEstimator
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -51,6 +51,7 @@ class PrefillJob:
     wan_bytes: int = 0
     local_bytes: int = 0
     senders: dict[str, asyncio.Task] = field(default_factory=dict)  # address -> sender
+    clients: dict[str, KVClient] = field(default_factory=dict)  # address -> connection in use
     finished_at_prefill: bool = False
     ctx: Context | None = None  # trace context of the router's request
     compute_span: Span | None = None
@@ -68,8 +69,7 @@ class PrefillService:
         self.loop = EngineLoop(self.engine, self._on_outputs, self._export_new_blocks)
         self.jobs: dict[str, PrefillJob] = {}  # event-loop view
         self._active: dict[str, PrefillJob] = {}  # engine-thread view (mutated only there)
-        self.clients: dict[str, KVClient] = {}
-        self._client_locks: dict[str, asyncio.Lock] = {}
+        self.pool = KVClientPool(settings.secret)
         self.links = LinkEstimator()
         self.tracer = get_tracer("prefill", settings.instance, settings.datacenter)
         self.life = Lifecycle()
@@ -87,8 +87,7 @@ class PrefillService:
         await self.life.close()
         for job in list(self.jobs.values()):
             await self._drop(job, "shutdown")
-        for client in self.clients.values():
-            await client.close()
+        await self.pool.close()
         await self.loop.stop()
 
     # ---- requests --------------------------------------------------------------------
@@ -219,15 +218,6 @@ class PrefillService:
         return None
 
     # ---- transfers -------------------------------------------------------------------
-    async def _client(self, address: str) -> KVClient:
-        lock = self._client_locks.setdefault(address, asyncio.Lock())
-        async with lock:
-            client = self.clients.get(address)
-            if client is None or client.closed:
-                client = await open_kv_client(address, self.settings.secret, timeout=10.0)
-                self.clients[address] = client
-            return client
-
     async def _ship(self, job: PrefillJob, path: str, address: str, queue: asyncio.Queue) -> None:
         """Stream one destination's blocks for one request, then wait for its ack."""
         timeout = self.settings.request_timeout_s
@@ -240,7 +230,8 @@ class PrefillService:
         t_start = time.monotonic()
         sent = 0
         try:
-            client = await self._client(address)
+            client = await self.pool.acquire(address)
+            job.clients[address] = client
             tp = traceparent_of(span)
             t_first = None
             while True:
@@ -281,6 +272,8 @@ class PrefillService:
         finally:
             span.set_attributes({"bytes": sent, "duration_s": time.monotonic() - t_start})
             span.end()
+            if address in job.clients:
+                self.pool.release(job.clients[address])
             others = [t for t in job.senders.values() if t is not asyncio.current_task()]
             if all(t.done() for t in others) and job.first_token is not None:
                 await self._release(job)
@@ -319,7 +312,7 @@ class PrefillService:
         if job is not None and msg.reason == MD_LOST:
             # Only the WAN stream goes: the relay's local stream must go on.
             sender = job.senders.get(job.submit.md_bulk_address)
-            client = self.clients.get(job.submit.md_bulk_address)
+            client = job.clients.get(job.submit.md_bulk_address)
             if sender is not None and not sender.done():
                 sender.cancel()
                 if client is not None and not client.closed:
@@ -337,7 +330,7 @@ class PrefillService:
             if task.done() or task is asyncio.current_task():
                 continue  # that stream completed (or is this one): nothing to abort there
             task.cancel()
-            client = self.clients.get(address)
+            client = job.clients.get(address)
             if client is not None and not client.closed:
                 try:
                     await client.abort(job.rid, reason)

@@ -31,10 +31,7 @@ from .handoff_policy import CATCH_UP, ONE_SHOT, catchup_is_final, choose_handoff
 
 log = logging.getLogger(__name__)
 
-RELAYING, HANDING_OFF, OVERLAP, HANDED, SOLO = "relaying", "handing-off", "overlap", "handed", "solo"
-# OVERLAP: the final batch is sent but the relay keeps decoding (and streaming) until MD's
-# first own token is out, so the handoff's round trip + extend pass never shows as a gap.
-# Both produce the same tokens; the router keeps whichever copy of an index arrives first.
+RELAYING, HANDING_OFF, HANDED, SOLO = "relaying", "handing-off", "handed", "solo"
 
 
 @dataclass
@@ -157,7 +154,7 @@ class RelayService:
             self.life.spawn(self._start_handoff(job))
 
     async def _start_handoff(self, job: RelayJob) -> None:
-        tokens = await self.loop.call(self._snapshot, job.rid)
+        tokens = await self.loop.call(self._snapshot, job.rid, False)
         if tokens is None:
             return  # finished in the meantime: the output path handles it
         running = (await self.loop.call(self.engine.stats))["running"]
@@ -169,12 +166,16 @@ class RelayService:
         else:
             await self._send_batch(job, tokens)
 
-    def _snapshot(self, rid: str) -> list[int] | None:
-        """Engine thread: the output tokens so far (None once the request has finished)."""
+    def _snapshot(self, rid: str, final: bool) -> list[int] | None:
+        """Engine thread: the output tokens so far; on the final batch also stop decoding."""
         try:
-            return self.engine.generated_token_ids(rid)
+            tokens = self.engine.generated_token_ids(rid)
         except (EngineError, KeyError):
             return None
+        if final:
+            self.engine.abort(rid)
+            self.engine.release(_pin(rid))
+        return tokens
 
     async def _send_batch(self, job: RelayJob, tokens: list[int]) -> None:
         # Keep the newest token back: the final batch must carry at least one token so MD
@@ -189,25 +190,24 @@ class RelayService:
         job.timers.append(self.life.spawn(self._ack_deadline(job, msg.seq)))
 
     async def _send_final(self, job: RelayJob) -> None:
-        tokens = await self.loop.call(self._snapshot, job.rid)
+        tokens = await self.loop.call(self._snapshot, job.rid, True)
         if tokens is None:
             return
-        job.state = OVERLAP
+        job.state = HANDED
         batch = HandoffBatch(
             job.rid, job.seq, job.handed, tokens[job.handed :], final=True, mode=job.mode or ONE_SHOT
         )
-        job.seq += 1
         metrics.HANDOFF_BATCHES.labels(mode=batch.mode).inc()
         await self._publish_batch(job, batch)
-        job.timers.append(self.life.spawn(self._ack_deadline(job, batch.seq)))
         stats = {
             "handoff_mode": job.mode,
             "rld_tokens": max(len(tokens) - 1, 0),
-            "handoff_batches": job.seq,
+            "handoff_batches": job.seq + 1,
         }
         await publish(
             self.nc, subjects.req_tokens(job.rid), TokenEvent(job.rid, "relay", len(tokens), [], stats=stats)
         )
+        self._forget(job)
 
     async def _publish_batch(self, job: RelayJob, batch: HandoffBatch) -> None:
         ctx = trace.set_span_in_context(job.span) if job.span else None
@@ -223,15 +223,7 @@ class RelayService:
 
     async def _on_ack(self, msg: HandoffAck, raw) -> None:
         job = self.jobs.get(msg.rid)
-        if job is None or job.state not in (HANDING_OFF, OVERLAP) or msg.seq != job.seq - 1:
-            return
-        if job.state == OVERLAP:  # MD streams on its own now: stop and free the request
-            if not msg.ok:
-                await self._go_solo(job, f"MD rejected handoff: {msg.error}")
-                return
-            job.state = HANDED
-            self._forget(job)
-            await self.loop.call(self._free, job.rid)
+        if job is None or job.state != HANDING_OFF or msg.seq != job.seq - 1:
             return
         self.life.spawn(self._continue_catchup(job, msg))
 
@@ -239,7 +231,7 @@ class RelayService:
         if not msg.ok:
             await self._go_solo(job, f"MD rejected handoff: {msg.error}")
             return
-        tokens = await self.loop.call(self._snapshot, job.rid)
+        tokens = await self.loop.call(self._snapshot, job.rid, False)
         if tokens is None:
             return
         pending = len(tokens) - job.handed
@@ -256,7 +248,7 @@ class RelayService:
 
     async def _ack_deadline(self, job: RelayJob, seq: int) -> None:
         await asyncio.sleep(self.settings.md_ready_timeout_s)
-        if self.jobs.get(job.rid) is job and job.state in (HANDING_OFF, OVERLAP) and job.seq - 1 == seq:
+        if self.jobs.get(job.rid) is job and job.state == HANDING_OFF and job.seq - 1 == seq:
             await self._go_solo(job, "MD did not acknowledge the handoff")
 
     async def _go_solo(self, job: RelayJob, reason: str) -> None:
@@ -276,11 +268,7 @@ class RelayService:
         if job is None:
             await self.loop.call(self.engine.release, _pin(msg.rid))
             return
-        if (msg.source == "main_decode" or msg.reason == MD_LOST) and job.state in (
-            RELAYING,
-            HANDING_OFF,
-            OVERLAP,
-        ):
+        if (msg.source == "main_decode" or msg.reason == MD_LOST) and job.state in (RELAYING, HANDING_OFF):
             await self._go_solo(job, f"MD gave up: {msg.reason}")
             return
         if job.state == HANDED:

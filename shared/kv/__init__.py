@@ -3,6 +3,7 @@
 from shared.kv.client import KVClient, TransferStats, open_kv_client
 from shared.kv.errors import FrameError, KVTransferError
 from shared.kv.link_estimator import LinkEstimator
+from shared.kv.pool import KVClientPool
 from shared.kv.server import KVServer, start_kv_server
 from shared.kv.sink import KVSink
 from shared.kv.transport import register_transport
@@ -10,6 +11,7 @@ from shared.kv.transport import register_transport
 __all__ = [
     "FrameError",
     "KVClient",
+    "KVClientPool",
     "KVServer",
     "KVSink",
     "KVTransferError",

@@ -1,0 +1,46 @@
+"""A few bulk connections per peer, so one request's KV does not queue behind another's.
+
+Requests on one TCP connection are served in order: a high-hit request with a few blocks
+would otherwise wait behind tens of MB of a low-hit one. Each request takes the connection
+with the fewest requests in flight; a new one is opened while all are busy, up to a cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.kv.client import KVClient, open_kv_client
+
+
+class KVClientPool:
+    def __init__(self, secret: str, per_peer: int = 4, timeout: float = 10.0):
+        self.secret = secret
+        self.per_peer = per_peer
+        self.timeout = timeout
+        self._conns: dict[str, list[KVClient]] = {}
+        self._active: dict[int, int] = {}  # id(client) -> requests in flight
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def acquire(self, address: str) -> KVClient:
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            conns = [c for c in self._conns.get(address, []) if not c.closed]
+            idle = min(conns, key=lambda c: self._active.get(id(c), 0), default=None)
+            if idle is None or (self._active.get(id(idle), 0) > 0 and len(conns) < self.per_peer):
+                idle = await open_kv_client(address, self.secret, timeout=self.timeout)
+                conns.append(idle)
+            self._conns[address] = conns
+            self._active[id(idle)] = self._active.get(id(idle), 0) + 1
+            return idle
+
+    def release(self, client: KVClient) -> None:
+        n = self._active.get(id(client), 0) - 1
+        if n > 0:
+            self._active[id(client)] = n
+        else:
+            self._active.pop(id(client), None)
+
+    async def close(self) -> None:
+        for conns in self._conns.values():
+            for c in conns:
+                await c.close()
+        self._conns.clear()
