@@ -76,7 +76,6 @@ class MainDecodeService:
         self.loop = EngineLoop(self.engine, self._on_outputs)
         self.jobs: dict[str, MDJob] = {}
         self.kv_server: KVServer | None = None
-        self.unknown_messages = 0
         self.tracer = get_tracer("main_decode", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
@@ -173,7 +172,7 @@ class MainDecodeService:
     async def _on_handoff(self, msg: HandoffBatch, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.unknown_messages += 1
+            metrics.UNKNOWN_REQUEST_MESSAGES.labels(service="main_decode").inc()
             return
         job.batches[msg.seq] = msg
         job.batch_ctx[msg.seq] = otel_context.get_current()
@@ -235,6 +234,7 @@ class MainDecodeService:
             if not toks and not last.finished:
                 continue
             job.md_tokens += len(toks)
+            metrics.OUTPUT_TOKENS.labels(role="main_decode").inc(len(toks))
             first = next((o.index for o in outs if o.index is not None), job.next_index)
             event = TokenEvent(rid, "main_decode", first, toks)
             if last.finished:

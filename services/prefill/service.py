@@ -49,10 +49,8 @@ class PrefillJob:
     exported: int = 0  # computed full blocks already handed to the senders (engine thread only)
     first_token: int | None = None
     wan_bytes: int = 0
-    local_bytes: int = 0
     senders: dict[str, asyncio.Task] = field(default_factory=dict)  # address -> sender
     clients: dict[str, KVClient] = field(default_factory=dict)  # address -> connection in use
-    finished_at_prefill: bool = False
     ctx: Context | None = None  # trace context of the router's request
     compute_span: Span | None = None
 
@@ -193,7 +191,6 @@ class PrefillService:
         )
         if done_reason is not None:
             # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
-            job.finished_at_prefill = True
             await publish(
                 self.nc, subjects.req_abort(job.rid), Abort(job.rid, "finished_at_prefill", "prefill")
             )
@@ -244,8 +241,6 @@ class PrefillService:
                 sent += n
                 if path == "wan":
                     job.wan_bytes += n
-                else:
-                    job.local_bytes += n
                 metrics.KV_BYTES.labels(path=path).inc(n)
             if path == "local":
                 meta = {
@@ -315,6 +310,7 @@ class PrefillService:
             client = job.clients.get(job.submit.md_bulk_address)
             if sender is not None and not sender.done():
                 sender.cancel()
+                metrics.KV_TRANSFER_ABORTS.labels(reason=MD_LOST).inc()
                 if client is not None and not client.closed:
                     self.life.spawn(client.abort(job.rid, MD_LOST))
             return
@@ -330,6 +326,8 @@ class PrefillService:
             if task.done() or task is asyncio.current_task():
                 continue  # that stream completed (or is this one): nothing to abort there
             task.cancel()
+            if address == job.submit.md_bulk_address:
+                metrics.KV_TRANSFER_ABORTS.labels(reason=reason.split(":")[0][:40]).inc()  # bounded label set
             client = job.clients.get(address)
             if client is not None and not client.closed:
                 try:

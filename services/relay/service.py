@@ -123,6 +123,7 @@ class RelayService:
             toks = [o.token_id for o in outs if o.token_id is not None]
             last = outs[-1]
             job.produced += len(toks)
+            metrics.OUTPUT_TOKENS.labels(role="relay").inc(len(toks))
             event = TokenEvent(rid, "relay", outs[0].index if outs[0].index is not None else 0, toks)
             if last.finished:
                 event.finished = True

@@ -113,7 +113,6 @@ class RouterCore:
         self.index = PrefixIndex()
         self.registry = Registry()
         self.streams: dict[str, RequestStream] = {}
-        self.unknown_events = 0
         self.tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
@@ -135,7 +134,7 @@ class RouterCore:
     async def _on_tokens(self, ev: TokenEvent, raw) -> None:
         stream = self.streams.get(ev.rid)
         if stream is None:
-            self.unknown_events += 1
+            metrics.UNKNOWN_REQUEST_MESSAGES.labels(service="router").inc()
             return
         stream.queue.put_nowait(ev)
 

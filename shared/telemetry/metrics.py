@@ -40,6 +40,9 @@ WAN_BANDWIDTH = Gauge("pdd_wan_bandwidth_bytes_per_second", "Router's live WAN b
 KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks in use", ["service", "instance"])
 # Beyond the brief: the RLD/MD token split (paper: RLD 6.2%, MD 93.8%) and aborted WAN transfers.
 OUTPUT_TOKENS = Counter("pdd_output_tokens", "Output tokens by producing role", ["role"])
+UNKNOWN_REQUEST_MESSAGES = Counter(
+    "pdd_unknown_request_messages", "Messages naming a request id this instance does not hold (dropped)", ["service"]
+)
 KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])
 
 _servers: dict[int, object] = {}
