@@ -75,6 +75,11 @@ class PrefillService:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.loop.start()
+        # Least-loaded choice by the router on the instance subject; the queue group serves
+        # clients that do not pick an instance.
+        await self.life.subscribe(
+            self.nc, subjects.prefill_submit_to(self.settings.instance), PrefillSubmit, self._on_submit
+        )
         await self.life.subscribe(
             self.nc, subjects.prefill_submit(), PrefillSubmit, self._on_submit, queue="prefill"
         )

@@ -262,9 +262,10 @@ class RouterCore:
                 relay_address=relay_address,
                 options={k: v for k, v in options.items() if v is not None and k != "pipeline"},
             )
+            prefill = choose_least_loaded(self.registry.loads("prefill"))
             reply = await request(
                 self.nc,
-                subjects.prefill_submit(),
+                subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit(),
                 submit,
                 SubmitReply,
                 timeout=self.settings.prepare_timeout_s,

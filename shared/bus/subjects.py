@@ -17,8 +17,9 @@ def prefill_submit() -> str:
     return f"{PREFIX}.prefill.submit"
 
 
-def relay_start(inst: str) -> str:
-    return f"{PREFIX}.relay.{_tok(inst)}.start"
+def prefill_submit_to(inst: str) -> str:
+    """One prefill instance's own submit subject (the router picks the least loaded)."""
+    return f"{PREFIX}.prefill.{_tok(inst)}.submit"
 
 
 def md_prepare(inst: str) -> str:
