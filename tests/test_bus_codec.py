@@ -91,7 +91,7 @@ def test_malformed_is_rejected(data: bytes, why: str) -> None:
 
 def test_subjects() -> None:
     assert subjects.prefill_submit() == "pdd.prefill.submit"
-    assert subjects.relay_start("0") == "pdd.relay.0.start"
+    assert subjects.prefill_submit_to("0") == "pdd.prefill.0.submit"
     assert subjects.md_prepare("1") == "pdd.md.1.prepare"
     assert subjects.req_tokens("abc") == "pdd.req.abc.tokens"
     assert subjects.req_kv_ready("abc") == "pdd.req.abc.kv_ready"
