@@ -93,8 +93,9 @@ class MainDecodeService:
             (subjects.all_req("abort"), Abort, self._on_abort),
         ]:
             await self.life.subscribe(self.nc, subject, cls, handler)
-        await publish(self.nc, subjects.kv_events(inst), KVEvents(inst, reset=True))
+        await self._publish_kv_snapshot()
         self.life.every(0.05, self._publish_kv_events)
+        self.life.every(10.0, self._publish_kv_snapshot)
         self.life.every(0.5, self._report_load)
         self.life.every(1.0, self._expire)
 
@@ -304,6 +305,17 @@ class MainDecodeService:
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s:
                 await self._fail(job, "request timed out on MD")
+
+    async def _publish_kv_snapshot(self) -> None:
+        """The whole cache, now and then: a router that restarted or missed events catches up."""
+
+        def snapshot() -> list[int]:
+            self.engine.drain_events()  # covered by the snapshot
+            return self.engine.cached_hashes()
+
+        inst = self.settings.instance
+        stored = await self.loop.call(snapshot)
+        await publish(self.nc, subjects.kv_events(inst), KVEvents(inst, stored=stored, reset=True))
 
     async def _publish_kv_events(self) -> None:
         events = await self.loop.call(self.engine.drain_events)

@@ -348,6 +348,10 @@ class LLMEngine:
     def drain_events(self) -> list[tuple[str, int]]:
         return self.pool.drain_events()
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now (a snapshot for peers that lost events)."""
+        return list(self.pool.cached)
+
     def stats(self) -> dict:
         statuses = [s.status for s in self.seqs.values()]
         return {
