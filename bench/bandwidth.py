@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
+from bench.report import print_targets, pyplot
 from bench.system import start_system
 
 BLOCK = 16
@@ -129,19 +130,11 @@ def _print(res: dict) -> None:
         print(f"  {p['mean_hit']:8.1%} {p['aware_bytes'] / 2**20:9.2f} MiB {p['link_bytes'] / 2**20:7.2f} MiB "
               f"{p['model_aware_bytes'] / 2**20:6.2f} MiB "
               f"{p['full_bytes'] / 2**20:6.2f} MiB {p['full_over_aware']:9.1f}x {p['aware_over_model']:10.3f}")
-    print("\ntargets:")
-    for t in res["targets"]:
-        print(f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {t['value']}")
+    print_targets(res["targets"])
 
 
 def _plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     pts = res["points"]
     xs = [p["mean_hit"] * 100 for p in pts]
     fig, ax = plt.subplots(figsize=(6.5, 4))

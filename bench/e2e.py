@@ -49,6 +49,7 @@ from bench.client import (
     stream_completion,
     wan_counters,
 )
+from bench.report import print_targets, pyplot
 
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
 BLOCK = 16
@@ -189,7 +190,7 @@ def _print_single(res: dict) -> None:
             rel = f"   TTFT x{s['ttft'] / base['ttft']:.2f}, max gap x{s['max_gap'] / base['max_gap']:.2f} of no-WAN"
         print(f"  {v:18s} {s['ttft']:6.2f}s {s['tt2t']:6.2f}s {s['max_gap']:6.2f}s {s['tpot'] * 1000:4.0f}ms "
               f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}{rel}")
-    _print_targets(res["targets"])
+    print_targets(res["targets"])
 
 
 # ====================================================================== agentic
@@ -509,19 +510,14 @@ def _print_agentic(res: dict) -> None:
     print(f"\n  SLA goodput (req/s) vs TPOT limit (TTFT <= {c['sla_ttft_s']:g} s):")
     for r in res["goodput_sweep"]:
         print(f"    TPOT <= {r['tpot_s'] * 1000:4.0f} ms  " + "  ".join(f"{d} {r[d]:.3f}" for d in deps))
-    _print_targets(res["targets"])
+    print_targets(res["targets"])
 
 
 def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
-    try:
-        import matplotlib
+    import matplotlib.ticker
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-        import numpy as np
-    except ImportError:
-        return []
+    plt = pyplot()
     rows = res["rows"]
     deps = list(res["summary"])
     paths = []
@@ -571,15 +567,6 @@ def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
 
 
 # ====================================================================== common
-
-
-def _print_targets(targets: list[dict]) -> None:
-    if not targets:
-        return
-    print("\ntargets:")
-    for t in targets:
-        mark = "info" if t["met"] is None else ("met" if t["met"] else "MISSED")
-        print(f"  [{mark}] {t['what']}: {t['value']}")
 
 
 def _config(args: argparse.Namespace) -> dict:

@@ -9,7 +9,7 @@ loaded with transformers). Three parts, all in one run:
      every row runs to the batch's longest output). Throughput counts useful tokens only
      (prompt + requested output); greedy outputs are compared token by token.
   3. Prefill and decode tokens/s at batch 1, 8, 32 for both.
-Writes bench/out/engine.json (and engine.png when matplotlib is present).
+Writes bench/out/engine.json and engine.png.
 
     python -m bench.engine [--quick]
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import pyplot
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
 from shared.model.export_hf import save_hf
@@ -251,13 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     m = result["mixed"]
     axes[0].bar(["ours", "HF generate"], [m["ours_tokens_per_s"], m["hf_tokens_per_s"]], color=["C0", "C1"])

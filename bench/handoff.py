@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.report import print_targets, pyplot
 from shared.bus import NatsServer, connect, decode, encode
 from shared.bus.messages import HandoffBatch
 from shared.bus.nats_server import free_port
@@ -427,19 +428,11 @@ def _print(res: dict) -> None:
         print(f"  token/KV mean x{r['token_mean_over_kv_mean']:.2f}, token/KV p99 x{r['token_p99_over_kv_p99']:.2f}, "
               f"KV std / token std x{r['kv_std_over_token_std']:.1f}; extend sampled the reference token "
               f"{cond['extend_correct']}/{cond['token']['total']['n']}")
-    print("\ntargets:")
-    for t in res["targets"]:
-        print(f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {t['value']}")
+    print_targets(res["targets"])
 
 
 def _plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     conds = res["conditions"]
     fig, axes = plt.subplots(1, len(conds), figsize=(5.5 * len(conds), 3.8), squeeze=False)
     for ax, (name, cond) in zip(axes[0], conds.items(), strict=True):
