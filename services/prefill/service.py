@@ -21,6 +21,7 @@ from shared.bus.messages import (
     MD_LOST,
     Abort,
     HandoffBatch,
+    MDTarget,
     PrefillSubmit,
     SubmitReply,
     TokenEvent,
@@ -43,11 +44,13 @@ _DONE = None  # queue sentinel: no more blocks for this destination
 class PrefillJob:
     submit: PrefillSubmit
     params: SamplingParams
-    md_missing: set[int]
+    md_missing: set[int] | None  # None until MD's target is known (engine thread sets it)
+    md_address: str = ""
     md_queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     local_queue: asyncio.Queue | None = None
     exported: int = 0  # computed full blocks already handed to the senders (engine thread only)
     first_token: int | None = None
+    handoff_waiting: bool = False  # P→MD: the first token waits for MD's target
     wan_bytes: int = 0
     senders: dict[str, asyncio.Task] = field(default_factory=dict)  # address -> sender
     clients: dict[str, KVClient] = field(default_factory=dict)  # address -> connection in use
@@ -84,6 +87,7 @@ class PrefillService:
             self.nc, subjects.prefill_submit(), PrefillSubmit, self._on_submit, queue="prefill"
         )
         await self.life.subscribe(self.nc, subjects.all_req("abort"), Abort, self._on_abort)
+        await self.life.subscribe(self.nc, subjects.all_req("md_target"), MDTarget, self._on_md_target)
         self.life.every(0.5, self._report_load)
 
     async def stop(self) -> None:
@@ -106,9 +110,7 @@ class PrefillService:
         try:
             params = SamplingParams.from_dict(msg.params)
             local_queue = asyncio.Queue() if msg.relay_address else None
-            job = PrefillJob(
-                msg, params, set(msg.md_missing), local_queue=local_queue, ctx=otel_context.get_current()
-            )
+            job = PrefillJob(msg, params, None, local_queue=local_queue, ctx=otel_context.get_current())
             job.compute_span = self.tracer.start_span(
                 "prefill.compute",
                 context=job.ctx,
@@ -126,15 +128,46 @@ class PrefillService:
                 dropped.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
-        job.senders[msg.md_bulk_address] = self.life.spawn(
-            self._ship(job, "wan", msg.md_bulk_address, job.md_queue)
-        )
+        if msg.md_missing is not None:
+            await self._target(job, msg.md_bulk_address, msg.md_missing)
         if job.local_queue is not None and msg.relay_address:
             job.senders[msg.relay_address] = self.life.spawn(
                 self._ship(job, "local", msg.relay_address, job.local_queue)
             )
         self.life.spawn(self._watch(job))
         await respond(raw, SubmitReply(ok=True, instance=self.settings.instance))
+
+    async def _on_md_target(self, msg: MDTarget, raw) -> None:
+        job = self.jobs.get(msg.rid)
+        if job is None:
+            metrics.UNKNOWN_REQUEST_MESSAGES.labels(service="prefill").inc()
+            return
+        await self._target(job, msg.md_bulk_address, msg.md_missing)
+
+    async def _target(self, job: PrefillJob, address: str, missing: list[int]) -> None:
+        """MD's answer is in: queue what it lacks of the blocks computed so far, start the
+        WAN stream, and hand the first token over if it was waiting."""
+        if job.md_address or job.md_missing is not None:
+            return
+        hashes, kv = await self.loop.call(self._set_target, job, set(missing))
+        if hashes:
+            job.md_queue.put_nowait((hashes, kv))
+        # No await from here to the end-of-stream check: exactly one of this and
+        # _first_token closes the WAN queue, after every block.
+        job.md_address = address
+        if job.first_token is not None:
+            job.md_queue.put_nowait(_DONE)
+        job.senders[address] = self.life.spawn(self._ship(job, "wan", address, job.md_queue))
+        if job.handoff_waiting:
+            job.handoff_waiting = False
+            await self._handoff_first_token(job)
+
+    def _set_target(self, job: PrefillJob, missing: set[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Engine thread: from now on exports filter by `missing`; export what was skipped."""
+        job.md_missing = missing
+        done = self.engine.computed_block_hashes(job.rid)[: job.exported]
+        wanted = [h for h in done if h in missing]
+        return wanted, self.engine.export_blocks(wanted) if wanted else None
 
     def _admit(self, job: PrefillJob) -> None:  # engine thread
         self.engine.add_request(job.rid, job.submit.prompt_ids, job.params, mode="prefill")
@@ -152,7 +185,8 @@ class PrefillService:
             if not new:
                 continue
             job.exported = len(hashes)
-            wanted = new if job.local_queue is not None else [h for h in new if h in job.md_missing]
+            md_wants = [h for h in new if job.md_missing is not None and h in job.md_missing]
+            wanted = new if job.local_queue is not None else md_wants
             if wanted:
                 out.append((job, wanted, engine.export_blocks(wanted)))
         return out
@@ -161,7 +195,7 @@ class PrefillService:
         for job, hashes, kv in exports or []:
             if job.local_queue is not None:
                 job.local_queue.put_nowait((hashes, kv))
-            idx = [i for i, h in enumerate(hashes) if h in job.md_missing]
+            idx = [i for i, h in enumerate(hashes) if job.md_missing is not None and h in job.md_missing]
             if idx:
                 md_kv = kv if len(idx) == len(hashes) else kv[:, :, idx].contiguous()
                 job.md_queue.put_nowait(([hashes[i] for i in idx], md_kv))
@@ -201,13 +235,21 @@ class PrefillService:
             )
             await self._drop(job, "finished_at_prefill")
             return
-        job.md_queue.put_nowait(_DONE)
+        if job.md_address:
+            job.md_queue.put_nowait(_DONE)
         if job.local_queue is not None:
             job.local_queue.put_nowait(_DONE)
+        elif job.md_address:
+            await self._handoff_first_token(job)
         else:
-            # P→MD: prefill is the only relay; hand the first token over right away.
-            batch = HandoffBatch(job.rid, seq=0, start_index=0, tokens=[token], final=True, mode="prefill")
-            await publish(self.nc, subjects.req_handoff(job.rid), batch)
+            job.handoff_waiting = True  # MD may not hold the request yet: wait for its target
+
+    async def _handoff_first_token(self, job: PrefillJob) -> None:
+        """P→MD: prefill is the only relay; it hands over its one token."""
+        batch = HandoffBatch(
+            job.rid, seq=0, start_index=0, tokens=[job.first_token], final=True, mode="prefill"
+        )
+        await publish(self.nc, subjects.req_handoff(job.rid), batch)
 
     def _finishes_at_first_token(self, job: PrefillJob, token: int) -> str | None:
         p = job.params
@@ -275,7 +317,7 @@ class PrefillService:
             if address in job.clients:
                 self.pool.release(job.clients[address])
             others = [t for t in job.senders.values() if t is not asyncio.current_task()]
-            if all(t.done() for t in others) and job.first_token is not None:
+            if all(t.done() for t in others) and job.first_token is not None and job.md_address:
                 await self._release(job)
 
     def _observe_link(
@@ -311,8 +353,8 @@ class PrefillService:
         job = self.jobs.get(msg.rid)
         if job is not None and msg.reason == MD_LOST:
             # Only the WAN stream goes: the relay's local stream must go on.
-            sender = job.senders.get(job.submit.md_bulk_address)
-            client = job.clients.get(job.submit.md_bulk_address)
+            sender = job.senders.get(job.md_address)
+            client = job.clients.get(job.md_address)
             if sender is not None and not sender.done():
                 sender.cancel()
                 metrics.KV_TRANSFER_ABORTS.labels(reason=MD_LOST).inc()
@@ -331,7 +373,7 @@ class PrefillService:
             if task.done() or task is asyncio.current_task():
                 continue  # that stream completed (or is this one): nothing to abort there
             task.cancel()
-            if address == job.submit.md_bulk_address:
+            if address == job.md_address:
                 metrics.KV_TRANSFER_ABORTS.labels(reason=reason.split(":")[0][:40]).inc()  # bounded label set
             client = job.clients.get(address)
             if client is not None and not client.closed:

@@ -21,6 +21,7 @@ from shared.bus.messages import (
     Abort,
     KVEvents,
     LoadReport,
+    MDTarget,
     PrefillSubmit,
     PrepareReply,
     PrepareRequest,
@@ -237,15 +238,6 @@ class RouterCore:
         self.streams[rid] = stream
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
         try:
-            prep = await request(
-                self.nc,
-                subjects.md_prepare(md),
-                PrepareRequest(rid, prompt_ids, params.to_dict(), hashes, decision.pipeline),
-                PrepareReply,
-                timeout=self.settings.prepare_timeout_s,
-            )
-            if not prep.ok:
-                raise RequestError(f"main decode refused the request: {prep.error}", 503)
             relay_address = None
             if relay is not None:
                 rep = self.registry.get("relay", relay)
@@ -256,24 +248,37 @@ class RouterCore:
                 params.to_dict(),
                 decision.pipeline,
                 md,
-                prep.bulk_address,
-                prep.missing,
                 relay_instance=relay,
                 relay_address=relay_address,
                 options={k: v for k, v in options.items() if v is not None and k != "pipeline"},
             )
             prefill = choose_least_loaded(self.registry.loads("prefill"))
-            reply = await request(
-                self.nc,
-                subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit(),
-                submit,
-                SubmitReply,
-                timeout=self.settings.prepare_timeout_s,
+            # MD (across the WAN) and P are asked at once: prefill starts without waiting a
+            # round trip; MD's answer (which blocks it lacks) follows P as an MDTarget.
+            prep, reply = await asyncio.gather(
+                request(
+                    self.nc,
+                    subjects.md_prepare(md),
+                    PrepareRequest(rid, prompt_ids, params.to_dict(), hashes, decision.pipeline),
+                    PrepareReply,
+                    timeout=self.settings.prepare_timeout_s,
+                ),
+                request(
+                    self.nc,
+                    subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit(),
+                    submit,
+                    SubmitReply,
+                    timeout=self.settings.prepare_timeout_s,
+                ),
             )
             if not reply.ok:
                 raise RequestError(
                     f"prefill refused the request: {reply.error}", 400, "invalid_request_error"
                 )
+            if not prep.ok:
+                raise RequestError(f"main decode refused the request: {prep.error}", 503)
+            target = MDTarget(rid, prep.bulk_address, prep.missing)
+            await publish(self.nc, subjects.req_md_target(rid), target)
         except TimeoutError as e:
             await self.abort(rid, "dispatch timed out")
             raise RequestError("timed out dispatching the request", 503) from e
@@ -341,8 +346,10 @@ class RouterCore:
                     }
                 )
                 stream.span.end()
-            if not stream.done:
-                self.life.spawn(self.abort(stream.rid, "client went away or request failed", stream.span))
+            # Also after a normal finish: whatever still holds the request (e.g. an MD whose
+            # transfer the relay made moot) frees it now rather than at its timeout.
+            reason = "finished" if stream.done else "client went away or request failed"
+            self.life.spawn(self.abort(stream.rid, reason, stream.span))
 
     async def abort(self, rid: str, reason: str, parent: Span | None = None) -> None:
         self.streams.pop(rid, None)

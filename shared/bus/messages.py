@@ -40,11 +40,21 @@ class PrefillSubmit(Message):
     params: dict[str, Any]
     pipeline: str
     md_instance: str
-    md_bulk_address: str
-    md_missing: list[int]
+    md_bulk_address: str = ""  # with md_missing None: both follow in an MDTarget
+    md_missing: list[int] | None = None
     relay_instance: str | None = None
     relay_address: str | None = None
     options: dict[str, Any] = field(default_factory=dict)  # per-request operator overrides (e.g. catchup_threshold)
+
+
+@dataclass
+class MDTarget(Message):
+    """router → P: MD's answer to prepare, sent once it is in. The router asks MD and P at
+    the same time, so prefill never waits a WAN round trip for it."""
+
+    rid: str
+    md_bulk_address: str
+    md_missing: list[int]
 
 
 @dataclass

@@ -42,6 +42,10 @@ def req_handoff_ack(rid: str) -> str:
     return f"{PREFIX}.req.{_tok(rid)}.handoff_ack"
 
 
+def req_md_target(rid: str) -> str:
+    return f"{PREFIX}.req.{_tok(rid)}.md_target"
+
+
 def req_abort(rid: str) -> str:
     return f"{PREFIX}.req.{_tok(rid)}.abort"
 
