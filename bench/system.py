@@ -3,37 +3,43 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+_handed_out: set[int] = set()
+_port_lock = threading.Lock()
+
 
 def free_port_block(n: int) -> int:
-    """A base port with n free consecutive ports after it (best effort, checked by binding)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                sock = socket.socket()
-                sock.bind(("127.0.0.1", base + i))
-                socks.append(sock)
+    """A base port with n consecutive free ports, below the kernel's ephemeral range (so
+    outgoing connections cannot take them meanwhile) and never one this process handed out."""
+    with _port_lock:
+        for _ in range(500):
+            base = random.randrange(20000, 32000 - n, 20)
+            if base in _handed_out:
+                continue
+            socks = []
+            try:
+                for i in range(n):
+                    sock = socket.socket()
+                    sock.bind(("127.0.0.1", base + i))
+                    socks.append(sock)
+            except OSError:
+                continue
+            finally:
+                for sock in socks:
+                    sock.close()
+            _handed_out.add(base)
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
     raise RuntimeError("no free port block")
 
 
