@@ -52,6 +52,7 @@ class PrefillJob:
     first_token: int | None = None
     handoff_waiting: bool = False  # P→MD: the first token waits for MD's target
     wan_bytes: int = 0
+    wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
     senders: dict[str, asyncio.Task] = field(default_factory=dict)  # address -> sender
     clients: dict[str, KVClient] = field(default_factory=dict)  # address -> connection in use
     ctx: Context | None = None  # trace context of the router's request
@@ -152,6 +153,7 @@ class PrefillService:
         hashes, kv = await self.loop.call(self._set_target, job, set(missing))
         if hashes:
             job.md_queue.put_nowait((hashes, kv))
+            job.wan_queued += kv.numel() * kv.element_size()
         # No await from here to the end-of-stream check: exactly one of this and
         # _first_token closes the WAN queue, after every block.
         job.md_address = address
@@ -199,6 +201,7 @@ class PrefillService:
             if idx:
                 md_kv = kv if len(idx) == len(hashes) else kv[:, :, idx].contiguous()
                 job.md_queue.put_nowait(([hashes[i] for i in idx], md_kv))
+                job.wan_queued += md_kv.numel() * md_kv.element_size()
         for out in outputs:
             job = self.jobs.get(out.rid)
             if job is None:
@@ -288,6 +291,7 @@ class PrefillService:
                 sent += n
                 if path == "wan":
                     job.wan_bytes += n
+                    job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
                 metrics.KV_BYTES.labels(path=path).inc(n)
             if path == "local":
                 meta = {
@@ -403,11 +407,15 @@ class PrefillService:
             stats["used_blocks"]
         )
         # Only links with measured transfers: otherwise the router keeps its configured prior.
-        links = {
+        links: dict[str, dict] = {
             peer: {"bandwidth": info["bandwidth"], "rtt": info["rtt"]}
             for peer, info in self.links.snapshot().items()
             if info["transfers"]
         }
+        for job in self.jobs.values():
+            if job.md_address and job.wan_queued:
+                entry = links.setdefault(job.md_address, {})
+                entry["backlog"] = entry.get("backlog", 0) + job.wan_queued
         report = load_report(
             "prefill", self.settings.instance, stats, links=links, model_id=self.engine.model_id
         )

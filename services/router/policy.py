@@ -32,15 +32,19 @@ def choose_pipeline(
     rtt: float,
     threshold_s: float,
     relay_available: bool,
+    backlog_bytes: int = 0,
 ) -> RouteDecision:
     """P→MD when the missing KV crosses the WAN fast enough, else P→RLD→MD.
 
+    KV already queued toward MD (`backlog_bytes`) shares the link, so a request that has
+    blocks to send counts it too (conservatively, as if it went first).
     P→RLD alone is not an option: finishing requests locally would let MD's cache fall
     behind P's and push ever more traffic onto the relay.
     """
     cached_tokens = max(0, min(cached_tokens, prompt_tokens))
     missing_bytes = (prompt_tokens - cached_tokens) * kv_bytes_per_token
-    est = estimate_wan_seconds(missing_bytes, bandwidth, rtt)
+    on_wire = missing_bytes + backlog_bytes if missing_bytes else 0
+    est = estimate_wan_seconds(on_wire, bandwidth, rtt)
     hit_rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
     pipeline = P_RLD_MD if est > threshold_s and relay_available else P_MD
     return RouteDecision(pipeline, hit_rate, missing_bytes, est)

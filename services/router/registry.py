@@ -34,9 +34,15 @@ class Registry:
 
     def link_to(self, address: str) -> tuple[float, float] | None:
         """Best current (bandwidth B/s, rtt s) estimate any prefill instance has toward address."""
-        estimates = [r.links[address] for r in self.alive("prefill") if address in r.links]
+        estimates = [
+            r.links[address] for r in self.alive("prefill") if "bandwidth" in r.links.get(address, {})
+        ]
         if not estimates:
             return None
         bw = sum(e["bandwidth"] for e in estimates) / len(estimates)
         rtt = sum(e["rtt"] for e in estimates) / len(estimates)
         return bw, rtt
+
+    def wan_backlog(self, address: str) -> int:
+        """KV bytes the prefill instances still have queued toward address."""
+        return sum(int(r.links.get(address, {}).get("backlog", 0)) for r in self.alive("prefill"))

@@ -182,6 +182,7 @@ class RouterCore:
             rtt,
             self.settings.wan_time_threshold_s,
             relay is not None,
+            backlog_bytes=self.registry.wan_backlog(report.address) if report and report.address else 0,
         )
         if forced is not None and forced != decision.pipeline:
             if forced == P_RLD_MD and relay is None:
