@@ -18,6 +18,7 @@ from opentelemetry.trace import Span
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
 from shared.bus.messages import (
+    P_RLD_MD,
     Abort,
     HandoffAck,
     HandoffBatch,
@@ -154,14 +155,14 @@ class MainDecodeService:
         if job.receive_span:
             job.receive_span.set_attributes({"bytes": job.wan_bytes, "blocks": len(job.received)})
             job.receive_span.end()
-        token = otel_context.attach(job.ctx) if job.ctx is not None else None
-        try:  # kv_ready belongs to the request's trace, not to the bulk connection's
-            await publish(
-                self.nc, subjects.req_kv_ready(rid), KVReady(rid, self.settings.instance, job.wan_bytes)
-            )
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+        if job.req.pipeline == P_RLD_MD:  # only a relay waits for it
+            token = otel_context.attach(job.ctx) if job.ctx is not None else None
+            try:  # kv_ready belongs to the request's trace, not to the bulk connection's
+                ready = KVReady(rid, self.settings.instance, job.wan_bytes)
+                await publish(self.nc, subjects.req_kv_ready(rid), ready)
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
         await self._drain_handoffs(job)
 
     async def on_abort(self, rid: str, reason: str) -> None:

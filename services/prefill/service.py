@@ -19,6 +19,7 @@ from shared.bus import subjects
 from shared.bus.connection import publish, respond
 from shared.bus.messages import (
     MD_LOST,
+    P_MD,
     Abort,
     HandoffBatch,
     MDTarget,
@@ -312,7 +313,7 @@ class PrefillService:
                 log.exception("%s transfer of %s crashed", path, job.rid)
             log.warning("%s transfer of %s to %s failed: %s", path, job.rid, address, e)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
-            if path == "local" or job.submit.pipeline == "p-md":
+            if path == "local" or job.submit.pipeline == P_MD:
                 await self._fail(job, f"KV transfer to {path} peer failed: {e}")
             # On P→RLD→MD a WAN failure is the relay's to absorb (it finishes the request).
         finally:

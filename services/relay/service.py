@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,16 @@ from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish
-from shared.bus.messages import MD_LOST, Abort, HandoffAck, HandoffBatch, KVReady, TokenEvent, load_report
+from shared.bus.messages import (
+    MD_LOST,
+    RLD_ONLY,
+    Abort,
+    HandoffAck,
+    HandoffBatch,
+    KVReady,
+    TokenEvent,
+    load_report,
+)
 from shared.config import RelaySettings
 from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
@@ -32,18 +42,16 @@ from .handoff_policy import CATCH_UP, ONE_SHOT, catchup_is_final, choose_handoff
 log = logging.getLogger(__name__)
 
 RELAYING, HANDING_OFF, HANDED, SOLO = "relaying", "handing-off", "handed", "solo"
+EARLY_READY_MAX = 1024
 
 
 @dataclass
 class RelayJob:
     rid: str
-    prompt_ids: list[int]
-    md_instance: str
     state: str = RELAYING
     mode: str | None = None
     handed: int = 0  # output tokens already sent to MD
-    seq: int = 0  # next handoff batch number
-    rounds: int = 0
+    seq: int = 0  # next handoff batch number (= catch-up rounds done, before the final one)
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
     timers: list[asyncio.Task] = field(default_factory=list)
     catchup_threshold: int = 64
@@ -57,7 +65,7 @@ class RelayService:
         self.engine = engine or LLMEngine(settings.model, settings.engine)
         self.loop = EngineLoop(self.engine, self._on_outputs)
         self.jobs: dict[str, RelayJob] = {}
-        self.early_ready: set[str] = set()  # kv_ready that beat the local KV
+        self.early_ready: OrderedDict[str, None] = OrderedDict()  # kv_ready that beat the local KV
         self.tracer = get_tracer("relay", settings.instance, settings.datacenter)
         self.kv_server: KVServer | None = None
         self.life = Lifecycle()
@@ -87,9 +95,7 @@ class RelayService:
         """All prompt blocks are here: start decoding after prefill's first token."""
         prompt, first = list(meta["prompt_ids"]), int(meta["first_token"])
         params = SamplingParams.from_dict(meta["params"])
-        job = RelayJob(
-            rid, prompt, str(meta["md_instance"]), catchup_threshold=self.settings.catchup_threshold
-        )
+        job = RelayJob(rid, catchup_threshold=self.settings.catchup_threshold)
         override = (meta.get("options") or {}).get("catchup_threshold")
         if isinstance(override, int) and override > 0:
             job.catchup_threshold = override
@@ -103,8 +109,7 @@ class RelayService:
             self.engine.add_request, rid, prompt + [first], params, num_prompt_tokens=len(prompt)
         )
         job.timers.append(self.life.spawn(self._md_deadline(job)))
-        if rid in self.early_ready:
-            self.early_ready.discard(rid)
+        if self.early_ready.pop(rid, 0) is None:
             job.state = HANDING_OFF
             await self._start_handoff(job)
 
@@ -132,12 +137,8 @@ class RelayService:
                 if job.state in (RELAYING, HANDING_OFF, SOLO):
                     # The relay finished the request before (or while) handing over: MD and
                     # the WAN transfer stop; this is the anomalous-traffic filter at work.
-                    event.stats = {"pipeline": "rld-only", "rld_tokens": job.produced}
-                    ctx = trace.set_span_in_context(job.span) if job.span else None
-                    with self.tracer.start_as_current_span(
-                        "abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": "relay_finished"}
-                    ):
-                        await publish(self.nc, subjects.req_abort(rid), Abort(rid, "relay_finished", "relay"))
+                    event.stats = {"pipeline": RLD_ONLY, "rld_tokens": job.produced}
+                    await self._abort_others(job, "relay_finished", "relay")
                 await publish(self.nc, subjects.req_tokens(rid), event)
                 self._forget(job)
             elif toks:
@@ -147,8 +148,9 @@ class RelayService:
     async def _on_kv_ready(self, msg: KVReady, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            if len(self.early_ready) < 10_000:
-                self.early_ready.add(msg.rid)
+            self.early_ready[msg.rid] = None
+            if len(self.early_ready) > EARLY_READY_MAX:  # only seconds matter: drop the oldest
+                self.early_ready.popitem(last=False)
             return
         if job.state == RELAYING:
             job.state = HANDING_OFF  # claimed now, so a duplicate kv_ready cannot start a second handoff
@@ -185,7 +187,6 @@ class RelayService:
         msg = HandoffBatch(job.rid, job.seq, job.handed, batch, final=False, mode=CATCH_UP)
         job.handed += len(batch)
         job.seq += 1
-        job.rounds += 1
         metrics.HANDOFF_BATCHES.labels(mode=CATCH_UP).inc()
         await self._publish_batch(job, msg)
         job.timers.append(self.life.spawn(self._ack_deadline(job, msg.seq)))
@@ -236,7 +237,7 @@ class RelayService:
         if tokens is None:
             return
         pending = len(tokens) - job.handed
-        if catchup_is_final(pending, job.rounds, job.catchup_threshold, self.settings.catchup_max_rounds):
+        if catchup_is_final(pending, job.seq, job.catchup_threshold, self.settings.catchup_max_rounds):
             await self._send_final(job)
         else:
             await self._send_batch(job, tokens)
@@ -256,11 +257,15 @@ class RelayService:
         """Fault fallback: MD is out of the picture; the relay finishes the request."""
         log.warning("request %s: %s; relay finishes it", job.rid, reason)
         job.state = SOLO
+        await self._abort_others(job, reason, "relay-fallback")
+
+    async def _abort_others(self, job: RelayJob, reason: str, source: str) -> None:
+        """Tell P and MD to drop the request (the relay keeps or ends it itself)."""
         ctx = trace.set_span_in_context(job.span) if job.span else None
         with self.tracer.start_as_current_span(
             "abort", context=ctx, attributes={REQUEST_ID_ATTR: job.rid, "reason": reason}
         ):
-            await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, reason, "relay-fallback"))
+            await publish(self.nc, subjects.req_abort(job.rid), Abort(job.rid, reason, source))
 
     async def _on_abort(self, msg: Abort, raw) -> None:
         if msg.source.startswith("relay"):

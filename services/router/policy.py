@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-P_MD = "p-md"
-P_RLD_MD = "p-rld-md"
-RLD_ONLY = "rld-only"  # never chosen here: only the anomalous-traffic filter or a fault ends there
+from shared.bus.messages import P_MD, P_RLD_MD
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,10 @@ class HandoffAck(Message):
     error: str | None = None
 
 
+# The pipelines a request can take (x-pdd-pipeline). RLD_ONLY is never a routing choice: only
+# the anomalous-traffic filter or a fault fallback ends a request there.
+P_MD, P_RLD_MD, RLD_ONLY = "p-md", "p-rld-md", "rld-only"
+
 MD_LOST = "md_lost"  # Abort reason: the request's MD stopped reporting; a relay still holding it finishes it
 
 
