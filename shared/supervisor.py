@@ -108,12 +108,6 @@ class Supervisor:
                     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
                 await asyncio.sleep(0.25)
 
-    async def watch(self, interval_s: float = 0.5) -> None:
-        """Return never; raise ProcessDied when a child exits."""
-        while True:
-            self.check()
-            await asyncio.sleep(interval_s)
-
     async def stop_all(self) -> None:
         """SIGTERM every process group (reverse start order), SIGKILL what is left after grace_s."""
         children = list(reversed(self.children))

@@ -52,15 +52,17 @@ class EngineLoop:
                 pass
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _tick(self) -> tuple[list[StepOutput], Any]:
+    def _tick(self) -> tuple[list[StepOutput], Any, bool]:
         outputs = self.engine.step()
         extra = self._post_step(self.engine) if self._post_step else None
-        return outputs, extra
+        return outputs, extra, self.engine.has_unfinished()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        busy = False
         while True:
-            busy = await loop.run_in_executor(self._executor, self.engine.has_unfinished)
+            if not busy:  # idle: one thread hop to look, then sleep until woken
+                busy = await loop.run_in_executor(self._executor, self.engine.has_unfinished)
             if not busy:
                 self._wake.clear()
                 try:
@@ -69,9 +71,10 @@ class EngineLoop:
                     pass
                 continue
             try:
-                outputs, extra = await loop.run_in_executor(self._executor, self._tick)
+                outputs, extra, busy = await loop.run_in_executor(self._executor, self._tick)
             except Exception:  # a failing step must not kill the service; it is logged and retried
                 log.exception("engine step failed")
+                busy = False
                 await asyncio.sleep(0.05)
                 continue
             if outputs or extra:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from shared.engine.scheduler import ScheduledSeq, blocks_for
-from shared.model.attention import AttentionContext, Chunk
+from shared.model.attention import AttentionContext, Chunk, causal_offset_mask
 from shared.model.llama import LlamaForCausalLM
 
 
@@ -27,8 +27,8 @@ class ModelRunner:
         bs = self.block_size
         order = sorted(range(len(batch)), key=lambda j: batch[j].num_new > 1)  # decodes first, stable
         ids: list[int] = []
-        pos: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        pos: list[int] = []
+        slots: list[int] = []  # where each new token's K/V goes: block * block_size + offset
         last_row: dict[int, int] = {}
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
@@ -37,19 +37,22 @@ class ModelRunner:
             seq, n = batch[j].seq, batch[j].num_new
             start, c = len(ids), seq.num_computed_tokens
             ids += seq.token_ids[c : c + n]
-            table = torch.tensor(seq.block_table[: blocks_for(c + n, bs)], dtype=torch.long)
-            p = torch.arange(c, c + n)
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            table = seq.block_table[: blocks_for(c + n, bs)]
+            pos += range(c, c + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
             if n == 1:
-                dec_tables.append(seq.block_table[: blocks_for(c + 1, bs)])
+                dec_tables.append(table)
                 dec_lens.append(c + 1)
             else:
-                chunks.append(Chunk(start, n, c + n, table.to(self.device)))
+                # Built once per step, not once per layer.
+                mask = causal_offset_mask(n, c + n, self.device) if c else None
+                chunks.append(
+                    Chunk(start, n, c + n, torch.tensor(table, dtype=torch.long, device=self.device), mask)
+                )
             last_row[j] = start + n - 1
         ctx = AttentionContext(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.cat(slots).to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode=len(dec_tables),
             chunks=chunks,
         )
@@ -60,7 +63,7 @@ class ModelRunner:
             ctx.decode_block_tables = tables.to(self.device)
             ctx.decode_mask = mask.view(len(dec_tables), 1, 1, width * bs).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat(pos).to(self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, ctx)
         rows = [last_row[j] for j in range(len(batch)) if want_logits[j]]
         if not rows:

@@ -41,8 +41,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
-    if params.greedy:
-        return int(logits.argmax())
+    """One non-greedy row (greedy rows are the batch argmax in Sampler)."""
     probs = filtered_probs(logits, params).cpu()
     gen = torch.Generator().manual_seed(mix_seed(seed, position))
     noise = torch.empty(probs.numel(), dtype=torch.float32).exponential_(generator=gen)

@@ -18,26 +18,32 @@ class KVClientPool:
         self.per_peer = per_peer
         self.timeout = timeout
         self._conns: dict[str, list[KVClient]] = {}
-        self._active: dict[int, int] = {}  # id(client) -> requests in flight
+        self._active: dict[KVClient, int] = {}  # requests in flight per connection
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def acquire(self, address: str) -> KVClient:
         async with self._locks.setdefault(address, asyncio.Lock()):
-            conns = [c for c in self._conns.get(address, []) if not c.closed]
-            idle = min(conns, key=lambda c: self._active.get(id(c), 0), default=None)
-            if idle is None or (self._active.get(id(idle), 0) > 0 and len(conns) < self.per_peer):
+            conns = []
+            for c in self._conns.get(address, []):
+                if c.closed:  # failed: free its socket and its count
+                    self._active.pop(c, None)
+                    await c.close()
+                else:
+                    conns.append(c)
+            idle = min(conns, key=lambda c: self._active.get(c, 0), default=None)
+            if idle is None or (self._active.get(idle, 0) > 0 and len(conns) < self.per_peer):
                 idle = await open_kv_client(address, self.secret, timeout=self.timeout)
                 conns.append(idle)
             self._conns[address] = conns
-            self._active[id(idle)] = self._active.get(id(idle), 0) + 1
+            self._active[idle] = self._active.get(idle, 0) + 1
             return idle
 
     def release(self, client: KVClient) -> None:
-        n = self._active.get(id(client), 0) - 1
+        n = self._active.get(client, 0) - 1
         if n > 0:
-            self._active[id(client)] = n
+            self._active[client] = n
         else:
-            self._active.pop(id(client), None)
+            self._active.pop(client, None)
 
     async def close(self) -> None:
         for conns in self._conns.values():

@@ -22,6 +22,7 @@ class Chunk:
     length: int  # new tokens of this sequence in the batch
     context_len: int  # tokens visible to the last query: cached + new
     block_table: torch.Tensor  # [num_blocks] int64, covers context_len
+    mask: torch.Tensor | None = None  # [length, context_len] bool when a cached prefix precedes it
 
 
 @dataclass
@@ -40,7 +41,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tens
     return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True, **kw)[0]
 
 
-def _causal_offset_mask(length: int, context_len: int, device: torch.device) -> torch.Tensor:
+def causal_offset_mask(length: int, context_len: int, device: torch.device) -> torch.Tensor:
     """Query i (absolute position context_len - length + i) sees keys 0..that position."""
     q_pos = torch.arange(context_len - length, context_len, device=device)[:, None]
     k_pos = torch.arange(context_len, device=device)[None, :]
@@ -79,14 +80,13 @@ class Attention(nn.Module):
             out[:nd] = od.reshape(nd, self.num_heads, d)
         for c in ctx.chunks:
             qc = q[c.start : c.start + c.length].transpose(0, 1)
-            if c.context_len == c.length:  # nothing cached before it: attend to itself
+            if c.mask is None:  # nothing cached before it: attend to itself
                 kc = k[c.start : c.start + c.length].transpose(0, 1)
                 vc = v[c.start : c.start + c.length].transpose(0, 1)
                 oc = _sdpa(qc, kc, vc, is_causal=True)
             else:
                 kc = k_cache.index_select(0, c.block_table).view(-1, kvh, d)[: c.context_len].transpose(0, 1)
                 vc = v_cache.index_select(0, c.block_table).view(-1, kvh, d)[: c.context_len].transpose(0, 1)
-                mask = _causal_offset_mask(c.length, c.context_len, q.device)
-                oc = _sdpa(qc, kc, vc, attn_mask=mask)
+                oc = _sdpa(qc, kc, vc, attn_mask=c.mask)
             out[c.start : c.start + c.length] = oc.transpose(0, 1)
         return out
