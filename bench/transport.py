@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared.bus import NatsServer, connect
@@ -306,8 +307,8 @@ async def _nats_latency(req_url: str, rep_url: str, count: int) -> dict:
             t0 = time.perf_counter()
             await nc_req.request("bench.ping", payload, timeout=2)
             lat.append((time.perf_counter() - t0) * 1000)
-        lat.sort()
-        return {"p50_ms": lat[len(lat) // 2], "p99_ms": lat[int(len(lat) * 0.99) - 1], "count": count}
+        p50, p99 = np.percentile(lat, [50, 99])  # same definition as the other benches
+        return {"p50_ms": float(p50), "p99_ms": float(p99), "count": count}
     finally:
         await nc_req.drain()
         await nc_rep.drain()

@@ -267,19 +267,22 @@ async def test_receiver_vanishing_fails_pending_calls_within_timeout() -> None:
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
     client = await open_kv_client(server.address, SECRET)
 
+    in_done = asyncio.Event()
+
     async def never_done(rid: str, meta: dict) -> None:
+        in_done.set()
         await asyncio.sleep(3600)
 
     sink.on_done = never_done
     try:
         await client.send_blocks("v", [1], blocks(1))
         pending = asyncio.create_task(client.finish("v", timeout=30))
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(in_done.wait(), 5)  # the request is in flight at the receiver
         t0 = time.perf_counter()
         await server.close()  # the receiver goes away with the request in flight
         with pytest.raises(KVTransferError):
             await asyncio.wait_for(pending, 5)
-        assert time.perf_counter() - t0 < 5
+        assert time.perf_counter() - t0 < 1  # well inside finish()'s own 30 s timeout
         assert client.closed
         with pytest.raises(KVTransferError):
             await client.send_blocks("w", [1], blocks(1))
