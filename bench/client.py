@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +18,32 @@ import httpx
 import numpy as np
 
 from bench.system import RunningSystem, start_system
+from shared.bus.nats_server import free_port
+from shared.wan import WanControl
 
 WAN_LINKS = ("bulk", "gw-ab", "gw-ba")
+
+
+def start_wan(links: list[str], *options: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, WanControl]:
+    """A `python -m shared.wan` process with these `--link` specs; returns once it serves."""
+    control = f"127.0.0.1:{free_port()}"
+    args = [sys.executable, "-m", "shared.wan", "--control", control, "--log-level", "WARNING", *options]
+    for spec in links:
+        args += ["--link", spec]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    wan = WanControl(f"http://{control}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the WAN emulator exited with code {proc.returncode}")
+        try:
+            httpx.get(f"http://{control}/links", timeout=1).raise_for_status()
+            return proc, wan
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"the WAN emulator did not answer in {timeout_s:.0f}s") from None
+            time.sleep(0.05)
 
 
 @dataclass

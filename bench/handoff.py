@@ -33,7 +33,6 @@ import math
 import multiprocessing as mp
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,11 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.client import start_wan
 from bench.report import print_targets, pyplot
 from shared.bus import NatsServer, connect, decode, encode
 from shared.bus.messages import HandoffBatch
 from shared.bus.nats_server import free_port
-from shared.wan import WanControl
 
 SECRET = "bench-handoff"
 SUBJECT = "bench.handoff"
@@ -166,7 +165,7 @@ def _md_main(conn: Any, cfg: dict) -> None:
 
 
 def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, block_bytes: int, seed: int,
-                stop: Any) -> None:
+                stop: Any, ready: Any) -> None:
     """Other requests' KV on the same link: Poisson arrivals, exponential sizes, `load` of the link."""
     torch.set_num_threads(1)
 
@@ -189,6 +188,7 @@ def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, blo
             i += 1
             await client.send_blocks(rid, [rng.getrandbits(60) for _ in range(n)], kv)
             await client.finish(rid)
+            ready.set()  # cross traffic is flowing
         await client.close()
 
     asyncio.run(run())
@@ -196,17 +196,6 @@ def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, blo
 
 # ---------------------------------------------------------------- the parent (RLD side, DC A)
 
-
-def _start_wan(links: list[str], delay_ms: float, jitter_ms: float, mbps: float) -> tuple[subprocess.Popen, WanControl]:
-    control = f"127.0.0.1:{free_port()}"
-    args = [sys.executable, "-m", "shared.wan", "--control", control, "--log-level", "WARNING",
-            "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(mbps)]
-    for spec in links:
-        args += ["--link", spec]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    proc.stdout.readline()  # "wan control: ..." once it is up
-    return proc, WanControl(f"http://{control}")
 
 
 def stats(xs: list[float]) -> dict:
@@ -236,7 +225,9 @@ class Bench:
             f"gw-ab=127.0.0.1:{l_ab}>127.0.0.1:{gw_b}",
             f"gw-ba=127.0.0.1:{l_ba}>127.0.0.1:{gw_a}",
         ]
-        self.wan_proc, self.wan = _start_wan(links, a.delay_ms, a.jitter_ms, a.bandwidth_mbps)
+        self.wan_proc, self.wan = start_wan(
+            links, "--delay-ms", str(a.delay_ms), "--jitter-ms", str(a.jitter_ms), "--bandwidth-mbps", str(a.bandwidth_mbps)
+        )
         self.bulk_address = f"tcp://127.0.0.1:{bulk_port}"
         # Two datacenters' NATS servers, their gateway connections through the WAN (as `pdd up`).
         self.nats_b = NatsServer("nats-b", gateway_port=gw_b, gateways={"nats-a": f"nats://127.0.0.1:{l_ba}"},
@@ -345,17 +336,18 @@ class Bench:
         stop = None
         cross = None
         if cross_load > 0:
-            stop = self.ctx.Event()
+            stop, ready = self.ctx.Event(), self.ctx.Event()
             rate = a.bandwidth_mbps * 1e6 / 8
             block_bytes = self.kv_tensor[:, :, :1].numel() * 4
             cross = self.ctx.Process(
                 target=_cross_main,
-                args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop),
+                args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop, ready),
                 daemon=True,
             )
             cross.start()
             self.procs.append(cross)
-            await asyncio.sleep(3.0)  # spawn + torch import + first transfers
+            if not await asyncio.to_thread(ready.wait, 60):  # spawn + torch import + a first transfer
+                raise RuntimeError("cross traffic did not start within 60 s")
         kv, tok = [], []
         rng = random.Random(a.seed)
         try:

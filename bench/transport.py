@@ -15,7 +15,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.client import start_wan
 from shared.bus import NatsServer, connect
 from shared.bus.nats_server import free_port
 from shared.kv import open_kv_client, start_kv_server
 from shared.kv.transport import SNDBUF
-from shared.wan import WanControl
 
 MiB = 1 << 20
 SECRET = "bench-secret"
@@ -172,16 +171,6 @@ async def bench_bulk(size: int, repeats: int) -> dict:
 # ---------------------------------------------------------------- WAN emulator accuracy
 
 
-def _start_wan(links: list[str]) -> tuple[subprocess.Popen, WanControl]:
-    control = f"127.0.0.1:{free_port()}"
-    args = [sys.executable, "-m", "shared.wan", "--control", control, "--log-level", "WARNING"]
-    for spec in links:
-        args += ["--link", spec]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    proc.stdout.readline()  # "wan control: ..." once it is up
-    return proc, WanControl(f"http://{control}")
-
 
 def _measure_throughput(listen_port: int, target: socket.socket, nbytes: int) -> float:
     done: dict[str, float] = {}
@@ -239,7 +228,7 @@ async def bench_wan(quick: bool) -> dict:
     echo = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_echo_server, args=(echo,), daemon=True).start()
     lt, le = free_port(), free_port()
-    proc, ctl = _start_wan(
+    proc, ctl = start_wan(
         [
             f"tput=127.0.0.1:{lt}>127.0.0.1:{sink.getsockname()[1]}",
             f"echo=127.0.0.1:{le}>127.0.0.1:{echo.getsockname()[1]}",
