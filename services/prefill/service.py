@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,7 @@ class PrefillService:
         self._active: dict[str, PrefillJob] = {}  # engine-thread view (mutated only there)
         self.pool = KVClientPool(settings.secret)
         self.links = LinkEstimator()
+        self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
         self.tracer = get_tracer("prefill", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
@@ -328,8 +330,10 @@ class PrefillService:
     def _observe_link(
         self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float
     ) -> None:
-        """Feed the link estimator: the handshake RTT, and goodput from first byte to ack."""
-        if client.rtt:
+        """Feed the link estimator: each connection's handshake RTT once, and goodput from
+        first byte to ack."""
+        if client.rtt and client not in self._rtt_seen:
+            self._rtt_seen.add(client)
             self.links.observe_rtt(address, client.rtt)
         if t_first is not None:
             self.links.observe_transfer(address, sent, t_end - t_first)  # small transfers are ignored there
