@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,16 @@ class RunningSystem:
     def wan(self, link: str, **settings) -> None:
         r = httpx.post(f"{self.wan_url}/links/{link}", json=settings, timeout=10)
         r.raise_for_status()
+
+    @contextmanager
+    def shaped(self, link: str, **settings) -> Iterator[None]:
+        """Apply WAN settings to a link for the duration of a block, then put back what was there."""
+        before = httpx.get(f"{self.wan_url}/links", timeout=10).json()[link]
+        self.wan(link, **settings)
+        try:
+            yield
+        finally:
+            self.wan(link, **{k: before[k] for k in settings})
 
     def instances(self) -> dict:
         return httpx.get(f"{self.router_url}/v1/instances", timeout=10).json()

@@ -82,12 +82,9 @@ def test_p_md_matches_single_engine(system, reference):
 
 def test_relay_one_shot_matches(system, reference):
     prompt = prompt_of(600, salt=2)
-    system.wan("bulk", bandwidth_mbps=SLOW_MBPS)
-    try:
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
         r = complete(system, prompt, max_tokens=250, ignore_eos=True,
                      pdd={"pipeline": "p-rld-md", "catchup_threshold": 10_000})
-    finally:
-        system.wan("bulk", bandwidth_mbps=1000.0)
     assert r.status_code == 200, r.text
     stats = r.json()["pdd"]
     assert r.headers["x-pdd-pipeline"] == "p-rld-md"
@@ -99,12 +96,9 @@ def test_relay_one_shot_matches(system, reference):
 
 def test_relay_catch_up_several_batches_matches(system, reference):
     prompt = prompt_of(600, salt=3)
-    system.wan("bulk", bandwidth_mbps=SLOW_MBPS)
-    try:
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
         r = complete(system, prompt, max_tokens=250, ignore_eos=True,
                      pdd={"pipeline": "p-rld-md", "catchup_threshold": 1})
-    finally:
-        system.wan("bulk", bandwidth_mbps=1000.0)
     assert r.status_code == 200, r.text
     stats = r.json()["pdd"]
     assert stats["handoff_mode"] == "catch-up"
@@ -115,11 +109,8 @@ def test_relay_catch_up_several_batches_matches(system, reference):
 
 def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference):
     prompt = prompt_of(600, salt=4)
-    system.wan("bulk", bandwidth_mbps=SLOW_MBPS)
-    try:
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
         r = complete(system, prompt, max_tokens=6, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
-    finally:
-        system.wan("bulk", bandwidth_mbps=1000.0)
     assert r.status_code == 200, r.text
     assert r.json()["pdd"]["pipeline"] == "rld-only"
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=6, ignore_eos=True)
@@ -128,11 +119,8 @@ def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference
 
 def test_wan_cut_falls_back_to_relay(system, reference):
     prompt = prompt_of(300, salt=5)
-    system.wan("bulk", cut=True)
-    try:
+    with system.shaped("bulk", cut=True):
         r = complete(system, prompt, max_tokens=600, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
-    finally:
-        system.wan("bulk", cut=False)
     assert r.status_code == 200, r.text
     assert r.json()["pdd"]["pipeline"] == "rld-only"
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=600, ignore_eos=True)
@@ -144,12 +132,9 @@ def test_wan_cut_falls_back_to_relay(system, reference):
 def test_seeded_sampling_is_identical_across_pipelines(system, reference, pipeline):
     prompt = prompt_of(600, salt=6)
     params = dict(max_tokens=250, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    if pipeline == "p-rld-md":
-        system.wan("bulk", bandwidth_mbps=SLOW_MBPS)
-    try:
+    bandwidth = SLOW_MBPS if pipeline == "p-rld-md" else 1000.0  # the relay must run ahead
+    with system.shaped("bulk", bandwidth_mbps=bandwidth):
         r = complete(system, prompt, **params, pdd={"pipeline": pipeline})
-    finally:
-        system.wan("bulk", bandwidth_mbps=1000.0)
     assert r.status_code == 200, r.text
     assert r.json()["pdd"]["pipeline"] == pipeline
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, **params)
@@ -197,8 +182,7 @@ def test_concurrent_streams_complete_in_order(system, reference):
 def test_client_disconnect_frees_blocks_everywhere(system):
     body = {"prompt": prompt_of(200, salt=9), "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
             "stream": True, "pdd": {"pipeline": "p-rld-md"}}
-    system.wan("bulk", bandwidth_mbps=SLOW_MBPS / 4)
-    try:
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS / 4):
         with httpx.stream("POST", f"{system.router_url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             seen = 0
@@ -207,8 +191,6 @@ def test_client_disconnect_frees_blocks_everywhere(system):
                     seen += 1
                 if seen >= 5:
                     break  # hang up mid-stream
-    finally:
-        system.wan("bulk", bandwidth_mbps=1000.0)
     assert wait_idle(system) == {}
 
 

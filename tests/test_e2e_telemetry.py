@@ -33,13 +33,10 @@ def _trace(system: RunningSystem, rid: str, want: set[str], timeout: float = 15.
 
 def test_relay_request_is_one_trace_across_both_datacenters(system):
     prompt = [(i * 11 + 5) % 250 for i in range(600)]
-    system.wan("bulk", bandwidth_mbps=80.0)
-    try:
+    with system.shaped("bulk", bandwidth_mbps=80.0):
         r = httpx.post(f"{system.router_url}/v1/completions", timeout=120, json={
             "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
             "pdd": {"pipeline": "p-rld-md"}})
-    finally:
-        system.wan("bulk", bandwidth_mbps=1000.0)
     assert r.status_code == 200, r.text
     rid, body = r.headers["x-request-id"], r.json()
     assert body["pdd"]["pipeline"] == "p-rld-md"
