@@ -106,6 +106,8 @@ def _check(tp: Any, value: Any, path: str) -> Any:
     elif origin is list:
         if isinstance(value, list):
             item = args[0] if args else Any
+            if item in (int, str) and all(type(v) is item for v in value):
+                return value  # token ids, block hashes: the common case, checked in one pass
             return [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
         if isinstance(value, dict):
