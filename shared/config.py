@@ -1,8 +1,9 @@
 """Typed settings, one object per service, every field overridable from the environment.
 
-Environment names are `PDD_<FIELD>` for common fields and `PDD_<SERVICE>_<FIELD>` for
-service fields, e.g. `PDD_NATS_URL`, `PDD_RELAY_CATCHUP_THRESHOLD`. Nested model and
-engine fields use a double underscore: `PDD_MODEL__PRESET=small`.
+Each service reads every field, common ones included, as `PDD_<SERVICE>_<FIELD>` with
+SERVICE one of PREFILL, RELAY, MD, ROUTER: e.g. `PDD_RELAY_CATCHUP_THRESHOLD=64`,
+`PDD_MD_NATS_URL=nats://...`. Nested model and engine fields use a double underscore:
+`PDD_MD_MODEL__PRESET=small`. (`CommonSettings` alone, used by no service, reads `PDD_<FIELD>`.)
 """
 
 from __future__ import annotations

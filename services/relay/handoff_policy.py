@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-ONE_SHOT = "one-shot"
-CATCH_UP = "catch-up"
+from shared.bus.messages import HandoffMode
 
 
-def choose_handoff_mode(pending: int, relay_running: int, threshold: int, busy_at: int) -> str:
+def choose_handoff_mode(pending: int, relay_running: int, threshold: int, busy_at: int) -> HandoffMode:
     """One-shot frees the relay soonest; catch-up trades relay time for smaller MD stalls.
 
     Catch-up only pays when many tokens are pending and the relay has room to keep
     generating; a loaded relay hands everything over at once.
     """
     if pending > threshold and relay_running < busy_at:
-        return CATCH_UP
-    return ONE_SHOT
+        return HandoffMode.CATCH_UP
+    return HandoffMode.ONE_SHOT
 
 
 def catchup_is_final(pending: int, rounds_done: int, threshold: int, max_rounds: int) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.bus.messages import P_MD, P_RLD_MD
+from shared.bus.messages import Pipeline
 
 
 @dataclass(frozen=True)
 class RouteDecision:
-    pipeline: str
+    pipeline: Pipeline
     hit_rate: float  # fraction of prompt tokens whose KV MD already holds
     missing_bytes: int  # KV bytes that must cross the WAN
     est_wan_s: float  # estimated time for them to cross
@@ -44,7 +44,7 @@ def choose_pipeline(
     on_wire = missing_bytes + backlog_bytes if missing_bytes else 0
     est = estimate_wan_seconds(on_wire, bandwidth, rtt)
     hit_rate = cached_tokens / prompt_tokens if prompt_tokens else 0.0
-    pipeline = P_RLD_MD if est > threshold_s and relay_available else P_MD
+    pipeline = Pipeline.P_RLD_MD if est > threshold_s and relay_available else Pipeline.P_MD
     return RouteDecision(pipeline, hit_rate, missing_bytes, est)
 
 

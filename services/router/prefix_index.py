@@ -14,9 +14,6 @@ class PrefixIndex:
         blocks.update(stored)
         blocks.difference_update(evicted)
 
-    def forget(self, instance: str) -> None:
-        self._blocks.pop(instance, None)
-
     def cached_prefix_blocks(self, instance: str, hashes: list[int]) -> int:
         """Length of the leading run of `hashes` this instance holds (hashes are chained)."""
         blocks = self._blocks.get(instance, set())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from shared.bus.messages import LoadReport
+from shared.bus.messages import LinkReport, LoadReport, Role
 
 from .policy import InstanceLoad
 
@@ -32,17 +32,18 @@ class Registry:
     def loads(self, service: str) -> list[InstanceLoad]:
         return [InstanceLoad(r.instance, r.running, r.waiting, r.free_blocks) for r in self.alive(service)]
 
+    def _links_to(self, address: str) -> list[LinkReport]:
+        return [link for r in self.alive(Role.PREFILL) for link in r.links if link.peer == address]
+
     def link_to(self, address: str) -> tuple[float, float] | None:
-        """Best current (bandwidth B/s, rtt s) estimate any prefill instance has toward address."""
-        estimates = [
-            r.links[address] for r in self.alive("prefill") if "bandwidth" in r.links.get(address, {})
-        ]
-        if not estimates:
+        """Mean measured (bandwidth B/s, rtt s) of the prefill instances' links toward address."""
+        measured = [(k.bandwidth, k.rtt) for k in self._links_to(address) if k.bandwidth is not None]
+        if not measured:
             return None
-        bw = sum(e["bandwidth"] for e in estimates) / len(estimates)
-        rtt = sum(e["rtt"] for e in estimates) / len(estimates)
+        bw = sum(b for b, _ in measured) / len(measured)
+        rtt = sum(r or 0.0 for _, r in measured) / len(measured)
         return bw, rtt
 
     def wan_backlog(self, address: str) -> int:
         """KV bytes the prefill instances still have queued toward address."""
-        return sum(int(r.links.get(address, {}).get("backlog", 0)) for r in self.alive("prefill"))
+        return sum(link.backlog for link in self._links_to(address))

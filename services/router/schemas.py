@@ -12,7 +12,7 @@ class PddOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pipeline: Literal["p-md", "p-rld-md"] | None = None
+    pipeline: Literal["p-md", "p-rld-md"] | None = None  # a Pipeline value
     catchup_threshold: int | None = Field(default=None, ge=1)
 
 
@@ -62,9 +62,3 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-
-
-def error_body(
-    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

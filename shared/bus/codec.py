@@ -1,13 +1,16 @@
 """msgpack codec for typed bus messages.
 
 A message type is a `@dataclass` subclass of `Message`. On the wire it is a msgpack map of its
-fields plus `"v"`, the class's schema version. `decode` checks everything it can cheaply check
-(version, required/unknown fields, field types) so a handler only ever sees a well-formed object.
+fields plus `"v"`, the class's schema version. Fields may be plain types, lists, dicts, enums
+(sent as their value), other messages, or plain dataclasses (sent as maps without `v`).
+`decode` checks everything it can cheaply check (version, required/unknown fields, field types,
+enum values) so a handler only ever sees a well-formed object.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -24,7 +27,7 @@ class MessageError(ValueError):
 class Message:
     """Base of all bus messages. Subclasses are dataclasses and may bump `V` on breaking changes."""
 
-    V: ClassVar[int] = 1
+    V: ClassVar[int] = 2  # 2: typed enums and reports replace free strings and dicts
 
 
 M = TypeVar("M", bound=Message)
@@ -43,9 +46,12 @@ def decode(cls: type[M], data: bytes) -> M:
 
 
 def _to_wire(value: Any) -> Any:
-    if isinstance(value, Message):
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        out["v"] = type(value).V
+        if isinstance(value, Message):
+            out["v"] = type(value).V
         return out
     if isinstance(value, list | tuple):
         return [_to_wire(v) for v in value]
@@ -57,8 +63,8 @@ def _to_wire(value: Any) -> Any:
 @functools.cache
 def _schema(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
     """(field name -> resolved type hint, names of required fields); cached per class."""
-    if not (isinstance(cls, type) and issubclass(cls, Message) and dataclasses.is_dataclass(cls)):
-        raise TypeError(f"{cls!r} is not a @dataclass Message")
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"{cls!r} is not a @dataclass")
     hints = typing.get_type_hints(cls)
     fields = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
     required = frozenset(
@@ -73,9 +79,10 @@ def _from_wire(cls: type[M], obj: Any, path: str) -> M:
     fields, required = _schema(cls)
     if not isinstance(obj, dict):
         raise MessageError(f"{path}: expected a map, got {type(obj).__name__}")
-    if obj.get("v") != cls.V:
+    versioned = issubclass(cls, Message)
+    if versioned and obj.get("v") != cls.V:
         raise MessageError(f"{path}: schema version {obj.get('v')!r}, expected {cls.V}")
-    unknown = obj.keys() - fields.keys() - {"v"}
+    unknown = obj.keys() - fields.keys() - ({"v"} if versioned else set())
     if unknown:
         raise MessageError(f"{path}: unknown fields {sorted(map(str, unknown))}")
     missing = required - obj.keys()
@@ -91,6 +98,9 @@ def _check(tp: Any, value: Any, path: str) -> Any:
     if tp is Any:
         return value
     if origin in (types.UnionType, typing.Union):
+        others = [a for a in args if a is not type(None)]
+        if value is not None and len(others) == 1:  # Optional[X]: keep X's precise error
+            return _check(others[0], value, path)
         for arg in args:
             try:
                 return _check(arg, value, path)
@@ -122,7 +132,12 @@ def _check(tp: Any, value: Any, path: str) -> Any:
     elif tp in (str, bool, bytes):
         if type(value) is tp:
             return value
-    elif isinstance(tp, type) and issubclass(tp, Message):
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise MessageError(f"{path}: {value!r} is not one of {[m.value for m in tp]}") from None
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _from_wire(tp, value, path)
     else:
         raise TypeError(f"{path}: unsupported field type {tp!r}")

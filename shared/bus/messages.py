@@ -1,15 +1,60 @@
 """The control messages of the PDD protocol (msgpack maps with a schema version `v`).
 
-Token indices are output positions: index 0 is the first generated token (sampled by
-prefill), whatever instance produced it. KV bytes never travel in these messages.
+Every field that crosses a service boundary is declared here, typed; the codec validates it
+at the edge, so a handler only ever sees a well-formed object. Token indices are output
+positions: index 0 is the first generated token (sampled by prefill), whatever instance
+produced it. KV bytes never travel in these messages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
 
 from shared.bus.codec import Message
+from shared.engine.sampling_params import SamplingParams
+
+
+class Pipeline(StrEnum):
+    """The path a request takes (x-pdd-pipeline). RLD_ONLY is never a routing choice: only
+    the anomalous-traffic filter or a fault fallback ends a request there."""
+
+    P_MD = "p-md"
+    P_RLD_MD = "p-rld-md"
+    RLD_ONLY = "rld-only"
+
+
+class HandoffMode(StrEnum):
+    PREFILL = "prefill"  # P→MD: prefill hands over its one token
+    ONE_SHOT = "one-shot"
+    CATCH_UP = "catch-up"
+
+
+class Role(StrEnum):
+    ROUTER = "router"
+    PREFILL = "prefill"
+    RELAY = "relay"
+    MAIN_DECODE = "main_decode"
+
+
+class Outcome(StrEnum):
+    """How a request's token stream ended."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ERROR = "error"  # see TokenEvent.error
+
+
+class AbortReason(StrEnum):
+    FINISHED = "finished"  # the client got every token: free what is left
+    CLIENT_GONE = "client_gone"
+    DISPATCH_FAILED = "dispatch_failed"
+    ROUTER_SHUTDOWN = "router_shutdown"
+    FINISHED_AT_PREFILL = "finished_at_prefill"  # the first token ended the request
+    RELAY_FINISHED = "relay_finished"  # anomalous-traffic filter: the relay ended it first
+    MD_UNAVAILABLE = "md_unavailable"  # the relay gave up on MD and finishes the request itself
+    FAILED = "failed"  # the sender failed the request (TokenEvent.error says why)
+    SHUTDOWN = "shutdown"  # the sender is stopping
 
 
 @dataclass
@@ -18,9 +63,9 @@ class PrepareRequest(Message):
 
     rid: str
     prompt_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     block_hashes: list[int]
-    pipeline: str  # "p-md" | "p-rld-md"
+    pipeline: Pipeline
 
 
 @dataclass
@@ -33,18 +78,14 @@ class PrepareReply(Message):
 
 @dataclass
 class PrefillSubmit(Message):
-    """router → P (queue group, request/reply)."""
+    """router → P (request/reply). MD's target follows in an MDTarget."""
 
     rid: str
     prompt_ids: list[int]
-    params: dict[str, Any]
-    pipeline: str
-    md_instance: str
-    md_bulk_address: str = ""  # with md_missing None: both follow in an MDTarget
-    md_missing: list[int] | None = None
-    relay_instance: str | None = None
-    relay_address: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # per-request operator overrides (e.g. catchup_threshold)
+    params: SamplingParams
+    pipeline: Pipeline
+    relay_address: str | None = None  # P→RLD→MD: the relay's local fast-path address
+    catchup_threshold: int | None = None  # operator override of the relay's handoff threshold
 
 
 @dataclass
@@ -65,25 +106,60 @@ class SubmitReply(Message):
 
 
 @dataclass
+class RelayStart(Message):
+    """P → RLD, with the last frame of the local KV stream: decode from here."""
+
+    rid: str
+    prompt_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    catchup_threshold: int | None = None
+    traceparent: str | None = None
+
+
+@dataclass
+class RelayReport(Message):
+    """The relay's part of a request, sent when it lets go of it."""
+
+    handed_over: bool  # False: the relay finished the request itself (rld-only)
+    rld_tokens: int  # tokens the relay generated
+    handoff_mode: HandoffMode | None = None
+    handoff_batches: int = 0
+
+
+@dataclass
+class DecodeReport(Message):
+    """MD's part of a request, sent with its last token."""
+
+    md_instance: str
+    md_tokens: int
+    wan_bytes: int
+
+
+@dataclass
 class TokenEvent(Message):
     """P / RLD / MD → router: tokens[i] has output index `index + i`.
 
-    `finished` means no token follows the last one carried here.
+    `outcome` set means no token follows the last one carried here.
     """
 
     rid: str
-    source: str  # "prefill" | "relay" | "main_decode"
+    source: Role
     index: int
     tokens: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
+    outcome: Outcome | None = None
     error: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    relay: RelayReport | None = None
+    decode: DecodeReport | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
 
 
 @dataclass
 class KVReady(Message):
-    """MD → RLD, router: MD holds the whole prompt KV and can take the handoff."""
+    """MD → RLD: MD holds the whole prompt KV and can take the handoff."""
 
     rid: str
     md_instance: str
@@ -99,50 +175,62 @@ class HandoffBatch(Message):
     start_index: int
     tokens: list[int]
     final: bool
-    mode: str  # "prefill" | "one-shot" | "catch-up"
+    mode: HandoffMode
 
 
 @dataclass
 class HandoffAck(Message):
-    """MD → RLD: batch `seq` is extended (its KV is in MD)."""
+    """MD → RLD: catch-up batch `seq` is extended (its KV is in MD). MD refuses a batch by
+    aborting the request instead."""
 
     rid: str
     seq: int
-    ok: bool = True
-    error: str | None = None
-
-
-# The pipelines a request can take (x-pdd-pipeline). RLD_ONLY is never a routing choice: only
-# the anomalous-traffic filter or a fault fallback ends a request there.
-P_MD, P_RLD_MD, RLD_ONLY = "p-md", "p-rld-md", "rld-only"
-
-MD_LOST = "md_lost"  # Abort reason: the request's MD stopped reporting; a relay still holding it finishes it
 
 
 @dataclass
 class Abort(Message):
-    """anyone → all: stop work on `rid` and free what it holds (but see MD_LOST)."""
+    """anyone → all: stop work on `rid` and free what it holds. Each role ignores its own."""
 
     rid: str
-    reason: str
-    source: str = ""
+    reason: AbortReason
+    source: Role
+    detail: str = ""
+
+
+@dataclass
+class MainDecodeLost(Message):
+    """router → P, RLD: the request's MD stopped reporting. P stops the WAN stream; a relay
+    that still holds the request finishes it."""
+
+    rid: str
+    md_instance: str
 
 
 @dataclass
 class KVEvents(Message):
-    """MD / P → router: blocks that entered or left an instance's prefix cache."""
+    """MD → router: blocks that entered or left MD's prefix cache."""
 
     instance: str
     stored: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
-    reset: bool = False  # the sender restarted: forget what it held
+    reset: bool = False  # a full snapshot: forget what was known of this instance
+
+
+@dataclass
+class LinkReport(Message):
+    """P's view of its link toward one MD bulk address."""
+
+    peer: str
+    backlog: int = 0  # KV bytes queued toward the peer
+    bandwidth: float | None = None  # B/s, once a transfer was measured
+    rtt: float | None = None  # s
 
 
 @dataclass
 class LoadReport(Message):
     """Periodic health and load of one instance."""
 
-    service: str
+    service: Role
     instance: str
     running: int = 0
     waiting: int = 0
@@ -150,13 +238,5 @@ class LoadReport(Message):
     used_blocks: int = 0
     free_blocks: int = 0
     address: str | None = None  # MD: bulk address to dial; RLD: local fast-path address
-    links: dict[str, Any] = field(default_factory=dict)  # P: peer -> {"bandwidth": B/s, "rtt": s}
+    links: list[LinkReport] = field(default_factory=list)  # P only
     model_id: str = ""
-
-
-def load_report(service: str, instance: str, stats: dict[str, Any], **extra: Any) -> LoadReport:
-    """A LoadReport from an engine's stats()."""
-    return LoadReport(
-        service=service, instance=instance, running=stats["running"], waiting=stats["waiting"],
-        num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"], **extra,
-    )

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 PREFIX = "pdd"
+
+
+class Req(StrEnum):
+    """The per-request subjects: `pdd.req.<rid>.<kind>`."""
+
+    TOKENS = "tokens"  # P / RLD / MD → router
+    KV_READY = "kv_ready"  # MD → RLD
+    HANDOFF = "handoff"  # RLD (or P) → MD
+    HANDOFF_ACK = "handoff_ack"  # MD → RLD
+    MD_TARGET = "md_target"  # router → P
+    MD_LOST = "md_lost"  # router → P, RLD
+    ABORT = "abort"  # anyone → all
 
 
 def _tok(value: str) -> str:
@@ -13,7 +27,17 @@ def _tok(value: str) -> str:
     return s
 
 
+def req(rid: str, kind: Req) -> str:
+    return f"{PREFIX}.req.{_tok(rid)}.{Req(kind)}"
+
+
+def all_req(kind: Req) -> str:
+    """Every request's `kind` subject."""
+    return f"{PREFIX}.req.*.{Req(kind)}"
+
+
 def prefill_submit() -> str:
+    """Any prefill instance (queue group), for clients that do not pick one."""
     return f"{PREFIX}.prefill.submit"
 
 
@@ -26,50 +50,17 @@ def md_prepare(inst: str) -> str:
     return f"{PREFIX}.md.{_tok(inst)}.prepare"
 
 
-def req_tokens(rid: str) -> str:
-    return f"{PREFIX}.req.{_tok(rid)}.tokens"
-
-
-def req_kv_ready(rid: str) -> str:
-    return f"{PREFIX}.req.{_tok(rid)}.kv_ready"
-
-
-def req_handoff(rid: str) -> str:
-    return f"{PREFIX}.req.{_tok(rid)}.handoff"
-
-
-def req_handoff_ack(rid: str) -> str:
-    return f"{PREFIX}.req.{_tok(rid)}.handoff_ack"
-
-
-def req_md_target(rid: str) -> str:
-    return f"{PREFIX}.req.{_tok(rid)}.md_target"
-
-
-def req_abort(rid: str) -> str:
-    return f"{PREFIX}.req.{_tok(rid)}.abort"
-
-
 def kv_events(inst: str) -> str:
     return f"{PREFIX}.kv.events.{_tok(inst)}"
-
-
-def load(service: str, inst: str) -> str:
-    return f"{PREFIX}.load.{_tok(service)}.{_tok(inst)}"
 
 
 def all_kv_events() -> str:
     return f"{PREFIX}.kv.events.*"
 
 
+def load(service: str, inst: str) -> str:
+    return f"{PREFIX}.load.{_tok(service)}.{_tok(inst)}"
+
+
 def all_load() -> str:
     return f"{PREFIX}.load.*.*"
-
-
-def all_req_aborts() -> str:
-    return f"{PREFIX}.req.*.abort"
-
-
-def all_req(kind: str) -> str:
-    """Every request's `kind` subject (tokens, kv_ready, handoff, handoff_ack, abort)."""
-    return f"{PREFIX}.req.*.{_tok(kind)}"

@@ -1,0 +1,125 @@
+"""What prefill, relay and main decode share: an engine on its own thread, the service's
+subscriptions and timers, load reports, pins, and the abort protocol."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from shared.bus import subjects
+from shared.bus.connection import publish
+from shared.bus.messages import Abort, AbortReason, LinkReport, LoadReport, Outcome, Role, TokenEvent
+from shared.bus.subjects import Req
+from shared.engine import EngineStats, FinishReason, LLMEngine, StepOutput
+from shared.engine.engine_loop import EngineLoop, PostStep
+from shared.kv import KVServer, start_kv_server
+from shared.runtime import Lifecycle
+from shared.telemetry import metrics
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.tracing import get_tracer
+
+
+class EngineService:
+    """Base of the three engine services. Per-request state lives in each service's job
+    objects, owned by the event loop; the engine is touched only through `engine_loop`."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, settings: Any, nc: Any, engine: LLMEngine, post_step: PostStep | None = None):
+        self.settings = settings
+        self.nc = nc
+        self.engine = engine
+        self.engine_loop = EngineLoop(engine, self.on_outputs, post_step)
+        self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
+        self.life = Lifecycle()
+        self.kv_server: KVServer | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self.engine_loop.start()
+        await self.subscribe()
+        await self.life.subscribe(self.nc, subjects.all_req(Req.ABORT), Abort, self._on_abort)
+        self.life.every(0.5, self.report_load)
+
+    async def stop(self) -> None:
+        await self.life.close()
+        if self.kv_server:
+            await self.kv_server.close()
+        await self.engine_loop.stop()
+
+    async def serve_kv(self, address: str) -> None:
+        """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort)."""
+        self.kv_server = await start_kv_server(address, self.settings.secret, self)
+
+    # ---- what each service defines ---------------------------------------------------
+    async def subscribe(self) -> None:
+        """The service's own subscriptions (aborts are handled here)."""
+
+    async def on_outputs(self, outputs: list[StepOutput], extra: Any) -> None:
+        raise NotImplementedError
+
+    async def on_abort_message(self, msg: Abort) -> None:
+        """Another role gave up on `msg.rid`."""
+        raise NotImplementedError
+
+    def load_address(self) -> str | None:
+        return self.kv_server.address if self.kv_server else None
+
+    def load_links(self) -> list[LinkReport]:
+        return []
+
+    # ---- load ------------------------------------------------------------------------
+    async def report_load(self) -> EngineStats:
+        stats = await self.engine_loop.call(self.engine.stats)
+        metrics.KV_BLOCKS_USED.labels(service=self.role.value, instance=self.settings.instance).set(
+            stats.used_blocks
+        )
+        report = LoadReport(
+            service=self.role, instance=self.settings.instance, running=stats.running,
+            waiting=stats.waiting, num_blocks=stats.num_blocks, used_blocks=stats.used_blocks,
+            free_blocks=stats.free_blocks, address=self.load_address(), links=self.load_links(),
+            model_id=self.engine.model_id,
+        )  # fmt: skip
+        await publish(self.nc, subjects.load(self.role.value, self.settings.instance), report)
+        return stats
+
+    # ---- freeing ---------------------------------------------------------------------
+    def _free_now(self, rid: str) -> None:  # engine thread
+        self.engine.abort(rid)
+        self.engine.transfer.unpin(rid)
+
+    async def free(self, rid: str) -> None:
+        """Drop the request's sequence and its pinned blocks."""
+        await self.engine_loop.call(self._free_now, rid)
+
+    async def unpin(self, rid: str) -> None:
+        await self.engine_loop.call(self.engine.transfer.unpin, rid)
+
+    # ---- messages --------------------------------------------------------------------
+    async def _on_abort(self, msg: Abort, _raw: Any) -> None:
+        if msg.source is not self.role:
+            await self.on_abort_message(msg)
+
+    async def send_abort(self, rid: str, reason: AbortReason, detail: str = "", parent: Span | None = None) -> None:
+        """Tell every other role to drop `rid`."""
+        ctx = trace.set_span_in_context(parent) if parent else None
+        attrs = {REQUEST_ID_ATTR: rid, "reason": reason.value, "detail": detail}
+        with self.tracer.start_as_current_span("abort", context=ctx, attributes=attrs):
+            await publish(self.nc, subjects.req(rid, Req.ABORT), Abort(rid, reason, self.role, detail))
+
+    async def send_tokens(self, event: TokenEvent) -> None:
+        await publish(self.nc, subjects.req(event.rid, Req.TOKENS), event)
+
+    def unknown_request(self) -> None:
+        metrics.UNKNOWN_REQUEST_MESSAGES.labels(service=self.role.value).inc()
+
+
+def outcome_of(reason: FinishReason | None) -> Outcome:
+    """The wire outcome of an engine's finish reason."""
+    if reason is FinishReason.STOP:
+        return Outcome.STOP
+    if reason is FinishReason.LENGTH:
+        return Outcome.LENGTH
+    return Outcome.ERROR

@@ -1,0 +1,37 @@
+from enum import Enum, auto
+
+import pytest
+
+from shared.state_machine import IllegalTransition, StateMachine, table_of
+
+
+class Door(Enum):
+    OPEN = auto()
+    CLOSED = auto()
+    GONE = auto()
+
+
+TABLE = table_of(Door, OPEN=("CLOSED", "GONE"), CLOSED=("OPEN", "GONE"), GONE=())
+
+
+def test_allowed_moves_happen() -> None:
+    sm = StateMachine(Door.OPEN, TABLE)
+    sm.to(Door.CLOSED)
+    sm.to(Door.OPEN)
+    assert sm.state is Door.OPEN and sm.is_in(Door.OPEN, Door.GONE) and not sm.is_in(Door.CLOSED)
+
+
+def test_illegal_moves_raise_and_leave_the_state() -> None:
+    sm = StateMachine(Door.OPEN, TABLE)
+    with pytest.raises(IllegalTransition, match="OPEN -> OPEN"):
+        sm.to(Door.OPEN)
+    sm.to(Door.GONE)
+    for target in Door:
+        with pytest.raises(IllegalTransition):
+            sm.to(target)
+    assert sm.state is Door.GONE
+
+
+def test_table_names_must_exist() -> None:
+    with pytest.raises(KeyError):
+        table_of(Door, OPEN=("AJAR",))
