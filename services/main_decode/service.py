@@ -128,7 +128,7 @@ class MainDecodeService:
         await respond(raw, PrepareReply(ok=True, missing=missing, bulk_address=self.advertise_address))
 
     # ---- KV sink (bulk channel over the WAN) -------------------------------------------
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict) -> None:
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
         job = self.jobs.get(rid)
         if job is None:
             raise KeyError(f"unknown request id {rid}")
@@ -137,14 +137,14 @@ class MainDecodeService:
         if job.receive_span is None:  # parented by prefill's transfer span, from the frame header
             job.receive_span = self.tracer.start_span(
                 "md.kv_receive",
-                context=context_from_traceparent(meta.get("traceparent")),
+                context=context_from_traceparent(traceparent),
                 attributes={REQUEST_ID_ATTR: rid, "path": "wan"},
             )
         await self.loop.call(self.engine.import_blocks, hashes, kv, pin=_pin(rid))
         job.received.update(hashes)
         job.wan_bytes += kv.numel() * kv.element_size()
 
-    async def on_done(self, rid: str, meta: dict) -> None:
+    async def on_done(self, rid: str, payload: bytes) -> None:
         job = self.jobs.get(rid)
         if job is None:
             raise KeyError(f"unknown request id {rid}")

@@ -10,6 +10,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import msgpack
 import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -305,7 +306,7 @@ class PrefillService:
                     "options": job.submit.options,
                     "traceparent": tp,
                 }
-            await client.finish(job.rid, meta=meta, timeout=timeout)
+            await client.finish(job.rid, payload=msgpack.packb(meta), timeout=timeout)
             if path == "wan":
                 self._observe_link(address, client, sent, t_first, time.monotonic())
         except asyncio.CancelledError:

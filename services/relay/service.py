@@ -11,6 +11,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgpack
 import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -88,11 +89,12 @@ class RelayService:
         await self.loop.stop()
 
     # ---- KV sink (local fast path from prefill) ----------------------------------------
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict) -> None:
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
         await self.loop.call(self.engine.import_blocks, hashes, kv, pin=_pin(rid))
 
-    async def on_done(self, rid: str, meta: dict) -> None:
+    async def on_done(self, rid: str, payload: bytes) -> None:
         """All prompt blocks are here: start decoding after prefill's first token."""
+        meta = msgpack.unpackb(payload)
         prompt, first = list(meta["prompt_ids"]), int(meta["first_token"])
         params = SamplingParams.from_dict(meta["params"])
         job = RelayJob(rid, catchup_threshold=self.settings.catchup_threshold)
