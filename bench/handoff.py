@@ -94,16 +94,16 @@ class _MDSide:
         self.kv_t0: float | None = None
 
     # KV sink --------------------------------------------------------------------------
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict) -> None:
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
         if rid.startswith("x-"):
             return  # another request's KV (cross traffic): not ours to keep
         t_arrive = time.monotonic()
         t = time.perf_counter()
         self.engine.import_blocks(hashes, kv)  # the device copy into MD's pool
         copy_s = time.perf_counter() - t
-        self.conn.send(("kv", rid, t_arrive, time.monotonic(), copy_s, meta["nbytes"]))
+        self.conn.send(("kv", rid, t_arrive, time.monotonic(), copy_s, kv.numel() * kv.element_size()))
 
-    async def on_done(self, rid: str, meta: dict) -> None:
+    async def on_done(self, rid: str, payload: bytes) -> None:
         pass
 
     async def on_abort(self, rid: str, reason: str) -> None:

@@ -44,10 +44,10 @@ class _CountingSink:
     def __init__(self) -> None:
         self.nbytes = 0
 
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict) -> None:
-        self.nbytes += meta["nbytes"]
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
+        self.nbytes += kv.numel() * kv.element_size()
 
-    async def on_done(self, rid: str, meta: dict) -> None:
+    async def on_done(self, rid: str, payload: bytes) -> None:
         pass
 
     async def on_abort(self, rid: str, reason: str) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -78,6 +78,43 @@ async def smoke_request(base_url: str, out: Callable[[str], None] = print) -> bo
     return r.status_code == 200
 
 
+async def _start_system(
+    opts: UpOptions, sup: Supervisor, servers: list[Any], base_url: str, start_timeout_s: float
+) -> None:
+    """WAN emulator, NATS servers, then the services; returns once the router's /health is 200.
+    Each NATS server joins `servers` as soon as it runs, so a failure later still stops it."""
+    wan, *services = service_specs(opts)
+    sup.start(wan)
+    for spec in nats_specs(opts):
+        server = _nats_server(spec, opts)
+        await server.start()  # cleans up after itself if it fails
+        servers.append(server)
+    await asyncio.gather(*(s.wait_gateways(start_timeout_s) for s in servers))
+    sup.start_all(services)
+    await sup.wait_http_ok(f"{base_url}/health", start_timeout_s)
+
+
+async def _stop_system(sup: Supervisor, servers: list[Any]) -> None:
+    """Services first, then the NATS servers in reverse order of start."""
+    await sup.stop_all()
+    for server in reversed(servers):
+        with contextlib.suppress(Exception):
+            await server.stop()
+
+
+@contextlib.contextmanager
+def _signals_set(event: asyncio.Event) -> Iterator[None]:
+    """Ctrl-C / SIGTERM set `event` (instead of raising) while inside."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 async def run_up(
     opts: UpOptions,
     *,
@@ -91,23 +128,12 @@ async def run_up(
     sup = Supervisor(workdir / "logs")
     servers: list[Any] = []
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     base_url = f"http://{_client_host(opts.host)}:{opts.router_port}"
     ok = True
 
-    async def bring_up() -> None:
+    async def serve() -> None:
         nonlocal ok
-        wan, *services = service_specs(opts)
-        sup.start(wan)
-        for spec in nats_specs(opts):
-            server = _nats_server(spec, opts)
-            await server.start()  # cleans up after itself if it fails
-            servers.append(server)
-        await asyncio.gather(*(s.wait_gateways(start_timeout_s) for s in servers))
-        sup.start_all(services)
-        await sup.wait_http_ok(f"{base_url}/health", start_timeout_s)
+        await _start_system(opts, sup, servers, base_url, start_timeout_s)
         out(f"pdd is up: {base_url}")
         out(f"  logs: {workdir / 'logs'}   traces: pdd trace <x-request-id> --dir {workdir / 'traces'}")
         if smoke:
@@ -116,7 +142,8 @@ async def run_up(
         await asyncio.Event().wait()  # serve until stopped
 
     try:
-        await _first(bring_up(), _watch(sup, servers), stop.wait())
+        with _signals_set(stop):
+            await _first(serve(), _watch(sup, servers), stop.wait())
     except ProcessDied as e:
         print(f"pdd up: {e}", file=sys.stderr)
         ok = False
@@ -124,11 +151,6 @@ async def run_up(
         print(f"pdd up: {e}; logs in {workdir / 'logs'}", file=sys.stderr)
         ok = False
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         out("pdd up: stopping")
-        await sup.stop_all()
-        for server in reversed(servers):
-            with contextlib.suppress(Exception):
-                await server.stop()
+        await _stop_system(sup, servers)
     return 0 if ok else 1

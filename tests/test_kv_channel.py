@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
+import msgpack
 import pytest
 import torch
 
@@ -31,21 +31,23 @@ class MemorySink:
 
     def __init__(self, reject_at: int | None = None) -> None:
         self.held: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
-        self.done: dict[str, dict] = {}
+        self.done: dict[str, bytes] = {}
         self.aborts: list[tuple[str, str]] = []
-        self.metas: list[dict] = []
-        self.reject_at = reject_at
+        self.traceparents: list[str | None] = []
+        self.groups: dict[str, int] = {}  # groups delivered per rid, rejected ones included
+        self.reject_at = reject_at  # reject each rid's group with this index
         self.got_blocks = asyncio.Event()
 
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict[str, Any]) -> None:
-        if self.reject_at is not None and meta["seq"] == self.reject_at:
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
+        seq = self.groups[rid] = self.groups.get(rid, -1) + 1
+        if seq == self.reject_at:
             raise RuntimeError("pool full")
         self.held.setdefault(rid, []).append((hashes, kv))
-        self.metas.append(meta)
+        self.traceparents.append(traceparent)
         self.got_blocks.set()
 
-    async def on_done(self, rid: str, meta: dict[str, Any]) -> None:
-        self.done[rid] = meta
+    async def on_done(self, rid: str, payload: bytes) -> None:
+        self.done[rid] = payload
 
     async def on_abort(self, rid: str, reason: str) -> None:
         self.aborts.append((rid, reason))
@@ -87,14 +89,14 @@ async def test_thousand_blocks_bit_exact(kv_pair) -> None:
         sent += await client.send_blocks(
             "r1", list(range(i, i + 25)), src[:, :, i : i + 25], traceparent="00-tp"
         )
-    await client.finish("r1", meta={"prompt_len": 16000})
+    await client.finish("r1", payload=b"\x00prompt_len=16000\xff")
     assert torch.equal(sink.tensor("r1"), src)
     assert sink.hashes("r1") == list(range(1000))
-    assert sink.done["r1"] == {"prompt_len": 16000}
-    assert [m["seq"] for m in sink.metas] == list(range(40)) and sink.metas[0]["traceparent"] == "00-tp"
-    stats = client.last_transfer
-    assert stats is not None and stats.rid == "r1" and stats.nbytes == sent > src.numel() * 2
-    assert stats.groups == 40 and stats.goodput > 0 and client.last_goodput == stats.goodput
+    assert sink.done["r1"] == b"\x00prompt_len=16000\xff"
+    assert [kv.shape[2] for _, kv in sink.held["r1"]] == [25] * 40  # one on_blocks per group, in order
+    assert sink.traceparents == ["00-tp"] * 40
+    assert sent == client.bytes_sent - len(pack({"kind": "done", "rid": "r1", "payload": sink.done["r1"]}))
+    assert sent > src.numel() * 2
     assert server.in_flight == {next(iter(server.in_flight)): []}
 
 
@@ -129,7 +131,7 @@ async def test_unix_fast_path_and_large_groups_split_by_layer(tmp_path, monkeypa
         await client.send_blocks("u", [7, 8, 9], src)
         await client.finish("u")
         assert torch.equal(sink.tensor("u"), src) and sink.hashes("u") == [7, 8, 9]
-        assert len(sink.metas) == 1 and sink.metas[0]["layers"] == [0, L]
+        assert len(sink.held["u"]) == 1 and sink.done["u"] == b""  # the sub-frames land as one group
     finally:
         await client.close()
         await server.close()
@@ -156,16 +158,18 @@ async def test_wrong_secret_is_refused() -> None:
         await server.close()
 
 
-async def test_silent_peer_is_dropped_after_handshake_timeout(monkeypatch) -> None:
+async def test_silent_peer_is_dropped_after_handshake_timeout(monkeypatch, caplog) -> None:
     monkeypatch.setattr(kv_server, "AUTH_TIMEOUT_S", 0.2)
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, MemorySink())
     try:
         reader, writer = await asyncio.open_connection(*server.address[6:].rsplit(":", 1))
-        await reader.readexactly(4)  # the server's hello arrives; we never answer
-        async with asyncio.timeout(3):
-            while await reader.read(4096):
-                pass  # EOF: the server hung up on us
+        async with asyncio.timeout(3):  # bounds a hang only: the server must hang up by itself
+            got = await reader.read()  # all the server sends us until EOF; we never answer
         writer.close()
+        (n,) = PREFIX.unpack(got[: PREFIX.size])
+        assert msgpack.unpackb(got[PREFIX.size :])["kind"] == "hello" and len(got) == PREFIX.size + n
+        assert "handshake timeout" in caplog.text  # dropped for its silence, not for something else
+        await until(lambda: server.in_flight == {})  # and forgotten
     finally:
         await server.close()
 
@@ -177,18 +181,24 @@ async def _raw_authenticated(address: str):
     return stream
 
 
+def _blocks_frame(rid: str, kv: torch.Tensor, seq: int = 0) -> tuple[dict, bytearray]:
+    """A valid single-frame group, as KVClient would send it: header and payload."""
+    payload = bytearray(byte_view(kv))
+    header = {
+        "kind": "blocks", "rid": rid, "seq": seq, "hashes": list(range(kv.shape[2])), "layers": [0, L],
+        "dtype": "float16", "shape": list(kv.shape), "nbytes": len(payload),
+        "csum": ["xxh3", checksum("xxh3", payload)], "tp": None,
+    }  # fmt: skip
+    return header, payload
+
+
 async def test_flipped_byte_is_detected_and_reported(kv_pair) -> None:
     # Fault injection: a raw client speaks the protocol but corrupts one payload byte after
     # computing the checksum over the original bytes.
     sink, server, client = kv_pair
     stream = await _raw_authenticated(server.address)
     try:
-        kv = blocks(2)
-        payload = bytearray(byte_view(kv))
-        header = {
-            "kind": "blocks", "rid": "bad", "seq": 0, "hashes": [1, 2], "layers": [0, L], "dtype": "float16",
-            "shape": list(kv.shape), "nbytes": len(payload), "csum": ["xxh3", checksum("xxh3", payload)], "tp": None,
-        }  # fmt: skip
+        header, payload = _blocks_frame("bad", blocks(2))
         payload[1234] ^= 0x01
         await stream.send(pack(header), payload)
         reply = await asyncio.wait_for(read_header(stream, 1 << 20), 5)
@@ -196,7 +206,7 @@ async def test_flipped_byte_is_detected_and_reported(kv_pair) -> None:
         assert sink.aborts == [("bad", reply["reason"])] and "bad" not in sink.held
         # The connection stays usable, and the rid's later frames are discarded; done repeats the error.
         await stream.send(pack({**header, "seq": 1, "csum": ["xxh3", checksum("xxh3", payload)]}), payload)
-        await stream.send(pack({"kind": "done", "rid": "bad", "meta": {}}))
+        await stream.send(pack({"kind": "done", "rid": "bad", "payload": b""}))
         reply = await asyncio.wait_for(read_header(stream, 1 << 20), 5)
         assert reply["kind"] == "error" and "checksum mismatch" in reply["reason"]
         assert "bad" not in sink.held and "bad" not in sink.done
@@ -221,6 +231,81 @@ async def test_flipped_byte_is_detected_and_reported(kv_pair) -> None:
         await client.send_blocks("bad2", [3], blocks(1))
     await client.send_blocks("good", [1], blocks(1))  # others are unaffected
     await client.finish("good", timeout=5)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", bytes(range(256)), msgpack.packb({"prompt_ids": [1, 2], "first_token": 3}), b"x" * 70000],
+    ids=["empty", "every-byte-value", "msgpack-map", "70kB"],
+)
+async def test_done_payload_reaches_on_done_as_is(kv_pair, payload: bytes) -> None:
+    sink, _, client = kv_pair
+    await client.send_blocks("p", [1], blocks(1))
+    await client.finish("p", payload=payload)
+    assert sink.done == {"p": payload} and type(sink.done["p"]) is bytes
+
+
+async def test_bad_payload_is_refused_before_sending_and_loses_nothing() -> None:
+    sink = MemorySink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, max_header_bytes=1024)
+    client = await open_kv_client(server.address, SECRET)
+    try:
+        await client.send_blocks("r", [1], blocks(1))
+        await client.send_blocks("other", [2], blocks(2, seed=1)[:, :, 1:])
+        sent = client.bytes_sent
+        with pytest.raises(TypeError, match="payload must be bytes, not dict"):
+            await client.finish("r", payload={"prompt_ids": [1]})
+        with pytest.raises(TypeError, match="payload must be bytes, not str"):
+            await client.finish("r", payload="text")
+        # 997 bytes make a 1025-byte done header: one over the receiver's limit.
+        with pytest.raises(KVTransferError, match="1025-byte header, over the receiver's limit of 1024"):
+            await client.finish("r", payload=b"x" * 997)
+        assert client.bytes_sent == sent and not client.closed  # nothing went out
+        assert sink.aborts == [] and sink.done == {}
+        # The request is still open: it finishes with a payload that exactly fits, the other too.
+        await client.finish("r", payload=b"x" * 996)
+        await client.finish("other")
+        assert sink.done == {"r": b"x" * 996, "other": b""} and sink.aborts == []
+        assert torch.equal(sink.tensor("r"), blocks(1)) and sink.hashes("other") == [2]
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "bad", "why"),
+    [
+        ("done", {"payload": {"prompt_ids": [1]}}, "done frame: bad or missing 'payload'"),
+        ("done", {"payload": "text"}, "done frame: bad or missing 'payload'"),
+        ("done", {"payload": None, "meta": {}}, "done frame: bad or missing 'payload'"),
+        ("blocks", {"tp": 5}, "blocks frame: tp must be a string or nil"),
+    ],
+    ids=["done-payload-map", "done-payload-str", "done-payload-nil", "blocks-tp-int"],
+)
+async def test_bad_header_field_drops_only_its_connection(
+    kv_pair, caplog, kind: str, bad: dict, why: str
+) -> None:
+    # Fault injection: a raw sender puts a field of the wrong type in a header KVClient builds right.
+    sink, server, client = kv_pair
+    await client.send_blocks("ok", [1], blocks(1))  # another sender's request, in flight meanwhile
+    stream = await _raw_authenticated(server.address)
+    try:
+        header, payload = _blocks_frame("raw", blocks(1))
+        await stream.send(pack(header), payload)
+        if kind == "done":
+            await stream.send(pack({"kind": "done", "rid": "raw", "payload": b"", **bad}))
+        else:
+            header, payload = _blocks_frame("raw", blocks(1), seq=1)
+            await stream.send(pack({**header, **bad}), payload)
+        with pytest.raises(ConnectionError):  # dropped, not answered
+            await asyncio.wait_for(read_header(stream, 1 << 20), 5)
+    finally:
+        stream.close()
+    assert why in caplog.text
+    await until(lambda: sink.aborts)
+    assert [rid for rid, _ in sink.aborts] == ["raw"] and "raw" not in sink.held and "raw" not in sink.done
+    await client.finish("ok", payload=b"fine")  # the other connection is unaffected
+    assert sink.done == {"ok": b"fine"} and torch.equal(sink.tensor("ok"), blocks(1))
 
 
 async def test_sink_rejection_fails_the_senders_finish() -> None:
@@ -269,7 +354,7 @@ async def test_receiver_vanishing_fails_pending_calls_within_timeout() -> None:
 
     in_done = asyncio.Event()
 
-    async def never_done(rid: str, meta: dict) -> None:
+    async def never_done(rid: str, payload: bytes) -> None:
         in_done.set()
         await asyncio.sleep(3600)
 
@@ -304,7 +389,7 @@ async def test_sender_vanishing_aborts_its_requests(kv_pair) -> None:
 async def test_finish_times_out_when_the_receiver_hangs(kv_pair) -> None:
     sink, _, client = kv_pair
 
-    async def slow_done(rid: str, meta: dict) -> None:
+    async def slow_done(rid: str, payload: bytes) -> None:
         await asyncio.sleep(3600)
 
     sink.on_done = slow_done

@@ -1,14 +1,30 @@
 import pytest
 
-from shared.kv import LinkEstimator
+from services.router import policy
+from shared.kv.link_estimator import LinkEstimator, estimate_wan_seconds
 
 
 def test_defaults_before_any_observation() -> None:
     est = LinkEstimator(default_bandwidth=100e6, default_rtt=0.02)
     assert est.bandwidth("md") == 100e6 and est.rtt("md") == 0.02
-    assert est.estimate_seconds("md", 0) == 0.0
+    assert est.estimate_seconds("md", 0) == 0.01
     assert est.estimate_seconds("md", 100_000_000) == pytest.approx(0.01 + 1.0)
     assert est.snapshot() == {}
+
+
+def test_wan_estimate_is_half_an_rtt_plus_serialisation() -> None:
+    assert estimate_wan_seconds(50_000_000, 100e6, 0.04) == pytest.approx(0.02 + 0.5)
+    assert estimate_wan_seconds(0, 100e6, 0.04) == 0.02  # nothing to send still waits out the latency
+    assert estimate_wan_seconds(-1, 100e6, 0.04) == 0.02
+    assert estimate_wan_seconds(1000, 0.0, 0.0) == 1000.0  # no bandwidth figure: 1 B/s, not a crash
+
+
+def test_estimator_and_router_share_the_one_formula() -> None:
+    est = LinkEstimator(default_bandwidth=100e6, default_rtt=0.02)
+    est.observe_rtt("md", 0.05)
+    for nbytes in (0, 1, 10 << 20):
+        assert est.estimate_seconds("md", nbytes) == estimate_wan_seconds(nbytes, 100e6, 0.05)
+    assert policy.estimate_wan_seconds is estimate_wan_seconds
 
 
 def test_first_sample_replaces_prior_then_ewma() -> None:

@@ -155,10 +155,10 @@ async def test_cut_blackhole_holds_everything_until_restore(echo_wan) -> None:
 
 
 class _Sink:
-    async def on_blocks(self, rid, hashes, kv, meta) -> None:
+    async def on_blocks(self, rid, hashes, kv, traceparent) -> None:
         pass
 
-    async def on_done(self, rid, meta) -> None:
+    async def on_done(self, rid, payload) -> None:
         pass
 
     async def on_abort(self, rid, reason) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.bus.messages import Pipeline
+from shared.kv.link_estimator import estimate_wan_seconds
 
 
 @dataclass(frozen=True)
@@ -13,13 +14,6 @@ class RouteDecision:
     hit_rate: float  # fraction of prompt tokens whose KV MD already holds
     missing_bytes: int  # KV bytes that must cross the WAN
     est_wan_s: float  # estimated time for them to cross
-
-
-def estimate_wan_seconds(nbytes: int, bandwidth: float, rtt: float) -> float:
-    """Time to push nbytes through a link: half an RTT of latency plus serialisation."""
-    if nbytes <= 0:
-        return rtt / 2
-    return rtt / 2 + nbytes / max(bandwidth, 1.0)
 
 
 def choose_pipeline(

@@ -1,8 +1,8 @@
 """KV bulk channel: framed tensor streaming over TCP (WAN) or a Unix socket (local fast path)."""
 
-from shared.kv.client import KVClient, TransferStats, open_kv_client
+from shared.kv.client import KVClient, open_kv_client
 from shared.kv.errors import FrameError, KVTransferError
-from shared.kv.link_estimator import LinkEstimator
+from shared.kv.link_estimator import LinkEstimator, estimate_wan_seconds
 from shared.kv.pool import KVClientPool
 from shared.kv.server import KVServer, start_kv_server
 from shared.kv.sink import KVSink
@@ -16,7 +16,7 @@ __all__ = [
     "KVSink",
     "KVTransferError",
     "LinkEstimator",
-    "TransferStats",
+    "estimate_wan_seconds",
     "open_kv_client",
     "register_transport",
     "start_kv_server",

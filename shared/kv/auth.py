@@ -20,7 +20,7 @@ from shared.kv.transport import Stream
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: "done" carries opaque payload bytes instead of a meta map
 
 
 def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:

@@ -16,7 +16,7 @@ from opentelemetry import propagate
 from shared.kv import auth
 from shared.kv.checksum import ALGOS, DEFAULT_ALGO, checksum
 from shared.kv.errors import FrameError, KVTransferError
-from shared.kv.frame import DEFAULT_MAX_HEADER, byte_view, dtype_name, pack, read_header
+from shared.kv.frame import DEFAULT_MAX_HEADER, PREFIX, byte_view, dtype_name, pack, read_header
 from shared.kv.transport import Stream, transport_for
 
 log = logging.getLogger(__name__)
@@ -28,36 +28,60 @@ ABORTED_MEMORY = 4096  # aborted rids remembered, so a producer still running ge
 
 
 @dataclass
-class TransferStats:
-    """One finished request. `seconds`: first send_blocks call -> receiver's ack (includes any wait
-    for the producer). `blocked_seconds`: time spent inside send_blocks plus the final ack wait,
-    i.e. the time the link was the bottleneck: feed `LinkEstimator.observe_transfer` with it."""
-
-    rid: str
-    nbytes: int
-    groups: int
-    seconds: float
-    blocked_seconds: float
-
-    @property
-    def goodput(self) -> float:
-        return self.nbytes / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
 class _Rid:
     groups: int = 0
-    nbytes: int = 0
-    t_first: float | None = None
-    blocked: float = 0.0
     error: str | None = None
     ack: asyncio.Future | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one group at a time per rid
 
 
+@dataclass
+class _Layers:
+    """One group's bytes, cut along the layer dim into sub-frames of about SUBFRAME_BYTES."""
+
+    data: memoryview
+    n_layers: int
+    layer_bytes: int
+    step: int  # layers per sub-frame
+
+    @classmethod
+    def of(cls, kv: torch.Tensor) -> _Layers:
+        data = byte_view(kv)
+        n_layers = kv.shape[0]
+        layer_bytes = len(data) // n_layers if n_layers else 0
+        return cls(data, n_layers, layer_bytes, max(1, SUBFRAME_BYTES // max(layer_bytes, 1)))
+
+    @property
+    def subframe_bytes(self) -> int:
+        return self.step * self.layer_bytes
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """[lo, hi) of each sub-frame; an empty group is one empty sub-frame."""
+        starts = range(0, self.n_layers, self.step)
+        return [(lo, min(self.n_layers, lo + self.step)) for lo in starts] or [(0, 0)]
+
+    def slice(self, lo: int, hi: int) -> memoryview:
+        return self.data[lo * self.layer_bytes : hi * self.layer_bytes]
+
+
+def _sendable(kv: torch.Tensor, hashes: list[int]) -> torch.Tensor:
+    """kv checked against its hashes, as a contiguous CPU tensor."""
+    if kv.dim() != 6 or kv.shape[2] != len(hashes):
+        raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(hashes)} block hashes")
+    kv = kv.detach()
+    if kv.device.type != "cpu":
+        kv = kv.cpu()
+    return kv.contiguous()
+
+
+def _current_traceparent() -> str | None:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent")
+
+
 class KVClient:
     """`closed` turns True when the channel is unusable; every call then raises KVTransferError.
-    After a successful finish(), `last_transfer` (TransferStats) / `last_goodput` describe it;
     `rtt` is the handshake round trip in seconds."""
 
     def __init__(
@@ -70,7 +94,7 @@ class KVClient:
         self.closed = False
         self.rtt = rtt
         self.max_frame = int(welcome.get("max_frame", 0)) or None
-        self.last_transfer: TransferStats | None = None
+        self.max_header = int(welcome.get("max_header", 0)) or None
         self.bytes_sent = 0
         self._stream = stream
         self._wlock = asyncio.Lock()
@@ -78,11 +102,6 @@ class KVClient:
         self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()  # bounded memory
         self._close_reason = "closed"
         self._reader = asyncio.create_task(self._read_loop())
-
-    @property
-    def last_goodput(self) -> float | None:
-        """Bytes/s of the last finished request (TransferStats.goodput)."""
-        return self.last_transfer.goodput if self.last_transfer else None
 
     async def send_blocks(
         self,
@@ -99,72 +118,40 @@ class KVClient:
         st = self._state(rid)
         if st.error:
             raise KVTransferError(st.error)
-        if kv.dim() != 6 or kv.shape[2] != len(hashes):
-            raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(hashes)} block hashes")
-        kv = kv.detach()
-        if kv.device.type != "cpu":
-            kv = kv.cpu()
-        kv = kv.contiguous()
-        payload = byte_view(kv)
-        n_layers = kv.shape[0]
-        layer_bytes = len(payload) // n_layers if n_layers else 0
-        step = max(1, SUBFRAME_BYTES // max(layer_bytes, 1))
-        ranges = [(lo, min(n_layers, lo + step)) for lo in range(0, n_layers, step)] or [(0, 0)]
-        if self.max_frame and step * layer_bytes + (64 << 10) + 9 * len(hashes) > self.max_frame:
+        kv = _sendable(kv, hashes)
+        layers = _Layers.of(kv)
+        if self.max_frame and layers.subframe_bytes + (64 << 10) + 9 * len(hashes) > self.max_frame:
             raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
         if traceparent is None:
-            carrier: dict[str, str] = {}
-            propagate.inject(carrier)
-            traceparent = carrier.get("traceparent")
+            traceparent = _current_traceparent()
         base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
-        t0 = time.perf_counter()
-        if st.t_first is None:
-            st.t_first = t0
-        sent = 0
-        hashing: asyncio.Future | None = None
         try:
             async with asyncio.timeout(timeout), st.lock:
-                seq = st.groups
+                base["seq"] = st.groups
                 st.groups += 1
-                threaded = len(ranges) > 1  # a thread only pays off when it overlaps a send
-                hashing = asyncio.ensure_future(self._hash(payload[: ranges[0][1] * layer_bytes], threaded))
-                for i, (lo, hi) in enumerate(ranges):
-                    csum = await hashing
-                    if i + 1 < len(ranges):  # hash the next slice while this one is on the wire
-                        nlo, nhi = ranges[i + 1]
-                        hashing = asyncio.ensure_future(
-                            self._hash(payload[nlo * layer_bytes : nhi * layer_bytes], threaded)
-                        )
-                    header = {**base, "seq": seq, "layers": [lo, hi], "nbytes": (hi - lo) * layer_bytes}
-                    header["csum"] = [self.checksum, csum]
-                    if lo == 0:
-                        header["hashes"] = list(hashes)
-                        header["tp"] = traceparent
-                    sent += await self._send_frame(st, header, payload[lo * layer_bytes : hi * layer_bytes])
+                sent = await self._send_group(st, base, hashes, traceparent, layers)
         except TimeoutError:
             raise KVTransferError(f"send_blocks({rid}): timed out after {timeout}s") from None
-        finally:
-            if hashing is not None and not hashing.done():
-                hashing.cancel()
-            st.blocked += time.perf_counter() - t0
-            st.nbytes += sent
         if st.error:  # the receiver failed rid while we were sending
             raise KVTransferError(st.error)
         return sent
 
-    async def finish(self, rid: str, *, meta: dict | None = None, timeout: float = 60.0) -> None:
+    async def finish(self, rid: str, *, payload: bytes = b"", timeout: float = 60.0) -> None:
         """Tell the receiver rid is complete and wait for its ack (sent after sink.on_done returned).
-        Raises KVTransferError if the receiver rejected/aborted rid, the peer vanished, or on timeout."""
+        `payload` reaches sink.on_done as is (the channel does not read it). A payload that is not
+        bytes (TypeError) or too large for the receiver's header limit (KVTransferError) is refused
+        before anything is sent: rid stays open. Raises KVTransferError if the receiver
+        rejected/aborted rid, the peer vanished, or on timeout."""
+        done = self._done_frame(rid, payload)
         st = self._state(rid)
         if st.error:
             await self._forget(rid, st, notify=True)
             raise KVTransferError(st.error)
         st.ack = asyncio.get_running_loop().create_future()
-        t0 = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
                 async with st.lock:  # after any send_blocks of rid still in progress
-                    await self._send_frame(st, {"kind": "done", "rid": rid, "meta": meta or {}})
+                    await self._send_frame(st, done)
                 await st.ack
         except TimeoutError:
             why = f"finish({rid}): no ack from {self.address} within {timeout}s"
@@ -173,10 +160,7 @@ class KVClient:
         except BaseException:
             await self._forget(rid, st, notify=st.error is not None)
             raise
-        now = time.perf_counter()
         self._rids.pop(rid, None)
-        first = st.t_first or t0
-        self.last_transfer = TransferStats(rid, st.nbytes, st.groups, now - first, st.blocked + now - t0)
 
     async def abort(self, rid: str, reason: str) -> None:
         """Stop sending rid (its pending/later send_blocks and finish raise); the receiver calls on_abort."""
@@ -216,6 +200,42 @@ class KVClient:
         if threaded and self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
             return await asyncio.to_thread(checksum, self.checksum, data)
         return checksum(self.checksum, data)
+
+    async def _send_group(
+        self, st: _Rid, base: dict[str, Any], hashes: list[int], traceparent: str | None, layers: _Layers
+    ) -> int:
+        """The sub-frames of one group; the next slice is hashed while this one is on the wire."""
+        ranges = layers.ranges()
+        threaded = len(ranges) > 1  # a thread only pays off when it overlaps a send
+        hashing = asyncio.ensure_future(self._hash(layers.slice(*ranges[0]), threaded))
+        sent = 0
+        try:
+            for i, (lo, hi) in enumerate(ranges):
+                csum = await hashing
+                if i + 1 < len(ranges):
+                    hashing = asyncio.ensure_future(self._hash(layers.slice(*ranges[i + 1]), threaded))
+                header = {**base, "layers": [lo, hi], "nbytes": (hi - lo) * layers.layer_bytes}
+                header["csum"] = [self.checksum, csum]
+                if lo == 0:
+                    header["hashes"] = list(hashes)
+                    header["tp"] = traceparent
+                sent += await self._send_frame(st, header, layers.slice(lo, hi))
+        finally:
+            if not hashing.done():
+                hashing.cancel()
+        return sent
+
+    def _done_frame(self, rid: str, payload: bytes) -> dict[str, Any]:
+        if not isinstance(payload, bytes):
+            raise TypeError(f"finish({rid}): payload must be bytes, not {type(payload).__name__}")
+        done = {"kind": "done", "rid": rid, "payload": payload}
+        size = len(pack(done)) - PREFIX.size
+        if self.max_header and size > self.max_header:
+            raise KVTransferError(
+                f"finish({rid}): a payload of {len(payload)} bytes makes a {size}-byte header,"
+                f" over the receiver's limit of {self.max_header}"
+            )
+        return done
 
     def _remember_failed(self, rid: str, reason: str) -> None:
         self._aborted[rid] = reason

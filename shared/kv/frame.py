@@ -1,6 +1,6 @@
 """Wire format of the bulk channel.
 
-    frame := u32 header_len (big endian) | msgpack header | payload (header["nbytes"] raw bytes)
+    frame := u32 header_len (big endian) | msgpack header | header["nbytes"] raw bytes (blocks only)
 
 Header kinds (client = KV sender, server = KV receiver):
     hello / auth / welcome / denied     handshake (see auth.py)
@@ -8,12 +8,17 @@ Header kinds (client = KV sender, server = KV receiver):
                    One send_blocks() call is one seq (a "group"); a big group is cut along the layer
                    dim into sub-frames of a few MiB (contiguous slices), so hashing the next slice
                    overlaps sending this one and no frame nears the size limit. `shape` is the
-                   whole group's; `hashes` ride only on the first sub-frame (lo == 0).
-    done     c->s  rid, meta                       all blocks of rid were sent
+                   whole group's; `hashes` and `tp` (traceparent, str or nil) ride only on the
+                   first sub-frame (lo == 0).
+    done     c->s  rid, payload                    all blocks of rid were sent. payload: opaque bytes
+                   (msgpack bin, b"" for none) handed to sink.on_done as is; the channel does not
+                   read it (the services put an encoded bus message there). It rides in the header,
+                   so the receiver's header limit bounds it (KVClient refuses a larger one before
+                   sending); a payload that is not bytes drops the connection like any bad field.
     abort    c->s  rid, reason                     drop rid
     ack      s->c  rid                             sink.on_done returned
     error    s->c  rid, reason                     the receiver failed rid (checksum, sink raised, ...)
-Only "blocks" carries a payload. The tensor is [L, 2, n, block_size, kv_heads, head_dim], contiguous.
+The tensor is [L, 2, n, block_size, kv_heads, head_dim], contiguous.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
         hashes = field(header, "hashes", list)
         if len(hashes) != shape[2] or not all(isinstance(h, int) for h in hashes):
             raise FrameError("blocks frame: hashes must be one int per block")
+        if not isinstance(header.get("tp"), str | None):
+            raise FrameError("blocks frame: tp must be a string or nil")
     layer_bytes = math.prod(shape[1:]) * dtype.itemsize
     nbytes = field(header, "nbytes", int)
     if nbytes != (hi - lo) * layer_bytes:

@@ -1,12 +1,22 @@
-"""Live estimate of each peer link's goodput and round trip, from observed transfers (EWMA).
+"""Live estimate of each peer link's goodput and round trip, from observed transfers (EWMA),
+and the one formula for how long bytes take to cross a link.
 
-Used by the router to predict how long the missing KV of a request takes to reach MD.
+Prefill keeps a LinkEstimator of its WAN peers and reports its figures in its LoadReport; the
+router feeds those (bandwidth, rtt) to estimate_wan_seconds to choose a request's pipeline.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+
+def estimate_wan_seconds(nbytes: int, bandwidth: float, rtt: float) -> float:
+    """Time until nbytes have landed at the far end of an open connection: half an RTT of
+    latency plus serialisation at `bandwidth` (bytes/s). Nothing to send still costs rtt/2."""
+    if nbytes <= 0:
+        return rtt / 2
+    return rtt / 2 + nbytes / max(bandwidth, 1.0)
 
 
 @dataclass
@@ -38,9 +48,9 @@ class LinkEstimator:
         return sample if old is None else self.alpha * sample + (1 - self.alpha) * old
 
     def observe_transfer(self, peer: str, nbytes: int, seconds: float) -> None:
-        """A transfer of nbytes took `seconds` from its first byte sent to the receiver's ack
-        (KVClient's TransferStats.blocked_seconds). One RTT (the ack's way back plus the last
-        byte's way there) is taken out before computing the goodput sample."""
+        """A transfer of nbytes took `seconds` from its first byte sent to the receiver's ack.
+        One RTT (the ack's way back plus the last byte's way there) is taken out before
+        computing the goodput sample."""
         if nbytes < self.min_bytes or seconds <= 0:
             return
         p = self._peers.setdefault(peer, _Peer())
@@ -66,11 +76,8 @@ class LinkEstimator:
         return p.rtt if p and p.rtt is not None else self.default_rtt
 
     def estimate_seconds(self, peer: str, nbytes: int) -> float:
-        """Time until nbytes have *landed* at the peer on an open connection: one-way latency
-        (rtt/2) plus serialization at the estimated goodput. 0 when there is nothing to send."""
-        if nbytes <= 0:
-            return 0.0
-        return self.rtt(peer) / 2 + nbytes / self.bandwidth(peer)
+        """estimate_wan_seconds with this peer's estimated goodput and round trip."""
+        return estimate_wan_seconds(nbytes, self.bandwidth(peer), self.rtt(peer))
 
     def snapshot(self) -> dict[str, dict]:
         """{peer: {bandwidth, rtt, transfers, rtt_samples, updated}} for every peer observed."""

@@ -74,7 +74,7 @@ class _Receiver:
                 if kind == "blocks":
                     await self._on_blocks(h)
                 elif kind == "done":
-                    await self._on_done(field(h, "rid", str), h.get("meta") or {})
+                    await self._on_done(field(h, "rid", str), field(h, "payload", bytes))
                 elif kind == "abort":
                     await self._on_abort(field(h, "rid", str), str(h.get("reason", "")))
                 else:
@@ -121,17 +121,10 @@ class _Receiver:
             return  # more sub-frames of this group follow
         del self.groups[b.rid]
         self.next_seq[b.rid] = b.seq + 1
-        meta = {
-            "seq": b.seq,
-            "layers": [0, b.shape[0]],
-            "traceparent": group.traceparent,
-            "nbytes": group.kv.numel() * group.kv.element_size(),
-            "peer": self.stream.peer,
-        }
-        kv, hashes = group.kv, group.hashes
+        kv, hashes, traceparent = group.kv, group.hashes, group.traceparent
         del group
         try:
-            await self.sink.on_blocks(b.rid, hashes, kv, meta)
+            await self.sink.on_blocks(b.rid, hashes, kv, traceparent)
         except Exception as e:
             log.warning("kv: sink rejected %s: %r", b.rid, e)
             await self._fail(b.rid, f"rejected by receiver: {e!r}")
@@ -155,7 +148,7 @@ class _Receiver:
             return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
         return group
 
-    async def _on_done(self, rid: str, meta: dict) -> None:
+    async def _on_done(self, rid: str, payload: bytes) -> None:
         reason = self.failed.pop(rid, None)
         if reason is None and rid in self.groups:
             reason = "done before the last sub-frame"
@@ -166,7 +159,7 @@ class _Receiver:
             await self._send({"kind": "error", "rid": rid, "reason": reason})
             return
         try:
-            await self.sink.on_done(rid, meta)
+            await self.sink.on_done(rid, payload)
         except Exception as e:
             log.warning("kv: sink failed on_done for %s: %r", rid, e)
             await self._fail(rid, f"rejected by receiver: {e!r}")

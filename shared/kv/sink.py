@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 
 class KVSink(Protocol):
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict[str, Any]) -> None:
-        """kv: [L, 2, n, block_size, kv_heads, head_dim], freshly allocated and owned by the sink.
-        meta: {"seq", "layers": [lo, hi], "traceparent", "nbytes", "peer"}.
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
+        """One send_blocks() group. kv: [L, 2, n, block_size, kv_heads, head_dim], freshly allocated
+        and owned by the sink. traceparent: the sender's (W3C), to parent the receiving span.
         Raise to reject the request: the receiver aborts it and the sender's finish() fails.
         Calls for one connection are sequential: keep this quick (copy into the pool, return)."""
 
-    async def on_done(self, rid: str, meta: dict[str, Any]) -> None:
-        """The sender called finish(rid, meta=...); every block of rid was delivered before this.
-        The sender's finish() returns once this returns (raise to fail it)."""
+    async def on_done(self, rid: str, payload: bytes) -> None:
+        """The sender called finish(rid, payload=...); every block of rid was delivered before this.
+        payload: the sender's bytes, as is. The sender's finish() returns once this returns
+        (raise to fail it)."""
 
     async def on_abort(self, rid: str, reason: str) -> None:
         """Drop everything held for rid. May come for a rid with no blocks delivered yet;
