@@ -28,7 +28,7 @@ import httpx
 
 from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
 from bench.report import print_targets, pyplot
-from bench.system import start_system
+from shared.system import start_system
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32

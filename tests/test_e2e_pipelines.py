@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from bench.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
+from shared.system import RunningSystem, start_system
 
 MD_READY_TIMEOUT_S = 3.5
 # The `small` preset: its KV (16 KB/token) takes long enough to cross a capped link that the

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from bench.system import RunningSystem, start_system
+from shared.system import RunningSystem, start_system
 
 
 @pytest.fixture(scope="module")
