@@ -17,7 +17,6 @@ Writes bench/out/bandwidth.json and bench/out/bandwidth.png.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -27,8 +26,8 @@ from pathlib import Path
 import httpx
 
 from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
-from bench.report import print_targets, pyplot
-from bench.system import start_system
+from bench.report import pyplot, save_report
+from shared.system import RunningSystem, start_system
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
@@ -54,6 +53,57 @@ def hit_mix(rng: random.Random, mean: float, n: int, spread: float) -> list[floa
     return hits
 
 
+def _full_transfer(client: httpx.Client, args: argparse.Namespace, L: int) -> list[int]:
+    """WAN bytes of requests MD holds nothing of: what a prefix-unaware PD system sends."""
+    full = []
+    for i in range(args.full_requests):
+        t = stream_completion(client, random_tokens(random.Random(f"full-{i}"), L), args.max_tokens, pipeline="p-md")
+        if t.ok:
+            full.append(t.pdd.get("wan_bytes", 0))
+    return full
+
+
+def _hit_point(system: RunningSystem, client: httpx.Client, args: argparse.Namespace, rng: random.Random,
+               h: float, L: int, full_bytes: float) -> dict:
+    """Requests whose hit rates average h, each reusing a prefix of one document MD holds."""
+    doc = random_tokens(random.Random(f"doc-{h}-{args.seed}"), L)
+    seed = stream_completion(client, doc, 2, pipeline="p-md")  # MD now holds doc's blocks
+    if not seed.ok:
+        raise RuntimeError(f"seeding request failed: {seed.error}")
+    time.sleep(0.3)  # MD's KV events reach the router (its hit-rate view)
+    before = wan_counters(system)["bulk"]["bytes_up"]
+    rows = []
+    for j, target in enumerate(hit_mix(rng, h, args.requests, args.spread)):
+        k = int(target * L) // BLOCK * BLOCK
+        prompt = doc[:k] + random_tokens(random.Random(f"q-{h}-{j}-{args.seed}"), L - k)
+        t = stream_completion(client, prompt, args.max_tokens, pipeline="p-md")
+        rows.append({"target": target, "cached_tokens": k, "ok": t.ok, "error": t.error,
+                     "hit": t.pdd.get("prefix_hit_rate"), "wan_bytes": t.pdd.get("wan_bytes", 0),
+                     "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN})
+    time.sleep(0.2)
+    link = (wan_counters(system)["bulk"]["bytes_up"] - before) / len(rows)
+    ok = [r for r in rows if r["ok"]]
+    aware = statistics.fmean(r["wan_bytes"] for r in ok)
+    model = statistics.fmean(r["model_bytes"] for r in ok)
+    return {
+        "target_mean_hit": h, "mean_hit": statistics.fmean(r["hit"] for r in ok),
+        "requests": len(ok), "aware_bytes": aware, "full_bytes": full_bytes, "link_bytes": link,
+        "model_aware_bytes": model, "model_full_bytes": L * KV_BYTES_PER_TOKEN,
+        "full_over_aware": full_bytes / aware if aware else float("inf"),
+        "aware_over_model": aware / model if model else (1.0 if aware == 0 else float("inf")),
+        "rows": rows,
+    }  # fmt: skip
+
+
+def _targets(points: list[dict]) -> list[dict]:
+    if not points:
+        return []
+    at90 = min(points, key=lambda p: abs(p["target_mean_hit"] - 0.9))
+    ratio = at90["aware_bytes"] / at90["full_bytes"]
+    return [{"what": f"WAN bytes at {at90['mean_hit']:.0%} average hit <= 1/8 of full transfer",
+             "value": f"1/{1 / ratio:.1f}" if ratio else "0", "met": ratio <= 1 / 8}]
+
+
 def run(args: argparse.Namespace) -> dict:
     env = service_env(args.torch_threads, md_kv_mb=512, prefill_kv_mb=512, relay_kv_mb=128)
     workdir = Path(tempfile.mkdtemp(prefix="pdd-bench-bandwidth-"))
@@ -67,56 +117,19 @@ def run(args: argparse.Namespace) -> dict:
     try:
         with httpx.Client(base_url=system.router_url) as client:
             stream_completion(client, random_tokens(random.Random(99), L), 2, pipeline="p-md")  # warm up
-            full = []
-            for i in range(args.full_requests):  # full transfer: nothing of these prompts is cached at MD
-                t = stream_completion(client, random_tokens(random.Random(f"full-{i}"), L), args.max_tokens,
-                                      pipeline="p-md")
-                if t.ok:
-                    full.append(t.pdd.get("wan_bytes", 0))
+            full = _full_transfer(client, args, L)
             full_bytes = statistics.fmean(full)
             for h in args.hits:
-                doc = random_tokens(random.Random(f"doc-{h}-{args.seed}"), L)
-                seed = stream_completion(client, doc, 2, pipeline="p-md")  # MD now holds doc's blocks
-                if not seed.ok:
-                    raise RuntimeError(f"seeding request failed: {seed.error}")
-                time.sleep(0.3)  # MD's KV events reach the router (its hit-rate view)
-                before = wan_counters(system)["bulk"]["bytes_up"]
-                rows = []
-                for j, target in enumerate(hit_mix(rng, h, args.requests, args.spread)):
-                    k = int(target * L) // BLOCK * BLOCK
-                    prompt = doc[:k] + random_tokens(random.Random(f"q-{h}-{j}-{args.seed}"), L - k)
-                    t = stream_completion(client, prompt, args.max_tokens, pipeline="p-md")
-                    rows.append({"target": target, "cached_tokens": k, "ok": t.ok, "error": t.error,
-                                 "hit": t.pdd.get("prefix_hit_rate"), "wan_bytes": t.pdd.get("wan_bytes", 0),
-                                 "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN})
-                time.sleep(0.2)
-                link = (wan_counters(system)["bulk"]["bytes_up"] - before) / len(rows)
-                ok = [r for r in rows if r["ok"]]
-                aware = statistics.fmean(r["wan_bytes"] for r in ok)
-                model = statistics.fmean(r["model_bytes"] for r in ok)
-                point = {
-                    "target_mean_hit": h, "mean_hit": statistics.fmean(r["hit"] for r in ok),
-                    "requests": len(ok), "aware_bytes": aware, "full_bytes": full_bytes, "link_bytes": link,
-                    "model_aware_bytes": model, "model_full_bytes": L * KV_BYTES_PER_TOKEN,
-                    "full_over_aware": full_bytes / aware if aware else float("inf"),
-                    "aware_over_model": aware / model if model else (1.0 if aware == 0 else float("inf")),
-                    "rows": rows,
-                }
+                point = _hit_point(system, client, args, rng, h, L, full_bytes)
                 points.append(point)
-                print(f"  mean hit {point['mean_hit']:6.1%}: {aware / 2**20:7.2f} MiB/request (model "
-                      f"{model / 2**20:.2f}), full {full_bytes / 2**20:.2f} MiB -> x{point['full_over_aware']:.1f} less",
-                      flush=True)
+                print(f"  mean hit {point['mean_hit']:6.1%}: {point['aware_bytes'] / 2**20:7.2f} MiB/request (model "
+                      f"{point['model_aware_bytes'] / 2**20:.2f}), full {full_bytes / 2**20:.2f} MiB -> "
+                      f"x{point['full_over_aware']:.1f} less", flush=True)
     finally:
         system.stop()
-    at90 = min(points, key=lambda p: abs(p["target_mean_hit"] - 0.9)) if points else None
-    targets = []
-    if at90 is not None:
-        ratio = at90["aware_bytes"] / at90["full_bytes"]
-        targets.append({"what": f"WAN bytes at {at90['mean_hit']:.0%} average hit <= 1/8 of full transfer",
-                        "value": f"1/{1 / ratio:.1f}" if ratio else "0", "met": ratio <= 1 / 8})
     return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "prompt_tokens": L,
             "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "full_bytes_measured": full, "points": points,
-            "targets": targets}
+            "targets": _targets(points)}
 
 
 def _print(res: dict) -> None:
@@ -130,10 +143,9 @@ def _print(res: dict) -> None:
         print(f"  {p['mean_hit']:8.1%} {p['aware_bytes'] / 2**20:9.2f} MiB {p['link_bytes'] / 2**20:7.2f} MiB "
               f"{p['model_aware_bytes'] / 2**20:6.2f} MiB "
               f"{p['full_bytes'] / 2**20:6.2f} MiB {p['full_over_aware']:9.1f}x {p['aware_over_model']:10.3f}")
-    print_targets(res["targets"])
 
 
-def _plot(res: dict, path: Path) -> None:
+def _figure(res: dict):
     plt = pyplot()
     pts = res["points"]
     xs = [p["mean_hit"] * 100 for p in pts]
@@ -147,12 +159,10 @@ def _plot(res: dict, path: Path) -> None:
     ax.set_title(f"KV over the WAN per request ({res['prompt_tokens']}-token prompts)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdd bench bandwidth", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts")
@@ -172,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         args.full_requests = min(args.full_requests, 2)
         args.prompt_tokens = min(args.prompt_tokens, 1024)
     args.hits = [float(x) for x in str(args.hits).split(",")] if isinstance(args.hits, str) else args.hits
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     t0 = time.monotonic()
     res = run(args)
     res["wall_s"] = time.monotonic() - t0
-    _print(res)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    _plot(res, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}  ({res['wall_s']:.0f} s)")
+    save_report(res, args.out, table=_print, figures=_figure)
     return 0
 
 

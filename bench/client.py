@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.system import RunningSystem, start_system
 from shared.bus.nats_server import free_port
+from shared.system import RunningSystem, start_system
 from shared.wan import WanControl
 
 WAN_LINKS = ("bulk", "gw-ab", "gw-ba")

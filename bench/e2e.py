@@ -24,7 +24,6 @@ Writes bench/out/e2e_<scenario>.json (+ e2e_agentic_ttft_cdf.png, e2e_agentic_by
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -32,7 +31,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -49,7 +47,7 @@ from bench.client import (
     stream_completion,
     wan_counters,
 )
-from bench.report import print_targets, pyplot
+from bench.report import pyplot, save_report
 
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
 BLOCK = 16
@@ -94,7 +92,6 @@ def run_single(args: argparse.Namespace) -> dict:
                                          bandwidth_mbps=args.bandwidth_mbps)})
     system = systems["pdd"]
     print(f"  system up in {time.monotonic() - t_start:.0f} s", flush=True)
-    wan_on = dict(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
     rows: list[dict] = []
     try:
         with httpx.Client(base_url=system.router_url) as client:
@@ -103,17 +100,7 @@ def run_single(args: argparse.Namespace) -> dict:
                                   pipeline=pipeline)
             for r in range(args.rounds):
                 for v in _rotate(variants, r):
-                    on, pipeline, threshold = SINGLE_VARIANTS[v]
-                    prompt = random_tokens(random.Random(f"{args.seed}-{r}-{v}"), args.prompt_tokens)
-                    if not on:
-                        set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
-                    try:
-                        t = stream_completion(client, prompt, args.output_tokens, pipeline=pipeline,
-                                              catchup_threshold=threshold)
-                    finally:
-                        if not on:
-                            set_wan(system, **wan_on)
-                    row = _single_row(v, r, t)
+                    row = _single_row(v, r, _single_request(args, system, client, v, r))
                     rows.append(row)
                     print(f"  round {r} {v:18s} ttft {_ms(row['ttft'])} ms  2nd token {_ms(row['tt2t'])} ms  "
                           f"max gap {_ms(row['max_gap'])} ms  rld {row['rld_tokens']}/{row['n_tokens']}  "
@@ -122,6 +109,26 @@ def run_single(args: argparse.Namespace) -> dict:
                     time.sleep(1.0)  # let the relay and MD settle (load reports, cache events)
     finally:
         system.stop()
+    summary = _single_summary(rows, variants)
+    return {"scenario": "single", "config": _config(args), "kv_bytes": kv_bytes, "nominal_transfer_s": nominal_s,
+            "rows": rows, "summary": summary, "targets": _single_targets(summary, nominal_s)}
+
+
+def _single_request(args: argparse.Namespace, system, client: httpx.Client, variant: str, r: int) -> Timed:
+    """One timed request of a variant; the no-WAN variant lifts delay and cap for its duration."""
+    on, pipeline, threshold = SINGLE_VARIANTS[variant]
+    prompt = random_tokens(random.Random(f"{args.seed}-{r}-{variant}"), args.prompt_tokens)
+    if not on:
+        set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
+    try:
+        return stream_completion(client, prompt, args.output_tokens, pipeline=pipeline, catchup_threshold=threshold)
+    finally:
+        if not on:
+            set_wan(system, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
+
+
+def _single_summary(rows: list[dict], variants: list[str]) -> dict:
+    """Per variant, the medians over its successful rounds."""
     summary = {}
     for v in variants:
         rs = [x for x in rows if x["variant"] == v and x["ok"]]
@@ -132,9 +139,7 @@ def run_single(args: argparse.Namespace) -> dict:
         summary[v]["handoff_mode"] = rs[0]["handoff_mode"]
         summary[v]["pipeline"] = rs[0]["pipeline"]
         summary[v]["runs"] = len(rs)
-    targets = _single_targets(summary, nominal_s)
-    return {"scenario": "single", "config": _config(args), "kv_bytes": kv_bytes, "nominal_transfer_s": nominal_s,
-            "rows": rows, "summary": summary, "targets": targets}
+    return summary
 
 
 def _single_row(variant: str, r: int, t: Timed) -> dict:
@@ -190,7 +195,6 @@ def _print_single(res: dict) -> None:
             rel = f"   TTFT x{s['ttft'] / base['ttft']:.2f}, max gap x{s['max_gap'] / base['max_gap']:.2f} of no-WAN"
         print(f"  {v:18s} {s['ttft']:6.2f}s {s['tt2t']:6.2f}s {s['max_gap']:6.2f}s {s['tpot'] * 1000:4.0f}ms "
               f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}{rel}")
-    print_targets(res["targets"])
 
 
 # ====================================================================== agentic
@@ -300,20 +304,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
     try:
         if "same-dc" in systems:
             set_wan(systems["same-dc"], delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
-        def warm(d: str) -> None:
-            with httpx.Client(base_url=systems[d].router_url) as c:
-                # The shared system prompt is in MD's cache (steady state of a service); P→MD
-                # also for PDD: through the relay, this short request would end on RLD alone
-                # and MD would drop the KV (the anomalous-traffic filter).
-                stream_completion(c, shared + random_tokens(random.Random(1), 64), 16, pipeline="p-md")
-                if d == "pdd":  # warm the relay's engine too
-                    stream_completion(c, random_tokens(random.Random(2), 256), 48, pipeline="p-rld-md")
-
-        threads = [threading.Thread(target=warm, args=(d,)) for d in deps]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        _warm_all(systems, shared)
         counters0 = {d: wan_counters(s) for d, s in systems.items()}
         time.sleep(1.0)
         sessions = {d: [Session() for _ in range(args.clients)] for d in deps}
@@ -327,11 +318,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
             done = sum(1 for r in results if r.deployment == deps[0])
             print(f"  wave {w + 1}/{n_waves}: {done} requests per deployment; busy "
                   + ", ".join(f"{d} {busy[d]:.0f} s" for d in deps), flush=True)
-        link_bytes = {}
-        for d, s in systems.items():
-            c1 = wan_counters(s)
-            link_bytes[d] = {ln: c1[ln]["bytes_up"] + c1[ln]["bytes_down"]
-                             - counters0[d][ln]["bytes_up"] - counters0[d][ln]["bytes_down"] for ln in WAN_LINKS}
+        link_bytes = {d: _bytes_since(s, counters0[d]) for d, s in systems.items()}
     finally:
         stop_all(systems)
     rows = [asdict(r) for r in results]
@@ -340,6 +327,31 @@ def run_agentic(args: argparse.Namespace) -> dict:
     sweep = _goodput_sweep(args, rows, busy, deps)
     return {"scenario": "agentic", "config": _config(args), "summary": summary, "by_hit": by_hit,
             "goodput_sweep": sweep, "rows": rows, "targets": _agentic_targets(summary)}
+
+
+def _warm_all(systems: dict, shared: list[int]) -> None:
+    """Every deployment at once: MD caches the shared system prompt, the engines are warm."""
+    def warm(d: str) -> None:
+        with httpx.Client(base_url=systems[d].router_url) as c:
+            # The shared system prompt is in MD's cache (steady state of a service); P→MD
+            # also for PDD: through the relay, this short request would end on RLD alone
+            # and MD would drop the KV (the anomalous-traffic filter).
+            stream_completion(c, shared + random_tokens(random.Random(1), 64), 16, pipeline="p-md")
+            if d == "pdd":  # warm the relay's engine too
+                stream_completion(c, random_tokens(random.Random(2), 256), 48, pipeline="p-rld-md")
+
+    threads = [threading.Thread(target=warm, args=(d,)) for d in systems]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def _bytes_since(system, before: dict) -> dict:
+    """Bytes each WAN link carried (both directions) since the `before` counters."""
+    now = wan_counters(system)
+    return {ln: now[ln]["bytes_up"] + now[ln]["bytes_down"] - before[ln]["bytes_up"] - before[ln]["bytes_down"]
+            for ln in WAN_LINKS}
 
 
 def _run_wave(args, d: str, system, plans: list[list[Step]], sessions: list[Session], shared: list[int],
@@ -491,14 +503,25 @@ def _print_agentic(res: dict) -> None:
     print("  " + f"{'pipelines':26s}" + "".join(
         f"{' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items())):>{w + 14}s}" if i == 0 else
         f"  {' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items()))}" for i, d in enumerate(deps)))
-    if "same-dc" in s:
-        base = s["same-dc"]
-        for d in deps:
-            if d == "same-dc":
-                continue
-            print(f"  {d} vs same-dc: TTFT p50 x{s[d]['ttft_p50'] / base['ttft_p50']:.2f}, p99 "
-                  f"x{s[d]['ttft_p99'] / base['ttft_p99']:.2f}; 2nd token p99 x{s[d]['tt2t_p99'] / base['tt2t_p99']:.2f}; "
-                  f"SLA goodput x{s[d]['sla_goodput_rps'] / max(base['sla_goodput_rps'], 1e-9):.2f}")
+    _print_vs_same_dc(s)
+    _print_by_hit_and_goodput(res)
+
+
+def _print_vs_same_dc(s: dict) -> None:
+    if "same-dc" not in s:
+        return
+    base = s["same-dc"]
+    for d in s:
+        if d == "same-dc":
+            continue
+        print(f"  {d} vs same-dc: TTFT p50 x{s[d]['ttft_p50'] / base['ttft_p50']:.2f}, p99 "
+              f"x{s[d]['ttft_p99'] / base['ttft_p99']:.2f}; 2nd token p99 x{s[d]['tt2t_p99'] / base['tt2t_p99']:.2f}; "
+              f"SLA goodput x{s[d]['sla_goodput_rps'] / max(base['sla_goodput_rps'], 1e-9):.2f}")
+
+
+def _print_by_hit_and_goodput(res: dict) -> None:
+    c = res["config"]
+    deps = list(res["summary"])
     print("\n  by prefix hit rate (median TTFT / 2nd token / max gap, ms; n):")
     for b in res["by_hit"][deps[0]]:
         cells = []
@@ -510,21 +533,21 @@ def _print_agentic(res: dict) -> None:
     print(f"\n  SLA goodput (req/s) vs TPOT limit (TTFT <= {c['sla_ttft_s']:g} s):")
     for r in res["goodput_sweep"]:
         print(f"    TPOT <= {r['tpot_s'] * 1000:4.0f} ms  " + "  ".join(f"{d} {r[d]:.3f}" for d in deps))
-    print_targets(res["targets"])
 
 
-def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
+def _agentic_figures(res: dict) -> dict:
+    return {"ttft_cdf": _latency_cdf_figure(res), "by_hit": _by_hit_figure(res)}
+
+
+def _latency_cdf_figure(res: dict):
     import matplotlib.ticker
     import numpy as np
 
-    plt = pyplot()
     rows = res["rows"]
-    deps = list(res["summary"])
-    paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "ttft", "TTFT (1st token, streamed by P)"),
                            (axes[1], "tt2t", "time to 2nd token (1st decode-side token)")):
-        for d in deps:
+        for d in res["summary"]:
             xs = np.sort([r[key] for r in rows if r["deployment"] == d and r["ok"] and not math.isnan(r[key])])
             if len(xs):
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=d, drawstyle="steps-post")
@@ -536,14 +559,15 @@ def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(alpha=0.3, which="both")
         ax.legend(loc="lower right")
-    fig.tight_layout()
-    p = out_dir / "e2e_agentic_ttft_cdf.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    return fig
 
+
+def _by_hit_figure(res: dict):
+    import numpy as np
+
+    deps = list(res["summary"])
     buckets = list(res["by_hit"][deps[0]])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(deps)
     x = np.arange(len(buckets))
     for ax, key, title in ((axes[0], "ttft_p50", "median TTFT by prefix hit rate"),
@@ -558,12 +582,7 @@ def _plot_agentic(res: dict, out_dir: Path) -> list[Path]:
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
         ax.legend()
-    fig.tight_layout()
-    p = out_dir / "e2e_agentic_by_hit.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
-    return paths
+    return fig
 
 
 # ====================================================================== common
@@ -593,7 +612,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--output-tokens", type=int, default=1000)
     g.add_argument("--rounds", type=int, default=2)
     g.add_argument("--variants", default=DEFAULT_SINGLE, help=f"comma list from {', '.join(SINGLE_VARIANTS)}")
-    g = p.add_argument_group("agentic workload")
+    _add_agentic_args(p.add_argument_group("agentic workload"))
+    p.add_argument("--out", default=None, help="default bench/out/e2e_<scenario>.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        if args.scenario == "single":
+            args.output_tokens = min(args.output_tokens, 300)
+            args.rounds = 1
+        else:
+            args.requests = min(args.requests, 9)
+            args.wave = min(args.wave, 3)
+            args.output_max = min(args.output_max, 96)
+    return args
+
+
+def _add_agentic_args(g) -> None:
     g.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     g.add_argument("--requests", type=int, default=36, help="requests per deployment")
     g.add_argument("--clients", type=int, default=3, help="concurrent agent sessions")
@@ -615,35 +648,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--sla-ttft-s", type=float, default=2.0)
     g.add_argument("--sla-tpot-s", type=float, default=0.1)
     g.add_argument("--sla-max-gap-s", type=float, default=None, help="optional third SLA bound")
-    p.add_argument("--out", default=None, help="default bench/out/e2e_<scenario>.json")
-    args = p.parse_args(argv)
-    if args.quick:
-        if args.scenario == "single":
-            args.output_tokens = min(args.output_tokens, 300)
-            args.rounds = 1
-        else:
-            args.requests = min(args.requests, 9)
-            args.wave = min(args.wave, 3)
-            args.output_max = min(args.output_max, 96)
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out or f"bench/out/e2e_{args.scenario}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if args.scenario == "single":
-        res = run_single(args)
-        _print_single(res)
-        pngs: list[Path] = []
+        res, table, figures = run_single(args), _print_single, None
     else:
-        res = run_agentic(args)
-        _print_agentic(res)
-        pngs = _plot_agentic(res, out.parent)
+        res, table, figures = run_agentic(args), _print_agentic, _agentic_figures
     res["wall_s"] = time.monotonic() - t0
-    out.write_text(json.dumps(res, indent=1, default=str))
-    print(f"\nwrote {out}" + "".join(f", {p}" for p in pngs) + f"  ({res['wall_s']:.0f} s)")
+    save_report(res, args.out or f"bench/out/e2e_{args.scenario}.json", table=table, figures=figures)
     return 0
 
 

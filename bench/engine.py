@@ -17,15 +17,13 @@ Writes bench/out/engine.json and engine.png.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from bench.report import pyplot
+from bench.report import pyplot, save_report
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
 from shared.model.export_hf import save_hf
@@ -170,40 +168,36 @@ def sweep_hf(hf, batch: int, prompt_len: int, steps: int, device: str) -> tuple[
     return batch * prompt_len / t_prefill, batch * steps / t_decode
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    from transformers import LlamaForCausalLM as HFLlama
-
-    quick = args.quick
-    prompt_range, output_range = ((16, 128), (8, 64)) if quick else ((32, 512), (16, 256))
-    sweep_prompt, sweep_steps = (64, 16) if quick else (128, 32)
-    batches = [int(b) for b in args.batches.split(",")]
+def _workload(args) -> tuple[list[tuple[list[int], int]], tuple, tuple]:
+    """The mixed workload's (prompt, output length) pairs and its prompt/output ranges."""
+    prompt_range, output_range = ((16, 128), (8, 64)) if args.quick else ((32, 512), (16, 256))
     rng = random.Random(args.seed)
     reqs = [
         ([rng.randrange(256) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
         for _ in range(args.requests)
     ]
-    useful = sum(len(p) + n for p, n in reqs)
-    kv_tokens = max(useful, max(batches) * (sweep_prompt + sweep_steps + 1)) + 16 * len(reqs)
-    engine = _engine(args, kv_tokens, max_batched=2048)
-    print(f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads")
+    return reqs, prompt_range, output_range
 
-    kv = kv_accounting(engine)
-    print(f"KV bytes/token {kv['kv_bytes_per_token']} (expected {kv['expected_2_x_layers_x_kv_heads_x_head_dim_x_dtype_bytes']}); "
-          f"pool {kv['pool_bytes'] / 2**20:.1f} MiB, overhead {kv['pool_overhead_bytes']} B; "
-          f"8 prompts use {kv['blocks_used_for_8_prompts']} blocks = {kv['blocks_by_rounding']} by rounding: "
-          f"{'OK' if kv['ok'] else 'MISMATCH'}")  # fmt: skip
+
+def _hf_model(engine: LLMEngine, device: str):
+    """The same weights loaded by transformers, through a Hugging Face checkpoint directory."""
+    from transformers import LlamaForCausalLM as HFLlama
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(engine.model, tmp)
-        hf = HFLlama.from_pretrained(tmp, dtype=engine.dtype).to(args.device).eval()
+        return HFLlama.from_pretrained(tmp, dtype=engine.dtype).to(device).eval()
 
-    # Warm both up (first-call allocations of big activations, kernel selection).
+
+def _warm_up(engine: LLMEngine, hf, device: str) -> None:
+    """First-call allocations of big activations and kernel selection, on both sides."""
     for i in range(8):
         engine.add_request(f"warm{i}", [(i + j) % 256 for j in range(256)], SamplingParams(max_tokens=4, ignore_eos=True))
     _drain(engine)
-    _hf_generate(hf, [[(i + j) % 256 for j in range(256)] for i in range(8)], 4, args.device)
+    _hf_generate(hf, [[(i + j) % 256 for j in range(256)] for i in range(8)], 4, device)
 
+
+def mixed_workload(engine: LLMEngine, hf, args, reqs: list[tuple[list[int], int]], prompt_range: tuple,
+                   output_range: tuple) -> dict:
     # The machine may be shared: alternate the two and keep each side's best time.
     t_ours = t_hf = float("inf")
     for _ in range(max(1, args.repeat)):
@@ -211,47 +205,73 @@ def main(argv: list[str] | None = None) -> int:
         t_ours = min(t_ours, t)
         t, theirs = run_hf_mixed(hf, reqs, args.hf_batch, args.device)
         t_hf = min(t_hf, t)
-    same = sum(ours[k] == theirs[k] for k in ours)
-    tok_same = sum(a == b for k in ours for a, b in zip(ours[k], theirs[k], strict=True))
-    tok_total = sum(n for _, n in reqs)
-    mixed = {
+    useful = sum(len(p) + n for p, n in reqs)
+    return {
         "requests": len(reqs), "prompt_range": prompt_range, "output_range": output_range, "repeat": args.repeat,
         "useful_tokens": useful, "hf_batch": args.hf_batch,
         "ours_s": t_ours, "hf_s": t_hf,
         "ours_tokens_per_s": useful / t_ours, "hf_tokens_per_s": useful / t_hf, "ratio": t_hf / t_ours,
-        "identical_outputs": same, "identical_tokens": tok_same, "output_tokens": tok_total,
+        "identical_outputs": sum(ours[k] == theirs[k] for k in ours),
+        "identical_tokens": sum(a == b for k in ours for a, b in zip(ours[k], theirs[k], strict=True)),
+        "output_tokens": sum(n for _, n in reqs),
     }  # fmt: skip
-    print(f"\nmixed workload: {len(reqs)} requests, prompts {prompt_range}, outputs {output_range}, {useful} useful tokens")
-    print(f"  ours  {t_ours:7.2f} s  {mixed['ours_tokens_per_s']:8.0f} tok/s")
-    print(f"  HF    {t_hf:7.2f} s  {mixed['hf_tokens_per_s']:8.0f} tok/s   (padded batches of {args.hf_batch})")
-    print(f"  ratio {mixed['ratio']:.2f}x   greedy outputs identical: {same}/{len(reqs)} requests, "
-          f"{tok_same}/{tok_total} tokens")  # fmt: skip
 
+
+def batch_sweep(engine: LLMEngine, hf, args, batches: list[int], prompt_len: int, steps: int) -> list[dict]:
+    """Prefill and decode tokens/s of both at each batch size (best of --repeat)."""
     sweep = []
-    print(f"\nbatch sweep: prompt {sweep_prompt} tokens, {sweep_steps} decode steps")
-    print(f"  {'batch':>5} {'prefill ours':>13} {'prefill HF':>11} {'ratio':>6} {'decode ours':>12} {'decode HF':>10} {'ratio':>6}")
     for b in batches:
         op = od = hp = hd = 0.0
         for _ in range(max(1, args.repeat)):
-            p, d = sweep_ours(engine, b, sweep_prompt, sweep_steps, args.device)
+            p, d = sweep_ours(engine, b, prompt_len, steps, args.device)
             op, od = max(op, p), max(od, d)
-            p, d = sweep_hf(hf, b, sweep_prompt, sweep_steps, args.device)
+            p, d = sweep_hf(hf, b, prompt_len, steps, args.device)
             hp, hd = max(hp, p), max(hd, d)
         sweep.append({"batch": b, "ours_prefill_tps": op, "hf_prefill_tps": hp, "prefill_ratio": op / hp,
                       "ours_decode_tps": od, "hf_decode_tps": hd, "decode_ratio": od / hd})  # fmt: skip
-        print(f"  {b:>5} {op:13.0f} {hp:11.0f} {op / hp:6.2f} {od:12.0f} {hd:10.0f} {od / hd:6.2f}")
-
-    result = {"model": engine.model_id, "dtype": args.dtype, "device": args.device, "quick": quick,
-              "threads": torch.get_num_threads(), "kv": kv, "mixed": mixed, "sweep": sweep}  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    _plot(result, out.with_suffix(".png"))
-    print(f"\nwrote {out}")
-    return 0 if kv["ok"] else 1
+    return sweep
 
 
-def _plot(result: dict, path: Path) -> None:
+def run(args) -> dict:
+    reqs, prompt_range, output_range = _workload(args)
+    sweep_prompt, sweep_steps = (64, 16) if args.quick else (128, 32)
+    batches = [int(b) for b in args.batches.split(",")]
+    useful = sum(len(p) + n for p, n in reqs)
+    kv_tokens = max(useful, max(batches) * (sweep_prompt + sweep_steps + 1)) + 16 * len(reqs)
+    engine = _engine(args, kv_tokens, max_batched=2048)
+    print(f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads", flush=True)
+    kv = kv_accounting(engine)
+    hf = _hf_model(engine, args.device)
+    _warm_up(engine, hf, args.device)
+    return {
+        "model": engine.model_id, "dtype": args.dtype, "device": args.device, "quick": args.quick,
+        "threads": torch.get_num_threads(), "kv": kv,
+        "mixed": mixed_workload(engine, hf, args, reqs, prompt_range, output_range),
+        "sweep_prompt": sweep_prompt, "sweep_steps": sweep_steps,
+        "sweep": batch_sweep(engine, hf, args, batches, sweep_prompt, sweep_steps),
+    }  # fmt: skip
+
+
+def _print(result: dict) -> None:
+    kv, m = result["kv"], result["mixed"]
+    print(f"KV bytes/token {kv['kv_bytes_per_token']} (expected {kv['expected_2_x_layers_x_kv_heads_x_head_dim_x_dtype_bytes']}); "
+          f"pool {kv['pool_bytes'] / 2**20:.1f} MiB, overhead {kv['pool_overhead_bytes']} B; "
+          f"8 prompts use {kv['blocks_used_for_8_prompts']} blocks = {kv['blocks_by_rounding']} by rounding: "
+          f"{'OK' if kv['ok'] else 'MISMATCH'}")  # fmt: skip
+    print(f"\nmixed workload: {m['requests']} requests, prompts {m['prompt_range']}, outputs {m['output_range']}, "
+          f"{m['useful_tokens']} useful tokens")
+    print(f"  ours  {m['ours_s']:7.2f} s  {m['ours_tokens_per_s']:8.0f} tok/s")
+    print(f"  HF    {m['hf_s']:7.2f} s  {m['hf_tokens_per_s']:8.0f} tok/s   (padded batches of {m['hf_batch']})")
+    print(f"  ratio {m['ratio']:.2f}x   greedy outputs identical: {m['identical_outputs']}/{m['requests']} requests, "
+          f"{m['identical_tokens']}/{m['output_tokens']} tokens")  # fmt: skip
+    print(f"\nbatch sweep: prompt {result['sweep_prompt']} tokens, {result['sweep_steps']} decode steps")
+    print(f"  {'batch':>5} {'prefill ours':>13} {'prefill HF':>11} {'ratio':>6} {'decode ours':>12} {'decode HF':>10} {'ratio':>6}")
+    for s in result["sweep"]:
+        print(f"  {s['batch']:>5} {s['ours_prefill_tps']:13.0f} {s['hf_prefill_tps']:11.0f} {s['prefill_ratio']:6.2f} "
+              f"{s['ours_decode_tps']:12.0f} {s['hf_decode_tps']:10.0f} {s['decode_ratio']:6.2f}")
+
+
+def _figure(result: dict):
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     m = result["mixed"]
@@ -268,9 +288,14 @@ def _plot(result: dict, path: Path) -> None:
         ax.set_title(f"{kind} tokens/s")
         ax.legend()
     fig.suptitle(f"{result['model']} {result['dtype']} on {result['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    result = run(args)
+    save_report(result, args.out, table=_print, figures=_figure)
+    return 0 if result["kv"]["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -28,21 +28,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import multiprocessing as mp
 import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from bench.client import start_wan
-from bench.report import print_targets, pyplot
+from bench.report import pyplot, save_report
 from shared.bus import NatsServer, connect, decode, encode
 from shared.bus.messages import HandoffBatch
 from shared.bus.nats_server import free_port
@@ -331,23 +329,26 @@ class Bench:
         tok = await moved(["gw-ab", "gw-ba"], lambda: self.token_once("wire-tok"))
         return {"kv": kv, "token": tok}
 
+    async def _start_cross(self, cross_load: float) -> tuple[Any, Any]:
+        """Other requests' KV on the bulk link (a child process); returns it and its stop event."""
+        a = self.args
+        stop, ready = self.ctx.Event(), self.ctx.Event()
+        rate = a.bandwidth_mbps * 1e6 / 8
+        block_bytes = self.kv_tensor[:, :, :1].numel() * 4
+        cross = self.ctx.Process(
+            target=_cross_main,
+            args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop, ready),
+            daemon=True,
+        )
+        cross.start()
+        self.procs.append(cross)
+        if not await asyncio.to_thread(ready.wait, 60):  # spawn + torch import + a first transfer
+            raise RuntimeError("cross traffic did not start within 60 s")
+        return cross, stop
+
     async def condition(self, name: str, cross_load: float) -> dict:
         a = self.args
-        stop = None
-        cross = None
-        if cross_load > 0:
-            stop, ready = self.ctx.Event(), self.ctx.Event()
-            rate = a.bandwidth_mbps * 1e6 / 8
-            block_bytes = self.kv_tensor[:, :, :1].numel() * 4
-            cross = self.ctx.Process(
-                target=_cross_main,
-                args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop, ready),
-                daemon=True,
-            )
-            cross.start()
-            self.procs.append(cross)
-            if not await asyncio.to_thread(ready.wait, 60):  # spawn + torch import + a first transfer
-                raise RuntimeError("cross traffic did not start within 60 s")
+        cross, stop = await self._start_cross(cross_load) if cross_load > 0 else (None, None)
         kv, tok = [], []
         rng = random.Random(a.seed)
         try:
@@ -366,23 +367,27 @@ class Bench:
                 await asyncio.to_thread(cross.join, 15)
                 if cross.is_alive():
                     cross.kill()
-        out = {
-            "cross_load": cross_load,
-            "kv": {k: stats([r[k] for r in kv]) for k in ("total", "wire", "copy")},
-            "token": {k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend", "extend_cpu", "total_cpu")},
-            "kv_payload_bytes": kv[0]["payload"],
-            "kv_frame_bytes": kv[0]["frame_bytes"],
-            "token_payload_bytes": tok[0]["payload"],
-            "extend_correct": sum(r["correct"] for r in tok),
-            "samples": {"kv": [r["total"] for r in kv], "token": [r["total"] for r in tok],
-                        "token_cpu": [r["total_cpu"] for r in tok]},
-        }
-        out["ratios"] = {
-            "token_mean_over_kv_mean": out["token"]["total"]["mean"] / out["kv"]["total"]["mean"],
-            "token_p99_over_kv_p99": out["token"]["total"]["p99"] / out["kv"]["total"]["p99"],
-            "kv_std_over_token_std": out["kv"]["total"]["std"] / max(out["token"]["total"]["std"], 1e-9),
-        }
-        return out
+        return summarize_condition(kv, tok, cross_load)
+
+
+def summarize_condition(kv: list[dict], tok: list[dict], cross_load: float) -> dict:
+    out = {
+        "cross_load": cross_load,
+        "kv": {k: stats([r[k] for r in kv]) for k in ("total", "wire", "copy")},
+        "token": {k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend", "extend_cpu", "total_cpu")},
+        "kv_payload_bytes": kv[0]["payload"],
+        "kv_frame_bytes": kv[0]["frame_bytes"],
+        "token_payload_bytes": tok[0]["payload"],
+        "extend_correct": sum(r["correct"] for r in tok),
+        "samples": {"kv": [r["total"] for r in kv], "token": [r["total"] for r in tok],
+                    "token_cpu": [r["total_cpu"] for r in tok]},
+    }
+    out["ratios"] = {
+        "token_mean_over_kv_mean": out["token"]["total"]["mean"] / out["kv"]["total"]["mean"],
+        "token_p99_over_kv_p99": out["token"]["total"]["p99"] / out["kv"]["total"]["p99"],
+        "kv_std_over_token_std": out["kv"]["total"]["std"] / max(out["token"]["total"]["std"], 1e-9),
+    }
+    return out
 
 
 def _fmt_ms(s: float) -> str:
@@ -420,10 +425,9 @@ def _print(res: dict) -> None:
         print(f"  token/KV mean x{r['token_mean_over_kv_mean']:.2f}, token/KV p99 x{r['token_p99_over_kv_p99']:.2f}, "
               f"KV std / token std x{r['kv_std_over_token_std']:.1f}; extend sampled the reference token "
               f"{cond['extend_correct']}/{cond['token']['total']['n']}")
-    print_targets(res["targets"])
 
 
-def _plot(res: dict, path: Path) -> None:
+def _figure(res: dict):
     plt = pyplot()
     conds = res["conditions"]
     fig, axes = plt.subplots(1, len(conds), figsize=(5.5 * len(conds), 3.8), squeeze=False)
@@ -437,12 +441,10 @@ def _plot(res: dict, path: Path) -> None:
         ax.set_title(name + (f" (+{cond['cross_load']:.0%} cross traffic)" if cond["cross_load"] else ""))
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdd bench handoff", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="50 repetitions per condition")
@@ -465,53 +467,62 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.reps = 50
+    return args
+
+
+def _payload(b: Bench, wire: dict, first: dict) -> dict:
+    """Bytes of one handoff each way: payloads and what crossed the WAN links."""
+    tokens = b.args.tokens
+    payload = {
+        "kv_payload_bytes": first["kv_payload_bytes"], "kv_frame_bytes": first["kv_frame_bytes"],
+        "kv_wan_bytes": wire["kv"], "kv_blocks": b.nblocks, "block_size": b.block_size,
+        "kv_bytes_per_token": b.kv_bytes_per_token, "kv_useful_bytes": tokens * b.kv_bytes_per_token,
+        "token_payload_bytes": first["token_payload_bytes"], "token_wan_bytes": wire["token"],
+    }  # fmt: skip
+    payload["kv_over_token"] = payload["kv_wan_bytes"] / max(payload["token_wan_bytes"], 1)
+    return payload
+
+
+def _targets(payload: dict, conds: dict) -> list[dict]:
+    targets = [{
+        "what": "token-ID payload <= 1/100 of the KV payload (bytes on the WAN)",
+        "value": f"1/{payload['kv_over_token']:.0f}", "met": payload["kv_over_token"] >= 100,
+    }]
+    for name, c in conds.items():
+        tr, kr = c["token"]["total"]["p99_over_p50"], c["kv"]["total"]["p99_over_p50"]
+        targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2", "value": f"{tr:.2f}", "met": tr <= 1.2})
+        tc = c["token"]["total_cpu"]["p99_over_p50"]
+        targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2, extend pass at its CPU time (host noise out)",
+                        "value": f"{tc:.2f}", "met": tc <= 1.2})
+        targets.append({"what": f"{name}: KV p99/p50 > 1.2", "value": f"{kr:.2f}", "met": kr > 1.2})
+    return targets
+
+
+async def run(args: argparse.Namespace) -> dict:
+    b = Bench(args)
+    await b.setup()
+    try:
+        wire = await b.wire_bytes()
+        conds: dict[str, Any] = {}
+        for name in args.conditions.split(","):
+            conds[name] = await b.condition(name, args.cross_load if name == "queueing" else 0.0)
+            print(f"  {name}: done", flush=True)
+    finally:
+        await b.teardown()
+    payload = _payload(b, wire, next(iter(conds.values())))
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "payload": payload,
+        "conditions": conds,
+        "targets": _targets(payload, conds),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     random.seed(args.seed)
-
-    async def run() -> dict:
-        b = Bench(args)
-        await b.setup()
-        try:
-            wire = await b.wire_bytes()
-            conds: dict[str, Any] = {}
-            for name in args.conditions.split(","):
-                conds[name] = await b.condition(name, args.cross_load if name == "queueing" else 0.0)
-                print(f"  {name}: done", flush=True)
-        finally:
-            await b.teardown()
-        first = next(iter(conds.values()))
-        payload = {
-            "kv_payload_bytes": first["kv_payload_bytes"], "kv_frame_bytes": first["kv_frame_bytes"],
-            "kv_wan_bytes": wire["kv"], "kv_blocks": b.nblocks, "block_size": b.block_size,
-            "kv_bytes_per_token": b.kv_bytes_per_token, "kv_useful_bytes": args.tokens * b.kv_bytes_per_token,
-            "token_payload_bytes": first["token_payload_bytes"], "token_wan_bytes": wire["token"],
-        }
-        payload["kv_over_token"] = payload["kv_wan_bytes"] / max(payload["token_wan_bytes"], 1)
-        targets = [{
-            "what": "token-ID payload <= 1/100 of the KV payload (bytes on the WAN)",
-            "value": f"1/{payload['kv_over_token']:.0f}", "met": payload["kv_over_token"] >= 100,
-        }]
-        for name, c in conds.items():
-            tr, kr = c["token"]["total"]["p99_over_p50"], c["kv"]["total"]["p99_over_p50"]
-            targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2", "value": f"{tr:.2f}", "met": tr <= 1.2})
-            tc = c["token"]["total_cpu"]["p99_over_p50"]
-            targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2, extend pass at its CPU time (host noise out)",
-                            "value": f"{tc:.2f}", "met": tc <= 1.2})
-            targets.append({"what": f"{name}: KV p99/p50 > 1.2", "value": f"{kr:.2f}", "met": kr > 1.2})
-        return {
-            "config": {k: v for k, v in vars(args).items() if k != "out"},
-            "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
-            "payload": payload,
-            "conditions": conds,
-            "targets": targets,
-        }
-
-    res = asyncio.run(run())
-    _print(res)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    _plot(res, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    save_report(asyncio.run(run(args)), args.out, table=_print, figures=_figure)
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -19,13 +18,13 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from bench.client import start_wan
+from bench.report import save_report
 from shared.bus import NatsServer, connect
 from shared.bus.nats_server import free_port
 from shared.kv import open_kv_client, start_kv_server
@@ -375,12 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             results["nats"] = await bench_nats(args.quick)
         return results
 
-    results = asyncio.run(run())
-    _print(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    save_report(asyncio.run(run()), args.out, table=_print)
     return 0
 
 

@@ -1,18 +1,26 @@
 """compose.yaml runs what `pdd up` runs (shared/launch.py), only with container hostnames.
 
 There is no Docker engine here, so this checks the file's structure and compares every
-container's command and environment with service_specs(opts, COMPOSE_HOSTS).
+container's command and environment with service_specs(opts, COMPOSE_HOSTS); and it reads
+the Dockerfile's instructions to check that the image would install the project and hold
+what compose runs.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
+import shlex
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from shared.launch import COMPOSE_HOSTS, SERVICES, UpOptions, nats_specs, service_specs
 
@@ -119,8 +127,124 @@ def test_nats_gateways_cross_the_wan(compose: dict[str, Any]) -> None:
         assert all(url.startswith(f"nats://{COMPOSE_HOSTS.wan}:") for url in spec.gateways.values())
 
 
-def test_dockerfile_installs_cpu_torch_first() -> None:
-    text = (ROOT / "Dockerfile").read_text()
-    assert text.startswith("#") and "FROM python:3.11-slim" in text
-    torch = text.index("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
-    assert torch < text.index("pip install .")
+# ---- the image compose builds: Dockerfile instructions, parsed ------------------------------------
+
+
+@dataclass
+class Step:
+    instruction: str  # FROM, RUN, COPY, ...
+    args: str
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[Step]:
+    steps, current = [], ""
+    for raw in (ROOT / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        current += line.removesuffix("\\").strip() + " "
+        if not line.endswith("\\"):
+            instruction, _, args = current.strip().partition(" ")
+            steps.append(Step(instruction.upper(), args.strip()))
+            current = ""
+    return steps
+
+
+@pytest.fixture(scope="module")
+def project() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _commands(steps: list[Step]) -> list[tuple[int, list[str]]]:
+    """(step index, argv) of every shell command the RUN steps chain with &&."""
+    return [(i, shlex.split(cmd)) for i, st in enumerate(steps) if st.instruction == "RUN"
+            for cmd in st.args.split("&&")]
+
+
+def _pip_installs(steps: list[Step]) -> list[tuple[int, list[str], str | None]]:
+    """(step index, what is installed, --index-url) of every `pip install`."""
+    out = []
+    for i, argv in _commands(steps):
+        if argv[:2] == ["pip", "install"]:
+            args = argv[2:]
+            index = args[args.index("--index-url") + 1] if "--index-url" in args else None
+            out.append((i, [a for a in args if not a.startswith("-") and a != index], index))
+    return out
+
+
+def _copied_before(steps: list[Step], index: int) -> set[str]:
+    """Paths the COPY steps before `index` put into the image (their sources)."""
+    return {src for st in steps[:index] if st.instruction == "COPY" for src in st.args.split()[:-1]}
+
+
+def _requirement(project: dict[str, Any], name: str) -> Requirement:
+    return next(r for r in map(Requirement, project["project"]["dependencies"]) if r.name == name)
+
+
+def test_image_python_meets_requires_python(dockerfile: list[Step], project: dict[str, Any]) -> None:
+    (base,) = [st.args for st in dockerfile if st.instruction == "FROM"]
+    image, _, tag = base.partition(":")
+    assert image == "python"
+    version = re.match(r"\d+\.\d+", tag).group()
+    assert SpecifierSet(project["project"]["requires-python"]).contains(version), base
+
+
+def test_image_installs_cpu_torch_the_project_accepts_before_the_project(
+    dockerfile: list[Step], project: dict[str, Any]
+) -> None:
+    installs = _pip_installs(dockerfile)
+    torch = [(i, Requirement(r), index) for i, reqs, index in installs for r in reqs if r.startswith("torch")]
+    assert len(torch) == 1, torch
+    step, pin, index = torch[0]
+    (version,) = [spec.version for spec in pin.specifier if spec.operator == "=="]
+    assert _requirement(project, "torch").specifier.contains(version), f"torch {version} outside pyproject's range"
+    assert index and index.rstrip("/").endswith("/cpu"), "torch must come from the CPU index (no CUDA wheels)"
+    project_installs = [i for i, reqs, _ in installs if "." in reqs]
+    assert project_installs and step < min(project_installs), "torch must be in place before the project installs"
+    # the dev environment (Makefile) runs the tests on the same torch the image ships
+    assert f"torch=={version}" in (ROOT / "Makefile").read_text().split()
+
+
+def test_image_has_what_installing_the_project_needs(dockerfile: list[Step], project: dict[str, Any]) -> None:
+    kinds = [st.instruction for st in dockerfile]
+    copies = [st.args.split() for st in dockerfile if st.instruction == "COPY"]
+    # sources land under WORKDIR, where `pip install .` runs
+    assert kinds.index("WORKDIR") < kinds.index("COPY")
+    assert all(not dest.startswith("/") for *_, dest in copies)
+    patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
+                and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)}
+    assert {ep.split(".")[0] for ep in project["project"]["scripts"].values()} <= packages
+    project_installs = [i for i, reqs, _ in _pip_installs(dockerfile) if "." in reqs]
+    assert project_installs
+    for i in project_installs:  # every `pip install .` sees the metadata it reads
+        assert {"pyproject.toml", project["project"]["readme"]} <= _copied_before(dockerfile, i)
+    # the last install is the real one: every package's source is in the image by then
+    assert packages <= _copied_before(dockerfile, max(project_installs))
+    ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip()]
+    for src in _copied_before(dockerfile, len(dockerfile)):
+        assert not any(fnmatch.fnmatch(src, pat) for pat in ignored), f"{src} is excluded by .dockerignore"
+
+
+def test_compose_commands_run_what_the_image_holds(
+    compose: dict[str, Any], dockerfile: list[Step], project: dict[str, Any]
+) -> None:
+    copied = _copied_before(dockerfile, len(dockerfile))
+    built = {name: svc for name, svc in compose["services"].items() if svc.get("build") == "."}
+    assert set(built) == {"wan", *SERVICES}
+    for name, svc in built.items():
+        python, flag, module = svc["command"][:3]
+        assert (python, flag) == ("python", "-m"), name
+        assert module.split(".")[0] in copied, f"{name} runs {module}, which is not in the image"
+        assert (ROOT / module.replace(".", "/") / "__main__.py").exists(), f"{name}: no module {module}"
+    cmd = json.loads(next(st.args for st in dockerfile if st.instruction == "CMD"))
+    assert cmd[0] in project["project"]["scripts"]
+
+
+def test_image_user_owns_the_relay_socket_directory(dockerfile: list[Step], specs: dict[str, Any]) -> None:
+    sock_dir = str(Path(specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].removeprefix("unix://")).parent)
+    (user,) = [st.args for st in dockerfile if st.instruction == "USER"]
+    commands = [argv for _, argv in _commands(dockerfile)]
+    assert any(argv[:2] == ["mkdir", "-p"] and sock_dir in argv for argv in commands)
+    assert ["chown", user, sock_dir] in commands, f"{user} cannot create the relay socket in {sock_dir}"

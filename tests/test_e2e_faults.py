@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.system import RunningSystem, start_system
+from shared.system import RunningSystem, start_system
 
 
 def _pid_of(service: str, workdir: Path) -> int:

@@ -11,9 +11,10 @@ import time
 import httpx
 import pytest
 
-from bench.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
+from shared.model.describe import describe_model
+from shared.system import RunningSystem, start_system
 
 MD_READY_TIMEOUT_S = 3.5
 # The `small` preset: its KV (16 KB/token) takes long enough to cross a capped link that the
@@ -195,26 +196,29 @@ def test_client_disconnect_frees_blocks_everywhere(system):
 
 
 @pytest.mark.parametrize(
-    "payload, status",
+    "payload, status, message, param",
     [
-        (b"{not json", 400),
-        (b"[1, 2]", 400),
-        (json.dumps({"prompt": "hi", "model": "nope"}).encode(), 404),
-        (json.dumps({"prompt": "x" * 5000, "max_tokens": 10}).encode(), 400),
-        (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400),
-        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400),
-        (json.dumps({"prompt": [1, 2, 999999]}).encode(), 400),
-        (json.dumps({"prompt": ""}).encode(), 400),
-        (json.dumps({"max_tokens": 3}).encode(), 400),
-        (json.dumps({"prompt": "hi", "pdd": {"pipeline": "rld-only"}}).encode(), 400),
+        (b"{not json", 400, "request body is not valid JSON", None),
+        (b"[1, 2]", 400, "request body must be a JSON object", None),
+        (json.dumps({"prompt": "hi", "model": "nope"}).encode(), 404, "model 'nope' does not exist", "model"),
+        (json.dumps({"prompt": "x" * 5000, "max_tokens": 10}).encode(), 400,
+         "prompt (5000 tokens) plus max_tokens (10) exceeds the context limit", "prompt"),
+        (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400, "temperature:", None),
+        (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens:", None),
+        (json.dumps({"prompt": [1, 2, 999999]}).encode(), 400, "prompt token ids must be in [0, ", "prompt"),
+        (json.dumps({"prompt": ""}).encode(), 400, "prompt is empty", "prompt"),
+        (json.dumps({"max_tokens": 3}).encode(), 400, "prompt: Field required", None),
+        (json.dumps({"prompt": "hi", "pdd": {"pipeline": "rld-only"}}).encode(), 400, "pdd.pipeline:", None),
     ],
 )
-def test_bad_input_is_a_clear_4xx(system, payload, status):
+def test_bad_input_is_a_clear_4xx(system, payload, status, message, param):
     r = httpx.post(f"{system.router_url}/v1/completions", content=payload,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["message"] and err["type"]
+    err = r.json()["error"]  # OpenAI's error shape
+    assert set(err) == {"message", "type", "param", "code"}
+    assert message in err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
 
 
 def test_system_keeps_serving_after_bad_input(system, reference):
@@ -224,11 +228,21 @@ def test_system_keeps_serving_after_bad_input(system, reference):
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=8, ignore_eos=True)
 
 
-def test_chat_and_models(system):
+def test_chat_matches_the_single_engine_on_the_chat_layout(system, reference):
     models = httpx.get(f"{system.router_url}/v1/models", timeout=10).json()
-    model = models["data"][0]["id"]
-    r = httpx.post(f"{system.router_url}/v1/chat/completions", timeout=60,
-                   json={"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+    assert [m["id"] for m in models["data"]] == [reference.model_id]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello €"}]
+    r = httpx.post(f"{system.router_url}/v1/chat/completions", timeout=60, json={
+        "model": reference.model_id, "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["role"] == "assistant"
-    assert r.headers["x-request-id"].startswith("cmpl-")
+    body = r.json()
+    # The chat layout is plain and model-agnostic: each message under its role, then the assistant's turn.
+    tokenizer = describe_model(ModelSettings(preset=PRESET)).tokenizer
+    prompt = tokenizer.encode("<|system|>\nbe brief\n<|user|>\nhello €\n<|assistant|>\n")
+    expected = ref_tokens(reference, prompt, max_tokens=12, ignore_eos=True)
+    assert body["object"] == "chat.completion" and body["id"] == r.headers["x-request-id"]
+    assert body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(expected)}
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import time
 import httpx
 import pytest
 
-from bench.system import RunningSystem, start_system
+from shared.launch import UpOptions, service_specs, with_base_port
+from shared.system import RunningSystem, start_system
+from tests.prometheus_samples import moved, scrape
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +82,46 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
     assert "dc-a" in out.stdout and "dc-b" in out.stdout and "md.extend" in out.stdout
 
 
+def _metrics_url(system: RunningSystem, service: str) -> str:
+    """Where `pdd up` has a non-router service serve its Prometheus metrics."""
+    base = int(system.router_url.rsplit(":", 1)[1])
+    spec = next(s for s in service_specs(with_base_port(UpOptions(), base)) if s.name == service)
+    port = next(v for k, v in spec.env.items() if k.endswith("_METRICS_PORT"))
+    return f"http://127.0.0.1:{port}/metrics"
+
+
+def _stream(system: RunningSystem, body: dict) -> tuple[list[list[int]], dict]:
+    """The token chunks of a streamed completion, and its final pdd summary."""
+    chunks, summary = [], {}
+    with httpx.stream("POST", f"{system.router_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                if data["choices"][0]["token_ids"]:
+                    chunks.append(data["choices"][0]["token_ids"])
+                summary = data.get("pdd", summary)
+    return chunks, summary
+
+
 def test_metrics_after_traffic(system):
-    r = httpx.post(f"{system.router_url}/v1/completions", timeout=60,
-                   json={"prompt": "metrics please", "max_tokens": 5, "temperature": 0, "pdd": {"pipeline": "p-md"}})
-    assert r.status_code == 200
-    text = httpx.get(f"{system.router_url}/metrics", timeout=10).text
-    count = re.search(r'pdd_requests_total\{outcome="ok",pipeline="p-md"\} (\d+\.\d+)', text)
-    assert count and float(count.group(1)) >= 1
-    ttft = re.search(r'pdd_ttft_seconds_count\{pipeline="p-md"\} (\d+\.\d+)', text)
-    assert ttft and float(ttft.group(1)) >= 1
-    assert "pdd_prefix_hit_rate_bucket" in text
-    # Each non-router service serves its own /metrics (see README).
+    router, md = f"{system.router_url}/metrics", _metrics_url(system, "main_decode")
+    before_router, before_md = scrape(router), scrape(md)
+    chunks, summary = _stream(system, {"prompt": "metrics please", "max_tokens": 12, "temperature": 0,
+                                       "ignore_eos": True, "pdd": {"pipeline": "p-md"}})
+    assert sum(len(c) for c in chunks) == 12 and summary["pipeline"] == "p-md"
+    after_router, after_md = scrape(router), scrape(md)
+
+    def router_moved(name: str, **labels: str) -> float:
+        return moved(before_router, after_router, name, **labels)
+
+    assert router_moved("pdd_requests_total", outcome="ok", pipeline="p-md") == 1
+    assert router_moved("pdd_ttft_seconds_count", pipeline="p-md") == 1
+    assert router_moved("pdd_prefix_hit_rate_count") == 1
+    # one inter-token gap per token chunk after the first
+    assert router_moved("pdd_itl_seconds_count", pipeline="p-md") == len(chunks) - 1
+    # MD counts the tokens it produced (prefill sampled the first)
+    assert moved(before_md, after_md, "pdd_output_tokens_total", role="main_decode") == summary["md_tokens"] == 11
     inst = httpx.get(f"{system.router_url}/v1/instances", timeout=10).json()
     assert set(inst) == {"prefill/0", "relay/0", "main_decode/0"}

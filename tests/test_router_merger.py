@@ -1,8 +1,6 @@
-"""Token merger, MD prefix index and detokenizer of the router."""
+"""The router's token merger: one ordered stream from prefill, relay and MD token events."""
 
-from services.router.detokenizer import Detokenizer
 from services.router.merger import TokenMerger
-from services.router.prefix_index import PrefixIndex
 
 
 def test_in_order_from_several_producers_with_duplicates():
@@ -25,35 +23,23 @@ def test_finish_waits_for_missing_indices_and_drops_late_tokens():
     assert r.tokens == [2] and r.finished
 
 
-def test_prefix_index_leading_run():
-    idx = PrefixIndex()
-    idx.apply("md0", stored=[1, 2, 3, 9], evicted=[])
-    assert idx.cached_prefix_blocks("md0", [1, 2, 3, 4]) == 3
-    idx.apply("md0", stored=[], evicted=[2])
-    assert idx.cached_prefix_blocks("md0", [1, 2, 3, 4]) == 1
-    idx.apply("md0", stored=[7], evicted=[], reset=True)
-    assert idx.cached_prefix_blocks("md0", [1]) == 0 and idx.size("md0") == 1
-    assert idx.cached_prefix_blocks("other", [1]) == 0
+def test_earlier_finish_reported_later_wins():
+    # MD reports its end at 12 first; the relay then reports that the stream ended at 10.
+    m = TokenMerger()
+    assert m.add(0, [100]).tokens == [100]  # prefill's first token
+    r = m.add(5, list(range(105, 112)), finished=True, finish_reason="length")  # indices 5..11, end 12
+    assert r.tokens == [] and not r.finished  # indices 1..4 are still missing
+    r = m.add(1, list(range(101, 110)), finished=True, finish_reason="stop")  # indices 1..9, end 10
+    assert r.tokens == list(range(101, 110)) and r.finished
+    assert m.finish_reason == "stop"
+    assert m.add(10, [110, 111]).tokens == []  # MD's tokens past the earliest end never come out
 
 
-class _Bytes:
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def test_detokenizer_holds_partial_utf8_and_stop_prefix():
-    d = Detokenizer(_Bytes(), stop=["END"])
-    euro = list("€".encode())
-    assert d.add(list(b"a") + euro[:2]) == "a"
-    assert d.add(euro[2:]) == "€"
-    assert d.add(list(b"xE")) == "x"  # "E" may start "END": held back
-    assert d.add(list(b"N")) == ""  # "EN" still may
-    assert d.add(list(b"D!")) == "" and d.stopped
-    assert d.emitted == "a€x"
-
-
-def test_detokenizer_flush_releases_held_text():
-    d = Detokenizer(_Bytes(), stop=["END"])
-    d.add(list(b"abE"))
-    assert d.flush() == "E"
-    assert d.emitted == "abE"
+def test_later_finish_after_the_earliest_changes_nothing():
+    m = TokenMerger()
+    m.add(0, [100])
+    r = m.add(1, list(range(101, 110)), finished=True, finish_reason="stop")  # end 10
+    assert r.tokens == list(range(101, 110)) and r.finished
+    r = m.add(5, list(range(105, 112)), finished=True, finish_reason="length")  # end 12, too late
+    assert r.tokens == [] and r.finished
+    assert m.finish_reason == "stop"

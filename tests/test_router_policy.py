@@ -1,6 +1,5 @@
-"""Pure routing and handoff policies."""
+"""The router's pure routing policy: which pipeline, which MD, which relay."""
 
-from services.relay.handoff_policy import CATCH_UP, ONE_SHOT, catchup_is_final, choose_handoff_mode
 from services.router.policy import (
     P_MD,
     P_RLD_MD,
@@ -59,18 +58,6 @@ def test_least_loaded_relay():
     assert choose_least_loaded([]) is None
 
 
-def test_handoff_mode_by_pending_and_load():
-    assert choose_handoff_mode(pending=100, relay_running=1, threshold=64, busy_at=4) == CATCH_UP
-    assert choose_handoff_mode(pending=100, relay_running=4, threshold=64, busy_at=4) == ONE_SHOT
-    assert choose_handoff_mode(pending=64, relay_running=0, threshold=64, busy_at=4) == ONE_SHOT
-
-
-def test_catchup_terminates():
-    assert catchup_is_final(pending=10, rounds_done=1, threshold=64, max_rounds=4)
-    assert not catchup_is_final(pending=100, rounds_done=1, threshold=64, max_rounds=4)
-    assert catchup_is_final(pending=100, rounds_done=4, threshold=64, max_rounds=4)
-
-
 def test_kv_queued_toward_md_pushes_a_request_onto_the_relay():
     # 200 × 1 KB alone: 0.2 s at 1 MB/s, under 0.5 s; behind 1 MB already queued: 1.2 s
     alone = choose_pipeline(200, 0, 1000, 1e6, 0.0, 0.5, True)
@@ -79,15 +66,3 @@ def test_kv_queued_toward_md_pushes_a_request_onto_the_relay():
     # nothing to send: the backlog does not matter
     hit = choose_pipeline(200, 200, 1000, 1e6, 0.0, 0.5, True, backlog_bytes=10_000_000)
     assert hit.pipeline == P_MD
-
-
-def test_registry_reads_link_estimates_and_backlog_from_prefill_reports():
-    from services.router.registry import Registry
-    from shared.bus.messages import LoadReport
-
-    reg = Registry()
-    reg.update(LoadReport("prefill", "0", links={"tcp://md:1": {"bandwidth": 2e6, "rtt": 0.02, "backlog": 500}}))
-    reg.update(LoadReport("prefill", "1", links={"tcp://md:1": {"backlog": 700}}))  # no measurement yet
-    assert reg.link_to("tcp://md:1") == (2e6, 0.02)
-    assert reg.wan_backlog("tcp://md:1") == 1200
-    assert reg.link_to("tcp://other:1") is None and reg.wan_backlog("tcp://other:1") == 0

@@ -1,9 +1,14 @@
-"""Waterfall text/JSON rendering and the Prometheus metric names."""
+"""Waterfall text/JSON rendering, and the values a service's /metrics endpoint reports."""
 
 from __future__ import annotations
 
+import pytest
+
+from shared.bus.nats_server import free_port
+from shared.telemetry import metrics
 from shared.telemetry.span_store import SpanRecord
 from shared.telemetry.waterfall import render_waterfall, trace_to_json
+from tests.prometheus_samples import moved, scrape
 
 MS = 1_000_000
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -52,26 +57,23 @@ def test_trace_to_json() -> None:
     assert (md["offset_ms"], md["duration_ms"], md["parent_span_id"]) == (10.0, 50.0, "p1")
 
 
-def test_metric_names_exported() -> None:
-    from shared.telemetry import metrics
-
+def test_metrics_endpoint_serves_the_recorded_values() -> None:
+    """What services record reaches their /metrics endpoint, each value in its bucket."""
+    port = free_port()
+    metrics.start_metrics_server(port, addr="127.0.0.1")
+    url = f"http://127.0.0.1:{port}/metrics"
+    before = scrape(url)
     metrics.REQUESTS.labels(pipeline="p-md", outcome="ok").inc()
     metrics.TTFT.labels(pipeline="p-md").observe(0.3)
-    metrics.PREFIX_HIT_RATE.observe(0.95)
-    body, ctype = metrics.metrics_text()
-    text = body.decode()
-    assert ctype.startswith("text/plain")
-    for name in (
-        "pdd_requests_total",
-        "pdd_ttft_seconds",
-        "pdd_itl_seconds",
-        "pdd_kv_bytes_total",
-        "pdd_handoff_batches_total",
-        "pdd_prefix_hit_rate",
-        "pdd_relay_running",
-        "pdd_wan_bandwidth_bytes_per_second",
-        "pdd_kv_blocks_used",
-    ):
-        assert f"# HELP {name}" in text, name
-    assert 'pdd_requests_total{outcome="ok",pipeline="p-md"}' in text
-    assert 'pdd_ttft_seconds_bucket{le="0.5",pipeline="p-md"}' in text
+    metrics.PREFIX_HIT_RATE.observe(0.96)
+    metrics.KV_BYTES.labels(path="wan").inc(4096)
+    after = scrape(url)
+    assert moved(before, after, "pdd_requests_total", pipeline="p-md", outcome="ok") == 1
+    assert moved(before, after, "pdd_ttft_seconds_count", pipeline="p-md") == 1
+    assert moved(before, after, "pdd_ttft_seconds_sum", pipeline="p-md") == pytest.approx(0.3)
+    assert moved(before, after, "pdd_ttft_seconds_bucket", pipeline="p-md", le="0.25") == 0
+    assert moved(before, after, "pdd_ttft_seconds_bucket", pipeline="p-md", le="0.5") == 1
+    # hit rates are bucketed finely at the top, where most agentic requests land
+    assert moved(before, after, "pdd_prefix_hit_rate_bucket", le="0.95") == 0
+    assert moved(before, after, "pdd_prefix_hit_rate_bucket", le="0.97") == 1
+    assert moved(before, after, "pdd_kv_bytes_total", path="wan") == 4096

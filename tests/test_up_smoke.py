@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.system import free_port_block
+from shared.system import free_port_block
 
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:
