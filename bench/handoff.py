@@ -42,7 +42,7 @@ import torch
 from bench.client import start_wan
 from bench.report import pyplot, save_report
 from shared.bus import NatsServer, connect, decode, encode
-from shared.bus.messages import HandoffBatch
+from shared.bus.messages import HandoffBatch, HandoffMode
 from shared.bus.nats_server import free_port
 
 SECRET = "bench-handoff"
@@ -305,7 +305,7 @@ class Bench:
         kind, _ = await self._recv()
         assert kind == "ready"
         tokens = self.reference[: self.args.tokens]
-        msg = HandoffBatch(rid, 0, 0, tokens, final=True, mode="one-shot")
+        msg = HandoffBatch(rid, 0, 0, tokens, final=True, mode=HandoffMode.ONE_SHOT)
         payload = encode(msg)
         t0 = time.monotonic()
         await self.nc.publish(SUBJECT, payload)
