@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shared.engine import EngineError, InvalidRequestError, SamplingParams
+from shared.engine import EngineError, FinishReason, InvalidRequestError, Mode, SamplingParams
 from tests.engine_util import dense_greedy, greedy, make_engine, random_prompt, run_all, tokens_of
 
 BAD_REQUESTS = [
@@ -45,13 +45,13 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving():
         engine.add_request("good", [1], greedy(1))
     outs = run_all(engine)
     assert set(outs) == {"good"} and outs["good"][-1].finished
-    assert engine.stats()["used_blocks"] == 0 and not engine.seqs
+    assert engine.stats().used_blocks == 0 and not engine.seqs
 
 
 def test_bad_extend_calls():
     engine = make_engine()
     engine.add_request("g", [1, 2, 3], greedy(5))
-    engine.add_request("h", [1, 2, 3], greedy(5), mode="hold")
+    engine.add_request("h", [1, 2, 3], greedy(5), mode=Mode.HOLD)
     run_all(engine)
     with pytest.raises(InvalidRequestError, match="unknown"):
         engine.extend("nope", [1], final=True)
@@ -69,11 +69,11 @@ def test_bad_extend_calls():
 def test_abort_and_release_in_every_state():
     engine = make_engine()
     rng = random.Random(31)
-    for rid, mode in (("w", "generate"), ("r", "generate"), ("h", "hold"), ("p", "prefill")):
+    for rid, mode in (("w", Mode.GENERATE), ("r", Mode.GENERATE), ("h", Mode.HOLD), ("p", Mode.PREFILL)):
         engine.add_request(rid, random_prompt(rng, 40), greedy(30), mode=mode)
     engine.step()
     engine.step()
-    assert engine.stats()["held"] == 1 and engine.stats()["retained"] == 1
+    assert engine.stats().held == 1 and engine.stats().prefilled == 1
     assert engine.abort("r") and engine.abort("h") and engine.abort("p")
     assert not engine.abort("r") and not engine.abort("unknown")
     engine.release("unknown")
@@ -83,7 +83,7 @@ def test_abort_and_release_in_every_state():
     engine.abort("w2")  # still waiting
     outs = run_all(engine)
     assert set(outs) == {"w"} and [o.index for o in outs["w"]] == list(range(2, 30))
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0
 
 
 def test_stop_string_eos_and_max_model_len():
@@ -97,20 +97,20 @@ def test_stop_string_eos_and_max_model_len():
     expect = next(k for k in range(1, 31) if stop in decode(ref[:k]))  # the token completing it
     engine.add_request("s", prompt, greedy(30, stop=[stop]))
     outs = run_all(engine)["s"]
-    assert outs[-1].finish_reason == "stop" and tokens_of(outs) == ref[:expect]
+    assert outs[-1].finish_reason is FinishReason.STOP and tokens_of(outs) == ref[:expect]
     # EOS: make the 6th greedy token the EOS id (config tweak, same model).
     engine.model_config.eos_token_ids = (ref[5],)
     first = ref.index(ref[5])
     engine.add_request("e", prompt, SamplingParams(max_tokens=30))
     outs = run_all(engine)["e"]
-    assert outs[-1].finish_reason == "stop" and len(outs) == first + 1
+    assert outs[-1].finish_reason is FinishReason.STOP and len(outs) == first + 1
     engine.add_request("i", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
     assert len(run_all(engine)["i"]) == 30
     # max_model_len bounds prompt + output.
     short = make_engine(max_model_len=32)
     short.add_request("m", prompt, greedy(100))
     outs = run_all(short)["m"]
-    assert outs[-1].finish_reason == "length" and len(prompt) + len(outs) == 32
+    assert outs[-1].finish_reason is FinishReason.LENGTH and len(prompt) + len(outs) == 32
 
 
 def test_sampling_params_wire_roundtrip():

@@ -30,7 +30,7 @@ from shared.bus.messages import (
     load_report,
 )
 from shared.config import MainDecodeSettings
-from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
+from shared.engine import EngineError, LLMEngine, Mode, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
@@ -119,7 +119,7 @@ class MainDecodeService:
         try:
             params = SamplingParams.from_dict(msg.params)
             # Pin what is cached now so it cannot be evicted before the request uses it.
-            have = await self.loop.call(self.engine.pin_blocks, _pin(msg.rid), msg.block_hashes)
+            have = await self.loop.call(self.engine.transfer.pin_blocks, msg.rid, msg.block_hashes)
         except (EngineError, ValueError, TypeError) as e:
             await respond(raw, PrepareReply(ok=False, error=str(e)))
             return
@@ -140,7 +140,7 @@ class MainDecodeService:
                 context=context_from_traceparent(meta.get("traceparent")),
                 attributes={REQUEST_ID_ATTR: rid, "path": "wan"},
             )
-        await self.loop.call(self.engine.import_blocks, hashes, kv, pin=_pin(rid))
+        await self.loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
         job.received.update(hashes)
         job.wan_bytes += kv.numel() * kv.element_size()
 
@@ -215,7 +215,7 @@ class MainDecodeService:
 
     def _apply(self, job: MDJob, batch: HandoffBatch) -> None:  # engine thread
         if not job.started:
-            mode = "generate" if batch.final else "hold"
+            mode = Mode.GENERATE if batch.final else Mode.HOLD
             tokens = job.req.prompt_ids + batch.tokens
             self.engine.add_request(
                 job.rid, tokens, job.params, num_prompt_tokens=len(job.req.prompt_ids), mode=mode
@@ -250,7 +250,7 @@ class MainDecodeService:
                 }
                 self.jobs.pop(rid, None)
                 self._end_spans(job)
-                await self.loop.call(self.engine.release, _pin(rid))
+                await self.loop.call(self.engine.transfer.unpin, rid)
             await publish(self.nc, subjects.req_tokens(rid), event)
 
     # ---- faults and cleanup ------------------------------------------------------------
@@ -296,7 +296,7 @@ class MainDecodeService:
 
         def free() -> None:
             self.engine.abort(job.rid)
-            self.engine.release(_pin(job.rid))
+            self.engine.transfer.unpin(job.rid)
 
         await self.loop.call(free)
 
@@ -311,15 +311,15 @@ class MainDecodeService:
         """The whole cache, now and then: a router that restarted or missed events catches up."""
 
         def snapshot() -> list[int]:
-            self.engine.drain_events()  # covered by the snapshot
-            return self.engine.cached_hashes()
+            self.engine.transfer.drain_events()  # covered by the snapshot
+            return self.engine.transfer.cached_hashes()
 
         inst = self.settings.instance
         stored = await self.loop.call(snapshot)
         await publish(self.nc, subjects.kv_events(inst), KVEvents(inst, stored=stored, reset=True))
 
     async def _publish_kv_events(self) -> None:
-        events = await self.loop.call(self.engine.drain_events)
+        events = await self.loop.call(self.engine.transfer.drain_events)
         if not events:
             return
         stored = [h for kind, h in events if kind == "stored"]
@@ -330,7 +330,7 @@ class MainDecodeService:
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
         metrics.KV_BLOCKS_USED.labels(service="main_decode", instance=self.settings.instance).set(
-            stats["used_blocks"]
+            stats.used_blocks
         )
         report = load_report(
             "main_decode",
@@ -340,7 +340,3 @@ class MainDecodeService:
             model_id=self.engine.model_id,
         )
         await publish(self.nc, subjects.load("main_decode", self.settings.instance), report)
-
-
-def _pin(rid: str) -> str:
-    return f"{rid}#kv"

@@ -30,7 +30,7 @@ from shared.bus.messages import (
     load_report,
 )
 from shared.config import EngineSettings, PrefillSettings
-from shared.engine import EngineError, LLMEngine, SamplingParams, StepOutput
+from shared.engine import EngineError, FinishReason, LLMEngine, Mode, SamplingParams, StepOutput
 from shared.engine.engine_loop import EngineLoop
 from shared.kv import KVClient, KVClientPool, KVTransferError, LinkEstimator
 from shared.runtime import Lifecycle
@@ -172,11 +172,16 @@ class PrefillService:
         job.md_missing = missing
         done = self.engine.computed_block_hashes(job.rid)[: job.exported]
         wanted = [h for h in done if h in missing]
-        return wanted, self.engine.export_blocks(wanted) if wanted else None
+        return wanted, self.engine.transfer.export_blocks(wanted) if wanted else None
 
     def _admit(self, job: PrefillJob) -> None:  # engine thread
-        self.engine.add_request(job.rid, job.submit.prompt_ids, job.params, mode="prefill")
+        self.engine.add_request(job.rid, job.submit.prompt_ids, job.params, mode=Mode.PREFILL)
         self._active[job.rid] = job
+
+    def _end_compute(self, rid: str) -> FinishReason | None:  # engine thread
+        """The first token is out: stop exporting; does the request end right there?"""
+        self._active.pop(rid, None)
+        return self.engine.finish_reason(rid)
 
     def _export_new_blocks(self, engine: LLMEngine) -> list[tuple[PrefillJob, list[int], torch.Tensor]]:
         """Engine thread, after each step: export the full blocks that just got computed."""
@@ -193,7 +198,7 @@ class PrefillService:
             md_wants = [h for h in new if job.md_missing is not None and h in job.md_missing]
             wanted = new if job.local_queue is not None else md_wants
             if wanted:
-                out.append((job, wanted, engine.export_blocks(wanted)))
+                out.append((job, wanted, engine.transfer.export_blocks(wanted)))
         return out
 
     async def _on_outputs(self, outputs: list[StepOutput], exports) -> None:
@@ -209,7 +214,7 @@ class PrefillService:
             job = self.jobs.get(out.rid)
             if job is None:
                 continue
-            if out.finish_reason == "prefill" and out.token_id is not None:
+            if out.finish_reason is FinishReason.PREFILLED and out.token_id is not None:
                 await self._first_token(job, out.token_id)
             elif out.finished:  # error or abort inside the engine
                 await self._fail(job, out.error or out.finish_reason or "prefill failed")
@@ -219,8 +224,7 @@ class PrefillService:
         if job.compute_span:
             job.compute_span.set_attribute("pdd.blocks_exported", job.exported)
             job.compute_span.end()
-        await self.loop.call(self._active.pop, job.rid, None)
-        done_reason = self._finishes_at_first_token(job, token)
+        done_reason = await self.loop.call(self._end_compute, job.rid)
         await publish(
             self.nc,
             subjects.req_tokens(job.rid),
@@ -256,16 +260,6 @@ class PrefillService:
             job.rid, seq=0, start_index=0, tokens=[job.first_token], final=True, mode="prefill"
         )
         await publish(self.nc, subjects.req_handoff(job.rid), batch)
-
-    def _finishes_at_first_token(self, job: PrefillJob, token: int) -> str | None:
-        p = job.params
-        if token == self.engine.tokenizer.eos_token_id and not p.ignore_eos:
-            return "stop"
-        if p.stop and any(s in self.engine.tokenizer.decode([token]) for s in p.stop):
-            return "stop"
-        if p.max_tokens <= 1:
-            return "length"
-        return None
 
     # ---- transfers -------------------------------------------------------------------
     async def _ship(self, job: PrefillJob, path: str, address: str, queue: asyncio.Queue) -> None:
@@ -409,7 +403,7 @@ class PrefillService:
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
         metrics.KV_BLOCKS_USED.labels(service="prefill", instance=self.settings.instance).set(
-            stats["used_blocks"]
+            stats.used_blocks
         )
         # Only links with measured transfers: otherwise the router keeps its configured prior.
         links: dict[str, dict] = {

@@ -89,7 +89,7 @@ class RelayService:
 
     # ---- KV sink (local fast path from prefill) ----------------------------------------
     async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, meta: dict) -> None:
-        await self.loop.call(self.engine.import_blocks, hashes, kv, pin=_pin(rid))
+        await self.loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
 
     async def on_done(self, rid: str, meta: dict) -> None:
         """All prompt blocks are here: start decoding after prefill's first token."""
@@ -115,7 +115,7 @@ class RelayService:
 
     async def on_abort(self, rid: str, reason: str) -> None:
         if rid not in self.jobs:  # stream aborted before decoding began: just unpin
-            await self.loop.call(self.engine.release, _pin(rid))
+            await self.loop.call(self.engine.transfer.unpin, rid)
 
     # ---- decoding ----------------------------------------------------------------------
     async def _on_outputs(self, outputs: list[StepOutput], _extra) -> None:
@@ -124,7 +124,7 @@ class RelayService:
             if job is None:
                 continue
             if job.produced == 0:
-                await self.loop.call(self.engine.release, _pin(rid))  # the sequence holds its blocks now
+                await self.loop.call(self.engine.transfer.unpin, rid)  # the sequence holds its blocks now
             toks = [o.token_id for o in outs if o.token_id is not None]
             last = outs[-1]
             job.produced += len(toks)
@@ -160,7 +160,7 @@ class RelayService:
         tokens = await self.loop.call(self._snapshot, job.rid, False)
         if tokens is None:
             return  # finished in the meantime: the output path handles it
-        running = (await self.loop.call(self.engine.stats))["running"]
+        running = (await self.loop.call(self.engine.stats)).running
         job.mode = choose_handoff_mode(
             len(tokens), running, job.catchup_threshold, self.settings.catchup_load
         )
@@ -177,7 +177,7 @@ class RelayService:
             return None
         if final:
             self.engine.abort(rid)
-            self.engine.release(_pin(rid))
+            self.engine.transfer.unpin(rid)
         return tokens
 
     async def _send_batch(self, job: RelayJob, tokens: list[int]) -> None:
@@ -272,7 +272,7 @@ class RelayService:
             return
         job = self.jobs.get(msg.rid)
         if job is None:
-            await self.loop.call(self.engine.release, _pin(msg.rid))
+            await self.loop.call(self.engine.transfer.unpin, msg.rid)
             return
         if (msg.source == "main_decode" or msg.reason == MD_LOST) and job.state in (RELAYING, HANDING_OFF):
             await self._go_solo(job, f"MD gave up: {msg.reason}")
@@ -284,7 +284,7 @@ class RelayService:
 
     def _free(self, rid: str) -> None:
         self.engine.abort(rid)
-        self.engine.release(_pin(rid))
+        self.engine.transfer.unpin(rid)
 
     def _forget(self, job: RelayJob) -> None:
         if self.jobs.get(job.rid) is job:
@@ -298,9 +298,9 @@ class RelayService:
 
     async def _report_load(self) -> None:
         stats = await self.loop.call(self.engine.stats)
-        metrics.RELAY_RUNNING.set(stats["running"])
+        metrics.RELAY_RUNNING.set(stats.running)
         metrics.KV_BLOCKS_USED.labels(service="relay", instance=self.settings.instance).set(
-            stats["used_blocks"]
+            stats.used_blocks
         )
         report = load_report(
             "relay",
@@ -310,7 +310,3 @@ class RelayService:
             model_id=self.engine.model_id,
         )
         await publish(self.nc, subjects.load("relay", self.settings.instance), report)
-
-
-def _pin(rid: str) -> str:
-    return f"{rid}#kv"

@@ -7,9 +7,12 @@ prefill), whatever instance produced it. KV bytes never travel in these messages
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.bus.codec import Message
+
+if TYPE_CHECKING:
+    from shared.engine.outputs import EngineStats
 
 
 @dataclass
@@ -154,9 +157,9 @@ class LoadReport(Message):
     model_id: str = ""
 
 
-def load_report(service: str, instance: str, stats: dict[str, Any], **extra: Any) -> LoadReport:
+def load_report(service: str, instance: str, stats: EngineStats, **extra: Any) -> LoadReport:
     """A LoadReport from an engine's stats()."""
     return LoadReport(
-        service=service, instance=instance, running=stats["running"], waiting=stats["waiting"],
-        num_blocks=stats["num_blocks"], used_blocks=stats["used_blocks"], free_blocks=stats["free_blocks"], **extra,
+        service=service, instance=instance, running=stats.running, waiting=stats.waiting,
+        num_blocks=stats.num_blocks, used_blocks=stats.used_blocks, free_blocks=stats.free_blocks, **extra,
     )
