@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.engine import FinishReason, InvalidRequestError, Mode, SamplingParams
+from shared.engine.outputs import group_by_request
 from tests.engine_util import dense_greedy, greedy, make_engine, random_prompt, run_all, tokens_of
 
 KV_ATOL = 1e-5  # fp32: the extend pass and single decode steps round differently, nothing more
@@ -35,13 +36,17 @@ def test_requests_join_a_running_batch():
     rng = random.Random(1)
     first, second = random_prompt(rng, 20), random_prompt(rng, 33)
     engine.add_request("a", first, greedy(30))
-    for _ in range(5):
-        engine.step()
+    outs = [o for _ in range(5) for o in engine.step()]
     engine.add_request("b", second, greedy(10))
-    outs = engine.step()  # one forward: b's prefill and a's decode
-    assert {o.rid for o in outs} == {"a", "b"}
-    rest = run_all(engine)
-    assert tokens_of(rest["b"]) == dense_greedy(engine, second, 10)[1:]
+    joined = engine.step()  # one forward: b's prefill and a's decode
+    assert {o.rid for o in joined} == {"a", "b"}
+    outs += joined
+    for rest in run_all(engine).values():
+        outs += rest
+    by_rid = group_by_request(outs)
+    for rid, prompt, n in (("a", first, 30), ("b", second, 10)):
+        assert [o.index for o in by_rid[rid]] == list(range(n)), rid
+        assert tokens_of(by_rid[rid]) == dense_greedy(engine, prompt, n), rid
 
 
 def _seq_kv(engine, rid: str, start: int, stop: int) -> torch.Tensor:

@@ -48,6 +48,17 @@ def test_pool_lru_eviction_and_events():
         pool.allocate()
 
 
+def test_pool_shares_a_twin_instead_of_registering_it_twice():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.register_or_share(a, 10) == a
+    assert pool.register_or_share(b, 10) == a  # b computed the same block: use a, free b
+    assert pool.block_of(10) == a and pool.block_of(11) is None
+    assert pool.blocks[a].ref_count == 2 and pool.blocks[b].ref_count == 0 and pool.num_free == 3
+    assert pool.register_or_share(a, 10) == a and pool.blocks[a].ref_count == 2  # already its own
+    assert pool.cached_hashes() == [10] and pool.num_cached == 1
+
+
 def test_second_request_reuses_prefix_blocks():
     rng = random.Random(10)
     prefix = random_prompt(rng, 64)  # 4 full blocks

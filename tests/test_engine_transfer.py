@@ -174,3 +174,25 @@ def test_pin_blocks_protects_from_eviction():
     assert engine.transfer.num_cached_prefix_blocks(hashes) == 4
     engine.transfer.unpin("owner")
     assert engine.stats().pinned_blocks == 0
+
+
+def test_pins_are_their_own_namespace():
+    """A request and a pin may share an id: dropping the request leaves the pin alone."""
+    engine = make_engine()
+    rng = random.Random(28)
+    prompt = random_prompt(rng, 64)
+    engine.add_request("r", prompt, greedy(2))
+    run_all(engine)
+    hashes = engine.block_hashes(prompt)
+    assert engine.transfer.pin_blocks("r", hashes) == 4
+    for mode in (Mode.HOLD, Mode.PREFILL, Mode.GENERATE):
+        engine.add_request("r", prompt + random_prompt(rng, 5), greedy(3), mode=mode)
+        engine.step()
+        engine.release("r")
+        engine.abort("r")
+        assert "r" not in engine.seqs
+        assert engine.stats().pinned_blocks == 4 and engine.stats().used_blocks == 4
+    engine.transfer.unpin("r")
+    engine.transfer.unpin("r")  # nothing left: a no-op
+    assert engine.stats().pinned_blocks == 0 and engine.stats().used_blocks == 0
+    assert engine.transfer.num_cached_prefix_blocks(hashes) == 4  # unpinned, still cached
