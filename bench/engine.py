@@ -25,7 +25,7 @@ import torch
 
 from bench.report import pyplot, save_report
 from shared.config import EngineSettings, ModelSettings
-from shared.engine import LLMEngine, SamplingParams
+from shared.engine import LLMEngine, Mode, SamplingParams
 from shared.model.export_hf import save_hf
 
 
@@ -77,9 +77,9 @@ def kv_accounting(engine: LLMEngine) -> dict:
     rng = random.Random(1)
     lens = [rng.randint(1, 100) for _ in range(8)]
     for i, n in enumerate(lens):
-        engine.add_request(f"kv{i}", [rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=1), mode="prefill")
+        engine.add_request(f"kv{i}", [rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=1), mode=Mode.PREFILL)
     _drain(engine)
-    used = engine.stats()["used_blocks"]
+    used = engine.stats().used_blocks
     rounded = sum(-(-n // engine.block_size) for n in lens)
     for i in range(len(lens)):
         engine.release(f"kv{i}")
@@ -95,7 +95,7 @@ def kv_accounting(engine: LLMEngine) -> dict:
 
 
 def run_ours_mixed(engine: LLMEngine, reqs: list[tuple[list[int], int]], device: str) -> tuple[float, dict]:
-    engine.reset_prefix_cache()  # no help from an earlier repetition
+    engine.transfer.reset_prefix_cache()  # no help from an earlier repetition
     _sync(device)
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(reqs):
@@ -133,7 +133,7 @@ def run_hf_mixed(hf, reqs: list[tuple[list[int], int]], batch: int, device: str)
 
 
 def sweep_ours(engine: LLMEngine, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, float]:
-    engine.reset_prefix_cache()
+    engine.transfer.reset_prefix_cache()
     rng = random.Random(batch)
     for i in range(batch):
         prompt = [rng.randrange(256) for _ in range(prompt_len)]

@@ -3,10 +3,10 @@
 Two ways, measured side by side, repetition by repetition (alternating which goes first):
   (a) KV: ship the incremental KV of those tokens over the emulated WAN on the real bulk
       channel (`open_kv_client` -> WAN link -> `start_kv_server`), then copy it into MD's
-      KV pool (`LLMEngine.import_blocks`). Latency: send start -> blocks in MD's pool.
+      KV pool (`LLMEngine.transfer.import_blocks`). Latency: send start -> blocks in MD's pool.
   (b) token IDs: publish a `HandoffBatch` with the 100 IDs on nats-a; it crosses the NATS
       gateway (through WAN links) to MD on nats-b, which runs one extend pass over them
-      (`add_request(mode="hold")` beforehand, `extend(rid, ids, final=True)` then steps)
+      (`add_request(mode=Mode.HOLD)` beforehand, `extend(rid, ids, final=True)` then steps)
       and samples the next token. Latency: publish -> next token sampled on MD.
 MD (engine, KV receiver, NATS subscriber) runs in a child process, as in deployment; the
 WAN emulator and the NATS servers are their own processes. One-way latencies use the
@@ -64,7 +64,7 @@ class _MDSide:
 
     def __init__(self, conn: Any, cfg: dict):
         from shared.config import EngineSettings, ModelSettings
-        from shared.engine import LLMEngine, SamplingParams
+        from shared.engine import LLMEngine, Mode, SamplingParams
 
         self.conn = conn
         self.cfg = cfg
@@ -82,12 +82,12 @@ class _MDSide:
         while e.has_unfinished():
             ref += [o.token_id for o in e.step() if o.token_id is not None]
         self.reference = ref
-        e.reset_prefix_cache()  # forget the generated tokens' blocks: the extend must compute them
+        e.transfer.reset_prefix_cache()  # forget the generated tokens' blocks: the extend must compute them
         # The prompt's KV, as MD holds it once the prompt has crossed the WAN: pinned.
-        e.add_request("ctx", self.prompt, self.params, mode="hold")
+        e.add_request("ctx", self.prompt, self.params, mode=Mode.HOLD)
         while e.has_unfinished():
             e.step()
-        e.pin_blocks("ctx-pin", e.block_hashes(self.prompt))
+        e.transfer.pin_blocks("ctx", e.block_hashes(self.prompt))
         e.abort("ctx")
         self.kv_t0: float | None = None
 
@@ -97,7 +97,7 @@ class _MDSide:
             return  # another request's KV (cross traffic): not ours to keep
         t_arrive = time.monotonic()
         t = time.perf_counter()
-        self.engine.import_blocks(hashes, kv)  # the device copy into MD's pool
+        self.engine.transfer.import_blocks(hashes, kv)  # the device copy into MD's pool
         copy_s = time.perf_counter() - t
         self.conn.send(("kv", rid, t_arrive, time.monotonic(), copy_s, kv.numel() * kv.element_size()))
 
@@ -110,9 +110,11 @@ class _MDSide:
     # token IDs ------------------------------------------------------------------------
     def prepare(self, rid: str) -> None:
         """MD holds the request with its prompt KV computed, waiting for the handoff."""
+        from shared.engine import Mode
+
         e = self.engine
-        e.reset_prefix_cache()  # drop blocks of earlier repetitions (KV imports, extends)
-        e.add_request(rid, self.prompt, self.params, mode="hold")
+        e.transfer.reset_prefix_cache()  # drop blocks of earlier repetitions (KV imports, extends)
+        e.add_request(rid, self.prompt, self.params, mode=Mode.HOLD)
         while e.has_unfinished():
             e.step()
 

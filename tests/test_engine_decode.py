@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from shared.engine import InvalidRequestError, SamplingParams
+from shared.engine import FinishReason, InvalidRequestError, Mode, SamplingParams
+from shared.engine.outputs import group_by_request
 from tests.engine_util import dense_greedy, greedy, make_engine, random_prompt, run_all, tokens_of
 
 KV_ATOL = 1e-5  # fp32: the extend pass and single decode steps round differently, nothing more
@@ -25,9 +26,9 @@ def test_batched_paged_decode_equals_dense_reference():
     for i, p in enumerate(prompts):
         got = outs[f"r{i}"]
         assert [o.index for o in got] == list(range(64))
-        assert got[-1].finished and got[-1].finish_reason == "length"
+        assert got[-1].finished and got[-1].finish_reason is FinishReason.LENGTH
         assert tokens_of(got) == dense_greedy(engine, p, 64), f"prompt {i} (len {len(p)}) diverged"
-    assert engine.stats()["used_blocks"] == 0  # everything freed, prefix blocks stay cached
+    assert engine.stats().used_blocks == 0  # everything freed, prefix blocks stay cached
 
 
 def test_requests_join_a_running_batch():
@@ -35,13 +36,17 @@ def test_requests_join_a_running_batch():
     rng = random.Random(1)
     first, second = random_prompt(rng, 20), random_prompt(rng, 33)
     engine.add_request("a", first, greedy(30))
-    for _ in range(5):
-        engine.step()
+    outs = [o for _ in range(5) for o in engine.step()]
     engine.add_request("b", second, greedy(10))
-    outs = engine.step()  # one forward: b's prefill and a's decode
-    assert {o.rid for o in outs} == {"a", "b"}
-    rest = run_all(engine)
-    assert tokens_of(rest["b"]) == dense_greedy(engine, second, 10)[1:]
+    joined = engine.step()  # one forward: b's prefill and a's decode
+    assert {o.rid for o in joined} == {"a", "b"}
+    outs += joined
+    for rest in run_all(engine).values():
+        outs += rest
+    by_rid = group_by_request(outs)
+    for rid, prompt, n in (("a", first, 30), ("b", second, 10)):
+        assert [o.index for o in by_rid[rid]] == list(range(n)), rid
+        assert tokens_of(by_rid[rid]) == dense_greedy(engine, prompt, n), rid
 
 
 def _seq_kv(engine, rid: str, start: int, stop: int) -> torch.Tensor:
@@ -59,7 +64,7 @@ def test_extend_equals_single_decode_steps():
     follow = dense_greedy(make_engine(), prompt, k + 1)
     one, many = make_engine(), make_engine()
     for e in (one, many):
-        e.add_request("r", prompt, greedy(64), mode="hold")
+        e.add_request("r", prompt, greedy(64), mode=Mode.HOLD)
         assert [o.computed for o in run_all(e)["r"]] == [True]
     one.extend("r", follow[:k], final=False)  # one forward over k tokens
     assert [(o.token_id, o.computed) for o in run_all(one)["r"]] == [(None, True)]
@@ -82,7 +87,7 @@ def test_extend_equals_single_decode_steps():
 def test_prefill_mode_streams_blocks_chunk_by_chunk():
     engine = make_engine(max_batched_tokens=32)
     prompt = random_prompt(random.Random(3), 100)
-    engine.add_request("p", prompt, SamplingParams(max_tokens=50), mode="prefill")
+    engine.add_request("p", prompt, SamplingParams(max_tokens=50), mode=Mode.PREFILL)
     seen = []
     outs = []
     while engine.has_unfinished():
@@ -91,28 +96,28 @@ def test_prefill_mode_streams_blocks_chunk_by_chunk():
     assert seen == [2, 4, 6, 6]  # 32 tokens per step; the 4th step finishes 4 tokens
     assert engine.computed_block_hashes("p") == engine.block_hashes(prompt)
     (o,) = outs
-    assert (o.finished, o.finish_reason, o.index) == (True, "prefill", 0)
+    assert (o.finished, o.finish_reason, o.index) == (True, FinishReason.PREFILLED, 0)
     assert o.token_id == dense_greedy(engine, prompt, 1)[0]
-    assert engine.stats()["retained"] == 1 and engine.stats()["used_blocks"] == 7
+    assert engine.stats().prefilled == 1 and engine.stats().used_blocks == 7
     engine.release("p")
-    assert engine.stats()["used_blocks"] == 0 and engine.computed_block_hashes("p") == []
+    assert engine.stats().used_blocks == 0 and engine.computed_block_hashes("p") == []
 
 
 def test_hold_waits_without_compute_then_generates():
     engine = make_engine()
     prompt = random_prompt(random.Random(4), 30)
     ref = dense_greedy(engine, prompt, 12)
-    engine.add_request("h", prompt + ref[:1], greedy(12), num_prompt_tokens=len(prompt), mode="hold")
+    engine.add_request("h", prompt + ref[:1], greedy(12), num_prompt_tokens=len(prompt), mode=Mode.HOLD)
     assert [o.computed for o in run_all(engine)["h"]] == [True]
-    assert not engine.has_unfinished() and engine.step() == [] and engine.stats()["held"] == 1
-    computed = engine.stats()["computed_tokens"]
+    assert not engine.has_unfinished() and engine.step() == [] and engine.stats().held == 1
+    computed = engine.stats().computed_tokens
     engine.extend("h", ref[1:4], final=False)
     assert [o.computed for o in run_all(engine)["h"]] == [True]
-    assert engine.stats()["computed_tokens"] == computed + 3
+    assert engine.stats().computed_tokens == computed + 3
     engine.extend("h", ref[4:6], final=True)
     out = run_all(engine)["h"]
     assert [o.index for o in out] == list(range(6, 12))
-    assert tokens_of(out) == ref[6:] and out[-1].finish_reason == "length"
+    assert tokens_of(out) == ref[6:] and out[-1].finish_reason is FinishReason.LENGTH
     with pytest.raises(InvalidRequestError):  # finished requests are forgotten
         engine.generated_token_ids("h")
 
@@ -120,7 +125,7 @@ def test_hold_waits_without_compute_then_generates():
 def test_decodes_are_not_stalled_by_a_long_chunk():
     engine = make_engine(max_batched_tokens=16)
     rng = random.Random(5)
-    engine.add_request("old", random_prompt(rng, 10), greedy(100), mode="hold")
+    engine.add_request("old", random_prompt(rng, 10), greedy(100), mode=Mode.HOLD)
     run_all(engine)
     engine.add_request("new", random_prompt(rng, 5), greedy(20))
     engine.step()

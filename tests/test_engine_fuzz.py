@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from shared.engine import EngineError, InvalidRequestError
+from shared.engine import EngineError, FinishReason, InvalidRequestError, Mode
 from shared.engine.block_pool import NO_HASH
 from tests.engine_util import dense_greedy, greedy, make_engine, random_prompt
 
@@ -19,14 +19,14 @@ def _check_invariants(engine) -> None:
     refs: Counter[int] = Counter()
     for seq in engine.seqs.values():
         refs.update(seq.block_table)
-    for bids in engine.pins.values():
+    for bids in engine.transfer.pins.values():
         refs.update(bids)
     for block in engine.pool.blocks:
         assert block.ref_count == refs[block.block_id], f"block {block.block_id} refcount"
         assert (block.ref_count == 0) == (block.block_id in engine.pool.free)
         if block.hash != NO_HASH:
-            assert engine.pool.cached[block.hash] == block.block_id
-    assert len(engine.pool.cached) == sum(b.hash != NO_HASH for b in engine.pool.blocks)
+            assert engine.pool.block_of(block.hash) == block.block_id
+    assert engine.pool.num_cached == sum(b.hash != NO_HASH for b in engine.pool.blocks)
 
 
 verified = {"n": 0}
@@ -34,14 +34,14 @@ verified = {"n": 0}
 
 def _step(engine, expected, got) -> None:
     for o in engine.step():
-        assert o.finish_reason != "error", o.error
+        assert o.finish_reason is not FinishReason.ERROR, o.error
         if o.rid not in expected:
             continue
         if o.token_id is not None:
             got.setdefault(o.rid, []).append(o.token_id)
         if o.finished:
             prompt, n = expected.pop(o.rid)
-            assert o.finish_reason == "length"
+            assert o.finish_reason is FinishReason.LENGTH
             assert got[o.rid] == dense_greedy(engine, prompt, n), f"{o.rid} diverged"
             verified["n"] += 1
     _check_invariants(engine)
@@ -63,10 +63,10 @@ def test_random_interleavings(seed):
             if op < 0.25:
                 prompt = rng.choice(prefixes)[: rng.randint(1, 32)] + random_prompt(rng, rng.randint(0, 40))
                 n = rng.randint(1, 30)
-                mode = rng.choice(["generate", "generate", "prefill", "hold"])
+                mode = rng.choice([Mode.GENERATE, Mode.GENERATE, Mode.PREFILL, Mode.HOLD])
                 engine.add_request(rid, prompt, greedy(n), mode=mode)
                 live.append(rid)
-                if mode == "generate":
+                if mode is Mode.GENERATE:
                     expected[rid] = (prompt, n)
             elif op < 0.32 and live:
                 victim = rng.choice(live)
@@ -79,23 +79,23 @@ def test_random_interleavings(seed):
             elif op < 0.52:
                 prompt = rng.choice(prefixes) + random_prompt(rng, 16)
                 hashes = donor.block_hashes(prompt)
-                if donor.num_cached_prefix_blocks(hashes) < len(hashes):
+                if donor.transfer.num_cached_prefix_blocks(hashes) < len(hashes):
                     donor.add_request(rid, prompt, greedy(1))
                     while donor.has_unfinished():
                         donor.step()
-                engine.import_blocks(hashes, donor.export_blocks(hashes), pin=rng.choice([None, f"pin{step}"]))
+                engine.transfer.import_blocks(hashes, donor.transfer.export_blocks(hashes), pin=rng.choice([None, f"pin{step}"]))
             elif op < 0.56:
-                engine.pin_blocks(f"pin{step}", engine.block_hashes(rng.choice(prefixes)))
+                engine.transfer.pin_blocks(f"pin{step}", engine.block_hashes(rng.choice(prefixes)))
             elif op < 0.6:
-                engine.release(f"pin{rng.randrange(max(step, 1))}")
+                engine.transfer.unpin(f"pin{rng.randrange(max(step, 1))}")
         except InvalidRequestError:
             pass  # e.g. extend of a request that is not held, or a prompt too big for the pool
         except EngineError as e:
             assert "no free KV block" in str(e)  # a full pool refuses imports
         _step(engine, expected, got)
     # Let go of everything that holds blocks; what is left must run to the end.
-    for owner in list(engine.pins):
-        engine.release(owner)
+    for owner in list(engine.transfer.pins):
+        engine.transfer.unpin(owner)
     for rid in list(engine.seqs):
         engine.release(rid)
     for _ in range(500):
@@ -104,5 +104,5 @@ def test_random_interleavings(seed):
         _step(engine, expected, got)
     assert not expected, f"{len(expected)} requests never finished"
     assert verified["n"] >= 5
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0
     assert not engine.has_unfinished()

@@ -37,7 +37,7 @@ def test_pool_lru_eviction_and_events():
     assert not pool.register(pool.allocate(), 10)  # a twin: the first one keeps the hash
     for bid in (c, b, a):  # freed tail first, like a finished sequence
         pool.release(bid)
-    assert pool.num_free == 3 and len(pool.cached) == 3
+    assert pool.num_free == 3 and pool.num_cached == 3
     pool.touch(pool.lookup([11])[0])  # a hit takes b out of the free queue
     assert pool.lookup([10, 11, 12, 99]) == [a, b, c]
     pool.allocate()  # evicts the least recently freed hashed block: c (12)
@@ -48,6 +48,17 @@ def test_pool_lru_eviction_and_events():
         pool.allocate()
 
 
+def test_pool_shares_a_twin_instead_of_registering_it_twice():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.register_or_share(a, 10) == a
+    assert pool.register_or_share(b, 10) == a  # b computed the same block: use a, free b
+    assert pool.block_of(10) == a and pool.block_of(11) is None
+    assert pool.blocks[a].ref_count == 2 and pool.blocks[b].ref_count == 0 and pool.num_free == 3
+    assert pool.register_or_share(a, 10) == a and pool.blocks[a].ref_count == 2  # already its own
+    assert pool.cached_hashes() == [10] and pool.num_cached == 1
+
+
 def test_second_request_reuses_prefix_blocks():
     rng = random.Random(10)
     prefix = random_prompt(rng, 64)  # 4 full blocks
@@ -55,14 +66,14 @@ def test_second_request_reuses_prefix_blocks():
     engine = make_engine()
     engine.add_request("a", p1, greedy(20))
     first = tokens_of(run_all(engine)["a"])
-    assert engine.num_cached_prefix_blocks(engine.block_hashes(p2)) == 4
+    assert engine.transfer.num_cached_prefix_blocks(engine.block_hashes(p2)) == 4
     before = engine.stats()
     engine.add_request("b", p2, greedy(20))
     second = tokens_of(run_all(engine)["b"])
     after = engine.stats()
-    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 64
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 64
     # computed: the 7-token suffix, then 19 single decode steps
-    assert after["computed_tokens"] - before["computed_tokens"] == 7 + 19
+    assert after.computed_tokens - before.computed_tokens == 7 + 19
     fresh = make_engine()
     fresh.add_request("b", p2, greedy(20))
     assert second == tokens_of(run_all(fresh)["b"]) == dense_greedy(engine, p2, 20)
@@ -75,9 +86,9 @@ def test_fully_cached_prompt_recomputes_only_its_last_block():
     engine.add_request("a", prompt, greedy(5))
     ref = tokens_of(run_all(engine)["a"])
     engine.add_request("b", prompt, greedy(5))
-    hit = engine.stats()["prefix_hit_tokens"]
+    hit = engine.stats().prefix_hit_tokens
     assert tokens_of(run_all(engine)["b"]) == ref
-    assert engine.stats()["prefix_hit_tokens"] - hit == 32  # the last block gives the logits
+    assert engine.stats().prefix_hit_tokens - hit == 32  # the last block gives the logits
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_correct():
@@ -90,9 +101,9 @@ def test_eviction_under_memory_pressure_keeps_outputs_correct():
             engine.add_request(f"{round_}-{i}", p, greedy(16))
             got = tokens_of(run_all(engine)[f"{round_}-{i}"])
             assert got == dense_greedy(engine, p, 16)
-    events = engine.drain_events()
+    events = engine.transfer.drain_events()
     assert any(kind == "evicted" for kind, _ in events)
-    assert engine.stats()["cached_blocks"] <= 12
+    assert engine.stats().cached_blocks <= 12
 
 
 def test_preemption_recomputes_and_keeps_outputs_correct():
@@ -102,8 +113,8 @@ def test_preemption_recomputes_and_keeps_outputs_correct():
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(60))  # 4 x up to 7 blocks > 12
     outs = run_all(engine)
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     for i, p in enumerate(prompts):
         assert [o.index for o in outs[f"r{i}"]] == list(range(60))
         assert tokens_of(outs[f"r{i}"]) == dense_greedy(engine, p, 60)
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0

@@ -3,7 +3,11 @@
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
-from shared.engine.outputs import StepOutput
+from shared.engine.outputs import EngineStats, FinishReason, StepOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import Mode
 
-__all__ = ["EngineError", "InvalidRequestError", "LLMEngine", "SamplingParams", "StepOutput", "block_hashes"]
+__all__ = [
+    "EngineError", "EngineStats", "FinishReason", "InvalidRequestError", "LLMEngine", "Mode",
+    "SamplingParams", "StepOutput", "block_hashes",
+]  # fmt: skip

@@ -15,6 +15,11 @@ from shared.engine.errors import EngineError
 NO_HASH = -1
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens (the last one possibly partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass
 class Block:
     block_id: int
@@ -29,18 +34,29 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[int, int] = {}  # block hash -> block id
         self.events: list[tuple[str, int]] = []
 
     @property
     def num_free(self) -> int:
         return len(self.free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def block_of(self, h: int) -> int | None:
+        """The block holding hash h, or None if it is not cached."""
+        return self._cached.get(h)
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
     def lookup(self, hashes: list[int]) -> list[int]:
         """Block ids of the leading run of `hashes` present in the cache."""
         ids = []
         for h in hashes:
-            bid = self.cached.get(h)
+            bid = self._cached.get(h)
             if bid is None:
                 break
             ids.append(bid)
@@ -53,7 +69,7 @@ class BlockPool:
         bid, _ = self.free.popitem(last=False)
         block = self.blocks[bid]
         if block.hash != NO_HASH:
-            del self.cached[block.hash]
+            del self._cached[block.hash]
             self.events.append(("evicted", block.hash))
             block.hash = NO_HASH
         block.ref_count = 1
@@ -78,12 +94,24 @@ class BlockPool:
 
     def register(self, bid: int, h: int) -> bool:
         """Give a computed full block its hash. False if another block already holds it."""
-        if h in self.cached:
+        if h in self._cached:
             return False
         self.blocks[bid].hash = h
-        self.cached[h] = bid
+        self._cached[h] = bid
         self.events.append(("stored", h))
         return True
+
+    def register_or_share(self, bid: int, h: int) -> int:
+        """Register computed block bid under h; if another block already holds h (a twin
+        computed concurrently, or imported), take a reference on that one and release bid.
+        Returns the block to use from now on."""
+        if self.register(bid, h):
+            return bid
+        other = self._cached[h]
+        if other != bid:
+            self.touch(other)
+            self.release(bid)
+        return other
 
     def cost_of(self, bids: list[int]) -> int:
         """Free blocks that referencing `bids` would take out of the free queue."""
@@ -95,7 +123,7 @@ class BlockPool:
         for bid in self.free:
             block = self.blocks[bid]
             if block.hash != NO_HASH:
-                del self.cached[block.hash]
+                del self._cached[block.hash]
                 self.events.append(("evicted", block.hash))
                 block.hash = NO_HASH
                 n += 1

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.scheduler import ScheduledSeq, blocks_for
+from shared.engine.block_pool import blocks_for
+from shared.engine.scheduler import ScheduledSeq
 from shared.model.attention import AttentionContext, Chunk, causal_offset_mask
 from shared.model.llama import LlamaForCausalLM
 

@@ -1,19 +1,45 @@
-"""StepOutput: what one step says about one request."""
+"""What the engine reports: a StepOutput per request and step, EngineStats for the whole engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 
-@dataclass
+class FinishReason(StrEnum):
+    STOP = "stop"  # an EOS id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    PREFILLED = "prefill"  # a PREFILL request sampled its first token
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepOutput:
     rid: str
-    token_id: int | None  # newly sampled token, or None
-    index: int | None  # absolute position - num_prompt_tokens (first generated token: 0)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "prefill" | "abort" | "error"
+    token_id: int | None = None  # newly sampled token, or None
+    index: int | None = None  # absolute position - num_prompt_tokens (first generated token: 0)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
     error: str | None = None
-    computed: bool = False  # a "hold" sequence has KV for all its tokens
+    computed: bool = False  # a HOLD sequence has KV for all its tokens
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    running: int
+    waiting: int
+    held: int  # HOLD sequences waiting for extend() or release()
+    prefilled: int  # PREFILL sequences keeping their blocks until release()
+    pinned_blocks: int
+    preemptions: int
+    kv_bytes_per_token: int
+    computed_tokens: int  # tokens run through the model since start
+    prefix_hit_tokens: int  # tokens admitted from the prefix cache since start
 
 
 def group_by_request(outputs: list[StepOutput]) -> dict[str, list[StepOutput]]:

@@ -5,7 +5,7 @@ When a running sequence needs a block and none is free, the youngest running seq
 preempted: its blocks are released (full ones stay in the prefix cache) and it goes back
 to the queue, ahead of every newer request, to be recomputed later. The oldest always makes progress, and
 add_request already refused anything that cannot fit in the whole pool, so the loop never
-deadlocks on its own; it can only wait for blocks held by "hold"/"prefill" sequences or pins.
+deadlocks on its own; it can only wait for blocks held by HOLD/PREFILL sequences or pins.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.config import EngineSettings
-from shared.engine.block_pool import BlockPool
+from shared.engine.block_pool import BlockPool, blocks_for
 from shared.engine.hashing import extend_block_hashes
 from shared.engine.sequence import SeqStatus, Sequence
 
@@ -23,10 +23,6 @@ from shared.engine.sequence import SeqStatus, Sequence
 class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens of this sequence computed in this step, from seq.num_computed_tokens
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class Scheduler:
@@ -40,6 +36,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_hit_tokens = 0  # tokens admitted from the prefix cache, since start
+        self.num_computed_tokens = 0  # tokens run through the model, since start
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -49,6 +46,32 @@ class Scheduler:
         """A held sequence got new tokens: it runs again with the blocks it has."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """A HOLD sequence has all its KV: it keeps its blocks and waits for extend()."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.HELD
+
+    def park_prefilled(self, seq: Sequence) -> None:
+        """A PREFILL sequence sampled its token: it keeps its blocks until released."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.PREFILLED
+
+    def commit(self, item: ScheduledSeq) -> None:
+        """The forward computed item's tokens: count them and put the blocks they filled
+        in the prefix cache (so every full computed block is registered)."""
+        seq, bs = item.seq, self.block_size
+        registered = seq.num_computed_tokens // bs
+        seq.num_computed_tokens += item.num_new
+        self.num_computed_tokens += item.num_new
+        full = seq.num_computed_tokens // bs
+        if full == registered:
+            return
+        extend_block_hashes(seq.hashes, seq.token_ids, bs, self.model_id)
+        for i in range(registered, full):
+            # A twin already cached is shared instead, so the hash stays cached (and
+            # exportable) as long as this sequence lives.
+            seq.block_table[i] = self.pool.register_or_share(seq.block_table[i], seq.hashes[i])
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_batched_tokens
@@ -102,7 +125,6 @@ class Scheduler:
             self.pool.touch(bid)
         seq.block_table = hit + [self.pool.allocate() for _ in range(new)]
         seq.num_computed_tokens = num_cached
-        seq.num_registered_blocks = len(hit)
         self.num_hit_tokens += num_cached
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -126,7 +148,6 @@ class Scheduler:
             self.pool.release(bid)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence from the queues and free its blocks (finish, abort, release)."""
@@ -135,3 +156,4 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.free_blocks(seq)
+        seq.status = SeqStatus.DONE

@@ -2,36 +2,46 @@
 
 from __future__ import annotations
 
-from enum import Enum, auto
+from enum import Enum, StrEnum, auto
 
 import torch
 
 from shared.engine.sampling_params import SamplingParams
 
 
+class Mode(StrEnum):
+    """What the caller wants from a request."""
+
+    GENERATE = "generate"  # decode until a stop condition
+    PREFILL = "prefill"  # compute the prompt, sample one token, keep the blocks until release()
+    HOLD = "hold"  # compute the tokens, keep the logits; extend() adds tokens, final=True generates
+
+
 class SeqStatus(Enum):
     WAITING = auto()  # needs blocks (new, or preempted for recompute)
     RUNNING = auto()  # has blocks, gets compute every step
-    HELD = auto()  # "hold" mode, all KV computed: waits for extend() or release()
-    FINISHED = auto()  # "prefill" mode done: blocks kept until release()
+    HELD = auto()  # HOLD mode, all KV computed: waits for extend() or release()
+    PREFILLED = auto()  # PREFILL mode done: blocks kept until release()
+    DONE = auto()  # finished, aborted or released: no blocks, the engine forgot it
 
 
 class Sequence:
     def __init__(
         self, rid: str, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int,
-        mode: str, seed: int, arrival: int,
+        mode: Mode, seed: int, arrival: int,
     ) -> None:  # fmt: skip
         self.rid = rid
         self.token_ids = list(token_ids)
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
-        self.mode = mode  # "generate" | "prefill" | "hold"
+        self.mode = mode
         self.seed = seed
         self.arrival = arrival  # admission order: the youngest is preempted first
         self.status = SeqStatus.WAITING
         self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose KV is in the pool (cached prefix included)
-        self.num_registered_blocks = 0  # leading full blocks that are in the prefix cache
+        # Tokens whose KV is in the pool (cached prefix included). Every full block among
+        # them is in the prefix cache too: the scheduler registers blocks as they fill.
+        self.num_computed_tokens = 0
         self.hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.last_logits: torch.Tensor | None = None  # held seqs: logits of the last token
 

@@ -1,0 +1,101 @@
+"""KVTransfer: KV blocks in and out of the pool by block hash, and pins on cached blocks.
+
+A pin is a reference on cached blocks held for an owner (a request id) until unpin(owner),
+so they cannot be evicted while, say, the rest of a prompt's KV is on its way. Pins are
+their own namespace: aborting or releasing a request never touches them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.block_pool import BlockPool
+from shared.engine.errors import EngineError
+
+
+class KVTransfer:
+    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor) -> None:
+        self.pool = pool
+        self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.pins: dict[str, list[int]] = {}  # owner -> referenced block ids
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(bids) for bids in self.pins.values())
+
+    def num_cached_prefix_blocks(self, hashes: list[int]) -> int:
+        return len(self.pool.lookup(hashes))
+
+    def pin_blocks(self, owner: str, hashes: list[int]) -> int:
+        """Pin the leading run of `hashes` that is cached; returns how many blocks that is."""
+        bids = self.pool.lookup(hashes)
+        for bid in bids:
+            self.pool.touch(bid)
+        if bids:
+            self.pins.setdefault(owner, []).extend(bids)
+        return len(bids)
+
+    def unpin(self, owner: str) -> None:
+        for bid in reversed(self.pins.pop(owner, [])):
+            self.pool.release(bid)
+
+    def export_blocks(self, hashes: list[int]) -> torch.Tensor:
+        """The KV of cached blocks, on the CPU: [layers, 2, len(hashes), block_size, kv_heads, head_dim]."""
+        bids = []
+        for h in hashes:
+            bid = self.pool.block_of(h)
+            if bid is None:
+                raise EngineError(f"block {h} is not cached")
+            bids.append(bid)
+        index = torch.tensor(bids, dtype=torch.long, device=self.kv_cache.device)
+        return self.kv_cache.index_select(2, index).cpu().contiguous()
+
+    @torch.inference_mode()
+    def import_blocks(self, hashes: list[int], kv: torch.Tensor, *, pin: str | None = None) -> int:
+        """Copy in the blocks not cached yet, all or nothing; returns how many were new.
+        With pin, every block of `hashes` stays pinned for that owner."""
+        self._check_kv(kv, len(hashes))
+        present = [bid for h in dict.fromkeys(hashes) if (bid := self.pool.block_of(h)) is not None]
+        new: dict[int, int] = {}  # hash -> position in kv, first occurrence
+        for i, h in enumerate(hashes):
+            if self.pool.block_of(h) is None:
+                new.setdefault(h, i)
+        if len(new) + self.pool.cost_of(present) > self.pool.num_free:
+            raise EngineError(f"no free KV block for import: {len(new)} new blocks, {self.pool.num_free} free")
+        for bid in present:  # hold them, so allocating the new ones cannot evict them
+            self.pool.touch(bid)
+        bids = [self.pool.allocate() for _ in new]
+        if bids:
+            device = self.kv_cache.device
+            src = kv[:, :, list(new.values())].to(device)
+            self.kv_cache.index_copy_(2, torch.tensor(bids, dtype=torch.long, device=device), src)
+            for bid, h in zip(bids, new, strict=True):
+                self.pool.register(bid, h)
+        held = present + bids
+        if pin is not None:
+            self.pins.setdefault(pin, []).extend(held)  # our references become the pin's
+        else:
+            for bid in reversed(held):
+                self.pool.release(bid)
+        return len(bids)
+
+    def _check_kv(self, kv: torch.Tensor, num_blocks: int) -> None:
+        layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+        shape = (layers, two, num_blocks, block_size, kv_heads, head_dim)
+        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != shape:
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise EngineError(f"KV shape {got} does not match the expected {shape}")
+        if kv.dtype != self.kv_cache.dtype:
+            raise EngineError(f"KV dtype {kv.dtype} does not match the engine dtype {self.kv_cache.dtype}")
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody references (benchmarks, operators); returns how many."""
+        return self.pool.evict_unreferenced()
+
+    def drain_events(self) -> list[tuple[str, int]]:
+        """("stored" | "evicted", hash) since the last drain, in order."""
+        return self.pool.drain_events()
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now (a snapshot for peers that lost events)."""
+        return self.pool.cached_hashes()
