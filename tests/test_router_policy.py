@@ -1,14 +1,15 @@
 """The router's pure routing policy: which pipeline, which MD, which relay."""
 
 from services.router.policy import (
-    P_MD,
-    P_RLD_MD,
     InstanceLoad,
     choose_least_loaded,
     choose_main_decode,
     choose_pipeline,
     estimate_wan_seconds,
 )
+from shared.bus.messages import Pipeline
+
+P_MD, P_RLD_MD = Pipeline.P_MD, Pipeline.P_RLD_MD
 
 
 def test_low_hit_long_prompt_takes_the_relay():
