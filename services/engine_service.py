@@ -3,17 +3,19 @@ subscriptions and timers, load reports, pins, and the abort protocol."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.connection import publish
+from shared.bus.connection import publish, respond
 from shared.bus.messages import Abort, AbortReason, LinkReport, LoadReport, Outcome, Role, TokenEvent
 from shared.bus.subjects import Req
 from shared.engine import EngineStats, FinishReason, LLMEngine, StepOutput
 from shared.engine.engine_loop import EngineLoop, PostStep
+from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
@@ -35,6 +37,7 @@ class EngineService:
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
         self.life = Lifecycle()
         self.kv_server: KVServer | None = None
+        self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -49,6 +52,24 @@ class EngineService:
             await self.kv_server.close()
         await self.engine_loop.stop()
 
+    async def subscribe_admission(
+        self, subject: str, cls: type, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]], queue: str = ""
+    ) -> None:
+        """Messages that create a job. Admission waits for the engine thread (up to one
+        step), so it runs off the subscription: requests arriving together are admitted
+        together. A duplicate request id is refused with `reply_cls(ok=False, error=...)`."""
+
+        async def on_message(msg: Any, raw: Any) -> None:
+            self.life.spawn(self._admit(msg, raw, reply_cls, admit))
+
+        await self.life.subscribe(self.nc, subject, cls, on_message, queue=queue)
+
+    async def _admit(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
+        if msg.rid in self.jobs:
+            await respond(raw, reply_cls(ok=False, error=f"duplicate request id {msg.rid}"))
+        else:
+            await admit(msg, raw)
+
     async def serve_kv(self, address: str) -> None:
         """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort)."""
         self.kv_server = await start_kv_server(address, self.settings.secret, self)
@@ -58,6 +79,13 @@ class EngineService:
         """The service's own subscriptions (aborts are handled here)."""
 
     async def on_outputs(self, outputs: list[StepOutput], extra: Any) -> None:
+        """One step's outputs, per live request."""
+        for rid, outs in group_by_request(outputs).items():
+            job = self.jobs.get(rid)
+            if job is not None:
+                await self.request_outputs(job, outs)
+
+    async def request_outputs(self, job: Any, outs: list[StepOutput]) -> None:
         raise NotImplementedError
 
     async def on_abort_message(self, msg: Abort) -> None:

@@ -35,7 +35,6 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings
 from shared.engine import EngineError, LLMEngine, Mode, StepOutput
-from shared.engine.outputs import group_by_request
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -80,9 +79,7 @@ class MDJob:
     receive_span: Span | None = None
     decode_span: Span | None = None
 
-    @property
-    def rid(self) -> str:
-        return self.req.rid
+    rid = property(lambda self: self.req.rid)
 
 
 class MainDecodeService(EngineService):
@@ -109,19 +106,11 @@ class MainDecodeService(EngineService):
 
     async def subscribe(self) -> None:
         inst = self.settings.instance
-        await self.life.subscribe(self.nc, subjects.md_prepare(inst), PrepareRequest, self._on_prepare)
+        await self.subscribe_admission(subjects.md_prepare(inst), PrepareRequest, PrepareReply, self._prepare)
         await self.life.subscribe(self.nc, subjects.all_req(Req.HANDOFF), HandoffBatch, self._on_handoff)
 
     # ---- prepare: which blocks must cross the WAN -------------------------------------
-    async def _on_prepare(self, msg: PrepareRequest, raw) -> None:
-        # Admission waits for the engine thread (up to one step): do it off the subscription
-        # so requests arriving together are admitted together.
-        self.life.spawn(self._prepare(msg, raw))
-
     async def _prepare(self, msg: PrepareRequest, raw) -> None:
-        if msg.rid in self.jobs:
-            await respond(raw, PrepareReply(ok=False, error=f"duplicate request id {msg.rid}"))
-            return
         try:
             msg.params.validate()
             # Pin what is cached now so it cannot be evicted before the request uses it.
@@ -228,13 +217,7 @@ class MainDecodeService(EngineService):
         else:
             self.engine.extend(req.rid, batch.tokens, final=batch.final)
 
-    async def on_outputs(self, outputs: list[StepOutput], _extra) -> None:
-        for rid, outs in group_by_request(outputs).items():
-            job = self.jobs.get(rid)
-            if job is not None:
-                await self._request_outputs(job, outs)
-
-    async def _request_outputs(self, job: MDJob, outs: list[StepOutput]) -> None:
+    async def request_outputs(self, job: MDJob, outs: list[StepOutput]) -> None:
         if any(o.computed for o in outs):  # a catch-up batch is in: ask for the next one
             ack = HandoffAck(job.rid, job.next_seq - 1)
             await publish(self.nc, subjects.req(job.rid, Req.HANDOFF_ACK), ack)

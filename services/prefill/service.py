@@ -93,9 +93,7 @@ class PrefillJob:
     ctx: Context | None = None  # trace context of the router's request
     compute_span: Span | None = None
 
-    @property
-    def rid(self) -> str:
-        return self.submit.rid
+    rid = property(lambda self: self.submit.rid)
 
 
 class PrefillService(EngineService):
@@ -114,8 +112,8 @@ class PrefillService(EngineService):
         # Least-loaded choice by the router on the instance subject; the queue group serves
         # clients that do not pick an instance.
         inst = self.settings.instance
-        await self.life.subscribe(self.nc, subjects.prefill_submit_to(inst), PrefillSubmit, self._on_submit)
-        await self.life.subscribe(self.nc, subjects.prefill_submit(), PrefillSubmit, self._on_submit, queue="prefill")
+        await self.subscribe_admission(subjects.prefill_submit_to(inst), PrefillSubmit, SubmitReply, self._submit)
+        await self.subscribe_admission(subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill")
         await self.life.subscribe(self.nc, subjects.all_req(Req.MD_TARGET), MDTarget, self._on_md_target)
         await self.life.subscribe(self.nc, subjects.all_req(Req.MD_LOST), MainDecodeLost, self._on_md_lost)
 
@@ -127,15 +125,7 @@ class PrefillService(EngineService):
         await super().stop()
 
     # ---- admission -------------------------------------------------------------------
-    async def _on_submit(self, msg: PrefillSubmit, raw) -> None:
-        # Admission waits for the engine thread (up to one step): do it off the subscription
-        # so requests arriving together are admitted together.
-        self.life.spawn(self._submit(msg, raw))
-
     async def _submit(self, msg: PrefillSubmit, raw) -> None:
-        if msg.rid in self.jobs:
-            await respond(raw, SubmitReply(ok=False, error=f"duplicate request id {msg.rid}"))
-            return
         local = msg.relay_address is not None
         job = PrefillJob(msg, local_queue=asyncio.Queue() if local else None, ctx=otel_context.get_current())
         job.compute_span = self.tracer.start_span(

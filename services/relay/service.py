@@ -36,7 +36,6 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
-from shared.engine.outputs import group_by_request
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -142,13 +141,7 @@ class RelayService(EngineService):
             await self.unpin(rid)
 
     # ---- decoding ----------------------------------------------------------------------
-    async def on_outputs(self, outputs: list[StepOutput], _extra) -> None:
-        for rid, outs in group_by_request(outputs).items():
-            job = self.jobs.get(rid)
-            if job is not None:
-                await self._request_outputs(job, outs)
-
-    async def _request_outputs(self, job: RelayJob, outs: list[StepOutput]) -> None:
+    async def request_outputs(self, job: RelayJob, outs: list[StepOutput]) -> None:
         if job.produced == 0:
             await self.unpin(job.rid)  # the sequence holds its blocks now
         toks = [o.token_id for o in outs if o.token_id is not None]

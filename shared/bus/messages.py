@@ -89,6 +89,13 @@ class PrefillSubmit(Message):
 
 
 @dataclass
+class SubmitReply(Message):
+    ok: bool
+    instance: str = ""
+    error: str | None = None
+
+
+@dataclass
 class MDTarget(Message):
     """router → P: MD's answer to prepare, sent once it is in. The router asks MD and P at
     the same time, so prefill never waits a WAN round trip for it."""
@@ -96,13 +103,6 @@ class MDTarget(Message):
     rid: str
     md_bulk_address: str
     md_missing: list[int]
-
-
-@dataclass
-class SubmitReply(Message):
-    ok: bool
-    instance: str = ""
-    error: str | None = None
 
 
 @dataclass
