@@ -169,6 +169,7 @@ class RouterCore:
                 "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
                 "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline.value,
                 "pdd.md_instance": md, "pdd.relay_instance": relay or "",
+                "pdd.bandwidth_estimate": self._link_to_md(md)[1],
             })  # fmt: skip
         stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span)
         span.set_attribute("pdd.pipeline", decision.pipeline.value)
