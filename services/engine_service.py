@@ -140,7 +140,7 @@ class EngineService:
     async def send_tokens(self, event: TokenEvent) -> None:
         await publish(self.nc, subjects.req(event.rid, Req.TOKENS), event)
 
-    def unknown_request(self) -> None:
+    def count_unknown_request(self) -> None:
         metrics.UNKNOWN_REQUEST_MESSAGES.labels(service=self.role.value).inc()
 
 

@@ -84,10 +84,10 @@ class MDJob:
 
 class MainDecodeService(EngineService):
     role = Role.MAIN_DECODE
+    jobs: dict[str, MDJob]
 
     def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.jobs: dict[str, MDJob] = {}
 
     @property
     def advertise_address(self) -> str:
@@ -177,7 +177,7 @@ class MainDecodeService(EngineService):
     async def _on_handoff(self, msg: HandoffBatch, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.unknown_request()
+            self.count_unknown_request()
             return
         job.batches[msg.seq] = (msg, otel_context.get_current())
         self.life.spawn(self._drain_handoffs(job))  # keep this subscription free for other requests

@@ -98,12 +98,12 @@ class PrefillJob:
 
 class PrefillService(EngineService):
     role = Role.PREFILL
+    jobs: dict[str, PrefillJob]
 
     def __init__(self, settings: PrefillSettings, nc, engine: LLMEngine | None = None):
         engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
-        self.jobs: dict[str, PrefillJob] = {}
         self.kv_clients = KVClientPool(settings.secret)
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
@@ -126,7 +126,7 @@ class PrefillService(EngineService):
 
     # ---- admission -------------------------------------------------------------------
     async def _submit(self, msg: PrefillSubmit, raw) -> None:
-        local = msg.relay_address is not None
+        local = bool(msg.relay_address)
         job = PrefillJob(msg, local_queue=asyncio.Queue() if local else None, ctx=otel_context.get_current())
         job.compute_span = self.tracer.start_span(
             "prefill.compute",
@@ -141,7 +141,7 @@ class PrefillService(EngineService):
             job.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
-        if job.local_queue is not None and msg.relay_address:
+        if job.local_queue is not None and msg.relay_address:  # P→RLD→MD
             self._start_sender(job, KVPath.LOCAL, msg.relay_address, job.local_queue)
         self.life.spawn(self._watch(job))
         await respond(raw, SubmitReply(ok=True, instance=self.settings.instance))
@@ -150,11 +150,12 @@ class PrefillService(EngineService):
     async def _on_md_target(self, msg: MDTarget, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.unknown_request()
+            self.count_unknown_request()
             return
+        starts_draining = job.state.is_in(PrefillState.AWAITING_TARGET)  # the first token is out
         if job.state.is_in(PrefillState.PREFILLING):
-            job.state.to(PrefillState.TARGETED)
-        elif job.state.is_in(PrefillState.AWAITING_TARGET):
+            job.state.to(PrefillState.TARGETED)  # the first token will start draining
+        elif starts_draining:
             job.state.to(PrefillState.DRAINING)
         else:
             return  # a duplicate target, or the request is gone
@@ -166,7 +167,7 @@ class PrefillService(EngineService):
         export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
         if export is not None:
             self._queue_blocks(job, export)
-        if job.state.is_in(PrefillState.DRAINING):
+        if starts_draining and job.state.is_in(PrefillState.DRAINING):
             await self._on_draining(job)
 
     async def _first_token(self, job: PrefillJob, token: int) -> None:
@@ -174,6 +175,8 @@ class PrefillService(EngineService):
         if job.compute_span:
             job.compute_span.end()
         reason = await self.engine_loop.call(self.engine.finish_reason, job.rid)
+        if job.state.is_in(PrefillState.RELEASED):
+            return  # dropped meanwhile (abort, failed transfer)
         if reason is not None:
             # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
             await self.send_tokens(TokenEvent(job.rid, self.role, 0, [token], outcome=outcome_of(reason)))

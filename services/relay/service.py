@@ -83,10 +83,10 @@ class RelayJob:
 
 class RelayService(EngineService):
     role = Role.RELAY
+    jobs: dict[str, RelayJob]
 
     def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.jobs: dict[str, RelayJob] = {}
         self.early_ready: OrderedDict[str, None] = OrderedDict()  # kv_ready that beat the local KV
 
     async def start(self) -> None:
@@ -180,6 +180,8 @@ class RelayService(EngineService):
         if tokens is None:
             return  # finished in the meantime: the output path handles it
         running = (await self.engine_loop.call(self.engine.stats)).running
+        if not job.state.is_in(RelayState.HANDING_OFF):
+            return  # MD gave up meanwhile: the relay finishes the request
         job.mode = choose_handoff_mode(len(tokens), running, job.catchup_threshold, self.settings.catchup_load)
         if job.mode is HandoffMode.ONE_SHOT:
             await self._send_final(job)
@@ -244,6 +246,8 @@ class RelayService(EngineService):
         tokens = await self.engine_loop.call(self._snapshot, job.rid, False)
         if tokens is None:
             return
+        if not job.state.is_in(RelayState.HANDING_OFF):
+            return  # MD gave up meanwhile: the relay finishes the request
         pending = len(tokens) - job.handed
         if catchup_is_final(pending, job.seq, job.catchup_threshold, self.settings.catchup_max_rounds):
             await self._send_final(job)

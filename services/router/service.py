@@ -43,7 +43,7 @@ from .errors import APIError
 from .policy import RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
 from .prefix_index import PrefixIndex
 from .registry import Registry
-from .request_stream import ENDED, Delta, RequestStream, StreamState
+from .request_stream import Delta, RequestStream, StreamState
 from .schemas import PddOptions
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ class RouterCore:
 
     async def abort(self, rid: str, reason: AbortReason, parent: Span | None = None) -> None:
         stream = self.streams.pop(rid, None)
-        if stream is not None and not stream.state.is_in(*ENDED):
+        if stream is not None:
             stream.fail(reason.value)
         ctx = trace.set_span_in_context(parent) if parent else None
         try:
