@@ -1,0 +1,147 @@
+"""A private CA and one certificate per identity, created on first start and reused.
+
+Every link that crosses the WAN (NATS client connections, the NATS gateway, the KV bulk
+channel) runs TLS 1.3 with mutual certificates from this CA. Keys are EC P-256 and written
+0600; certificates name every host a peer may dial (the WAN proxy in front of a service
+included), so hostname checks hold without a special case.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import ssl
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID_DAYS = 397  # what public CAs may issue; `pdd certs` renews
+CA_NAME = "ca"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The files one party presents: its certificate and key, and the CA it trusts."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+class Pki:
+    """A directory holding ca.pem/ca.key and <name>.pem/<name>.key per identity."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.dir / f"{CA_NAME}.pem"
+
+    def identity(self, name: str) -> Identity:
+        return Identity(self.ca_cert, self.dir / f"{name}.pem", self.dir / f"{name}.key")
+
+    def ensure(self, names: Iterable[str], hosts: Iterable[str], *, renew: bool = False) -> None:
+        """Create the CA and each identity's certificate unless present (all anew with renew)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        if renew or not (self.ca_cert.exists() and (self.dir / f"{CA_NAME}.key").exists()):
+            renew = True
+            _write_key(self.dir / f"{CA_NAME}.key", ca_key := ec.generate_private_key(ec.SECP256R1()))
+            _write_cert(self.ca_cert, _ca_certificate(ca_key))
+        ca_key = _read_key(self.dir / f"{CA_NAME}.key")
+        ca = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
+        hosts = sorted(set(hosts))
+        for name in names:
+            ident = self.identity(name)
+            if renew or not (ident.cert.exists() and ident.key.exists()):
+                key = ec.generate_private_key(ec.SECP256R1())
+                _write_key(ident.key, key)
+                _write_cert(ident.cert, _leaf_certificate(name, hosts, key, ca, ca_key))
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+
+
+def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
+    now = dt.datetime.now(dt.UTC)
+    return builder.not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+
+
+def _ca_certificate(key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
+    builder = x509.CertificateBuilder().subject_name(_name("pdd private CA")).issuer_name(_name("pdd private CA"))
+    builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
+    builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+    usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)  # cert + CRL signing
+    return builder.add_extension(usage, critical=True).sign(key, hashes.SHA256())
+
+
+def _san(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _leaf_certificate(
+    name: str, hosts: list[str], key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, ca_key
+) -> x509.Certificate:
+    """Server and client use in one certificate: every service both listens and dials."""
+    builder = x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
+    builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
+    builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    builder = builder.add_extension(x509.SubjectAlternativeName([_san(h) for h in [name, *hosts]]), critical=False)
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False).sign(ca_key, hashes.SHA256())
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())  # fmt: skip
+    write_private(path, data)
+
+
+def _read_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return key
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    write_private(path, cert.public_bytes(serialization.Encoding.PEM))
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write a file readable by its owner only (created 0600, never world-readable meanwhile)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def server_context(ident: Identity) -> ssl.SSLContext:
+    """TLS 1.3 server that requires a client certificate from the same CA."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(ident.cert, ident.key)
+    ctx.load_verify_locations(ident.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(ident: Identity) -> ssl.SSLContext:
+    """TLS 1.3 client that presents its certificate and checks the server's name and CA."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(ident.cert, ident.key)
+    ctx.load_verify_locations(ident.ca)
+    return ctx
