@@ -43,7 +43,7 @@ class EngineService:
     async def start(self) -> None:
         self.engine_loop.start()
         await self.subscribe()
-        await self.life.subscribe(self.nc, subjects.all_req(Req.ABORT), Abort, self._on_abort)
+        await self.life.subscribe(self.nc, subjects.all_aborts(), Abort, self._on_abort)
         self.life.every(0.5, self.report_load)
 
     async def stop(self) -> None:
@@ -88,8 +88,8 @@ class EngineService:
     async def request_outputs(self, job: Any, outs: list[StepOutput]) -> None:
         raise NotImplementedError
 
-    async def on_abort_message(self, msg: Abort) -> None:
-        """Another role gave up on `msg.rid`."""
+    async def on_abort_message(self, msg: Abort, source: Role) -> None:
+        """Another role (`source`, from the subject) gave up on `msg.rid`."""
         raise NotImplementedError
 
     def load_address(self) -> str | None:
@@ -126,16 +126,20 @@ class EngineService:
         await self.engine_loop.call(self.engine.transfer.unpin, rid)
 
     # ---- messages --------------------------------------------------------------------
-    async def _on_abort(self, msg: Abort, _raw: Any) -> None:
-        if msg.source is not self.role:
-            await self.on_abort_message(msg)
+    async def _on_abort(self, msg: Abort, raw: Any) -> None:
+        try:
+            source = Role(subjects.abort_source(raw.subject))
+        except ValueError:
+            return  # not a role's subject: nobody we know sent it
+        if source is not self.role:
+            await self.on_abort_message(msg, source)
 
     async def send_abort(self, rid: str, reason: AbortReason, detail: str = "", parent: Span | None = None) -> None:
         """Tell every other role to drop `rid`."""
         ctx = trace.set_span_in_context(parent) if parent else None
         attrs = {REQUEST_ID_ATTR: rid, "reason": reason.value, "detail": detail}
         with self.tracer.start_as_current_span("abort", context=ctx, attributes=attrs):
-            await publish(self.nc, subjects.req(rid, Req.ABORT), Abort(rid, reason, self.role, detail))
+            await publish(self.nc, subjects.abort(rid, self.role.value), Abort(rid, reason, detail))
 
     async def send_tokens(self, event: TokenEvent) -> None:
         await publish(self.nc, subjects.req(event.rid, Req.TOKENS), event)

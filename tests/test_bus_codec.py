@@ -166,9 +166,9 @@ def test_protocol_has_no_untyped_fields() -> None:
 
 
 def test_an_unknown_enum_value_is_refused_at_the_edge() -> None:
-    wire = msgpack.unpackb(encode(messages.Abort("r", messages.AbortReason.FINISHED, messages.Role.ROUTER)))
-    wire["source"] = "relay-fallback"
-    with pytest.raises(MessageError, match="source"):
+    wire = msgpack.unpackb(encode(messages.Abort("r", messages.AbortReason.FINISHED)))
+    wire["reason"] = "md_lost"  # a reason that no longer exists
+    with pytest.raises(MessageError, match="reason"):
         decode(messages.Abort, msgpack.packb(wire))
 
 
@@ -186,6 +186,14 @@ def test_each_request_subject_is_caught_by_its_own_wildcard_only() -> None:
             assert _matches(subjects.all_req(other), subject) == (other is kind), (kind, other)
         assert not _matches(subjects.all_req(kind), subjects.req("abc", kind) + ".x")
     assert len({subjects.req("abc", k) for k in Req}) == len(Req)
+
+
+def test_an_abort_names_its_sender_in_the_subject() -> None:
+    for role in messages.Role:
+        subject = subjects.abort("abc", role.value)
+        assert _matches(subjects.all_aborts(), subject) and subjects.abort_source(subject) == role.value
+        assert not any(_matches(subjects.all_req(kind), subject) for kind in Req)
+    assert not _matches(subjects.all_aborts(), subjects.req("abc", Req.TOKENS))
 
 
 def test_service_subjects_are_distinct_and_caught_by_their_wildcards() -> None:

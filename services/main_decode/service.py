@@ -237,7 +237,7 @@ class MainDecodeService(EngineService):
         await self.send_tokens(event)
 
     # ---- faults and cleanup ------------------------------------------------------------
-    async def on_abort_message(self, msg: Abort) -> None:
+    async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None:
             await self._drop(job)

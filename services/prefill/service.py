@@ -314,7 +314,7 @@ class PrefillService(EngineService):
         await self.send_abort(job.rid, AbortReason.FAILED, error)
         await self._drop(job, AbortReason.FAILED)
 
-    async def on_abort_message(self, msg: Abort) -> None:
+    async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None:
             with self.tracer.start_as_current_span("abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason.value}):

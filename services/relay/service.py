@@ -276,11 +276,11 @@ class RelayService(EngineService):
         if job is not None and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
             await self._go_solo(job, f"main decode {msg.md_instance} was lost")
 
-    async def on_abort_message(self, msg: Abort) -> None:
+    async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
             await self.unpin(msg.rid)
-        elif msg.source is Role.MAIN_DECODE and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
+        elif source is Role.MAIN_DECODE and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
             await self._go_solo(job, f"MD gave up: {msg.reason.value} {msg.detail}")
         else:
             self._forget(job)

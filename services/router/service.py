@@ -277,6 +277,6 @@ class RouterCore:
             with self.tracer.start_as_current_span(
                 "abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": reason.value}
             ):
-                await publish(self.nc, subjects.req(rid, Req.ABORT), Abort(rid, reason, Role.ROUTER))
+                await publish(self.nc, subjects.abort(rid, Role.ROUTER.value), Abort(rid, reason))
         except Exception as e:  # NATS gone: peers time the request out on their own
             log.warning("could not publish abort for %s: %s", rid, e)

@@ -189,11 +189,11 @@ class HandoffAck(Message):
 
 @dataclass
 class Abort(Message):
-    """anyone → all: stop work on `rid` and free what it holds. Each role ignores its own."""
+    """anyone → all, on `subjects.abort(rid, role)`: stop work on `rid` and free what it holds.
+    The sender's role is the subject's last token; each role ignores its own."""
 
     rid: str
     reason: AbortReason
-    source: Role
     detail: str = ""
 
 

@@ -16,7 +16,6 @@ class Req(StrEnum):
     HANDOFF_ACK = "handoff_ack"  # MD → RLD
     MD_TARGET = "md_target"  # router → P
     MD_LOST = "md_lost"  # router → P, RLD
-    ABORT = "abort"  # anyone → all
 
 
 def _tok(value: str) -> str:
@@ -34,6 +33,21 @@ def req(rid: str, kind: Req) -> str:
 def all_req(kind: Req) -> str:
     """Every request's `kind` subject."""
     return f"{PREFIX}.req.*.{Req(kind)}"
+
+
+def abort(rid: str, source: str) -> str:
+    """`pdd.req.<rid>.abort.<role>`: who gives up is part of the subject, so NATS permissions
+    (each role may publish only its own) vouch for it; no field inside the message does."""
+    return f"{PREFIX}.req.{_tok(rid)}.abort.{_tok(source)}"
+
+
+def all_aborts() -> str:
+    return f"{PREFIX}.req.*.abort.*"
+
+
+def abort_source(subject: str) -> str:
+    """The role that published an abort subject."""
+    return subject.rsplit(".", 1)[-1]
 
 
 def prefill_submit() -> str:
