@@ -25,6 +25,7 @@ from shared.security.credentials import Credentials
 DC_A = "dc-a"
 DC_B = "dc-b"
 SERVICES = ("prefill", "relay", "main_decode", "router")
+KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they hold its secret
 # Env prefix of each service's settings class in shared/config.py.
 ENV_PREFIX = {
     "prefill": "PDD_PREFILL_",
@@ -196,6 +197,7 @@ def _service_env(
         f"{p}INSTANCE": "0",
         f"{p}DATACENTER": dc,
         f"{p}MODEL__PRESET": opts.model_preset,
+        **_credentials_env(name, secrets_dir(opts, h)),
     }
     if opts.model_path:
         env[f"{p}MODEL__PATH"] = str(opts.model_path)
@@ -210,14 +212,16 @@ def _credentials_env(name: str, directory: Path) -> dict[str, str]:
     """The paths of this service's own credentials; never the secrets themselves."""
     creds, p = Credentials(directory), ENV_PREFIX[name]
     ident = creds.identity(name)
-    return {
+    env = {
         f"{p}NATS_USER": name,
         f"{p}NATS_PASSWORD_FILE": str(creds.password_file(name)),
-        f"{p}SECRET_FILE": str(creds.secret_file),
         f"{p}TLS_CA": str(ident.ca),
         f"{p}TLS_CERT": str(ident.cert),
         f"{p}TLS_KEY": str(ident.key),
     }
+    if name in KV_SERVICES:
+        env[f"{p}SECRET_FILE"] = str(creds.secret_file)
+    return env
 
 
 def service_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[ProcessSpec]:

@@ -12,7 +12,7 @@ from .main import build_app
 
 def main() -> None:
     setup_logging("router")
-    settings = require_credentials(RouterSettings(), "router", ENV_PREFIX["router"])
+    settings = require_credentials(RouterSettings(), "router", ENV_PREFIX["router"], kv=False)
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 

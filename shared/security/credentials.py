@@ -24,7 +24,7 @@ NATS_SERVERS = ("nats-a", "nats-b")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Compose service names are hostnames there; `wan` fronts the gateways and the KV channel.
 COMPOSE_HOSTNAMES = ("nats-a", "nats-b", "wan", "main_decode", "prefill", "relay", "router")
-REQUIRED = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key", "secret")
+REQUIRED = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key")
 FILES = ("tls_ca", "tls_cert", "tls_key")
 
 
@@ -69,8 +69,10 @@ class Credentials:
         return [NatsUser(s, self.password(s), PERMISSIONS[s]) for s in services]
 
 
-def require_credentials(settings: Any, service: str, env_prefix: str) -> Any:
-    """Read the password and secret files into `settings`; exit 2 naming what is missing."""
+def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: bool = True) -> Any:
+    """Read the password and secret files into `settings`; exit 2 naming what is missing.
+    `kv`: the service is an end of the KV bulk channel, so it needs the channel's secret."""
+    required = [*REQUIRED, "secret"] if kv else REQUIRED
     for name in ("nats_password", "secret"):
         path = getattr(settings, f"{name}_file", None)
         if not getattr(settings, name) and path:
@@ -78,7 +80,8 @@ def require_credentials(settings: Any, service: str, env_prefix: str) -> Any:
                 setattr(settings, name, Path(path).read_text().strip())
             except OSError as e:
                 _refuse(service, f"{env_prefix}{name.upper()}_FILE: {e.strerror}: {path}")
-    missing = [f"{env_prefix}{n.upper()}" for n in REQUIRED if not getattr(settings, n)]
+    missing = [f"{env_prefix}{n.upper()}{'[_FILE]' if hasattr(settings, f'{n}_file') else ''}"
+               for n in required if not getattr(settings, n)]  # fmt: skip
     if missing:
         _refuse(service, f"missing setting {', '.join(missing)} (`pdd up` / `pdd certs` create them)")
     for name in FILES:
