@@ -26,8 +26,11 @@ COPY services services
 COPY bench bench
 RUN pip install --no-deps . && rm -rf build ./*.egg-info
 
-# Unprivileged user; /run/pdd holds the relay's unix socket (a volume shared with prefill).
-RUN useradd --create-home --uid 10001 pdd && mkdir -p /run/pdd && chown pdd /run/pdd
+# Unprivileged user; /run/pdd holds the relay's unix socket (a volume shared with prefill),
+# /pdd the credentials the compose `certs` service writes (a volume the others mount read-only).
+RUN useradd --create-home --uid 10001 pdd \
+    && mkdir -p /run/pdd && chown pdd /run/pdd \
+    && mkdir -p /pdd && chown pdd /pdd
 USER pdd
 
 CMD ["pdd", "--help"]

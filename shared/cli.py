@@ -1,4 +1,4 @@
-"""`pdd` — the command line: up, serve, wan, bench, trace."""
+"""`pdd` — the command line: up, certs, serve, wan, bench, trace."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole two-DC system on this machine")
     _add_up_options(up)
 
+    certs = sub.add_parser("certs", help="(re)create the CA, certificates, NATS passwords and KV secret")
+    certs.add_argument("--workdir", type=Path, default=UpOptions().workdir, help="credentials go to <workdir>/secrets")
+    certs.add_argument("--host", action="append", default=[], help="one more host the certificates name")
+    certs.add_argument("--keep", action="store_true", help="only create what is missing (what `pdd up` does)")
+    certs.add_argument("--compose", action="store_true", help="also write the NATS configs compose.yaml runs")
+
     serve = sub.add_parser("serve", help="run one service (python -m services.<name>)")
     serve.add_argument("service", choices=SERVICES)
 
@@ -78,6 +84,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     from shared.up import run_up  # lazy: pulls in httpx and the NATS launcher
 
     return asyncio.run(run_up(up_options(args), smoke=args.smoke, start_timeout_s=args.start_timeout))
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from shared.launch import COMPOSE_HOSTS, nats_specs
+    from shared.security.credentials import Credentials
+    from shared.security.pki import write_private
+
+    opts = UpOptions(workdir=args.workdir)
+    creds = Credentials(args.workdir.resolve() / "secrets").ensure(SERVICES, args.host, renew=not args.keep)
+    if args.compose:
+        from shared.bus.nats_config import NatsConfig
+
+        for spec in nats_specs(opts, COMPOSE_HOSTS):
+            conf = NatsConfig(spec.name, f"{COMPOSE_HOSTS.bind}:{spec.port}", "127.0.0.1:8222",
+                              tls=creds.identity(spec.name), users=creds.nats_users(SERVICES),
+                              gateway_listen=f"{COMPOSE_HOSTS.bind}:{spec.gateway_port}",
+                              gateway_advertise=spec.advertise, gateways=spec.gateways)  # fmt: skip
+            write_private(creds.dir / f"{spec.name}.conf", conf.render().encode())
+    print(f"pdd certs: credentials in {creds.dir}")
+    return 0
 
 
 def _run_module(module: str, argv: list[str]) -> int:
@@ -137,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     if args.command == "up":
         return cmd_up(args)
+    if args.command == "certs":
+        return cmd_certs(args)
     if args.command == "serve":
         return cmd_serve(args)
     if args.command == "wan":

@@ -35,10 +35,17 @@ class EngineSettings(BaseModel):
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_", env_nested_delimiter="__", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "tls://127.0.0.1:4222"
     instance: str = "0"
     datacenter: str = "dc-a"
-    secret: str = "pdd-dev-secret"  # shared secret of the KV bulk channel
+    secret: str | None = None  # shared secret of the KV bulk channel (required, or secret_file)
+    secret_file: str | None = None  # a file holding `secret` (what `pdd up` passes)
+    nats_user: str | None = None  # this service's NATS user (required)
+    nats_password: str | None = None  # required, or nats_password_file
+    nats_password_file: str | None = None  # a file holding `nats_password` (what `pdd up` passes)
+    tls_ca: str | None = None  # the private CA's certificate (required)
+    tls_cert: str | None = None  # this service's certificate (required)
+    tls_key: str | None = None  # its private key (required)
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request

@@ -7,6 +7,10 @@ in compose.yaml runs the same command with the same environment (only the addres
 Topology (DESIGN.md): nats-a (dc-a) and nats-b (dc-b) joined by a NATS gateway whose two
 connections cross the WAN emulator (links gw-ab, gw-ba); KV bulk P -> MD crosses link `bulk`.
 prefill, relay, router live in dc-a on nats-a; main_decode in dc-b on nats-b.
+
+Security is always on: every NATS connection and the gateway run mutual TLS, and each service
+connects as its own NATS user. The credentials live in one secrets directory
+(shared/security/credentials.py); services get the paths of their files in their settings.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.security.credentials import Credentials
+
 DC_A = "dc-a"
 DC_B = "dc-b"
 SERVICES = ("prefill", "relay", "main_decode", "router")
+KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they hold its secret
 # Env prefix of each service's settings class in shared/config.py.
 ENV_PREFIX = {
     "prefill": "PDD_PREFILL_",
@@ -82,6 +89,7 @@ class Hosts:
     wan: str
     main_decode: str
     socket_dir: str | None = None  # relay's unix socket directory; None = the workdir
+    secrets_dir: str | None = None  # credentials (shared/security/credentials.py); None = <workdir>/secrets
     local_traces: bool = True  # set PDD_TRACE_DIR (compose exports OTLP to Jaeger instead)
 
     @classmethod
@@ -89,6 +97,7 @@ class Hosts:
         return cls(bind=host, nats_a=host, nats_b=host, wan=host, main_decode=host)
 
 
+COMPOSE_WORKDIR = "/pdd"  # a volume: the certs service writes the credentials, the rest read them
 # Compose service names double as hostnames; the relay socket lives on a shared volume.
 COMPOSE_HOSTS = Hosts(
     bind="0.0.0.0",
@@ -97,6 +106,7 @@ COMPOSE_HOSTS = Hosts(
     wan="wan",
     main_decode="main_decode",
     socket_dir="/run/pdd",
+    secrets_dir=f"{COMPOSE_WORKDIR}/secrets",
     local_traces=False,
 )
 
@@ -129,6 +139,17 @@ class NatsSpec:
     gateway_port: int
     gateways: dict[str, str] = field(default_factory=dict)
     advertise: str | None = None  # gateway address peers should use (the WAN link in front of it)
+
+
+def secrets_dir(opts: UpOptions, hosts: Hosts | None = None) -> Path:
+    h = hosts or Hosts.local(opts.host)
+    return Path(h.secrets_dir) if h.secrets_dir else opts.workdir.resolve() / "secrets"
+
+
+def certs_spec() -> ProcessSpec:
+    """Compose's one-shot init: create the credentials and the NATS configs unless present."""
+    argv = [sys.executable, "-m", "shared.cli", "certs", "--keep", "--compose", "--workdir", COMPOSE_WORKDIR]
+    return ProcessSpec("certs", argv, {"PYTHONUNBUFFERED": "1"}, DC_A)
 
 
 def wan_links(opts: UpOptions, hosts: Hosts | None = None) -> list[LinkSpec]:
@@ -176,6 +197,7 @@ def _service_env(
         f"{p}INSTANCE": "0",
         f"{p}DATACENTER": dc,
         f"{p}MODEL__PRESET": opts.model_preset,
+        **_credentials_env(name, secrets_dir(opts, h)),
     }
     if opts.model_path:
         env[f"{p}MODEL__PATH"] = str(opts.model_path)
@@ -186,11 +208,27 @@ def _service_env(
     return env
 
 
+def _credentials_env(name: str, directory: Path) -> dict[str, str]:
+    """The paths of this service's own credentials; never the secrets themselves."""
+    creds, p = Credentials(directory), ENV_PREFIX[name]
+    ident = creds.identity(name)
+    env = {
+        f"{p}NATS_USER": name,
+        f"{p}NATS_PASSWORD_FILE": str(creds.password_file(name)),
+        f"{p}TLS_CA": str(ident.ca),
+        f"{p}TLS_CERT": str(ident.cert),
+        f"{p}TLS_KEY": str(ident.key),
+    }
+    if name in KV_SERVICES:
+        env[f"{p}SECRET_FILE"] = str(creds.secret_file)
+    return env
+
+
 def service_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[ProcessSpec]:
     """wan, prefill, relay, main_decode, router — in start order (router last: it is the health gate)."""
     h = hosts or Hosts.local(opts.host)
-    nats_a = f"nats://{h.nats_a}:{opts.nats_a_port}"
-    nats_b = f"nats://{h.nats_b}:{opts.nats_b_port}"
+    nats_a = f"tls://{h.nats_a}:{opts.nats_a_port}"
+    nats_b = f"tls://{h.nats_b}:{opts.nats_b_port}"
     sock_dir = h.socket_dir or str(opts.workdir.resolve())
     m = opts.metrics_base_port
 

@@ -83,13 +83,17 @@ class Lifecycle:
 
 
 async def serve_service(name: str, settings, factory) -> None:
-    """Connect to NATS, start `factory(settings, nc)`, register it for discovery, run until
-    SIGINT/SIGTERM, then stop it and drain the connection."""
+    """Connect to NATS with this service's credentials (exit 2 without them), start
+    `factory(settings, nc)`, register it for discovery, run until SIGINT/SIGTERM, then stop it
+    and drain the connection."""
     from shared.bus.connection import connect
     from shared.bus.micro import register_service
+    from shared.launch import ENV_PREFIX
+    from shared.security.credentials import nats_options, require_credentials
     from shared.telemetry.metrics import start_metrics_server
     from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
+    require_credentials(settings, name, ENV_PREFIX[name])
     setup_tracing(name, settings.instance, settings.datacenter)
     if settings.torch_threads > 0:
         import torch
@@ -97,7 +101,7 @@ async def serve_service(name: str, settings, factory) -> None:
         torch.set_num_threads(settings.torch_threads)
     if getattr(settings, "metrics_port", None):
         start_metrics_server(settings.metrics_port)
-    nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}")
+    nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}", **nats_options(settings))
     service = factory(settings, nc)
     await service.start()
     micro = await register_service(

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from shared.security.credentials import Credentials
+
 _handed_out: set[int] = set()
 _port_lock = threading.Lock()
 
@@ -65,6 +67,11 @@ class RunningSystem:
             yield
         finally:
             self.wan(link, **{k: before[k] for k in settings})
+
+    @property
+    def credentials(self) -> Credentials:
+        """What `pdd up` made for this system: CA, certificates, NATS passwords (always on)."""
+        return Credentials(self.workdir / "secrets")
 
     def instances(self) -> dict:
         return httpx.get(f"{self.router_url}/v1/instances", timeout=10).json()

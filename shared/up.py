@@ -1,6 +1,6 @@
 """`pdd up`: the whole two-DC system on one machine, from the specs in shared/launch.py.
 
-Order: WAN emulator, the two NATS servers (their gateway crosses the WAN), then prefill,
+Order: the credentials (created on first start, reused after), WAN emulator, the two NATS servers (their gateway crosses the WAN), then prefill,
 relay, main_decode, router; ready once the router's /health answers 200. Ctrl-C / SIGTERM
 (or any child dying) stops everything in reverse order.
 """
@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from shared.launch import NatsSpec, UpOptions, nats_specs, service_specs
+from shared.launch import SERVICES, NatsSpec, UpOptions, nats_specs, secrets_dir, service_specs
+from shared.security.credentials import Credentials
 from shared.supervisor import ProcessDied, Supervisor
 
 
@@ -38,7 +39,12 @@ async def _first(*aws: Awaitable[Any]) -> None:
         t.result()
 
 
-def _nats_server(spec: NatsSpec, opts: UpOptions) -> Any:
+def ensure_credentials(opts: UpOptions, *, renew: bool = False) -> Credentials:
+    """The secrets directory of this workdir, with a certificate naming `opts.host` too."""
+    return Credentials(secrets_dir(opts)).ensure(SERVICES, [opts.host], renew=renew)
+
+
+def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
     from shared.bus.nats_server import NatsServer  # lazy: owned by the transport layer
 
     workdir = opts.workdir.resolve() / "nats" / spec.name
@@ -51,6 +57,8 @@ def _nats_server(spec: NatsSpec, opts: UpOptions) -> Any:
         gateways=spec.gateways,
         workdir=workdir,
         gateway_advertise=spec.advertise,
+        tls=creds.identity(spec.name),
+        users=creds.nats_users(SERVICES),
     )
 
 
@@ -83,10 +91,11 @@ async def _start_system(
 ) -> None:
     """WAN emulator, NATS servers, then the services; returns once the router's /health is 200.
     Each NATS server joins `servers` as soon as it runs, so a failure later still stops it."""
+    creds = ensure_credentials(opts)
     wan, *services = service_specs(opts)
     sup.start(wan)
     for spec in nats_specs(opts):
-        server = _nats_server(spec, opts)
+        server = _nats_server(spec, opts, creds)
         await server.start()  # cleans up after itself if it fails
         servers.append(server)
     await asyncio.gather(*(s.wait_gateways(start_timeout_s) for s in servers))

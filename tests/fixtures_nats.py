@@ -1,19 +1,64 @@
-"""NATS fixtures: one server, two DCs joined by a gateway, and the same through the WAN emulator."""
+"""NATS fixtures, secured as `pdd up` runs them: mutual TLS, one user per service.
+
+`nats_security` holds a private CA and the services' credentials (made once per session), and
+builds servers and client connections from them; `nats_server`, `nats_pair` and
+`nats_pair_via_wan` are servers made by it. Its `connect` logs in as the test user, which may
+use any subject (these fixtures serve tests of the bus, not of the permissions), or as a service.
+"""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import pytest
 import pytest_asyncio
+from nats.aio.client import Client
 
-from shared.bus import NatsServer
+from shared.bus import NatsServer, connect
+from shared.bus.nats_config import NatsUser
 from shared.bus.nats_server import free_port
+from shared.launch import SERVICES
+from shared.security import client_context
+from shared.security.credentials import Credentials
 from shared.wan import WanControl, WanEmulator, WanLink
+
+TEST_USER = "test"
+
+
+@dataclass
+class NatsSecurity:
+    creds: Credentials
+    test_password: str
+
+    def users(self) -> list[NatsUser]:
+        return [*self.creds.nats_users(SERVICES), NatsUser(TEST_USER, self.test_password, None)]
+
+    def server(self, name: str, identity: str = "nats-a", **kw: Any) -> NatsServer:
+        return NatsServer(name, tls=self.creds.identity(identity), users=self.users(), **kw)
+
+    def password(self, user: str) -> str:
+        return self.test_password if user == TEST_USER else self.creds.password(user)
+
+    async def connect(self, server: NatsServer, name: str, *, user: str = TEST_USER, **kw: Any) -> Client:
+        """A client with `user`'s password and certificate (options in kw override them)."""
+        opts = {"user": user, "password": self.password(user), "tls": client_context(self.creds.identity(user))}
+        return await connect(server.url, name, **{**opts, **kw})
+
+
+@pytest.fixture(scope="session")
+def nats_security(tmp_path_factory: pytest.TempPathFactory) -> NatsSecurity:
+    creds = Credentials(Path(tmp_path_factory.mktemp("nats-secrets")) / "secrets").ensure(SERVICES, [])
+    creds.pki.ensure([TEST_USER], [])
+    return NatsSecurity(creds, secrets.token_urlsafe(16))
 
 
 @pytest_asyncio.fixture
-async def nats_server() -> AsyncIterator[NatsServer]:
-    server = NatsServer("test")
+async def nats_server(nats_security: NatsSecurity) -> AsyncIterator[NatsServer]:
+    server = nats_security.server("test")
     await server.start()
     try:
         yield server
@@ -22,13 +67,11 @@ async def nats_server() -> AsyncIterator[NatsServer]:
 
 
 async def _pair(
-    gw_a_dials: str, gw_a_port: int, gw_b_port: int, advertise_a: str | None
+    sec: NatsSecurity, gw_a_dials: str, gw_a_port: int, gw_b_port: int, advertise_a: str | None
 ) -> tuple[NatsServer, NatsServer]:
     # B only listens; A dials B at `gw_a_dials`, and B dials A back at A's advertised gateway address.
-    b = NatsServer("dc-b", gateway_port=gw_b_port)
-    a = NatsServer(
-        "dc-a", gateway_port=gw_a_port, gateways={"dc-b": gw_a_dials}, gateway_advertise=advertise_a
-    )
+    b = sec.server("dc-b", "nats-b", gateway_port=gw_b_port)
+    a = sec.server("dc-a", gateway_port=gw_a_port, gateways={"dc-b": gw_a_dials}, gateway_advertise=advertise_a)
     await b.start()
     try:
         await a.start()
@@ -42,9 +85,9 @@ async def _pair(
 
 
 @pytest_asyncio.fixture
-async def nats_pair() -> AsyncIterator[tuple[NatsServer, NatsServer]]:
+async def nats_pair(nats_security: NatsSecurity) -> AsyncIterator[tuple[NatsServer, NatsServer]]:
     gw_b = free_port()
-    a, b = await _pair(f"nats://127.0.0.1:{gw_b}", free_port(), gw_b, None)
+    a, b = await _pair(nats_security, f"nats://127.0.0.1:{gw_b}", free_port(), gw_b, None)
     try:
         yield a, b
     finally:
@@ -53,7 +96,7 @@ async def nats_pair() -> AsyncIterator[tuple[NatsServer, NatsServer]]:
 
 
 @pytest_asyncio.fixture
-async def nats_pair_via_wan() -> AsyncIterator[tuple[NatsServer, NatsServer, WanControl]]:
+async def nats_pair_via_wan(nats_security: NatsSecurity) -> AsyncIterator[tuple[NatsServer, NatsServer, WanControl]]:
     """Both gateway directions cross the emulator: link "gw-ab" (A dials B) and "gw-ba" (B dials A)."""
     gw_a, gw_b = free_port(), free_port()
     ab = WanLink("gw-ab", "127.0.0.1:0", f"127.0.0.1:{gw_b}")
@@ -61,7 +104,7 @@ async def nats_pair_via_wan() -> AsyncIterator[tuple[NatsServer, NatsServer, Wan
     wan = WanEmulator([ab, ba])
     await wan.start()
     try:
-        a, b = await _pair(f"nats://{ab.listen}", gw_a, gw_b, ba.listen)
+        a, b = await _pair(nats_security, f"nats://{ab.listen}", gw_a, gw_b, ba.listen)
         try:
             assert wan.control_url is not None
             yield a, b, WanControl(wan.control_url)

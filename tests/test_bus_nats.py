@@ -18,13 +18,13 @@ from shared.bus import (
     MALFORMED,
     Message,
     NatsServer,
-    connect,
     publish,
     register_service,
     request,
     respond,
     subscribe,
 )
+from tests.fixtures_nats import NatsSecurity
 
 
 @dataclass
@@ -50,8 +50,8 @@ async def _collect(nc, subject: str, cls: type[Message]) -> asyncio.Queue:
     return q
 
 
-async def test_publish_subscribe_round_trip_with_trace_context(nats_server: NatsServer) -> None:
-    nc = await connect(nats_server.url, "t")
+async def test_publish_subscribe_round_trip_with_trace_context(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+    nc = await nats_security.connect(nats_server, "t")
     try:
         q = await _collect(nc, "pdd.test.ping", Ping)
         await publish(nc, "pdd.test.ping", Ping(1, "a"))  # no current span: no traceparent
@@ -67,8 +67,8 @@ async def test_publish_subscribe_round_trip_with_trace_context(nats_server: Nats
         await nc.drain()
 
 
-async def test_malformed_is_dropped_counted_and_the_subscriber_survives(nats_server: NatsServer) -> None:
-    nc = await connect(nats_server.url, "t")
+async def test_malformed_is_dropped_counted_and_the_subscriber_survives(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+    nc = await nats_security.connect(nats_server, "t")
     subject = "pdd.test.malformed"
     try:
         q = await _collect(nc, subject, Ping)
@@ -90,8 +90,8 @@ async def test_malformed_is_dropped_counted_and_the_subscriber_survives(nats_ser
         await nc.drain()
 
 
-async def test_handler_exception_is_contained(nats_server: NatsServer) -> None:
-    nc = await connect(nats_server.url, "t")
+async def test_handler_exception_is_contained(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+    nc = await nats_security.connect(nats_server, "t")
     seen: list[int] = []
     both = asyncio.Event()
 
@@ -120,8 +120,8 @@ async def _serve_pongs(nc, subject: str) -> None:
     await nc.flush()
 
 
-async def test_request_reply_and_timeout(nats_server: NatsServer) -> None:
-    nc = await connect(nats_server.url, "t")
+async def test_request_reply_and_timeout(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+    nc = await nats_security.connect(nats_server, "t")
     try:
         await _serve_pongs(nc, "pdd.test.rr")
         assert await request(nc, "pdd.test.rr", Ping(1), Pong, timeout=2) == Pong(2, 0)
@@ -138,8 +138,8 @@ async def test_request_reply_and_timeout(nats_server: NatsServer) -> None:
         await nc.drain()
 
 
-async def test_micro_service_discovery(nats_server: NatsServer) -> None:
-    nc = await connect(nats_server.url, "svc")
+async def test_micro_service_discovery(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+    nc = await nats_security.connect(nats_server, "svc")
 
     async def echo(req) -> None:
         await req.respond(req.data)
@@ -176,9 +176,9 @@ async def _request_when_interest_arrives(nc, subject: str, msg: Message, timeout
                 await asyncio.sleep(0.05)
 
 
-async def test_round_trip_across_the_gateway(nats_pair: tuple[NatsServer, NatsServer]) -> None:
+async def test_round_trip_across_the_gateway(nats_pair: tuple[NatsServer, NatsServer], nats_security: NatsSecurity) -> None:
     a, b = nats_pair
-    nc_a, nc_b = await connect(a.url, "a"), await connect(b.url, "b")
+    nc_a, nc_b = await nats_security.connect(a, "a"), await nats_security.connect(b, "b")
     try:
         await _serve_pongs(nc_b, "pdd.test.xdc")
         assert await _request_when_interest_arrives(nc_a, "pdd.test.xdc", Ping(41), 10) == Pong(42, 0)
@@ -193,9 +193,9 @@ async def test_round_trip_across_the_gateway(nats_pair: tuple[NatsServer, NatsSe
         await nc_b.drain()
 
 
-async def test_gateway_through_the_wan_emulator(nats_pair_via_wan) -> None:
+async def test_gateway_through_the_wan_emulator(nats_pair_via_wan, nats_security: NatsSecurity) -> None:
     a, b, wan = nats_pair_via_wan
-    nc_a, nc_b = await connect(a.url, "a"), await connect(b.url, "b")
+    nc_a, nc_b = await nats_security.connect(a, "a"), await nats_security.connect(b, "b")
     try:
         await _serve_pongs(nc_b, "pdd.test.wan")
         assert await _request_when_interest_arrives(nc_a, "pdd.test.wan", Ping(1), 10) == Pong(2, 0)
@@ -211,8 +211,8 @@ async def test_gateway_through_the_wan_emulator(nats_pair_via_wan) -> None:
         await nc_b.drain()
 
 
-async def test_server_stop_leaves_no_process() -> None:
-    server = NatsServer("lonely")
+async def test_server_stop_leaves_no_process(nats_security: NatsSecurity) -> None:
+    server = nats_security.server("lonely")
     await server.start()
     proc = server._proc
     assert server.running and proc is not None
@@ -220,14 +220,14 @@ async def test_server_stop_leaves_no_process() -> None:
     assert proc.returncode is not None and not server.running and not server.workdir.exists()
 
 
-async def test_client_reconnects_and_resubscribes_after_a_server_restart() -> None:
-    server = NatsServer("restart")
+async def test_client_reconnects_and_resubscribes_after_a_server_restart(nats_security: NatsSecurity) -> None:
+    server = nats_security.server("restart")
     await server.start()
-    nc = await connect(server.url, "t")
+    nc = await nats_security.connect(server, "t")
     try:
         q = await _collect(nc, "pdd.test.again", Ping)
         await server.stop()
-        server = NatsServer("restart", port=server.port)  # same address, new process
+        server = nats_security.server("restart", port=server.port)  # same address, new process
         await server.start()
         async with asyncio.timeout(10):
             while True:  # the client's own reconnect loop (backoff) brings it back

@@ -62,3 +62,18 @@ def test_trace_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) 
 
     assert cli.main(["trace", "cmpl-missing"]) == 1
     assert "no trace" in capsys.readouterr().err
+
+
+def test_certs_command(tmp_path: Path, capsys) -> None:
+    from shared.security.credentials import Credentials
+
+    creds = Credentials(tmp_path / "secrets")
+    assert cli.main(["certs", "--workdir", str(tmp_path), "--host", "pdd.example"]) == 0
+    assert str(creds.dir) in capsys.readouterr().out
+    cert, password = creds.identity("router").cert.read_bytes(), creds.password("router")
+    assert "pdd.example" in json.loads((creds.dir / "hosts.json").read_text())
+    assert not (creds.dir / "nats-a.conf").exists()  # only with --compose
+    assert cli.main(["certs", "--workdir", str(tmp_path), "--keep", "--host", "pdd.example"]) == 0
+    assert (creds.identity("router").cert.read_bytes(), creds.password("router")) == (cert, password)
+    assert cli.main(["certs", "--workdir", str(tmp_path)]) == 0  # regenerates everything
+    assert creds.identity("router").cert.read_bytes() != cert and creds.password("router") != password

@@ -12,6 +12,7 @@ import fnmatch
 import json
 import re
 import shlex
+import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,17 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from shared.launch import COMPOSE_HOSTS, SERVICES, UpOptions, nats_specs, service_specs
+from shared import cli
+from shared.bus.nats_server import nats_server_binary
+from shared.launch import (
+    COMPOSE_HOSTS,
+    COMPOSE_WORKDIR,
+    SERVICES,
+    UpOptions,
+    certs_spec,
+    nats_specs,
+    service_specs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}
@@ -46,21 +57,41 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def specs() -> dict[str, Any]:
-    return {s.name: s for s in service_specs(UpOptions(), COMPOSE_HOSTS)}
+    return {s.name: s for s in [*service_specs(UpOptions(), COMPOSE_HOSTS), certs_spec()]}
 
 
 def test_services_present(compose: dict[str, Any]) -> None:
-    expected = {"nats-a", "nats-b", "wan", *SERVICES, "jaeger"}
+    expected = {"certs", "nats-a", "nats-b", "wan", *SERVICES, "jaeger"}
     assert set(compose["services"]) == expected
 
 
-@pytest.mark.parametrize("name", ["wan", *SERVICES])
+@pytest.mark.parametrize("name", ["certs", "wan", *SERVICES])
 def test_command_and_env_match_pdd_up(compose: dict[str, Any], specs: dict[str, Any], name: str) -> None:
     svc, spec = compose["services"][name], specs[name]
     assert svc["command"] == ["python", *spec.argv[1:]]  # same module, same flags, same links
     env = {k: str(v) for k, v in svc["environment"].items()}
-    assert env == {**spec.env, **({} if name == "wan" else OTLP)}
+    assert env == {**spec.env, **({} if name in ("certs", "wan") else OTLP)}
     assert svc["build"] == "." and svc["image"] == "pdd:latest"
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, str]:
+    """container path -> "volume[:ro]" """
+    return {m.split(":")[1]: ":".join(m.split(":")[::2]) for m in svc.get("volumes", [])}
+
+
+def test_credentials_come_from_the_certs_volume(compose: dict[str, Any], specs: dict[str, Any]) -> None:
+    services = compose["services"]
+    volume = _mounts(services["certs"])[COMPOSE_WORKDIR]
+    assert volume in compose["volumes"]  # read-write for the one writer, once
+    assert services["certs"]["restart"] == "no"
+    for name in ["nats-a", "nats-b", *SERVICES]:
+        assert _mounts(services[name]).get(COMPOSE_WORKDIR) == f"{volume}:ro", name
+        assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    for name in SERVICES:  # every credential the service is told about lies on that volume
+        paths = [v for k, v in specs[name].env.items() if k.endswith(("_FILE", "_TLS_CA", "_TLS_CERT", "_TLS_KEY"))]
+        assert len(paths) >= 4 and all(p.startswith(f"{COMPOSE_HOSTS.secrets_dir}/") for p in paths), name
+        assert not any(k.endswith(("_NATS_PASSWORD", "_SECRET")) for k in specs[name].env)  # no secret values
+    assert "wan" not in {n for n, s in services.items() if COMPOSE_WORKDIR in _mounts(s)}  # it never decrypts
 
 
 @pytest.mark.parametrize("name", ["nats-a", "nats-b", "wan", *SERVICES])
@@ -83,7 +114,7 @@ def test_depends_on(compose: dict[str, Any], specs: dict[str, Any]) -> None:
     for name in SERVICES:
         deps = services[name]["depends_on"]
         nats_host = re.match(
-            r"nats://([^:]+):", next(v for k, v in specs[name].env.items() if k.endswith("_NATS_URL"))
+            r"tls://([^:]+):", next(v for k, v in specs[name].env.items() if k.endswith("_NATS_URL"))
         )
         assert deps[nats_host.group(1)]["condition"] == "service_healthy"
         assert "jaeger" in deps
@@ -113,18 +144,26 @@ def test_relay_socket_is_shared(compose: dict[str, Any], specs: dict[str, Any]) 
         assert mounts.get(str(Path(sock).parent)) in compose["volumes"]
 
 
-def test_nats_gateways_cross_the_wan(compose: dict[str, Any]) -> None:
+def test_nats_runs_the_config_the_certs_service_writes(compose: dict[str, Any], tmp_path: Path) -> None:
+    # What the certs container runs, with a local workdir in place of the volume.
+    argv = compose["services"]["certs"]["command"][3:]
+    assert cli.main([*argv[: argv.index("--workdir")], "--workdir", str(tmp_path)]) == 0
     for spec in nats_specs(UpOptions(), COMPOSE_HOSTS):
         svc = compose["services"][spec.name]
         assert svc["image"].startswith("nats:")
-        (mount,) = svc["configs"]
-        assert mount["target"] in svc["command"]
-        conf = json.loads(compose["configs"][mount["source"]]["content"])
-        assert conf["port"] == spec.port
-        gw = conf["gateway"]
-        assert (gw["name"], gw["port"], gw["advertise"]) == (spec.name, spec.gateway_port, spec.advertise)
-        assert {g["name"]: g["url"] for g in gw["gateways"]} == spec.gateways
-        assert all(url.startswith(f"nats://{COMPOSE_HOSTS.wan}:") for url in spec.gateways.values())
+        conf_path = svc["command"][svc["command"].index("--config") + 1]
+        local = tmp_path / Path(conf_path).relative_to(COMPOSE_WORKDIR)
+        check = subprocess.run([nats_server_binary(), "-t", "-c", str(local)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        conf = local.read_text()
+        gateway = conf.split("gateway {")[1]
+        assert f'listen: "0.0.0.0:{spec.port}"' in conf and 'http: "127.0.0.1:8222"' in conf
+        assert f'listen: "0.0.0.0:{spec.gateway_port}"' in gateway and f'advertise: "{spec.advertise}"' in gateway
+        for name, url in spec.gateways.items():
+            assert url.startswith(f"nats://{COMPOSE_HOSTS.wan}:") and f'{{name: "{name}", urls: ["{url}"]}}' in gateway
+        assert conf.count("verify: true") == 2  # clients and the gateway: mutual TLS
+        assert f'ca_file: "{tmp_path}/secrets/ca.pem"' in gateway
+        assert all(f'{{user: "{s}", password: ' in conf for s in SERVICES) and "no_auth_user" not in conf
 
 
 # ---- the image compose builds: Dockerfile instructions, parsed ------------------------------------
@@ -232,19 +271,25 @@ def test_compose_commands_run_what_the_image_holds(
 ) -> None:
     copied = _copied_before(dockerfile, len(dockerfile))
     built = {name: svc for name, svc in compose["services"].items() if svc.get("build") == "."}
-    assert set(built) == {"wan", *SERVICES}
+    assert set(built) == {"certs", "wan", *SERVICES}
     for name, svc in built.items():
         python, flag, module = svc["command"][:3]
         assert (python, flag) == ("python", "-m"), name
         assert module.split(".")[0] in copied, f"{name} runs {module}, which is not in the image"
-        assert (ROOT / module.replace(".", "/") / "__main__.py").exists(), f"{name}: no module {module}"
+        path = ROOT / module.replace(".", "/")
+        assert (path / "__main__.py").exists() or path.with_suffix(".py").exists(), f"{name}: no module {module}"
     cmd = json.loads(next(st.args for st in dockerfile if st.instruction == "CMD"))
     assert cmd[0] in project["project"]["scripts"]
 
 
-def test_image_user_owns_the_relay_socket_directory(dockerfile: list[Step], specs: dict[str, Any]) -> None:
-    sock_dir = str(Path(specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].removeprefix("unix://")).parent)
+@pytest.mark.parametrize("what", ["relay socket", "credentials"])
+def test_image_user_owns_the_volume_directories(dockerfile: list[Step], specs: dict[str, Any], what: str) -> None:
+    # A new named volume takes the owner of the image directory it is mounted on.
+    if what == "relay socket":
+        directory = str(Path(specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].removeprefix("unix://")).parent)
+    else:
+        directory = COMPOSE_WORKDIR
     (user,) = [st.args for st in dockerfile if st.instruction == "USER"]
     commands = [argv for _, argv in _commands(dockerfile)]
-    assert any(argv[:2] == ["mkdir", "-p"] and sock_dir in argv for argv in commands)
-    assert ["chown", user, sock_dir] in commands, f"{user} cannot create the relay socket in {sock_dir}"
+    assert any(argv[:2] == ["mkdir", "-p"] and directory in argv for argv in commands)
+    assert ["chown", user, directory] in commands, f"{user} cannot write the {what} in {directory}"

@@ -75,3 +75,43 @@ def test_ports_are_distinct() -> None:
     ports = [v for k, v in vars(opts).items() if k.endswith("_port")]
     ports += [opts.metrics_base_port + n for n in (1, 2, 3)]
     assert len(ports) == len(set(ports))
+
+
+@pytest.mark.parametrize("hosts", [None, COMPOSE_HOSTS], ids=["local", "compose"])
+def test_each_service_gets_its_own_credentials_as_paths(hosts) -> None:
+    for spec in service_specs(UpOptions(), hosts)[1:]:
+        p, name = ENV_PREFIX[spec.name], spec.name
+        env = spec.env
+        assert env[f"{p}NATS_URL"].startswith("tls://") and env[f"{p}NATS_USER"] == name
+        assert env[f"{p}TLS_CERT"].endswith(f"/{name}.pem") and env[f"{p}TLS_KEY"].endswith(f"/{name}.key")
+        assert env[f"{p}NATS_PASSWORD_FILE"].endswith(f"/{name}.nats-password")
+        # only the ends of the KV channel hold its secret
+        assert (f"{p}SECRET_FILE" in env) == (name != "router")
+        assert not {f"{p}NATS_PASSWORD", f"{p}SECRET"} & set(env)  # values never ride in the environment
+
+
+def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.security.credentials import require_credentials
+    from shared.up import ensure_credentials
+
+    opts = UpOptions(workdir=tmp_path / "w", host="10.1.2.3")
+    creds = ensure_credentials(opts)
+    assert oct(creds.dir.stat().st_mode & 0o777) == "0o700"
+    assert all(f.stat().st_mode & 0o077 == 0 for f in creds.dir.iterdir())
+    first = creds.password("relay"), creds.secret_file.read_text()
+    assert ensure_credentials(opts).password("relay") == first[0]  # the next start reuses them
+    for spec in service_specs(opts)[1:]:
+        for key, value in spec.env.items():
+            monkeypatch.setenv(key, value)
+        settings = require_credentials(SETTINGS[spec.name](), spec.name, ENV_PREFIX[spec.name],
+                                       kv=spec.name != "router")  # fmt: skip
+        assert settings.nats_password == creds.password(spec.name)
+        assert settings.secret == (None if spec.name == "router" else first[1])
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(creds.identity("nats-a").cert.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"10.1.2.3", "127.0.0.1"} <= {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+    assert {"wan", "nats-a", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
+    renewed = ensure_credentials(opts, renew=True)
+    assert renewed.password("relay") != first[0] and renewed.secret_file.read_text() != first[1]

@@ -3,14 +3,16 @@
 import uvicorn
 
 from shared.config import RouterSettings
+from shared.launch import ENV_PREFIX
 from shared.runtime import setup_logging
+from shared.security.credentials import require_credentials
 
 from .main import build_app
 
 
 def main() -> None:
     setup_logging("router")
-    settings = RouterSettings()
+    settings = require_credentials(RouterSettings(), "router", ENV_PREFIX["router"], kv=False)
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level="warning")
 
 

@@ -7,6 +7,7 @@ from fastapi import FastAPI
 from shared.bus.connection import connect
 from shared.config import RouterSettings
 from shared.model.describe import describe_model
+from shared.security.credentials import nats_options
 from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
 from .app import create_app
@@ -18,7 +19,7 @@ def build_app(settings: RouterSettings, nc=None) -> FastAPI:
 
     async def factory():
         setup_tracing("router", settings.instance, settings.datacenter)
-        conn = nc or await connect(settings.nats_url, name=f"router-{settings.instance}")
+        conn = nc or await connect(settings.nats_url, name=f"router-{settings.instance}", **nats_options(settings))
         info = describe_model(settings.model)
         core = RouterCore(
             settings,

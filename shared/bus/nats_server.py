@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -21,6 +20,9 @@ import tempfile
 from pathlib import Path
 
 import httpx
+
+from shared.bus.nats_config import NatsConfig, NatsUser
+from shared.security.pki import Identity, write_private
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +55,18 @@ class NatsServer:
         gateways: dict[str, str] | None = None,
         workdir: Path | None = None,
         gateway_advertise: str | None = None,  # "host:port" peers should dial (e.g. a WAN proxy)
+        tls: Identity | None = None,  # clients and gateway peers: mutual TLS with this identity
+        users: list[NatsUser] | None = None,  # who may connect; anyone when empty (benchmarks only)
     ):
         self.name = name
         self.host = host
         self.port = port or free_port(host)
-        self.monitor_port = free_port(host)
+        self.monitor_port = free_port("127.0.0.1")
         self.gateway_port = gateway_port
         self.gateways = dict(gateways or {})
         self.gateway_advertise = gateway_advertise
+        self.tls = tls
+        self.users = list(users or [])
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"nats-{name}-"))
         self._proc: asyncio.subprocess.Process | None = None
@@ -69,11 +75,11 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
-        return f"http://{self.host}:{self.monitor_port}"
+        return f"http://127.0.0.1:{self.monitor_port}"  # plain HTTP: never beyond this machine
 
     @property
     def gateway_url(self) -> str | None:
@@ -88,32 +94,24 @@ class NatsServer:
         return self._proc is not None and self._proc.returncode is None
 
     def config_text(self) -> str:
-        q = json.dumps  # NATS config accepts JSON-quoted strings
-        lines = [
-            f"server_name: {q(self.name)}",
-            f"listen: {q(f'{self.host}:{self.port}')}",
-            f"http: {q(f'{self.host}:{self.monitor_port}')}",
-            f"log_file: {q(str(self.log_path))}",
-        ]
-        if self.gateway_port:
-            lines += [
-                "gateway {",
-                f"  name: {q(self.name)}",
-                f"  listen: {q(f'{self.host}:{self.gateway_port}')}",
-            ]
-            if self.gateway_advertise:
-                lines.append(f"  advertise: {q(self.gateway_advertise)}")
-            if self.gateways:
-                remotes = ", ".join(f"{{name: {q(n)}, urls: [{q(u)}]}}" for n, u in self.gateways.items())
-                lines.append(f"  gateways: [{remotes}]")
-            lines.append("}")
-        return "\n".join(lines) + "\n"
+        gateway = self.gateway_port is not None
+        return NatsConfig(
+            self.name,
+            listen=f"{self.host}:{self.port}",
+            monitor=f"127.0.0.1:{self.monitor_port}",
+            tls=self.tls,
+            users=self.users,
+            gateway_listen=f"{self.host}:{self.gateway_port}" if gateway else None,
+            gateway_advertise=self.gateway_advertise,
+            gateways=self.gateways,
+            log_file=str(self.log_path),
+        ).render()
 
     async def start(self, timeout: float = 10) -> None:
         if self.running:
             return
         conf = self.workdir / "nats-server.conf"
-        conf.write_text(self.config_text())
+        write_private(conf, self.config_text().encode())  # it holds the users' passwords
         self._proc = await asyncio.create_subprocess_exec(
             nats_server_binary(),
             "-c",

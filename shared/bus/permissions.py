@@ -1,0 +1,75 @@
+"""Who may publish and subscribe to what on NATS: one row per service identity.
+
+The NATS servers' `authorization` block is generated from this table (shared/bus/nats_config.py),
+so it is the one place that says which service may say what. A subject outside a service's
+publish list is refused by the server (the client gets a permissions-violation error and nobody
+receives the message); a subscription outside its subscribe list never sees a message.
+
+    service      publishes                                              subscribes
+    router       md prepare (request), prefill submit (request),        tokens, kv events, load,
+                 md_target, md_lost, abort                              abort, its request inboxes
+    prefill      tokens, handoff, abort, load.prefill                   prefill submit, md_target,
+                                                                        md_lost, abort
+    relay        tokens, handoff, abort, load.relay                     kv_ready, handoff_ack,
+                                                                        md_lost, abort
+    main_decode  tokens, kv_ready, handoff_ack, kv events, abort,       md prepare, handoff, abort
+                 load.main_decode
+
+Services that answer requests (prefill submit, md prepare, `nats.micro` discovery) may publish
+one reply to the reply subject of a request they received (`allow_responses`), nothing else
+under `_INBOX`. Every service but the router registers with `nats.micro`, hence `$SRV.>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.bus import subjects
+from shared.bus.subjects import PREFIX, Req
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    responds: bool = False  # may reply to requests it received (NATS `allow_responses`)
+
+
+ABORT = subjects.all_req(Req.ABORT)
+INBOX = "_INBOX.>"  # where the replies to this client's requests arrive
+DISCOVERY = "$SRV.>"  # nats.micro PING / INFO / STATS
+# Wildcard forms of the per-instance subjects in shared/bus/subjects.py.
+ANY_MD_PREPARE = f"{PREFIX}.md.*.prepare"
+ANY_PREFILL_SUBMIT = f"{PREFIX}.prefill.*.submit"
+
+
+def own_load(service: str) -> str:
+    """The load reports a service may publish: its own, any instance."""
+    return f"{PREFIX}.load.{service}.*"
+
+
+PERMISSIONS: dict[str, Permissions] = {
+    "router": Permissions(
+        publish=(ANY_MD_PREPARE, subjects.prefill_submit(), ANY_PREFILL_SUBMIT,
+                 subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), ABORT),
+        subscribe=(subjects.all_req(Req.TOKENS), subjects.all_kv_events(), subjects.all_load(), ABORT, INBOX),
+    ),
+    "prefill": Permissions(
+        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), ABORT, own_load("prefill")),
+        subscribe=(subjects.prefill_submit(), ANY_PREFILL_SUBMIT, subjects.all_req(Req.MD_TARGET),
+                   subjects.all_req(Req.MD_LOST), ABORT, DISCOVERY),
+        responds=True,
+    ),
+    "relay": Permissions(
+        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), ABORT, own_load("relay")),
+        subscribe=(subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
+                   subjects.all_req(Req.MD_LOST), ABORT, DISCOVERY),
+        responds=True,
+    ),
+    "main_decode": Permissions(
+        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
+                 subjects.all_kv_events(), ABORT, own_load("main_decode")),
+        subscribe=(ANY_MD_PREPARE, subjects.all_req(Req.HANDOFF), ABORT, DISCOVERY),
+        responds=True,
+    ),
+}  # fmt: skip

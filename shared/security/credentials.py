@@ -1,0 +1,105 @@
+"""Each service's credentials: created once by `pdd up` (or `pdd certs`), read by the services.
+
+One directory (0700, files 0600) holds the private CA and a certificate per identity (the two
+NATS servers and the four services), each service's NATS password and the KV bulk channel's
+shared secret. Services get file *paths* in their settings (`PDD_<SVC>_NATS_PASSWORD_FILE`,
+`PDD_<SVC>_SECRET_FILE`, `PDD_<SVC>_TLS_CA/CERT/KEY`), so no secret sits in an environment or
+in compose.yaml; `NATS_PASSWORD` / `SECRET` given directly work too. A service without them
+does not start: there is no insecure mode.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import ssl
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from shared.security.pki import Identity, Pki, client_context, write_private
+
+NATS_SERVERS = ("nats-a", "nats-b")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Compose service names are hostnames there; `wan` fronts the gateways and the KV channel.
+COMPOSE_HOSTNAMES = ("nats-a", "nats-b", "wan", "main_decode", "prefill", "relay", "router")
+REQUIRED = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key")
+FILES = ("tls_ca", "tls_cert", "tls_key")
+
+
+class Credentials:
+    """The layout of the secrets directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        self.pki = Pki(self.dir)
+
+    def identity(self, name: str) -> Identity:
+        return self.pki.identity(name)
+
+    def password_file(self, service: str) -> Path:
+        return self.dir / f"{service}.nats-password"
+
+    @property
+    def secret_file(self) -> Path:
+        return self.dir / "kv-secret"
+
+    def password(self, service: str) -> str:
+        return self.password_file(service).read_text().strip()
+
+    def ensure(self, services: Iterable[str], hosts: Iterable[str], *, renew: bool = False) -> Credentials:
+        """Create what is missing (everything anew with renew). Certificates are reissued when
+        they would not name a host asked for now."""
+        services, hosts = list(services), sorted({*LOCAL_HOSTS, *COMPOSE_HOSTNAMES, *hosts})
+        hosts_file = self.dir / "hosts.json"
+        renew_pki = renew or not hosts_file.exists() or not set(hosts) <= set(json.loads(hosts_file.read_text()))
+        self.pki.ensure([*NATS_SERVERS, *services], hosts, renew=renew_pki)
+        write_private(hosts_file, json.dumps(hosts).encode())
+        for path in [*map(self.password_file, services), self.secret_file]:
+            if renew or not path.exists():
+                write_private(path, secrets.token_urlsafe(32).encode())
+        return self
+
+    def nats_users(self, services: Iterable[str]) -> list:
+        """One NATS user per service, with its row of shared/bus/permissions.py."""
+        from shared.bus.nats_config import NatsUser
+        from shared.bus.permissions import PERMISSIONS
+
+        return [NatsUser(s, self.password(s), PERMISSIONS[s]) for s in services]
+
+
+def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: bool = True) -> Any:
+    """Read the password and secret files into `settings`; exit 2 naming what is missing.
+    `kv`: the service is an end of the KV bulk channel, so it needs the channel's secret."""
+    required = [*REQUIRED, "secret"] if kv else REQUIRED
+    for name in ("nats_password", "secret"):
+        path = getattr(settings, f"{name}_file", None)
+        if not getattr(settings, name) and path:
+            try:
+                setattr(settings, name, Path(path).read_text().strip())
+            except OSError as e:
+                _refuse(service, f"{env_prefix}{name.upper()}_FILE: {e.strerror}: {path}")
+    missing = [f"{env_prefix}{n.upper()}{'[_FILE]' if hasattr(settings, f'{n}_file') else ''}"
+               for n in required if not getattr(settings, n)]  # fmt: skip
+    if missing:
+        _refuse(service, f"missing setting {', '.join(missing)} (`pdd up` / `pdd certs` create them)")
+    for name in FILES:
+        if not Path(getattr(settings, name)).is_file():
+            _refuse(service, f"{env_prefix}{name.upper()}: no such file {getattr(settings, name)}")
+    return settings
+
+
+def _refuse(service: str, why: str) -> None:
+    print(f"{service}: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def tls_context(settings: Any) -> ssl.SSLContext:
+    """The client side of mutual TLS with this service's certificate."""
+    return client_context(Identity(Path(settings.tls_ca), Path(settings.tls_cert), Path(settings.tls_key)))
+
+
+def nats_options(settings: Any) -> dict[str, Any]:
+    """Keyword arguments for shared.bus.connection.connect: this service's user and certificate."""
+    return {"user": settings.nats_user, "password": settings.nats_password, "tls": tls_context(settings)}
