@@ -16,7 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from shared.bus import NatsServer, connect, publish, subjects, subscribe
-from shared.bus.messages import Abort, Role, TokenEvent
+from shared.bus.messages import Role, TokenEvent
 from shared.bus.nats_server import free_port
 from shared.bus.subjects import Req
 from shared.launch import SERVICES
@@ -46,6 +46,8 @@ def _publishers() -> dict[str, set[str]]:
     }
     table.update({subjects.load(s, "0"): {s} for s in data})  # the router reports no load
     table[subjects.load("router", "0")] = set()
+    # An abort carries its sender's role in the subject: each role may sign only its own.
+    table.update({subjects.abort(RID, s): {s} for s in SERVICES})
     return table
 
 
@@ -102,7 +104,7 @@ async def test_each_service_publishes_only_its_own_subjects(
 
     async def seen(msg: Msg) -> None:
         got.append(msg.subject)
-        if msg.subject == subjects.req("end", Req.ABORT):
+        if msg.subject == subjects.abort("end", service):
             done.set()
 
     errors: list[Exception] = []
@@ -118,12 +120,12 @@ async def test_each_service_publishes_only_its_own_subjects(
         table = _publishers()
         for subject in table:
             await nc.publish(subject, b"x")
-        # Everyone may abort; one connection's messages arrive in order, so once this one is
-        # here every message published before it that was let through is here too.
-        await nc.publish(subjects.req("end", Req.ABORT), b"x")
+        # Everyone may abort in its own name; one connection's messages arrive in order, so once
+        # this one is here every message published before it that was let through is here too.
+        await nc.publish(subjects.abort("end", service), b"x")
         await asyncio.wait_for(done.wait(), 10)
         await nc.flush()  # the server's -ERR replies precede its PONG, and nats-py reports them inline
-        assert set(got) - {subjects.req("end", Req.ABORT)} == {s for s, who in table.items() if service in who}
+        assert set(got) - {subjects.abort("end", service)} == {s for s, who in table.items() if service in who}
         assert sum("permissions violation" in str(e).lower() for e in errors) == sum(
             service not in who for who in table.values()
         )
@@ -144,12 +146,12 @@ async def test_a_token_event_from_the_router_never_reaches_the_router(
 
     try:
         await subscribe(router, subjects.all_req(Req.TOKENS), TokenEvent, on)
-        await subscribe(router, subjects.all_req(Req.ABORT), Abort, on)
         await router.flush()
         forged = TokenEvent(RID, Role.MAIN_DECODE, 0, [666])
         await publish(router, subjects.req(RID, Req.TOKENS), forged)  # the router may not
-        await publish(router, subjects.req(RID, Req.ABORT), Abort(RID, "client_gone", Role.ROUTER))
-        assert isinstance(await asyncio.wait_for(got.get(), 10), Abort)  # in order: the forgery was dropped
+        # Had the server let it through, it would have sent it to this very connection before
+        # answering this flush's PING: so it would be queued ahead of the real one below.
+        await router.flush()
         real = TokenEvent(RID, Role.RELAY, 0, [1])
         await publish(relay, subjects.req(RID, Req.TOKENS), real)  # the relay may
         assert await asyncio.wait_for(got.get(), 10) == real
@@ -171,13 +173,13 @@ async def test_a_service_cannot_listen_outside_its_row(nats_server: NatsServer, 
 
     try:
         await relay.subscribe(subjects.all_req(Req.TOKENS), cb=seen)
-        await relay.subscribe(subjects.all_req(Req.ABORT), cb=seen)
+        await relay.subscribe(subjects.all_aborts(), cb=seen)
         await relay.flush()
         await prefill.publish(subjects.req(RID, Req.TOKENS), b"x")
-        await prefill.publish(subjects.req(RID, Req.ABORT), b"x")
+        await prefill.publish(subjects.abort(RID, "prefill"), b"x")
         await prefill.flush()
         await asyncio.wait_for(arrived.wait(), 10)  # in order: tokens first, had they been let through
-        assert got == [subjects.req(RID, Req.ABORT)]
+        assert got == [subjects.abort(RID, "prefill")]
     finally:
         await relay.close()
         await prefill.close()

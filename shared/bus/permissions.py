@@ -7,13 +7,16 @@ receives the message); a subscription outside its subscribe list never sees a me
 
     service      publishes                                              subscribes
     router       md prepare (request), prefill submit (request),        tokens, kv events, load,
-                 md_target, md_lost, abort                              abort, its request inboxes
-    prefill      tokens, handoff, abort, load.prefill                   prefill submit, md_target,
-                                                                        md_lost, abort
-    relay        tokens, handoff, abort, load.relay                     kv_ready, handoff_ack,
-                                                                        md_lost, abort
-    main_decode  tokens, kv_ready, handoff_ack, kv events, abort,       md prepare, handoff, abort
-                 load.main_decode
+                 md_target, md_lost, abort.router                       its request inboxes
+    prefill      tokens, handoff, abort.prefill, load.prefill           prefill submit, md_target,
+                                                                        md_lost, every abort
+    relay        tokens, handoff, abort.relay, load.relay               kv_ready, handoff_ack,
+                                                                        md_lost, every abort
+    main_decode  tokens, kv_ready, handoff_ack, kv events,              md prepare, handoff,
+                 abort.main_decode, load.main_decode                    every abort
+
+An abort's last subject token is its sender's role, and each role may publish only its own, so
+a receiver knows who gave up from the subject, never from a field a peer could forge.
 
 Services that answer requests (prefill submit, md prepare, `nats.micro` discovery) may publish
 one reply to the reply subject of a request they received (`allow_responses`), nothing else
@@ -35,7 +38,7 @@ class Permissions:
     responds: bool = False  # may reply to requests it received (NATS `allow_responses`)
 
 
-ABORT = subjects.all_req(Req.ABORT)
+ABORTS = subjects.all_aborts()  # every role hears every abort; the subject names who sent it
 INBOX = "_INBOX.>"  # where the replies to this client's requests arrive
 DISCOVERY = "$SRV.>"  # nats.micro PING / INFO / STATS
 # Wildcard forms of the per-instance subjects in shared/bus/subjects.py.
@@ -48,28 +51,35 @@ def own_load(service: str) -> str:
     return f"{PREFIX}.load.{service}.*"
 
 
+def own_abort(service: str) -> str:
+    """The aborts a service may publish: signed with its own role (subjects.abort)."""
+    return f"{PREFIX}.req.*.abort.{service}"
+
+
 PERMISSIONS: dict[str, Permissions] = {
     "router": Permissions(
         publish=(ANY_MD_PREPARE, subjects.prefill_submit(), ANY_PREFILL_SUBMIT,
-                 subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), ABORT),
-        subscribe=(subjects.all_req(Req.TOKENS), subjects.all_kv_events(), subjects.all_load(), ABORT, INBOX),
+                 subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), own_abort("router")),
+        subscribe=(subjects.all_req(Req.TOKENS), subjects.all_kv_events(), subjects.all_load(), INBOX),
     ),
     "prefill": Permissions(
-        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), ABORT, own_load("prefill")),
+        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("prefill"),
+                 own_load("prefill")),
         subscribe=(subjects.prefill_submit(), ANY_PREFILL_SUBMIT, subjects.all_req(Req.MD_TARGET),
-                   subjects.all_req(Req.MD_LOST), ABORT, DISCOVERY),
+                   subjects.all_req(Req.MD_LOST), ABORTS, DISCOVERY),
         responds=True,
     ),
     "relay": Permissions(
-        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), ABORT, own_load("relay")),
+        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("relay"),
+                 own_load("relay")),
         subscribe=(subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
-                   subjects.all_req(Req.MD_LOST), ABORT, DISCOVERY),
+                   subjects.all_req(Req.MD_LOST), ABORTS, DISCOVERY),
         responds=True,
     ),
     "main_decode": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
-                 subjects.all_kv_events(), ABORT, own_load("main_decode")),
-        subscribe=(ANY_MD_PREPARE, subjects.all_req(Req.HANDOFF), ABORT, DISCOVERY),
+                 subjects.all_kv_events(), own_abort("main_decode"), own_load("main_decode")),
+        subscribe=(ANY_MD_PREPARE, subjects.all_req(Req.HANDOFF), ABORTS, DISCOVERY),
         responds=True,
     ),
 }  # fmt: skip
