@@ -1,7 +1,7 @@
 """Prometheus metrics of every pdd service, defined once here so services import them.
 
 All live in prometheus-client's default registry. Non-router services expose it with
-`start_metrics_server(port)`; the router serves `metrics_text()` on its own `/metrics`.
+`start_metrics_server(port, addr)`; the router serves `metrics_text()` on its own `/metrics`.
 Label values: pipeline = p-md | p-rld-md | rld-only; path = wan | local;
 mode = one-shot | catch-up; role = rld | md.
 """
@@ -49,7 +49,7 @@ _servers: dict[int, object] = {}
 _lock = threading.Lock()
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
     """Serve the default registry on http://addr:port/metrics (idempotent per port)."""
     with _lock:
         if port not in _servers:
