@@ -43,7 +43,9 @@ class CommonSettings(BaseSettings):
     delimiter and extra="ignore" are inherited); `PDD_<FIELD>` fills these fields in every
     service, below the service's own `PDD_<SERVICE>_<FIELD>`."""
 
-    model_config = SettingsConfigDict(env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER, extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER, extra="ignore"
+    )
 
     nats_url: str = "nats://127.0.0.1:4222"
     instance: str = "0"
@@ -66,7 +68,9 @@ class CommonSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Built on CommonSettings, not settings_cls: PDD_<FIELD> never sets a service's own field.
-        common_env = EnvSettingsSource(CommonSettings, env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER)
+        common_env = EnvSettingsSource(
+            CommonSettings, env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER
+        )
         return init_settings, env_settings, common_env, dotenv_settings, file_secret_settings
 
 

@@ -44,6 +44,9 @@ UNKNOWN_REQUEST_MESSAGES = Counter(
     "pdd_unknown_request_messages", "Messages naming a request id this instance does not hold (dropped)", ["service"]
 )
 KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])
+HANDOFF_BATCHES_DROPPED = Counter(  # reason = stale (seq already applied) | duplicate (seq already held)
+    "pdd_handoff_batches_dropped", "Redelivered handoff batches MD dropped (first copy kept)", ["reason"]
+)
 
 _servers: dict[int, object] = {}
 _lock = threading.Lock()

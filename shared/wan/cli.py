@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link", action="append", default=[], metavar="SPEC", help="a link, repeatable (see below)"
     )
-    p.add_argument("--delay-ms", type=_OPTS["delay_ms"], default=0.0, help="one-way delay per direction")
-    p.add_argument("--jitter-ms", type=_OPTS["jitter_ms"], default=0.0, help="uniform jitter +-ms on the delay")
+    delay, jitter = _OPTS["delay_ms"], _OPTS["jitter_ms"]
+    p.add_argument("--delay-ms", type=delay, default=0.0, help="one-way delay per direction")
+    p.add_argument("--jitter-ms", type=jitter, default=0.0, help="uniform jitter +-ms on the delay")
     p.add_argument(
         "--bandwidth-mbps", type=_OPTS["bandwidth_mbps"], default=None,
         help="cap per direction; none/0 = unlimited (default)",
