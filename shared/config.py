@@ -1,15 +1,21 @@
 """Typed settings, one object per service, every field overridable from the environment.
 
-Each service reads every field, common ones included, as `PDD_<SERVICE>_<FIELD>` with
-SERVICE one of PREFILL, RELAY, MD, ROUTER: e.g. `PDD_RELAY_CATCHUP_THRESHOLD=64`,
-`PDD_MD_NATS_URL=nats://...`. Nested model and engine fields use a double underscore:
-`PDD_MD_MODEL__PRESET=small`. (`CommonSettings` alone, used by no service, reads `PDD_<FIELD>`.)
+SERVICE is one of PREFILL, RELAY, MD, ROUTER. A field every service has (`CommonSettings`:
+NATS URL, secret, model, engine, ...) is read from `PDD_<FIELD>` for all services at once and
+from `PDD_<SERVICE>_<FIELD>` for one service; the service's own variable wins. A field only one
+service has is read from `PDD_<SERVICE>_<FIELD>` alone. Nested model and engine fields use a
+double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_URL=nats://...`
+(MD only, over the former), `PDD_RELAY_CATCHUP_THRESHOLD=64`, `PDD_MODEL__PRESET=small`,
+`PDD_MD_MODEL__PRESET=small`.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+COMMON_PREFIX = "PDD_"
+NESTED_DELIMITER = "__"
 
 
 class ModelSettings(BaseModel):
@@ -33,7 +39,13 @@ class EngineSettings(BaseModel):
 
 
 class CommonSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_", env_nested_delimiter="__", extra="ignore")
+    """What every service has. A service class sets only its own `env_prefix` (the nested
+    delimiter and extra="ignore" are inherited); `PDD_<FIELD>` fills these fields in every
+    service, below the service's own `PDD_<SERVICE>_<FIELD>`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER, extra="ignore"
+    )
 
     nats_url: str = "tls://127.0.0.1:4222"
     instance: str = "0"
@@ -51,16 +63,32 @@ class CommonSettings(BaseSettings):
     request_timeout_s: float = 120.0  # hard bound on any single request
     torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
+    metrics_host: str = "127.0.0.1"  # address the /metrics server binds to
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Built on CommonSettings, not settings_cls: PDD_<FIELD> never sets a service's own field.
+        common_env = EnvSettingsSource(
+            CommonSettings, env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER
+        )
+        return init_settings, env_settings, common_env, dotenv_settings, file_secret_settings
 
 
 class PrefillSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_")
 
     prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk (0 = no cap)
 
 
 class RelaySettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_RELAY_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PDD_RELAY_")
 
     local_address: str = "unix:///tmp/pdd-relay-0.sock"  # local fast path from prefill
     catchup_threshold: int = 64  # pending tokens above which handoff goes in batches
@@ -70,7 +98,7 @@ class RelaySettings(CommonSettings):
 
 
 class MainDecodeSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_MD_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PDD_MD_")
 
     datacenter: str = "dc-b"
     bulk_address: str = "tcp://127.0.0.1:7400"  # where MD listens for KV
@@ -78,7 +106,7 @@ class MainDecodeSettings(CommonSettings):
 
 
 class RouterSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_ROUTER_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PDD_ROUTER_")
 
     host: str = "127.0.0.1"
     port: int = 8000

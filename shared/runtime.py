@@ -100,7 +100,7 @@ async def serve_service(name: str, settings, factory) -> None:
 
         torch.set_num_threads(settings.torch_threads)
     if getattr(settings, "metrics_port", None):
-        start_metrics_server(settings.metrics_port)
+        start_metrics_server(settings.metrics_port, settings.metrics_host)
     nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}", **nats_options(settings))
     service = factory(settings, nc)
     await service.start()

@@ -108,9 +108,57 @@ async def test_control_api_errors(echo_wan) -> None:
     assert e.value.response.status_code == 404
     with pytest.raises(httpx.HTTPStatusError) as e:
         await ctl.set("echo", delay_ms=-1)
-    assert e.value.response.status_code == 422
-    with pytest.raises(httpx.HTTPStatusError):
+    assert e.value.response.status_code == 400
+    with pytest.raises(httpx.HTTPStatusError) as e:
         await ctl.set("echo", cut=True, cut_mode="sideways")
+    assert e.value.response.status_code == 400
+    assert (await ctl.get())["echo"]["cut"] is False
+
+
+# Raw bodies: JSON's Infinity/NaN extensions are what a client's float('inf') turns into.
+BAD_BODIES = {
+    b'{"delay_ms": Infinity}': "delay_ms",
+    b'{"delay_ms": NaN}': "delay_ms",
+    b'{"delay_ms": 1e308}': "delay_ms",
+    b'{"delay_ms": -1}': "delay_ms",
+    b'{"jitter_ms": -Infinity}': "jitter_ms",
+    b'{"jitter_ms": 60001}': "jitter_ms",
+    b'{"bandwidth_mbps": Infinity}': "bandwidth_mbps",
+    b'{"bandwidth_mbps": 0}': "bandwidth_mbps",
+    b'{"bandwidth_mbps": -5}': "bandwidth_mbps",
+    b'{"bandwidth_mbps": 1e7}': "bandwidth_mbps",
+    b'{"delay_ms": "20"}': "delay_ms",  # a string, not a number
+    b'{"delay_ms": true}': "delay_ms",
+    b'{"delay_ms": null}': "delay_ms",  # only bandwidth has a null (unlimited)
+    b'{"cut": "yes"}': "cut",
+    b'{"cut": true, "cut_mode": "sideways"}': "cut_mode",
+    b'{"delay": 20}': "delay",  # a misspelt key would otherwise change nothing, silently
+    b'{"delay_ms": 20, "bandwidth_mbps": NaN}': "bandwidth_mbps",  # all or nothing
+    b"[20]": "body",
+    b"delay_ms=20": "body",
+}
+
+
+async def test_bad_control_values_get_400_and_change_nothing(echo_wan) -> None:
+    wan, ctl, port = echo_wan
+    before = await ctl.set("echo", delay_ms=3, jitter_ms=1, bandwidth_mbps=100)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        async with httpx.AsyncClient(base_url=ctl.base_url, timeout=5) as http:
+            for body, field in BAD_BODIES.items():
+                r = await http.post("/links/echo", content=body, headers={"content-type": "application/json"})
+                assert r.status_code == 400, (body, r.status_code, r.text)
+                assert field in r.json()["detail"], (body, r.text)
+                state = (await ctl.get())["echo"]
+                assert {k: state[k] for k in ("delay_ms", "jitter_ms", "bandwidth_mbps", "cut")} == {
+                    k: before[k] for k in ("delay_ms", "jitter_ms", "bandwidth_mbps", "cut")
+                }, body
+                writer.write(b"x")  # the link still carries data, with its previous settings
+                await writer.drain()
+                assert await asyncio.wait_for(reader.readexactly(1), 5) == b"x", body
+        assert (await ctl.set("echo", bandwidth_mbps=None))["bandwidth_mbps"] is None  # null = unlimited
+    finally:
+        writer.close()
 
 
 async def test_cut_drop_resets_and_refuses_then_restore(echo_wan) -> None:

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from shared.wan import LinkSettings, Shaper
-from shared.wan.cli import parse_link
+from shared.wan.cli import build_parser, parse_link
 
 
 def test_rate_is_enforced_by_virtual_clock() -> None:
@@ -35,11 +35,23 @@ def test_jitter_never_reorders() -> None:
     assert all(r - i * 0.0001 <= 0.0101 for i, r in enumerate(releases))
 
 
+BAD_SETTINGS = [
+    {"delay_ms": -1}, {"delay_ms": float("inf")}, {"delay_ms": float("nan")}, {"delay_ms": 1e308},
+    {"jitter_ms": -0.5}, {"jitter_ms": 60_001}, {"bandwidth_mbps": 0}, {"bandwidth_mbps": float("inf")},
+    {"bandwidth_mbps": float("nan")}, {"bandwidth_mbps": 2e6},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", BAD_SETTINGS, ids=lambda b: "{}={}".format(*next(iter(b.items()))))
+def test_settings_out_of_range_are_refused_by_name(bad: dict) -> None:
+    (name,) = bad
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        LinkSettings(**bad).validate()
+
+
 def test_settings_validation_and_queue_limit() -> None:
-    with pytest.raises(ValueError):
-        LinkSettings(delay_ms=-1).validate()
-    with pytest.raises(ValueError):
-        LinkSettings(bandwidth_mbps=0).validate()
+    LinkSettings(delay_ms=60_000, jitter_ms=60_000, bandwidth_mbps=1e6).validate()  # the bounds themselves
+    LinkSettings(bandwidth_mbps=None).validate()  # unlimited
     s = Shaper(LinkSettings(delay_ms=50, bandwidth_mbps=1000))
     assert s.queue_limit() >= 2 * 125e6 * 0.05  # at least 2x the bandwidth-delay product
     assert 4 << 10 <= Shaper(LinkSettings(bandwidth_mbps=1)).chunk_size() <= 256 << 10
@@ -53,3 +65,21 @@ def test_parse_link() -> None:
     for bad in ("nope", "x=h:1", "x=h:1>h:2,foo=1"):
         with pytest.raises(ValueError):
             parse_link(bad, {})
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e308", "-1", "60001", "fast"])
+def test_bad_delay_in_flags_and_link_options_is_refused(value: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--delay-ms", value])
+    assert "delay_ms" in capsys.readouterr().err  # argparse prints the reason, not just "invalid value"
+    with pytest.raises(ValueError, match="delay_ms"):
+        parse_link(f"x=h:1>h:2,delay_ms={value}", {})
+
+
+def test_bandwidth_flag_unlimited_and_bounds() -> None:
+    assert build_parser().parse_args(["--bandwidth-mbps", "none"]).bandwidth_mbps is None
+    assert build_parser().parse_args(["--bandwidth-mbps", "0"]).bandwidth_mbps is None
+    assert build_parser().parse_args(["--bandwidth-mbps", "250"]).bandwidth_mbps == 250.0
+    for bad in ("nan", "-5", "2e6"):
+        with pytest.raises(ValueError, match="bandwidth_mbps"):
+            parse_link(f"x=h:1>h:2,bandwidth_mbps={bad}", {})

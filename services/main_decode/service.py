@@ -179,6 +179,13 @@ class MainDecodeService(EngineService):
         if job is None:
             self.count_unknown_request()
             return
+        if msg.seq < job.next_seq or msg.seq in job.batches:  # a redelivery: the first copy stands
+            reason = "stale" if msg.seq < job.next_seq else "duplicate"
+            metrics.HANDOFF_BATCHES_DROPPED.labels(reason=reason).inc()
+            log.warning(
+                "request %s: %s handoff batch %d dropped (next %d)", msg.rid, reason, msg.seq, job.next_seq
+            )
+            return
         job.batches[msg.seq] = (msg, otel_context.get_current())
         self.life.spawn(self._drain_handoffs(job))  # keep this subscription free for other requests
 

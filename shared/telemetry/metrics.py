@@ -1,7 +1,7 @@
 """Prometheus metrics of every pdd service, defined once here so services import them.
 
 All live in prometheus-client's default registry. Non-router services expose it with
-`start_metrics_server(port)`; the router serves `metrics_text()` on its own `/metrics`.
+`start_metrics_server(port, addr)`; the router serves `metrics_text()` on its own `/metrics`.
 Label values: pipeline = p-md | p-rld-md | rld-only; path = wan | local;
 mode = one-shot | catch-up; role = rld | md.
 """
@@ -44,12 +44,15 @@ UNKNOWN_REQUEST_MESSAGES = Counter(
     "pdd_unknown_request_messages", "Messages naming a request id this instance does not hold (dropped)", ["service"]
 )
 KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])
+HANDOFF_BATCHES_DROPPED = Counter(  # reason = stale (seq already applied) | duplicate (seq already held)
+    "pdd_handoff_batches_dropped", "Redelivered handoff batches MD dropped (first copy kept)", ["reason"]
+)
 
 _servers: dict[int, object] = {}
 _lock = threading.Lock()
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
     """Serve the default registry on http://addr:port/metrics (idempotent per port)."""
     with _lock:
         if port not in _servers:

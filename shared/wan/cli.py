@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 from shared.wan.emulator import WanEmulator
 from shared.wan.link import WanLink
+from shared.wan.shaper import check_setting
 
 EPILOG = """\
 link syntax:  NAME=LISTEN>TARGET[,delay_ms=X][,jitter_ms=X][,bandwidth_mbps=X]
@@ -30,17 +32,28 @@ control API:
 """
 
 
-def _mbps(value: str) -> float | None:
-    """A bandwidth in Mbit/s; "none", "unlimited" or 0 mean no cap."""
-    if value.strip().lower() in ("none", "unlimited", "inf", "0", "0.0"):
-        return None
-    mbps = float(value)
-    if mbps <= 0:
-        raise ValueError(f"bandwidth must be > 0, got {value!r}")
-    return mbps
+UNLIMITED = ("none", "unlimited", "inf", "0", "0.0")  # what --bandwidth-mbps accepts for no cap
 
 
-_OPTS = {"delay_ms": float, "jitter_ms": float, "bandwidth_mbps": _mbps}
+class _BadValue(argparse.ArgumentTypeError, ValueError):
+    """argparse prints its message; parse_link's callers catch it as a ValueError."""
+
+
+def _setting(name: str) -> Callable[[str], float | None]:
+    """Parser of one link setting given as text, within the range the control API accepts."""
+
+    def parse(value: str) -> float | None:
+        if name == "bandwidth_mbps" and value.strip().lower() in UNLIMITED:
+            return None
+        try:
+            return check_setting(name, float(value))
+        except ValueError as e:  # from float() (not a number) or check_setting (out of range)
+            raise _BadValue(f"bad {name} {value!r}: {e}") from None
+
+    return parse
+
+
+_OPTS = {name: _setting(name) for name in ("delay_ms", "jitter_ms", "bandwidth_mbps")}
 
 
 def parse_link(spec: str, defaults: dict) -> WanLink:
@@ -72,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link", action="append", default=[], metavar="SPEC", help="a link, repeatable (see below)"
     )
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per direction")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="uniform jitter +-ms on the delay")
+    delay, jitter = _OPTS["delay_ms"], _OPTS["jitter_ms"]
+    p.add_argument("--delay-ms", type=delay, default=0.0, help="one-way delay per direction")
+    p.add_argument("--jitter-ms", type=jitter, default=0.0, help="uniform jitter +-ms on the delay")
     p.add_argument(
-        "--bandwidth-mbps", type=_mbps, default=None, help="cap per direction; none/0 = unlimited (default)"
+        "--bandwidth-mbps", type=_OPTS["bandwidth_mbps"], default=None,
+        help="cap per direction; none/0 = unlimited (default)",
     )
     p.add_argument("--log-level", default="INFO")
     return p

@@ -2,6 +2,9 @@
 
 GET  /links          -> {name: settings + byte counters}
 POST /links/{name}   <- {delay_ms?, jitter_ms?, bandwidth_mbps? (null = unlimited), cut?, cut_mode?}
+
+A request that is not that (a wrong type, an unknown key, a value outside shaper.LIMITS such
+as a negative, infinite or NaN delay) gets 400 with the reason and changes nothing.
 """
 
 from __future__ import annotations
@@ -11,22 +14,47 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import fields
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
-from shared.wan.link import WanLink, split_hostport
+from shared.wan.link import CutMode, WanLink, split_hostport
+from shared.wan.shaper import LinkSettings
 
 log = logging.getLogger(__name__)
 
 
+SETTINGS = frozenset(f.name for f in fields(LinkSettings))
+
+
 class LinkUpdate(BaseModel):
-    delay_ms: float | None = Field(None, ge=0)
-    jitter_ms: float | None = Field(None, ge=0)
-    bandwidth_mbps: float | None = Field(None, gt=0)  # explicit null = unlimited
+    """Only the fields a request gives are applied; strict: JSON numbers and booleans only."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    bandwidth_mbps: float | None = None  # explicit null = unlimited
     cut: bool | None = None
-    cut_mode: str = "drop"
+    cut_mode: CutMode = "drop"
+
+    def settings(self) -> dict[str, float | None]:
+        """The link settings this request changes (their ranges are LinkSettings.validate's)."""
+        return self.model_dump(include=self.model_fields_set & SETTINGS)
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(p for p in loc[1:] if isinstance(p, str)) or "body"  # loc[0] is "body"
+
+
+async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """400, not FastAPI's 422, naming each offending key ("body" when it is not a JSON object)."""
+    reasons = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
+    return JSONResponse({"detail": reasons}, status_code=400)
 
 
 class _Server(uvicorn.Server):
@@ -46,6 +74,7 @@ class WanEmulator:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="pdd wan emulator")
+        app.add_exception_handler(RequestValidationError, _bad_request)
 
         @app.get("/links")
         async def get_links() -> dict:
@@ -59,7 +88,7 @@ class WanEmulator:
             try:
                 await self.apply(link, body)
             except ValueError as e:
-                raise HTTPException(422, str(e)) from None
+                raise HTTPException(400, str(e)) from None
             return link.state()
 
         @app.get("/health")
@@ -70,12 +99,7 @@ class WanEmulator:
 
     @staticmethod
     async def apply(link: WanLink, body: LinkUpdate) -> None:
-        given = body.model_fields_set
-        link.configure(
-            delay_ms=body.delay_ms,
-            jitter_ms=body.jitter_ms,
-            bandwidth_mbps=body.bandwidth_mbps if "bandwidth_mbps" in given else -1.0,
-        )
+        link.configure(**body.settings())  # validates them all before changing any
         if body.cut is True:
             await link.cut(body.cut_mode)
         elif body.cut is False:

@@ -12,13 +12,15 @@ import contextlib
 import logging
 import socket
 import struct
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from typing import Literal, get_args
 
 from shared.wan.shaper import LinkSettings, Shaper
 
 log = logging.getLogger(__name__)
 
-CUT_MODES = ("drop", "blackhole")
+CutMode = Literal["drop", "blackhole"]
+CUT_MODES: tuple[str, ...] = get_args(CutMode)
 TIMER_SLACK_S = 0.0004  # asyncio timers fire ~0.5 ms late on average: aim a little early
 
 
@@ -283,23 +285,15 @@ class WanLink:
         if server is not None:
             server.close()
 
-    def configure(
-        self,
-        *,
-        delay_ms: float | None = None,
-        jitter_ms: float | None = None,
-        bandwidth_mbps: float | None = -1.0,  # -1 = unchanged; None = unlimited
-    ) -> None:
-        new = LinkSettings(
-            self.settings.delay_ms if delay_ms is None else float(delay_ms),
-            self.settings.jitter_ms if jitter_ms is None else float(jitter_ms),
-            self.settings.bandwidth_mbps if bandwidth_mbps == -1.0 else bandwidth_mbps,
-        )
+    def configure(self, **changes: float | None) -> None:
+        """Change the named settings of both directions, e.g. configure(delay_ms=40) or
+        configure(bandwidth_mbps=None) for unlimited. A bad value raises ValueError and changes nothing."""
+        new = replace(self.settings, **changes)
         new.validate()
         self.settings.delay_ms, self.settings.jitter_ms = new.delay_ms, new.jitter_ms
         self.settings.bandwidth_mbps = new.bandwidth_mbps
 
-    async def cut(self, mode: str = "drop") -> None:
+    async def cut(self, mode: CutMode = "drop") -> None:
         """drop: reset every connection and refuse new ones. blackhole: hold everything silent
         (no byte moves either way, new connections hang) until restore()."""
         if mode not in CUT_MODES:

@@ -8,8 +8,27 @@ TCP stream is never reordered, a late chunk holds back the ones behind it (as TC
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
+
+# setting -> (lowest, highest, whether lowest itself is allowed). Finite and bounded, so release
+# times and queue sizes stay finite numbers; a minute one way and 1 Tbit/s are past any real WAN.
+LIMITS = {
+    "delay_ms": (0.0, 60_000.0, True),
+    "jitter_ms": (0.0, 60_000.0, True),
+    "bandwidth_mbps": (0.0, 1e6, False),  # None (unlimited) is not a number and not checked here
+}
+
+
+def check_setting(name: str, value: float) -> float:
+    """`value` if it is a finite number within the setting's LIMITS, else ValueError saying so."""
+    low, high, low_allowed = LIMITS[name]
+    above_low = value >= low if low_allowed else value > low
+    if not (math.isfinite(value) and above_low and value <= high):  # NaN fails isfinite
+        span = f"{'[' if low_allowed else '('}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number in {span}, got {value!r}")
+    return value
 
 
 @dataclass
@@ -19,10 +38,10 @@ class LinkSettings:
     bandwidth_mbps: float | None = None  # per direction; None = unlimited
 
     def validate(self) -> None:
-        if self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError("delay_ms and jitter_ms must be >= 0")
-        if self.bandwidth_mbps is not None and self.bandwidth_mbps <= 0:
-            raise ValueError("bandwidth_mbps must be > 0 (or None for unlimited)")
+        check_setting("delay_ms", self.delay_ms)
+        check_setting("jitter_ms", self.jitter_ms)
+        if self.bandwidth_mbps is not None:
+            check_setting("bandwidth_mbps", self.bandwidth_mbps)
 
     @property
     def rate_bps(self) -> float | None:
