@@ -33,9 +33,10 @@ class InFlight:
     def refusal(self, nbytes: int) -> str | None:
         """Why one more group of nbytes does not fit (None: it fits)."""
         if self.groups + 1 > self.max_groups:
-            return f"{self.scope} already receives {self.groups} groups (cap {self.max_groups})"
+            return f"{self.scope} already receives {self.groups} groups, its cap"
         if self.bytes + nbytes > self.max_bytes:
-            return f"a group of {nbytes} bytes exceeds the {self.scope} cap of {self.max_bytes} bytes in flight ({self.bytes} held)"
+            held = f"{self.bytes} + {nbytes} bytes in flight"
+            return f"{held} on {self.scope} would pass its cap of {self.max_bytes}"
         return None
 
     def take(self, nbytes: int) -> None:

@@ -258,7 +258,7 @@ class KVServer:
         self.max_header_bytes = max_header_bytes
         self.caps = caps
         self.expect = expect
-        self.inflight = InFlight(caps.inflight_bytes, caps.groups, "receiver")
+        self.inflight = InFlight(caps.inflight_bytes, caps.groups, "this receiver")
         self.buffers = RecvBuffers()
         self._listener: Listener | None = None
         self._receivers: set[_Receiver] = set()
