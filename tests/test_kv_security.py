@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,9 +88,12 @@ async def test_sender_without_our_certificate_is_refused_before_any_sink_call(
     server = await start_kv_server(
         "tcp://127.0.0.1:0", SECRET, sink, ssl=server_context(pki.identity("receiver"))
     )
-    ctx = no_cert_context(pki) if who == "no certificate" else client_context(foreign.identity("sender"))
-    if who == "another CA":
-        ctx.load_verify_locations(pki.ca_cert)  # it even trusts our CA: only its own cert is foreign
+    outsider = foreign.identity(
+        "sender"
+    )  # it trusts our CA (so it accepts the receiver); its cert is foreign
+    ctx = (
+        no_cert_context(pki) if who == "no certificate" else client_context(replace(outsider, ca=pki.ca_cert))
+    )
     try:
         with pytest.raises(KVTransferError):
             # TLS 1.3 completes the client's side first: the refusal may surface on the first read.
@@ -224,7 +228,7 @@ async def test_caps_on_bytes_groups_and_connections_refuse_and_release(caplog) -
         assert "this receiver already receives 3 groups" in await _refusal(b, "b3")
         await a.send(pack({"kind": "abort", "rid": "a1", "reason": "gone"}))  # frees 1.5 MiB
         await until(lambda: server.inflight.groups == 2)  # (another connection: wait for it)
-        await b.send(pack(_group_start("b4", [L, 2, n, BS, H, D])))  # now fits
+        await a.send(pack(_group_start("a5", [L, 2, n, BS, H, D])))  # now fits on a, and in all
         await until(lambda: server.inflight.bytes == MiB + 2 * BLOCK_BYTES and server.inflight.groups == 3)
     finally:
         a.close()
