@@ -2,13 +2,17 @@
 
     python -m bench.transport [--quick] [--size-mib 64] [--repeats 3] [--out bench/out/transport.json]
 
-Receivers run in a child process (as in deployment), senders here. Prints ratios, writes JSON.
+Receivers run in a child process (as in deployment), senders here. Rows: raw socket, the bulk
+channel in plaintext over TCP and a Unix socket, over TLS 1.3 (mutual certificates), and over
+N parallel TLS connections (aggregate GB/s; x raw is per connection). CPU seconds per GB are the
+sender's (this process) and the receiver's (the child). Prints ratios, writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
@@ -18,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +34,7 @@ from shared.bus import NatsServer, connect
 from shared.bus.nats_server import free_port
 from shared.kv import open_kv_client, start_kv_server
 from shared.kv.transport import SNDBUF
+from shared.security import Pki, client_context, server_context
 
 MiB = 1 << 20
 SECRET = "bench-secret"
@@ -75,23 +81,56 @@ def _raw_receiver(lsock: socket.socket, nbytes: int) -> None:
                 conn.sendall(b"k")
 
 
-def _receiver_main(conn: Any, nbytes: int, unix_path: str) -> None:
+def _receiver_main(conn: Any, nbytes: int, unix_path: str, pki_dir: str) -> None:
     torch.set_num_threads(1)
     lsock = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_receiver, args=(lsock, nbytes), daemon=True).start()
+    tls = server_context(Pki(Path(pki_dir)).identity("receiver"))
 
     async def serve() -> None:
         tcp = await start_kv_server("tcp://127.0.0.1:0", SECRET, _CountingSink())
+        tls_tcp = await start_kv_server("tcp://127.0.0.1:0", SECRET, _CountingSink(), ssl=tls)
         unix = await start_kv_server(f"unix://{unix_path}", SECRET, _CountingSink())
-        conn.send({"raw": lsock.getsockname()[1], "tcp": tcp.address, "unix": unix.address})
+        addrs = {
+            "raw": lsock.getsockname()[1],
+            "tcp": tcp.address,
+            "tls": tls_tcp.address,
+            "unix": unix.address,
+        }
+        conn.send(addrs)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the parent says stop
-        await tcp.close()
-        await unix.close()
+        for server in (tcp, tls_tcp, unix):
+            await server.close()
 
     asyncio.run(serve())
 
 
 # ---------------------------------------------------------------- bulk vs raw
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of a process (all its threads) so far, in ns resolution (/proc/*/stat counts ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total / 1e9
+
+
+class _Cpu:
+    """CPU seconds spent by the sender (this process) and the receiver (the child) over a block."""
+
+    def __init__(self, receiver_pid: int) -> None:
+        self.pid = receiver_pid
+
+    def __enter__(self) -> _Cpu:
+        self.t0 = (_cpu_seconds(os.getpid()), _cpu_seconds(self.pid))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.send = _cpu_seconds(os.getpid()) - self.t0[0]
+        self.recv = _cpu_seconds(self.pid) - self.t0[1]
 
 
 def _raw_round(sock: socket.socket, data: memoryview) -> float:
@@ -101,11 +140,16 @@ def _raw_round(sock: socket.socket, data: memoryview) -> float:
     return time.perf_counter() - t0
 
 
-async def _bulk_round(client: Any, blocks: list[torch.Tensor], rid: str) -> float:
+async def _bulk_round(clients: list[Any], blocks: list[torch.Tensor], rid: str) -> float:
+    """Every client sends all blocks at once (one request each); the time until all are acked."""
+
+    async def one(client: Any, rid: str) -> None:
+        for i, kv in enumerate(blocks):
+            await client.send_blocks(rid, [i * 1000 + j for j in range(kv.shape[2])], kv)
+        await client.finish(rid)
+
     t0 = time.perf_counter()
-    for i, kv in enumerate(blocks):
-        await client.send_blocks(rid, [i * 1000 + j for j in range(kv.shape[2])], kv)
-    await client.finish(rid)
+    await asyncio.gather(*(one(c, f"{rid}-{k}") for k, c in enumerate(clients)))
     return time.perf_counter() - t0
 
 
@@ -116,59 +160,89 @@ def _kv_tensor(nbytes: int, nblocks: int) -> torch.Tensor:
     return torch.randn(32, 2, nblocks, 16, 8, head_dim).to(torch.float16)
 
 
-async def bench_bulk(size: int, repeats: int) -> dict:
+def _bulk_variants(
+    addrs: dict, one: torch.Tensor, parallel: int
+) -> dict[str, tuple[str, list, str, bool, int]]:
+    """name: (address, the blocks one request sends, checksum, TLS, connections)."""
+    per_block = [one[:, :, i : i + 1].contiguous() for i in range(32)]  # as a producer would emit them
+    return {
+        "bulk_tcp_1_frame": (addrs["tcp"], [one], "xxh3", False, 1),
+        "bulk_tcp_32_frames": (addrs["tcp"], per_block, "xxh3", False, 1),
+        "bulk_tcp_32_frames_nocsum": (addrs["tcp"], per_block, "none", False, 1),
+        "bulk_tls_32_frames": (addrs["tls"], per_block, "xxh3", True, 1),
+        f"bulk_tls_32_frames_x{parallel}_conns": (addrs["tls"], per_block, "xxh3", True, parallel),
+        "bulk_unix_32_frames": (addrs["unix"], per_block, "xxh3", False, 1),
+    }
+
+
+def _bench_pki() -> tuple[str, Any]:
+    pki_dir = tempfile.mkdtemp(prefix="pdd-bench-pki-")
+    pki = Pki(Path(pki_dir))
+    pki.ensure(["receiver", "sender"], ["127.0.0.1"])
+    return pki_dir, client_context(pki.identity("sender"))
+
+
+async def bench_bulk(size: int, repeats: int, parallel: int = 4) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
-    proc = ctx.Process(target=_receiver_main, args=(child, size, unix_path), daemon=True)
+    pki_dir, tls = _bench_pki()
+    proc = ctx.Process(target=_receiver_main, args=(child, size, unix_path, pki_dir), daemon=True)
     proc.start()
     try:
         addrs = await asyncio.wait_for(asyncio.to_thread(parent.recv), 60)
         one = _kv_tensor(size, 32)  # 32 blocks of 2 MiB
         assert one.numel() * 2 == size, "size must be a multiple of 4 MiB"
-        per_block = [one[:, :, i : i + 1].contiguous() for i in range(32)]  # as a producer would emit them
-        raw_data = memoryview(one.reshape(-1).view(torch.uint8).numpy())
-        variants = {
-            "bulk_tcp_1_frame": (addrs["tcp"], [one], "xxh3"),
-            "bulk_tcp_32_frames": (addrs["tcp"], per_block, "xxh3"),
-            "bulk_tcp_32_frames_nocsum": (addrs["tcp"], per_block, "none"),
-            "bulk_unix_32_frames": (addrs["unix"], per_block, "xxh3"),
-        }
+        variants = _bulk_variants(addrs, one, parallel)
         # Long-lived connections, as in deployment (connect + handshake are not timed).
         raw = socket.create_connection(("127.0.0.1", addrs["raw"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # same socket options as the bulk channel
-        clients = {k: await open_kv_client(a, SECRET, checksum=c) for k, (a, _, c) in variants.items()}
-        times: dict[str, list[float]] = {"raw_tcp": [], **{k: [] for k in variants}}
-        ratios: dict[str, list[float]] = {k: [] for k in variants}
+        clients = {
+            k: [await open_kv_client(a, SECRET, checksum=c, ssl=tls if t else None) for _ in range(n)]
+            for k, (a, _, c, t, n) in variants.items()
+        }
+        rows: dict[str, list[dict]] = {"raw_tcp": [], **{k: [] for k in variants}}
         try:
             # Interleaved, so background load hits raw and bulk alike; ratios are per adjacent pair.
             for r in range(repeats + 1):
-                raw_t = await asyncio.to_thread(_raw_round, raw, raw_data)
-                times["raw_tcp"].append(raw_t)
-                for name, (_, blocks, _) in variants.items():
-                    t = await _bulk_round(clients[name], blocks, f"bench-{r}")
-                    times[name].append(t)
-                    ratios[name].append(raw_t / t)
+                with _Cpu(proc.pid) as cpu:
+                    raw_t = await asyncio.to_thread(
+                        _raw_round, raw, memoryview(one.reshape(-1).view(torch.uint8).numpy())
+                    )
+                rows["raw_tcp"].append({"t": raw_t, "bytes": size, "cpu": cpu, "ratio": 1.0})
+                for name, (_, blocks, _, _, n) in variants.items():
+                    with _Cpu(proc.pid) as cpu:
+                        t = await _bulk_round(clients[name], blocks, f"bench-{r}")
+                    rows[name].append({"t": t, "bytes": n * size, "cpu": cpu, "ratio": raw_t / (t / n)})
         finally:
             raw.close()
-            for c in clients.values():
-                await c.close()
+            for cs in clients.values():
+                for c in cs:
+                    await c.close()
         parent.send("stop")
     finally:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    out: dict[str, Any] = {"bytes": size, "repeats": repeats}
-    for name, ts in times.items():
-        best = statistics.median(ts[1:])  # the first round warms up
-        out[name] = {"seconds": best, "GBps": size / best / 1e9, "best_GBps": size / min(ts[1:]) / 1e9}
-        out[name]["ratio_vs_raw"] = statistics.median(ratios[name][1:]) if name in ratios else 1.0
-    return out
+    return {"bytes": size, "repeats": repeats, **{name: _summary(rs[1:]) for name, rs in rows.items()}}
+
+
+def _summary(rounds: list[dict]) -> dict:
+    """Medians over the timed rounds (the first round, a warm-up, is left out by the caller)."""
+    nbytes = rounds[0]["bytes"]
+    best = statistics.median(r["t"] for r in rounds)
+    return {
+        "seconds": best,
+        "GBps": nbytes / best / 1e9,
+        "best_GBps": nbytes / min(r["t"] for r in rounds) / 1e9,
+        "ratio_vs_raw": statistics.median(r["ratio"] for r in rounds),
+        "send_cpu_s_per_GB": statistics.median(r["cpu"].send for r in rounds) / (nbytes / 1e9),
+        "recv_cpu_s_per_GB": statistics.median(r["cpu"].recv for r in rounds) / (nbytes / 1e9),
+    }
 
 
 # ---------------------------------------------------------------- WAN emulator accuracy
-
 
 
 def _measure_throughput(listen_port: int, target: socket.socket, nbytes: int) -> float:
@@ -332,7 +406,8 @@ def _print(results: dict) -> None:
         for name, row in bulk.items():
             if isinstance(row, dict):
                 print(
-                    f"  {name:26s} {row['GBps']:6.2f} GB/s (best {row['best_GBps']:5.2f})   x{row['ratio_vs_raw']:.2f} raw"
+                    f"  {name:30s} {row['GBps']:6.2f} GB/s (best {row['best_GBps']:5.2f})   x{row['ratio_vs_raw']:.2f} raw"
+                    f"   CPU s/GB send {row['send_cpu_s_per_GB']:.2f} recv {row['recv_cpu_s_per_GB']:.2f}"
                 )
     wan = results.get("wan")
     if wan:
@@ -358,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdd bench transport", description=__doc__)
     p.add_argument("--size-mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--parallel", type=int, default=4, help="TLS connections of the parallel row")
     p.add_argument("--quick", action="store_true", help="shorter WAN and NATS runs")
     p.add_argument("--only", choices=["bulk", "wan", "nats"], action="append")
     p.add_argument("--out", default="bench/out/transport.json")
@@ -367,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> dict:
         results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
         if "bulk" in only:
-            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.repeats)
+            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.repeats, args.parallel)
         if "wan" in only:
             results["wan"] = await bench_wan(args.quick)
         if "nats" in only:

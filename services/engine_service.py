@@ -17,6 +17,7 @@ from shared.engine import EngineStats, FinishReason, LLMEngine, StepOutput
 from shared.engine.engine_loop import EngineLoop, PostStep
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
+from shared.kv.tls import server_tls
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -71,8 +72,13 @@ class EngineService:
             await admit(msg, raw)
 
     async def serve_kv(self, address: str) -> None:
-        """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort)."""
-        self.kv_server = await start_kv_server(address, self.settings.secret, self)
+        """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort).
+        TLS on tcp:// when the settings name certificates; groups that are not this model's
+        dtype and per-block shape are refused before any memory is reserved for them."""
+        layers, two, _, *block = self.engine.kv_cache.shape
+        expect = (self.engine.kv_cache.dtype, (layers, two, *block))
+        tls = server_tls(self.settings)
+        self.kv_server = await start_kv_server(address, self.settings.secret, self, ssl=tls, expect=expect)
 
     # ---- what each service defines ---------------------------------------------------
     async def subscribe(self) -> None:

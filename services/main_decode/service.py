@@ -113,6 +113,9 @@ class MainDecodeService(EngineService):
     async def _prepare(self, msg: PrepareRequest, raw) -> None:
         try:
             msg.params.validate()
+            # Hashes name cache entries every later request may reuse: derive them, trust none.
+            if msg.block_hashes != self.engine.block_hashes(msg.prompt_ids):
+                raise EngineError("block_hashes do not match the prompt")
             # Pin what is cached now so it cannot be evicted before the request uses it.
             have = await self.engine_loop.call(self.engine.transfer.pin_blocks, msg.rid, msg.block_hashes)
         except EngineError as e:

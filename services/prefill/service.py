@@ -39,6 +39,7 @@ from shared.bus.subjects import Req
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
 from shared.kv import KVClient, KVClientPool, KVTransferError, LinkEstimator
+from shared.kv.tls import client_tls
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -104,7 +105,7 @@ class PrefillService(EngineService):
         engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
-        self.kv_clients = KVClientPool(settings.secret)
+        self.kv_clients = KVClientPool(settings.secret, ssl=client_tls(settings))
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
 

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from opentelemetry import propagate
@@ -18,6 +18,9 @@ from shared.kv.checksum import ALGOS, DEFAULT_ALGO, checksum
 from shared.kv.errors import FrameError, KVTransferError
 from shared.kv.frame import DEFAULT_MAX_HEADER, PREFIX, byte_view, dtype_name, pack, read_header
 from shared.kv.transport import Stream, transport_for
+
+if TYPE_CHECKING:
+    from ssl import SSLContext
 
 log = logging.getLogger(__name__)
 
@@ -322,14 +325,20 @@ class KVClient:
 
 
 async def open_kv_client(
-    address: str, secret: str, *, timeout: float = 10.0, checksum: str = DEFAULT_ALGO
+    address: str,
+    secret: str,
+    *,
+    timeout: float = 10.0,
+    checksum: str = DEFAULT_ALGO,
+    ssl: SSLContext | None = None,
 ) -> KVClient:
     """Connect and authenticate. Raises KVTransferError when refused, unauthenticated or timed out.
-    `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://)."""
+    `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://).
+    `ssl`: TLS on tcp:// (a client context with this party's certificate); unix:// ignores it."""
     stream: Stream | None = None
     try:
         async with asyncio.timeout(timeout):
-            stream = await transport_for(address).connect(address)
+            stream = await transport_for(address).connect(address, ssl=ssl)
             t0 = time.perf_counter()
             welcome = await auth.client_handshake(stream, secret.encode())
             rtt = time.perf_counter() - t0  # hello was already in flight: ~ one round trip

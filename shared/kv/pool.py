@@ -8,13 +8,15 @@ with the fewest requests in flight; a new one is opened while all are busy, up t
 from __future__ import annotations
 
 import asyncio
+from ssl import SSLContext
 
 from shared.kv.client import KVClient, open_kv_client
 
 
 class KVClientPool:
-    def __init__(self, secret: str, per_peer: int = 4, timeout: float = 10.0):
+    def __init__(self, secret: str, per_peer: int = 4, timeout: float = 10.0, ssl: SSLContext | None = None):
         self.secret = secret
+        self.ssl = ssl  # TLS for tcp:// peers
         self.per_peer = per_peer
         self.timeout = timeout
         self._conns: dict[str, list[KVClient]] = {}
@@ -32,7 +34,7 @@ class KVClientPool:
                     conns.append(c)
             idle = min(conns, key=lambda c: self._active.get(c, 0), default=None)
             if idle is None or (self._active.get(idle, 0) > 0 and len(conns) < self.per_peer):
-                idle = await open_kv_client(address, self.secret, timeout=self.timeout)
+                idle = await open_kv_client(address, self.secret, timeout=self.timeout, ssl=self.ssl)
                 conns.append(idle)
             self._conns[address] = conns
             self._active[idle] = self._active.get(idle, 0) + 1

@@ -7,12 +7,13 @@ import collections
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared.kv import auth
 from shared.kv.buffers import RecvBuffers
+from shared.kv.caps import InFlight, ReceiveCaps
 from shared.kv.checksum import ALGOS, new_hasher
 from shared.kv.errors import FrameError
 from shared.kv.frame import (
@@ -28,6 +29,9 @@ from shared.kv.frame import (
 from shared.kv.sink import KVSink
 from shared.kv.transport import Listener, Stream, transport_for
 
+if TYPE_CHECKING:
+    from ssl import SSLContext
+
 log = logging.getLogger(__name__)
 
 AUTH_TIMEOUT_S = 5.0
@@ -36,6 +40,18 @@ SINK_ABORT_TIMEOUT_S = 10.0
 FAILED_MEMORY = 4096  # failed rids remembered per connection, to discard their in-flight frames
 MAX_GROUP_FRAMES = 16  # one send_blocks() group may be at most this many max-size frames
 
+# What every group must be: (dtype, per-block shape [L, 2, block_size, kv_heads, head_dim]).
+Layout = tuple[torch.dtype, tuple[int, ...]]
+
+
+def layout_refusal(b: BlocksHeader, expect: Layout) -> str | None:
+    """Why this group's dtype or shape is not the receiver's model's (None: it is)."""
+    dtype, block_shape = expect
+    got = (*b.shape[:2], *b.shape[3:])
+    if b.dtype != dtype or got != tuple(block_shape):
+        return f"blocks of {b.dtype} {got} per block, the receiver's model has {dtype} {tuple(block_shape)}"
+    return None
+
 
 @dataclass
 class _Group:
@@ -43,6 +59,7 @@ class _Group:
 
     seq: int
     kv: torch.Tensor
+    nbytes: int  # reserved against the caps until delivered or dropped
     hashes: list[int]
     traceparent: str | None
     next_layer: int = 0
@@ -55,6 +72,7 @@ class _Receiver:
         self.server, self.stream, self.sink = server, stream, server.sink
         self.next_seq: dict[str, int] = {}  # rids in flight on this connection
         self.groups: dict[str, _Group] = {}
+        self.inflight = InFlight(server.caps.conn_inflight_bytes, server.caps.conn_groups, "this connection")
         self.failed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._scratch: memoryview | None = None
 
@@ -95,7 +113,8 @@ class _Receiver:
             for rid in list(self.next_seq):
                 await self._sink_abort(rid, reason)
             self.next_seq.clear()
-            self.groups.clear()
+            for rid in list(self.groups):
+                self._drop_group(rid)
             self.stream.close()
 
     async def _on_blocks(self, h: dict[str, Any]) -> None:
@@ -119,7 +138,7 @@ class _Receiver:
         group.next_layer = b.hi
         if b.hi < b.shape[0]:
             return  # more sub-frames of this group follow
-        del self.groups[b.rid]
+        self._drop_group(b.rid)  # the sink owns it from here
         self.next_seq[b.rid] = b.seq + 1
         kv, hashes, traceparent = group.kv, group.hashes, group.traceparent
         del group
@@ -138,22 +157,39 @@ class _Receiver:
             expected = self.next_seq.get(b.rid, 0)
             if group is not None or b.seq != expected:
                 return f"frame seq={b.seq} out of order (expected {expected})"
-            if math.prod(b.shape) * b.dtype.itemsize > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
+            nbytes = math.prod(b.shape) * b.dtype.itemsize
+            if nbytes > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
                 return f"group of shape {b.shape} is too large"
+            why = self._refusal(b, nbytes)  # before anything is allocated
+            if why is not None:
+                return why
             kv = self.server.buffers.tensor(b.shape, b.dtype)
+            self.inflight.take(nbytes)
+            self.server.inflight.take(nbytes)
             self.next_seq.setdefault(b.rid, expected)  # in flight from now on
-            group = self.groups[b.rid] = _Group(b.seq, kv, list(h["hashes"]), h.get("tp"))
+            group = self.groups[b.rid] = _Group(b.seq, kv, nbytes, list(h["hashes"]), h.get("tp"))
             return group
         if group is None or group.seq != b.seq or group.next_layer != b.lo or list(group.kv.shape) != b.shape:
             return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
         return group
+
+    def _refusal(self, b: BlocksHeader, nbytes: int) -> str | None:
+        expect = self.server.expect
+        why = layout_refusal(b, expect) if expect is not None else None
+        return why or self.inflight.refusal(nbytes) or self.server.inflight.refusal(nbytes)
+
+    def _drop_group(self, rid: str) -> None:
+        group = self.groups.pop(rid, None)
+        if group is not None:
+            self.inflight.give(group.nbytes)
+            self.server.inflight.give(group.nbytes)
 
     async def _on_done(self, rid: str, payload: bytes) -> None:
         reason = self.failed.pop(rid, None)
         if reason is None and rid in self.groups:
             reason = "done before the last sub-frame"
         if reason is not None:  # (repeat the) error: the sender's finish() must not wait for an ack
-            self.groups.pop(rid, None)
+            self._drop_group(rid)
             if self.next_seq.pop(rid, None) is not None:
                 await self._sink_abort(rid, reason)
             await self._send({"kind": "error", "rid": rid, "reason": reason})
@@ -170,13 +206,13 @@ class _Receiver:
 
     async def _on_abort(self, rid: str, reason: str) -> None:
         self.next_seq.pop(rid, None)
-        self.groups.pop(rid, None)
+        self._drop_group(rid)
         if self.failed.pop(rid, None) is None:  # not yet aborted on our side
             await self._sink_abort(rid, f"aborted by sender: {reason}")
 
     async def _fail(self, rid: str, reason: str) -> None:
         self.next_seq.pop(rid, None)
-        self.groups.pop(rid, None)
+        self._drop_group(rid)
         self.failed[rid] = reason
         while len(self.failed) > FAILED_MEMORY:
             self.failed.popitem(last=False)
@@ -207,11 +243,22 @@ class _Receiver:
 
 
 class KVServer:
-    def __init__(self, sink: KVSink, secret: str, max_frame_bytes: int, max_header_bytes: int):
+    def __init__(
+        self,
+        sink: KVSink,
+        secret: str,
+        max_frame_bytes: int,
+        max_header_bytes: int,
+        caps: ReceiveCaps,
+        expect: Layout | None,
+    ):
         self.sink = sink
         self.secret = secret.encode()
         self.max_frame_bytes = max_frame_bytes
         self.max_header_bytes = max_header_bytes
+        self.caps = caps
+        self.expect = expect
+        self.inflight = InFlight(caps.inflight_bytes, caps.groups, "this receiver")
         self.buffers = RecvBuffers()
         self._listener: Listener | None = None
         self._receivers: set[_Receiver] = set()
@@ -227,6 +274,10 @@ class KVServer:
         return {r.stream.peer: sorted(set(r.next_seq) | set(r.groups)) for r in self._receivers}
 
     async def _serve(self, stream: Stream) -> None:
+        if len(self._receivers) >= self.caps.connections:
+            log.warning("kv: refused %s: %d connections open (cap)", stream.peer, len(self._receivers))
+            stream.close()
+            return
         receiver = _Receiver(self, stream)
         self._receivers.add(receiver)
         try:
@@ -248,9 +299,15 @@ async def start_kv_server(
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME,
     max_header_bytes: int = DEFAULT_MAX_HEADER,
+    ssl: SSLContext | None = None,
+    expect: Layout | None = None,
+    caps: ReceiveCaps | None = None,
 ) -> KVServer:
-    """Listen on "tcp://host:port" (port 0 = any) or "unix:///path"; `server.address` is the bound one."""
-    server = KVServer(sink, secret, max_frame_bytes, max_header_bytes)
-    server._listener = await transport_for(address).listen(address, server._serve)
+    """Listen on "tcp://host:port" (port 0 = any) or "unix:///path"; `server.address` is the bound one.
+    ssl: TLS on tcp:// (a server context that requires client certificates); the HMAC handshake
+    runs inside it all the same. expect: refuse groups of another dtype or per-block shape
+    before reserving them. caps: bounds on connections and on what is reserved (defaults)."""
+    server = KVServer(sink, secret, max_frame_bytes, max_header_bytes, caps or ReceiveCaps(), expect)
+    server._listener = await transport_for(address).listen(address, server._serve, ssl=ssl)
     log.info("kv receiver listening on %s", server.address)
     return server

@@ -3,7 +3,9 @@
 `tcp://host:port` for the WAN path, `unix:///path` for the co-located fast path (P -> RLD).
 Both are plain non-blocking sockets (`loop.sock_sendall`, and a reader callback doing `recv_into`):
 sends go straight from the tensor's memory and receives land straight in the destination
-tensor (no StreamReader/transport buffer copies). An RDMA backend would register its own
+tensor (no StreamReader/transport buffer copies). Given an SSLContext, a tcp stream runs TLS
+1.3 on the same socket pump and decrypts straight into the destination (unix:// stays
+plaintext: it never leaves the host). An RDMA backend would register its own
 scheme with a `Transport` whose streams offer the same four methods.
 """
 
@@ -14,7 +16,9 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
+from ssl import SSLContext
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -22,6 +26,8 @@ log = logging.getLogger(__name__)
 
 RECV_CHUNK = 512 << 10  # checksum each piece while it is still in cache
 SNDBUF = 4 << 20  # Linux doubles it; larger than the default autotuning cap (4 MiB)
+TLS_HANDSHAKE_TIMEOUT_S = 5.0
+TLS_CHUNK = 256 << 10  # socket reads and encrypted writes, per call
 
 
 class Stream(Protocol):
@@ -50,8 +56,8 @@ OnStream = Callable[[Stream], Awaitable[None]]
 
 
 class Transport(Protocol):
-    async def listen(self, address: str, on_stream: OnStream) -> Listener: ...
-    async def connect(self, address: str) -> Stream: ...
+    async def listen(self, address: str, on_stream: OnStream, ssl: SSLContext | None = None) -> Listener: ...
+    async def connect(self, address: str, ssl: SSLContext | None = None) -> Stream: ...
 
 
 class SocketStream:
@@ -100,7 +106,7 @@ class SocketStream:
         view, n = self._view, len(self._view)
         while self._got < n:
             try:
-                k = self._sock.recv_into(view[self._got : min(n, self._got + RECV_CHUNK)])
+                k = self._recv_some(view[self._got : min(n, self._got + RECV_CHUNK)])
             except (BlockingIOError, InterruptedError):
                 return False
             if k == 0:
@@ -110,6 +116,9 @@ class SocketStream:
             self._got += k
         return True
 
+    def _recv_some(self, view: memoryview) -> int:
+        return self._sock.recv_into(view)
+
     def abort(self) -> None:
         # shutdown wakes any task blocked in recv_into/sock_sendall; close() would not.
         with contextlib.suppress(OSError):
@@ -118,6 +127,90 @@ class SocketStream:
     def close(self) -> None:
         self.abort()
         self._sock.close()
+
+
+class TLSStream(SocketStream):
+    """TLS on the same socket pump, through memory BIOs: the socket is read in big pieces
+    (a plain recv per 16 KiB record would double the syscalls) and records are decrypted
+    straight into the receive view; sends are encrypted in pieces of TLS_CHUNK."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: str,
+        tls: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+    ):
+        super().__init__(sock, peer)
+        self._tls, self._in, self._out = tls, incoming, outgoing
+        self._scratch = memoryview(bytearray(TLS_CHUNK))
+
+    def _recv_some(self, view: memoryview) -> int:
+        got = 0
+        while got < len(view):
+            try:
+                k = self._tls.read(len(view) - got, view[got:])
+            except ssl.SSLWantReadError:
+                if got:
+                    return got
+                n = self._sock.recv_into(self._scratch)  # BlockingIOError: nothing there yet
+                if n == 0:
+                    return 0
+                self._in.write(self._scratch[:n])
+                continue
+            except ssl.SSLZeroReturnError:  # the peer's close_notify
+                return got
+            if k == 0:
+                return got
+            got += k
+        return got
+
+    async def send(self, *bufs: bytes | memoryview) -> None:
+        for buf in bufs:
+            view = memoryview(buf).cast("B")
+            for i in range(0, len(view), TLS_CHUNK):
+                self._tls.write(view[i : i + TLS_CHUNK])
+                await self._loop.sock_sendall(self._sock, self._out.read())
+
+
+async def _tls_handshake(
+    sock: socket.socket, peer: str, tls: SSLContext, server_hostname: str | None
+) -> TLSStream:
+    """Certificates are checked here; a refusal's alert still reaches the peer."""
+    loop = asyncio.get_running_loop()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = tls.wrap_bio(
+        incoming, outgoing, server_side=server_hostname is None, server_hostname=server_hostname
+    )
+    async with asyncio.timeout(TLS_HANDSHAKE_TIMEOUT_S):
+        while True:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await loop.sock_sendall(sock, outgoing.read())
+                data = await loop.sock_recv(sock, 1 << 16)
+                if not data:
+                    raise ConnectionResetError(
+                        f"{peer} closed the connection during the TLS handshake"
+                    ) from None
+                incoming.write(data)
+            except ssl.SSLError:
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(sock, outgoing.read())
+                raise
+        await loop.sock_sendall(sock, outgoing.read())
+    return TLSStream(sock, peer, obj, incoming, outgoing)
+
+
+async def _stream_of(
+    sock: socket.socket, peer: str, tls: SSLContext | None, server_hostname: str | None = None
+) -> SocketStream:
+    """A plaintext stream, or a TLS one once the handshake (certificates checked) is through."""
+    if tls is None:
+        return SocketStream(sock, peer)
+    return await _tls_handshake(sock, peer, tls, server_hostname)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -149,10 +242,11 @@ def _parse(address: str) -> tuple[str, tuple | str]:
 
 
 class SocketListener:
-    def __init__(self, sock: socket.socket, address: str, on_stream: OnStream):
+    def __init__(self, sock: socket.socket, address: str, on_stream: OnStream, tls: SSLContext | None):
         self.address = address
         self._sock = sock
         self._on_stream = on_stream
+        self._tls = tls
         self._conns: set[asyncio.Task] = set()
         self._accepting = asyncio.create_task(self._accept_loop())
 
@@ -167,9 +261,18 @@ class SocketListener:
                 continue
             _tune(conn)
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else self.address
-            task = asyncio.create_task(self._on_stream(SocketStream(conn, peer)))
+            task = asyncio.create_task(self._serve(conn, peer))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            stream = await _stream_of(conn, peer, self._tls)
+        except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError: no or a foreign certificate
+            log.warning("kv listener %s: refused %s: TLS handshake failed: %s", self.address, peer, e)
+            conn.close()
+            return
+        await self._on_stream(stream)
 
     async def close(self) -> None:
         self._accepting.cancel()
@@ -187,7 +290,9 @@ class SocketListener:
 
 
 class SocketTransport:
-    async def listen(self, address: str, on_stream: OnStream) -> Listener:
+    """TCP or Unix sockets; `ssl` turns on TLS for tcp:// (unix:// stays plaintext)."""
+
+    async def listen(self, address: str, on_stream: OnStream, ssl: SSLContext | None = None) -> Listener:
         kind, where = _parse(address)
         if kind == "unix":
             assert isinstance(where, str)
@@ -206,9 +311,9 @@ class SocketTransport:
             bound = f"tcp://{h}:{sock.getsockname()[1]}"
         sock.listen(128)
         sock.setblocking(False)
-        return SocketListener(sock, bound, on_stream)
+        return SocketListener(sock, bound, on_stream, ssl if kind == "tcp" else None)
 
-    async def connect(self, address: str) -> Stream:
+    async def connect(self, address: str, ssl: SSLContext | None = None) -> Stream:
         kind, where = _parse(address)
         loop = asyncio.get_running_loop()
         if kind == "unix":
@@ -220,6 +325,8 @@ class SocketTransport:
         try:
             _tune(sock)
             await loop.sock_connect(sock, where)
+            if kind == "tcp" and ssl is not None:
+                return await _stream_of(sock, address, ssl, server_hostname=urlsplit(address).hostname)
         except BaseException:
             sock.close()
             raise
