@@ -8,35 +8,24 @@ import pytest
 import torch
 
 from services.main_decode.service import MainDecodeService
-from shared.bus import NatsServer, connect, request, subjects
+from shared.bus import request, subjects
 from shared.bus.messages import Pipeline, PrepareReply, PrepareRequest
 from shared.config import EngineSettings, MainDecodeSettings
 from shared.engine import SamplingParams
 from shared.kv import KVTransferError, open_kv_client
 from shared.kv.tls import client_tls, server_tls
-from shared.security import Pki, client_context
+from shared.security import client_context
 
 from .test_kv_security import no_cert_context
 
 
-class TLSSettings(MainDecodeSettings):
-    """The certificate settings services read when present (tls_ca, tls_cert, tls_key)."""
-
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-
-
 @pytest.fixture
-async def md(tmp_path):
-    pki = Pki(tmp_path / "pki")
-    pki.ensure(["main_decode", "prefill"], ["127.0.0.1"])
+async def md(nats_server, nats_security):
+    pki = nats_security.creds.pki  # the CA the fixtures' NATS server and services share
     ident = pki.identity("main_decode")
-    nats = NatsServer("md-trust")
-    await nats.start()
-    nc = await connect(nats.url, "md-trust-test")
-    settings = TLSSettings(
-        nats_url=nats.url, instance="trust", bulk_address="tcp://127.0.0.1:0",
+    nc = await nats_security.connect(nats_server, "md-trust-test")
+    settings = MainDecodeSettings(
+        nats_url=nats_server.url, instance="trust", bulk_address="tcp://127.0.0.1:0",
         engine=EngineSettings(kv_memory_mb=1.0), secret="md-trust-secret",
         tls_ca=str(ident.ca), tls_cert=str(ident.cert), tls_key=str(ident.key),
     )  # fmt: skip
@@ -47,7 +36,6 @@ async def md(tmp_path):
     finally:
         await service.stop()
         await nc.drain()
-        await nats.stop()
 
 
 async def prepare(nc, rid: str, prompt: list[int], hashes: list[int]) -> PrepareReply:
@@ -113,4 +101,4 @@ async def test_md_caches_only_announced_blocks_of_prompts_it_hashed_itself(md) -
 def test_tls_settings_are_all_or_nothing(tmp_path) -> None:
     assert server_tls(MainDecodeSettings()) is None and client_tls(MainDecodeSettings()) is None
     with pytest.raises(ValueError, match="set together"):  # never a silent fallback to plaintext
-        server_tls(TLSSettings(tls_cert=str(tmp_path / "md.pem")))
+        server_tls(MainDecodeSettings(tls_cert=str(tmp_path / "md.pem")))
