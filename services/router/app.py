@@ -134,8 +134,9 @@ async def chat_completions(request: Request) -> Response:
 
 async def _serve(request: Request, chat: bool) -> Response:
     core, tokenizer, http = _core(request), request.app.state.tokenizer, request.app.state.http
+    raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
     parsed = parse_request(
-        await read_body(request, http.max_body_bytes, http.body_timeout_s), chat, model_id=core.model_id, tokenizer=tokenizer,
+        raw, chat, model_id=core.model_id, tokenizer=tokenizer,
         max_model_len=request.app.state.max_model_len, max_tokens_default=core.settings.max_tokens_default,
     )  # fmt: skip
     try:

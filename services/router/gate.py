@@ -8,6 +8,8 @@ import math
 
 from fastapi.responses import JSONResponse
 
+from shared.telemetry import metrics
+
 from .admission import Admission, Overloaded
 from .auth import ApiKeys
 from .errors import error_body
@@ -41,6 +43,7 @@ class Gate:
         try:
             await self.admission.acquire()
         except Overloaded as e:
+            metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
             body = error_body(f"the server is busy ({e}); retry later", type_="rate_limit_error",
                               code="rate_limit_exceeded")  # fmt: skip
             retry = str(max(1, math.ceil(self.admission.max_wait_s)))
