@@ -17,17 +17,27 @@ from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_t
 from shared.telemetry.tracing import extract
 from shared.telemetry.waterfall import trace_to_json
 
+from .admission import Admission
+from .auth import ApiKeys
+from .body import read_body
 from .detokenizer import Detokenizer
 from .errors import APIError, error_body
+from .gate import Gate
+from .http_settings import HttpSettings
 from .openai_request import describe, parse_request
+from .openapi import completion_docs, install_openapi
+from .response_schemas import ChatCompletionResponse, CompletionResponse
 from .responses import complete, sse
+from .schemas import ChatCompletionRequest, CompletionRequest
 from .service import RouterCore
 
 api = APIRouter()
 
 
-def create_app(core_factory) -> FastAPI:
-    """core_factory() -> (RouterCore, tokenizer, max_model_len, closer); awaited at startup."""
+def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
+    """core_factory() -> (RouterCore, tokenizer, max_model_len, closer); awaited at startup.
+    `http`: API keys and request limits (the defaults: no keys, bounded everything)."""
+    http = http or HttpSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -39,10 +49,14 @@ def create_app(core_factory) -> FastAPI:
             await closer()
 
     app = FastAPI(title="pdd router", lifespan=lifespan)
+    app.state.http = http
+    app.add_middleware(Gate, keys=ApiKeys(http.api_keys),
+                       admission=Admission(http.max_in_flight, http.max_waiting, http.max_wait_s))  # fmt: skip
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
     app.include_router(api)
+    install_openapi(app)
     return app
 
 
@@ -108,20 +122,21 @@ async def prometheus() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-@api.post("/v1/completions")
+@api.post("/v1/completions", **completion_docs(CompletionRequest, CompletionResponse))
 async def completions(request: Request) -> Response:
     return await _serve(request, chat=False)
 
 
-@api.post("/v1/chat/completions")
+@api.post("/v1/chat/completions", **completion_docs(ChatCompletionRequest, ChatCompletionResponse))
 async def chat_completions(request: Request) -> Response:
     return await _serve(request, chat=True)
 
 
 async def _serve(request: Request, chat: bool) -> Response:
-    core, tokenizer = _core(request), request.app.state.tokenizer
+    core, tokenizer, http = _core(request), request.app.state.tokenizer, request.app.state.http
+    raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
     parsed = parse_request(
-        await request.body(), chat, model_id=core.model_id, tokenizer=tokenizer,
+        raw, chat, model_id=core.model_id, tokenizer=tokenizer,
         max_model_len=request.app.state.max_model_len, max_tokens_default=core.settings.max_tokens_default,
     )  # fmt: skip
     try:

@@ -11,11 +11,13 @@ from shared.security.credentials import nats_options
 from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
 from .app import create_app
+from .http_settings import HttpSettings
 from .service import RouterCore
 
 
-def build_app(settings: RouterSettings, nc=None) -> FastAPI:
-    """An app whose lifespan connects to NATS (or uses `nc`) and starts the RouterCore."""
+def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = None) -> FastAPI:
+    """An app whose lifespan connects to NATS (or uses `nc`) and starts the RouterCore.
+    `http`: API keys and request limits; by default from the environment (see http_settings)."""
 
     async def factory():
         setup_tracing("router", settings.instance, settings.datacenter)
@@ -39,4 +41,4 @@ def build_app(settings: RouterSettings, nc=None) -> FastAPI:
         max_len = min(settings.engine.max_model_len, info.max_position_embeddings)
         return core, info.tokenizer, max_len, close
 
-    return create_app(factory)
+    return create_app(factory, http or HttpSettings.from_env())

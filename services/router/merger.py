@@ -16,9 +16,12 @@ class TokenMerger:
 
     Relay and MD may both report the same index around a handoff; duplicates are
     dropped. A finish marker ends the stream only once every earlier index arrived.
+    Indexes at or past the request's `max_tokens` are never held: whatever an event
+    claims, the merger keeps at most `max_tokens` tokens.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
         self._pending: dict[int, int] = {}
         self.next_index = 0  # first index not yet released
         self.end_index: int | None = None  # one past the last token, once known
@@ -28,7 +31,7 @@ class TokenMerger:
     def add(
         self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None
     ) -> MergeResult:
-        for i, tok in enumerate(tokens):
+        for i, tok in enumerate(tokens[: max(0, self.max_tokens - index)]):
             idx = index + i
             if idx < self.next_index or idx in self._pending:
                 self.duplicates += 1
@@ -37,7 +40,7 @@ class TokenMerger:
                 continue  # past a finish already seen: a late producer's extra token
             self._pending[idx] = tok
         if finished:
-            end = index + len(tokens)
+            end = min(index + len(tokens), self.max_tokens)
             if self.end_index is None or end < self.end_index:
                 self.end_index = end
                 self.finish_reason = finish_reason

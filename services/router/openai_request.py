@@ -3,17 +3,35 @@ sampling parameters. Every problem is an APIError with a 4xx status, never a 500
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from shared.engine import SamplingParams
 
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest
 
-MAX_BODY_BYTES = 8 << 20
+# OpenAI fields this server does not implement, and the values that ask for nothing
+# (the same as leaving the field out). Anything else is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "n": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 @dataclass
@@ -42,15 +60,21 @@ def _bad(message: str, param: str | None = None, status: int = 400, code: str | 
     return APIError(message, status, "invalid_request_error", param=param, code=code)
 
 
+def reject_unsupported(payload: dict) -> None:
+    for name, neutral in UNSUPPORTED.items():
+        value = payload.get(name)
+        if value is True or value not in neutral:  # (True == 1, yet asks for something)
+            raise _bad(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
 def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
-    if len(raw) > MAX_BODY_BYTES:
-        raise _bad(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-    try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    try:  # (unlike json.loads, this refuses lone surrogates, NaN and runaway nesting)
+        payload = from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
         raise _bad(f"request body is not valid JSON: {e}") from None
     if not isinstance(payload, dict):
         raise _bad("request body must be a JSON object")
+    reject_unsupported(payload)
     try:
         return (ChatCompletionRequest if chat else CompletionRequest).model_validate(payload)
     except ValidationError as e:

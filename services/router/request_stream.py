@@ -56,7 +56,8 @@ class RequestStream:
     span: Span | None = None  # the request's root span: one trace across both datacenters
     state: StateMachine[StreamState] = field(default_factory=lambda: StateMachine(StreamState.DISPATCHING, MOVES))
     queue: asyncio.Queue[TokenEvent | None] = field(default_factory=asyncio.Queue)  # None: the router gave up
-    merger: TokenMerger = field(default_factory=TokenMerger)
+    # The router passes one bounded by the request's max_tokens; a stream built without one takes no tokens.
+    merger: TokenMerger = field(default_factory=lambda: TokenMerger(max_tokens=0))
     failure: str | None = None  # why the router gave up
     relay: RelayReport | None = None
     decode: DecodeReport | None = None

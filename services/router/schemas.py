@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+MAX_INT32 = 2**31 - 1  # bound for counts that travel on the wire (msgpack has no big ints)
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class PddOptions(BaseModel):
@@ -13,7 +18,7 @@ class PddOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pipeline: Literal["p-md", "p-rld-md"] | None = None  # a Pipeline value
-    catchup_threshold: int | None = Field(default=None, ge=1)
+    catchup_threshold: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
 
 class _Sampling(BaseModel):
@@ -23,22 +28,26 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    top_k: int = Field(default=0, ge=0, le=MAX_INT32)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = Field(
+        default=None, validate_default=True
+    )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
     pdd: PddOptions | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop_list(cls, v: Any) -> list[str]:
+    def _stop_list(cls, v: Any) -> Any:
         if v is None:
             return []
-        stops = [v] if isinstance(v, str) else list(v)
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop must be up to 4 non-empty strings")
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list):
+            return stops  # the type check says what is wrong
+        if len(stops) > MAX_STOPS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
 

@@ -40,6 +40,7 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
 from .errors import APIError
+from .merger import TokenMerger
 from .policy import RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
 from .prefix_index import PrefixIndex
 from .registry import Registry
@@ -154,7 +155,7 @@ class RouterCore:
             with trace.use_span(span, end_on_exit=False):
                 options = options or PddOptions()
                 forced = Pipeline(options.pipeline) if options.pipeline else None
-                stream = self._routed(rid, span, prompt_ids, forced)
+                stream = self._routed(rid, span, prompt_ids, forced, params.max_tokens)
                 await self._dispatch(stream, params, options.catchup_threshold)
                 return stream
         except APIError as e:
@@ -162,7 +163,9 @@ class RouterCore:
             span.end()
             raise
 
-    def _routed(self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None) -> RequestStream:
+    def _routed(
+        self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, max_tokens: int
+    ) -> RequestStream:
         with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
             decision, md, relay, hashes = self.route(prompt_ids, forced)
             route_span.set_attributes({
@@ -171,7 +174,7 @@ class RouterCore:
                 "pdd.md_instance": md, "pdd.relay_instance": relay or "",
                 "pdd.bandwidth_estimate": self._link_to_md(md)[1],
             })  # fmt: skip
-        stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span)
+        stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span, merger=TokenMerger(max_tokens))
         span.set_attribute("pdd.pipeline", decision.pipeline.value)
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
         self.streams[rid] = stream

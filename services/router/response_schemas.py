@@ -1,0 +1,86 @@
+"""The response bodies of the completion endpoints, as declared in /openapi.json (the
+handlers build plain dicts; tests check those against these models)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from shared.bus.messages import HandoffMode, Pipeline
+
+FinishReason = Literal["stop", "length"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Strict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PddSummary(_Strict):
+    """How the request was served (an extension field)."""
+
+    pipeline: Pipeline
+    prefix_hit_rate: float
+    handoff_mode: HandoffMode | None
+    handoff_batches: int
+    rld_tokens: int
+    md_tokens: int
+    wan_bytes: int
+    trace_id: str | None
+
+
+class CompletionChoice(_Strict):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: None
+
+
+class CompletionResponse(_Strict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    pdd: PddSummary
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Strict):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None
+
+
+class ChatCompletionResponse(_Strict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    pdd: PddSummary
+
+
+class ErrorDetail(_Strict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Strict):
+    error: ErrorDetail

@@ -1,0 +1,79 @@
+"""Property-based fuzzing of the router's HTTP API from its own /openapi.json, on a real
+system (`pdd up`): schema-conforming and schema-violating requests to every operation.
+No request may get a 5xx, every error has OpenAI's error shape, and the system serves
+exactly as before afterwards."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from shared.system import RunningSystem, start_system
+
+CASES = 600
+MAX_TOKENS = 48  # per generated completion: the fuzz run stays short
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory) -> RunningSystem:
+    sysm = start_system(tmp_path_factory.mktemp("pdd"), {"PDD_ROUTER_TOKEN_TIMEOUT_S": "20"}, delay_ms=1)
+    yield sysm
+    sysm.stop()
+
+
+def greedy_tokens(system: RunningSystem) -> list[int]:
+    body = {"prompt": [5, 9, 14, 3, 77, 120], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{system.router_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def fuzzable(schema: dict) -> dict:
+    """The router's schema with max_tokens bounded (a copy: the router's own is unchanged)."""
+    schema = copy.deepcopy(schema)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        max_tokens = schema["components"]["schemas"][name]["properties"]["max_tokens"]
+        for option in max_tokens["anyOf"]:
+            if option.get("type") == "integer":
+                option["maximum"] = MAX_TOKENS
+    return schema
+
+
+def has_error_shape(response: requests.Response) -> bool:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+
+
+def test_generated_requests_never_get_a_5xx(system):
+    before = greedy_tokens(system)
+    published = httpx.get(f"{system.router_url}/openapi.json", timeout=10).json()
+    schema = schemathesis.openapi.from_dict(fuzzable(published))
+    cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+    statuses: list[int] = []
+    bad: list[str] = []
+    session = requests.Session()
+
+    @settings(max_examples=CASES, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=cases)
+    def run(case) -> None:
+        response = case.call(base_url=system.router_url, session=session, timeout=60)
+        statuses.append(response.status_code)
+        if response.status_code >= 500 or (response.status_code >= 400 and not has_error_shape(response)):
+            bad.append(f"{case.method} {case.formatted_path} {case.body!r} -> {response.status_code} {response.text[:200]}")
+
+    run()
+    assert len(statuses) >= 500
+    assert bad == []
+    assert sum(s == 200 for s in statuses) >= 50  # the fuzzing reached real serving, not only errors
+    assert greedy_tokens(system) == before
