@@ -33,7 +33,9 @@ import multiprocessing as mp
 import os
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,9 +43,12 @@ import torch
 
 from bench.client import start_wan
 from bench.report import pyplot, save_report
-from shared.bus import NatsServer, connect, decode, encode
+from shared.bus import decode, encode
 from shared.bus.messages import HandoffBatch, HandoffMode
 from shared.bus.nats_server import free_port
+from shared.security import Identity, client_context, server_context
+from shared.security.credentials import Credentials
+from shared.security.nats_lab import NatsSecurity
 
 SECRET = "bench-handoff"
 SUBJECT = "bench.handoff"
@@ -142,8 +147,10 @@ def _md_main(conn: Any, cfg: dict) -> None:
         from shared.kv import start_kv_server
 
         md = _MDSide(conn, cfg)
-        server = await start_kv_server(f"tcp://127.0.0.1:{cfg['kv_port']}", SECRET, md)
-        nc = await connect(cfg["nats_b"], "bench-md")
+        sec = NatsSecurity(Credentials(Path(cfg["secrets"])), cfg["lab_password"])
+        tls = server_context(sec.creds.identity("main_decode"))
+        server = await start_kv_server(f"tcp://127.0.0.1:{cfg['kv_port']}", SECRET, md, ssl=tls)
+        nc = await sec.connect(cfg["nats_b"], "bench-md")
         await nc.subscribe(SUBJECT, cb=md.on_handoff)
         await nc.flush()
         conn.send(("up", md.reference))
@@ -165,7 +172,7 @@ def _md_main(conn: Any, cfg: dict) -> None:
 
 
 def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, block_bytes: int, seed: int,
-                stop: Any, ready: Any) -> None:
+                stop: Any, ready: Any, identity: Identity) -> None:
     """Other requests' KV on the same link: Poisson arrivals, exponential sizes, `load` of the link."""
     torch.set_num_threads(1)
 
@@ -175,7 +182,7 @@ def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, blo
         rng = random.Random(seed)
         max_blocks = max(1, 8 * mean_bytes // block_bytes)
         big = torch.randn(max_blocks, block_bytes // 4)  # float32 rows, one per block
-        client = await open_kv_client(address, SECRET, checksum="xxh3")
+        client = await open_kv_client(address, SECRET, checksum="xxh3", ssl=client_context(identity))
         gap = mean_bytes / (load * rate_bps)
         t_next = time.monotonic()
         i = 0
@@ -230,10 +237,12 @@ class Bench:
         )
         self.bulk_address = f"tcp://127.0.0.1:{bulk_port}"
         # Two datacenters' NATS servers, their gateway connections through the WAN (as `pdd up`).
-        self.nats_b = NatsServer("nats-b", gateway_port=gw_b, gateways={"nats-a": f"nats://127.0.0.1:{l_ba}"},
-                                 gateway_advertise=f"127.0.0.1:{l_ab}")
-        self.nats_a = NatsServer("nats-a", gateway_port=gw_a, gateways={"nats-b": f"nats://127.0.0.1:{l_ab}"},
-                                 gateway_advertise=f"127.0.0.1:{l_ba}")
+        # Secured as `pdd up` runs them: mutual TLS (clients, gateway, KV channel), NATS users.
+        self.sec = NatsSecurity.create(Path(tempfile.mkdtemp(prefix="pdd-bench-handoff-")))
+        self.nats_b = self.sec.server("nats-b", "nats-b", gateway_port=gw_b,
+                                      gateways={"nats-a": f"nats://127.0.0.1:{l_ba}"}, gateway_advertise=f"127.0.0.1:{l_ab}")
+        self.nats_a = self.sec.server("nats-a", "nats-a", gateway_port=gw_a,
+                                      gateways={"nats-b": f"nats://127.0.0.1:{l_ab}"}, gateway_advertise=f"127.0.0.1:{l_ba}")
         await self.nats_b.start()
         await self.nats_a.start()
         await self.nats_a.wait_gateways(20)
@@ -241,6 +250,7 @@ class Bench:
         cfg = {
             "preset": a.preset, "context": a.context, "tokens": a.tokens, "kv_memory_mb": 256,
             "kv_port": kv_port, "nats_b": self.nats_b.url, "threads": a.threads,
+            "secrets": str(self.sec.creds.dir), "lab_password": self.sec.test_password,
         }
         self.conn, child = self.ctx.Pipe()
         self.md = self.ctx.Process(target=_md_main, args=(child, cfg), daemon=True)
@@ -248,10 +258,10 @@ class Bench:
         self.procs.append(self.md)
         kind, self.reference = await self._recv(180)
         assert kind == "up"
-        self.nc = await connect(self.nats_a.url, "bench-rld")
+        self.nc = await self.sec.connect(self.nats_a, "bench-rld")
         from shared.kv import open_kv_client
 
-        self.kv = await open_kv_client(self.bulk_address, SECRET)
+        self.kv = await open_kv_client(self.bulk_address, SECRET, ssl=client_context(self.sec.creds.identity("prefill")))
         from shared.model.presets import preset_config
 
         c = preset_config(a.preset, 0)
@@ -339,7 +349,8 @@ class Bench:
         block_bytes = self.kv_tensor[:, :, :1].numel() * 4
         cross = self.ctx.Process(
             target=_cross_main,
-            args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop, ready),
+            args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop, ready,
+                  self.sec.creds.identity("prefill")),
             daemon=True,
         )
         cross.start()

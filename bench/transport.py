@@ -30,11 +30,12 @@ import torch
 
 from bench.client import start_wan
 from bench.report import save_report
-from shared.bus import NatsServer, connect
+from shared.bus import NatsServer
 from shared.bus.nats_server import free_port
 from shared.kv import open_kv_client, start_kv_server
 from shared.kv.transport import SNDBUF
 from shared.security import Pki, client_context, server_context
+from shared.security.nats_lab import NatsSecurity
 
 MiB = 1 << 20
 SECRET = "bench-secret"
@@ -347,9 +348,10 @@ async def bench_wan(quick: bool) -> dict:
 # ---------------------------------------------------------------- NATS request/reply
 
 
-async def _nats_latency(req_url: str, rep_url: str, count: int) -> dict:
-    nc_rep = await connect(rep_url, "bench-rep")
-    nc_req = await connect(req_url, "bench-req")
+async def _nats_latency(sec: NatsSecurity, req: NatsServer, rep: NatsServer, count: int) -> dict:
+    """Request/reply latency over mutual TLS, logged in as the lab user (any subject)."""
+    nc_rep = await sec.connect(rep, "bench-rep")
+    nc_req = await sec.connect(req, "bench-req")
     try:
 
         async def pong(msg: Any) -> None:
@@ -378,16 +380,17 @@ async def _nats_latency(req_url: str, rep_url: str, count: int) -> dict:
 
 async def bench_nats(quick: bool) -> dict:
     count = 300 if quick else 1000
-    b = NatsServer("bench-b", gateway_port=free_port())
+    sec = NatsSecurity.create(Path(tempfile.mkdtemp(prefix="pdd-bench-nats-")))
+    b = sec.server("bench-b", "nats-b", gateway_port=free_port())
     await b.start()
-    a = NatsServer("bench-a", gateways={"bench-b": b.gateway_url})
+    a = sec.server("bench-a", gateways={"bench-b": b.gateway_url})
     try:
         await a.start()
         await a.wait_gateways(15)
         await b.wait_gateways(15, names=["bench-a"])
         return {
-            "one_server": await _nats_latency(a.url, a.url, count),
-            "across_gateway": await _nats_latency(a.url, b.url, count),
+            "one_server": await _nats_latency(sec, a, a, count),
+            "across_gateway": await _nats_latency(sec, a, b, count),
         }
     finally:
         await a.stop()

@@ -26,10 +26,14 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
     # flags given land in the namespace (SUPPRESS), so they override --base-port's layout.
     defaults = UpOptions()
     for f in dataclasses.fields(UpOptions):
+        if f.name == "api_keys":
+            continue  # repeatable: below
         value = getattr(defaults, f.name)
         flags = [f"--{f.name.replace('_', '-')}"] + (["--port"] if f.name == "router_port" else [])
         kind = type(value) if value is not None else str
         p.add_argument(*flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"default: {value}")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS,
+                   help="require `Authorization: Bearer KEY` on the router (repeatable); default: open")
     p.add_argument("--base-port", type=int, default=None, help="put every port in the block N..N+19")
     p.add_argument("--smoke", action="store_true", help="start, wait healthy, run one completion, stop")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for health")
@@ -77,6 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
 def up_options(args: argparse.Namespace) -> UpOptions:
     opts = UpOptions() if args.base_port is None else with_base_port(UpOptions(), args.base_port)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(UpOptions) if hasattr(args, f.name)}
+    if "api_keys" in given:
+        given["api_keys"] = tuple(given["api_keys"])
     return dataclasses.replace(opts, **given)
 
 

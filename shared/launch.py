@@ -57,6 +57,7 @@ class UpOptions:
     wan_bulk_port: int = 7401
     wan_control_port: int = 7490
     metrics_base_port: int = 9100
+    api_keys: tuple[str, ...] = ()  # router API keys (`--api-key`, repeatable); none: the API is open
 
 
 # `--base-port N`: every port of the system in one block N..N+19 (tests run several systems).
@@ -203,6 +204,7 @@ def _service_env(
         env[f"{p}MODEL__PATH"] = str(opts.model_path)
     if metrics is not None:
         env[f"{p}METRICS_PORT"] = str(metrics)
+        env[f"{p}METRICS_HOST"] = h.bind  # like the service: loopback under `pdd up`
     if h.local_traces:
         env["PDD_TRACE_DIR"] = str(opts.workdir.resolve() / "traces")
     return env
@@ -256,6 +258,7 @@ def service_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[ProcessSp
             None,  # the router serves /metrics on its HTTP port
             host=h.bind,
             port=str(opts.router_port),
+            **({"api_keys": ",".join(opts.api_keys)} if opts.api_keys else {}),
             # The router's link-estimator priors start from the emulated link's settings.
             default_bandwidth_bps=str(opts.bandwidth_mbps * 1e6 / 8),
             default_rtt_s=str(2 * opts.delay_ms / 1000),

@@ -8,52 +8,20 @@ use any subject (these fixtures serve tests of the bus, not of the permissions),
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
-from nats.aio.client import Client
 
-from shared.bus import NatsServer, connect
-from shared.bus.nats_config import NatsUser
+from shared.bus import NatsServer
 from shared.bus.nats_server import free_port
-from shared.launch import SERVICES
-from shared.security import client_context
-from shared.security.credentials import Credentials
+from shared.security.nats_lab import TEST_USER, NatsSecurity  # noqa: F401 (tests import them from here)
 from shared.wan import WanControl, WanEmulator, WanLink
-
-TEST_USER = "test"
-
-
-@dataclass
-class NatsSecurity:
-    creds: Credentials
-    test_password: str
-
-    def users(self) -> list[NatsUser]:
-        return [*self.creds.nats_users(SERVICES), NatsUser(TEST_USER, self.test_password, None)]
-
-    def server(self, name: str, identity: str = "nats-a", **kw: Any) -> NatsServer:
-        return NatsServer(name, tls=self.creds.identity(identity), users=self.users(), **kw)
-
-    def password(self, user: str) -> str:
-        return self.test_password if user == TEST_USER else self.creds.password(user)
-
-    async def connect(self, server: NatsServer, name: str, *, user: str = TEST_USER, **kw: Any) -> Client:
-        """A client with `user`'s password and certificate (options in kw override them)."""
-        opts = {"user": user, "password": self.password(user), "tls": client_context(self.creds.identity(user))}
-        return await connect(server.url, name, **{**opts, **kw})
 
 
 @pytest.fixture(scope="session")
 def nats_security(tmp_path_factory: pytest.TempPathFactory) -> NatsSecurity:
-    creds = Credentials(Path(tmp_path_factory.mktemp("nats-secrets")) / "secrets").ensure(SERVICES, [])
-    creds.pki.ensure([TEST_USER], [])
-    return NatsSecurity(creds, secrets.token_urlsafe(16))
+    return NatsSecurity.create(tmp_path_factory.mktemp("nats-secrets"))
 
 
 @pytest_asyncio.fixture

@@ -23,6 +23,17 @@ def test_up_flags_map_to_up_options() -> None:
     assert isinstance(cli.up_options(cli.parse_args(["up", "--workdir", "/x"])[0]).workdir, Path)
 
 
+def test_api_keys_reach_the_router_and_only_the_router() -> None:
+    from shared.launch import service_specs
+
+    opts = cli.up_options(cli.parse_args(["up", "--api-key", "k1", "--api-key", "k2"])[0])
+    assert opts.api_keys == ("k1", "k2")
+    env = {s.name: s.env for s in service_specs(opts)}
+    assert env["router"]["PDD_ROUTER_API_KEYS"] == "k1,k2"
+    assert not any("API_KEYS" in k for name, e in env.items() if name != "router" for k in e)
+    assert not any("API_KEYS" in k for k in service_specs(UpOptions())[-1].env)  # no flag: open
+
+
 def test_base_port_moves_every_port_but_explicit_flags_win() -> None:
     opts = cli.up_options(cli.parse_args(["up", "--base-port", "20000", "--nats-b-port", "5555"])[0])
     ports = {k: v for k, v in vars(opts).items() if k.endswith("_port")}

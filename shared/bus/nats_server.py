@@ -56,9 +56,11 @@ class NatsServer:
         gateways: dict[str, str] | None = None,
         workdir: Path | None = None,
         gateway_advertise: str | None = None,  # "host:port" peers should dial (e.g. a WAN proxy)
-        tls: Identity | None = None,  # clients and gateway peers: mutual TLS with this identity
-        users: list[NatsUser] | None = None,  # who may connect; anyone when empty (benchmarks only)
+        tls: Identity,  # clients and gateway peers: mutual TLS with this identity
+        users: list[NatsUser],  # who may connect: nobody else (there is no anonymous access)
     ):
+        if not users:
+            raise ValueError(f"nats-server {name}: no users; anonymous access is never configured")
         self.name = name
         self.host = host
         self.port = port or free_port(host)
@@ -67,7 +69,7 @@ class NatsServer:
         self.gateways = dict(gateways or {})
         self.gateway_advertise = gateway_advertise
         self.tls = tls
-        self.users = list(users or [])
+        self.users = list(users)
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"nats-{name}-"))
         self._proc: asyncio.subprocess.Process | None = None
@@ -76,7 +78,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
+        return f"tls://{self.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:

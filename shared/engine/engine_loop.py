@@ -8,6 +8,7 @@ order, and the event loop never blocks on a forward pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,13 @@ class EngineLoop:
                 pass
         self._executor.shutdown(wait=True, cancel_futures=True)
 
+    async def _sleep(self, seconds: float) -> None:
+        """Until woken or `seconds` pass. Not wait_for: on Python 3.11 it can swallow the
+        cancellation that stop() sends when the timeout fires at the same moment."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+
     def _tick(self) -> tuple[list[StepOutput], Any, bool]:
         outputs = self.engine.step()
         extra = self._post_step(self.engine) if self._post_step else None
@@ -65,10 +73,7 @@ class EngineLoop:
                 busy = await loop.run_in_executor(self._executor, self.engine.has_unfinished)
             if not busy:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
-                except TimeoutError:
-                    pass
+                await self._sleep(0.5)
                 continue
             try:
                 outputs, extra, busy = await loop.run_in_executor(self._executor, self._tick)
@@ -86,7 +91,4 @@ class EngineLoop:
                 # Nothing came out (e.g. only held sequences waiting for a handoff batch):
                 # yield briefly instead of spinning on the engine thread.
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.002)
-                except TimeoutError:
-                    pass
+                await self._sleep(0.002)
