@@ -66,6 +66,7 @@ MOVES = table_of(
 @dataclass
 class MDJob:
     req: PrepareRequest
+    rid = property(lambda self: self.req.rid)
     missing: set[int]
     state: StateMachine[DecodeState] = field(default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES))
     received: set[int] = field(default_factory=set)
@@ -78,8 +79,6 @@ class MDJob:
     ctx: Context | None = None  # the router's request context
     receive_span: Span | None = None
     decode_span: Span | None = None
-
-    rid = property(lambda self: self.req.rid)
 
 
 class MainDecodeService(EngineService):
