@@ -35,7 +35,10 @@ def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = Non
         async def close() -> None:
             await core.stop()
             if nc is None:
-                await conn.drain()
+                try:
+                    await conn.drain()
+                except Exception:  # NATS already gone (stopped first): just close
+                    await conn.close()
             shutdown_tracing()
 
         max_len = min(settings.engine.max_model_len, info.max_position_embeddings)
