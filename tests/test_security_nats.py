@@ -41,11 +41,12 @@ def _publishers() -> dict[str, set[str]]:
         subjects.prefill_submit(): {"router"},
         subjects.prefill_submit_to("0"): {"router"},
         subjects.md_prepare("0"): {"router"},
+        subjects.resume("main_decode", "0"): {"router"},
+        subjects.resume("relay", "0"): {"router"},
         subjects.kv_events("0"): {"main_decode"},
         PROBE: set(),
     }
-    table.update({subjects.load(s, "0"): {s} for s in data})  # the router reports no load
-    table[subjects.load("router", "0")] = set()
+    table.update({subjects.load(s, "0"): {s} for s in SERVICES})  # the router's is its heartbeat
     # An abort carries its sender's role in the subject: each role may sign only its own.
     table.update({subjects.abort(RID, s): {s} for s in SERVICES})
     return table

@@ -55,6 +55,9 @@ class AbortReason(StrEnum):
     MD_UNAVAILABLE = "md_unavailable"  # the relay gave up on MD and finishes the request itself
     FAILED = "failed"  # the sender failed the request (TokenEvent.error says why)
     SHUTDOWN = "shutdown"  # the sender is stopping
+    MIGRATED = "migrated"  # the router moved the request to another instance (by token IDs)
+    ROUTER_LOST = "router_lost"  # the router that owns the request stopped heartbeating
+    STALE = "stale"  # tokens for a request the router no longer has: stop producing them
 
 
 @dataclass
@@ -66,6 +69,7 @@ class PrepareRequest(Message):
     params: SamplingParams
     block_hashes: list[int]
     pipeline: Pipeline
+    router: str = ""  # the router instance that owns the request (its heartbeat keeps it alive)
 
 
 @dataclass
@@ -86,12 +90,32 @@ class PrefillSubmit(Message):
     pipeline: Pipeline
     relay_address: str | None = None  # P→RLD→MD: the relay's local fast-path address
     catchup_threshold: int | None = None  # operator override of the relay's handoff threshold
+    router: str = ""  # the router instance that owns the request
 
 
 @dataclass
 class SubmitReply(Message):
     ok: bool
     instance: str = ""
+    error: str | None = None
+
+
+@dataclass
+class ResumeRequest(Message):
+    """router → MD or RLD (request/reply): migration by token IDs. Run `prompt_ids` +
+    `generated` (the tokens the client already has) and stream from output index
+    len(generated); whatever the prefix cache lacks is recomputed."""
+
+    rid: str
+    prompt_ids: list[int]
+    generated: list[int]
+    params: SamplingParams
+    router: str = ""
+
+
+@dataclass
+class ResumeReply(Message):
+    ok: bool
     error: str | None = None
 
 
@@ -115,6 +139,8 @@ class RelayStart(Message):
     params: SamplingParams
     catchup_threshold: int | None = None
     traceparent: str | None = None
+    router: str = ""  # the router instance that owns the request
+    solo: bool = False  # no MD takes part (RLD-only fallback): the relay finishes the request
 
 
 @dataclass
@@ -151,6 +177,7 @@ class TokenEvent(Message):
     error: str | None = None
     relay: RelayReport | None = None
     decode: DecodeReport | None = None
+    fatal: bool = False  # with an error: retrying elsewhere cannot help (the router does not migrate)
 
     @property
     def finished(self) -> bool:
@@ -240,3 +267,4 @@ class LoadReport(Message):
     address: str | None = None  # MD: bulk address to dial; RLD: local fast-path address
     links: list[LinkReport] = field(default_factory=list)  # P only
     model_id: str = ""
+    held: list[str] = field(default_factory=list)  # request ids this instance holds (heartbeat)

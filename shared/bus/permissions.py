@@ -6,14 +6,17 @@ publish list is refused by the server (the client gets a permissions-violation e
 receives the message); a subscription outside its subscribe list never sees a message.
 
     service      publishes                                              subscribes
-    router       md prepare (request), prefill submit (request),        tokens, kv events, load,
-                 md_target, md_lost, abort.router                       its request inboxes
+    router       md prepare, prefill submit, md/relay resume            tokens, kv events, load,
+                 (requests), md_target, md_lost, abort.router,          its request inboxes
+                 load.router (its heartbeat)
     prefill      tokens, handoff, abort.prefill, load.prefill           prefill submit, md_target,
-                                                                        md_lost, every abort
+                                                                        md_lost, every abort,
+                                                                        router heartbeats
     relay        tokens, handoff, abort.relay, load.relay               kv_ready, handoff_ack,
-                                                                        md_lost, every abort
-    main_decode  tokens, kv_ready, handoff_ack, kv events,              md prepare, handoff,
-                 abort.main_decode, load.main_decode                    every abort
+                                                                        md_lost, relay resume,
+                                                                        every abort, router heartbeats
+    main_decode  tokens, kv_ready, handoff_ack, kv events,              md prepare, md resume, handoff,
+                 abort.main_decode, load.main_decode                    every abort, router heartbeats
 
 An abort's last subject token is its sender's role, and each role may publish only its own, so
 a receiver knows who gave up from the subject, never from a field a peer could forge.
@@ -44,6 +47,9 @@ DISCOVERY = "$SRV.>"  # nats.micro PING / INFO / STATS
 # Wildcard forms of the per-instance subjects in shared/bus/subjects.py.
 ANY_MD_PREPARE = f"{PREFIX}.md.*.prepare"
 ANY_PREFILL_SUBMIT = f"{PREFIX}.prefill.*.submit"
+ANY_MD_RESUME = f"{PREFIX}.md.*.resume"
+ANY_RELAY_RESUME = f"{PREFIX}.relay.*.resume"
+ROUTER_HEARTBEATS = f"{PREFIX}.load.router.*"  # backends drop the requests of a router that went silent
 
 
 def own_load(service: str) -> str:
@@ -58,28 +64,30 @@ def own_abort(service: str) -> str:
 
 PERMISSIONS: dict[str, Permissions] = {
     "router": Permissions(
-        publish=(ANY_MD_PREPARE, subjects.prefill_submit(), ANY_PREFILL_SUBMIT,
-                 subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), own_abort("router")),
+        publish=(ANY_MD_PREPARE, subjects.prefill_submit(), ANY_PREFILL_SUBMIT, ANY_MD_RESUME, ANY_RELAY_RESUME,
+                 subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), own_abort("router"),
+                 own_load("router")),
         subscribe=(subjects.all_req(Req.TOKENS), subjects.all_kv_events(), subjects.all_load(), INBOX),
     ),
     "prefill": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("prefill"),
                  own_load("prefill")),
         subscribe=(subjects.prefill_submit(), ANY_PREFILL_SUBMIT, subjects.all_req(Req.MD_TARGET),
-                   subjects.all_req(Req.MD_LOST), ABORTS, DISCOVERY),
+                   subjects.all_req(Req.MD_LOST), ABORTS, ROUTER_HEARTBEATS, DISCOVERY),
         responds=True,
     ),
     "relay": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("relay"),
                  own_load("relay")),
         subscribe=(subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
-                   subjects.all_req(Req.MD_LOST), ABORTS, DISCOVERY),
+                   subjects.all_req(Req.MD_LOST), ANY_RELAY_RESUME, ABORTS, ROUTER_HEARTBEATS, DISCOVERY),
         responds=True,
     ),
     "main_decode": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
                  subjects.all_kv_events(), own_abort("main_decode"), own_load("main_decode")),
-        subscribe=(ANY_MD_PREPARE, subjects.all_req(Req.HANDOFF), ABORTS, DISCOVERY),
+        subscribe=(ANY_MD_PREPARE, ANY_MD_RESUME, subjects.all_req(Req.HANDOFF), ABORTS, ROUTER_HEARTBEATS,
+                   DISCOVERY),
         responds=True,
     ),
 }  # fmt: skip

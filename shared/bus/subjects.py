@@ -64,6 +64,12 @@ def md_prepare(inst: str) -> str:
     return f"{PREFIX}.md.{_tok(inst)}.prepare"
 
 
+def resume(role: str, inst: str) -> str:
+    """`pdd.md.<inst>.resume` / `pdd.relay.<inst>.resume`: take over a request by token IDs."""
+    short = {"main_decode": "md", "relay": "relay"}[role]
+    return f"{PREFIX}.{short}.{_tok(inst)}.resume"
+
+
 def kv_events(inst: str) -> str:
     return f"{PREFIX}.kv.events.{_tok(inst)}"
 
