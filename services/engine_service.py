@@ -1,8 +1,11 @@
 """What prefill, relay and main decode share: an engine on its own thread, the service's
-subscriptions and timers, load reports, pins, and the abort protocol."""
+subscriptions and timers, heartbeats (load reports listing the requests held), pins, the
+abort protocol, dropping the requests of a router that went silent, and taking over a
+request by its token IDs (resume)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -11,17 +14,30 @@ from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
-from shared.bus.messages import Abort, AbortReason, LinkReport, LoadReport, Outcome, Role, TokenEvent
+from shared.bus.messages import (
+    Abort,
+    AbortReason,
+    LinkReport,
+    LoadReport,
+    Outcome,
+    ResumeReply,
+    ResumeRequest,
+    Role,
+    TokenEvent,
+)
 from shared.bus.subjects import Req
-from shared.engine import EngineStats, FinishReason, LLMEngine, StepOutput
+from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
 from shared.engine.engine_loop import EngineLoop, PostStep
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
 from shared.kv.tls import server_tls
+from shared.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
+
+log = logging.getLogger(__name__)
 
 
 class EngineService:
@@ -39,13 +55,17 @@ class EngineService:
         self.life = Lifecycle()
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
+        self.routers = Heartbeats(settings.router_lost_after_s)
+        self.conn = ConnectionWatch(nc)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.engine_loop.start()
         await self.subscribe()
         await self.life.subscribe(self.nc, subjects.all_aborts(), Abort, self._on_abort)
-        self.life.every(0.5, self.report_load)
+        await self.life.subscribe(self.nc, subjects.router_heartbeats(), LoadReport, self._on_router_heartbeat)
+        self.life.every(HEARTBEAT_S, self.report_load)
+        self.life.every(HEARTBEAT_S, self._drop_orphans)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -114,10 +134,43 @@ class EngineService:
             service=self.role, instance=self.settings.instance, running=stats.running,
             waiting=stats.waiting, num_blocks=stats.num_blocks, used_blocks=stats.used_blocks,
             free_blocks=stats.free_blocks, address=self.load_address(), links=self.load_links(),
-            model_id=self.engine.model_id,
+            model_id=self.engine.model_id, held=list(self.jobs),
         )  # fmt: skip
         await publish(self.nc, subjects.load(self.role.value, self.settings.instance), report)
         return stats
+
+    # ---- the owning router ------------------------------------------------------------
+    async def _on_router_heartbeat(self, report: LoadReport, raw: Any) -> None:
+        self.routers.heard(report.instance)
+
+    async def _drop_orphans(self) -> None:
+        """A router that stopped heartbeating cannot stream its requests to anyone: drop them
+        and free their blocks (a restarted router re-sends the ones it still wants)."""
+        owners = {job.router for job in self.jobs.values() if job.router}
+        lost = self.routers.lost(owners, self.conn.up_for())
+        for job in [j for j in list(self.jobs.values()) if j.router in lost]:
+            log.warning("request %s: router %s stopped heartbeating; dropping it", job.rid, job.router)
+            await self.on_abort_message(Abort(job.rid, AbortReason.ROUTER_LOST, job.router), Role.ROUTER)
+        self.routers.prune(keep_s=600.0)
+
+    # ---- migration by token IDs ---------------------------------------------------------
+    async def admit_resumed(self, msg: ResumeRequest, raw: Any, job: Any) -> bool:
+        """Run `job` from the prompt plus the tokens the client already has: the engine reuses
+        the cached prefix and recomputes the rest, then decodes from output index
+        len(msg.generated). Replies to the router; False if the engine refused."""
+        self.jobs[msg.rid] = job
+        tokens = msg.prompt_ids + msg.generated
+        try:
+            msg.params.validate()
+            await self.engine_loop.call(
+                self.engine.add_request, msg.rid, tokens, msg.params, num_prompt_tokens=len(msg.prompt_ids)
+            )
+        except EngineError as e:
+            self.jobs.pop(msg.rid, None)
+            await respond(raw, ResumeReply(ok=False, error=str(e)))
+            return False
+        await respond(raw, ResumeReply(ok=True))
+        return True
 
     # ---- freeing ---------------------------------------------------------------------
     def _free_now(self, rid: str) -> None:  # engine thread

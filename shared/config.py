@@ -61,6 +61,7 @@ class CommonSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
+    router_lost_after_s: float = 4.0  # a router silent this long is gone: its requests are dropped
     torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
     metrics_host: str = "127.0.0.1"  # address the /metrics server binds to
@@ -116,3 +117,9 @@ class RouterSettings(CommonSettings):
     max_tokens_default: int = 256
     prepare_timeout_s: float = 10.0  # MD's answer to prepare (one WAN round trip)
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
+    lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
+    gap_timeout_s: float = 1.0  # a token missing this long while later ones arrived: it was lost
+    migration_limit: int = 3  # moves by token IDs per request before it fails
+    migration_wait_s: float = 2.0  # how long a move waits for a live instance to take the request
+    resume_timeout_s: float = 3.0  # an instance's answer to a resume request
+    forget_after_s: float = 60.0  # an instance silent this long has left: its entries are dropped

@@ -8,6 +8,7 @@ from services.prefill.service import MOVES as P_MOVES
 from services.prefill.service import PrefillState
 from services.relay.service import MOVES as RLD_MOVES
 from services.relay.service import RelayState
+from services.router.merger import TokenMerger
 from services.router.policy import RouteDecision
 from services.router.request_stream import MOVES as ROUTER_MOVES
 from services.router.request_stream import RequestStream, StreamState
@@ -47,27 +48,66 @@ def _stream(pipeline: Pipeline) -> RequestStream:
 
 def test_md_lost_before_the_handoff_leaves_the_relay_to_finish() -> None:
     s = _stream(Pipeline.P_RLD_MD)
-    s.dispatched()
-    assert s.md_lost() and s.state.state is StreamState.RELAY_SOLO and s.queue.empty()
+    s.dispatched("p0")
+    s.md_lost()
+    assert s.state.state is StreamState.RELAY_SOLO and s.queue.empty()
     s.observe(TokenEvent("r", Role.RELAY, 1, [5], relay=RelayReport(handed_over=False, rld_tokens=3)))
     s.finish()
     assert s.done and s.pipeline is Pipeline.RLD_ONLY and s.summary()["rld_tokens"] == 3
 
 
-def test_md_lost_after_the_handoff_fails_the_request_at_once() -> None:
+def test_the_producer_follows_the_request_from_prefill_to_relay_to_md() -> None:
     s = _stream(Pipeline.P_RLD_MD)
-    s.dispatched()
+    s.relay_instance = "r0"
+    s.dispatched("p0")
+    assert s.producer == (Role.PREFILL, "p0")
+    s.observe(TokenEvent("r", Role.PREFILL, 0, [4]))
+    assert s.producer == (Role.RELAY, "r0")
     report = RelayReport(handed_over=True, rld_tokens=9, handoff_mode=HandoffMode.CATCH_UP, handoff_batches=2)
     s.observe(TokenEvent("r", Role.RELAY, 10, [], relay=report))
-    assert s.state.state is StreamState.WITH_MD
-    assert not s.md_lost()
-    assert s.state.state is StreamState.FAILED and s.queue.get_nowait() is None and "md0" in s.failure
+    assert s.state.state is StreamState.WITH_MD and s.producer == (Role.MAIN_DECODE, "md0")
     assert s.summary()["handoff_mode"] == "catch-up" and s.summary()["handoff_batches"] == 2
+
+
+def test_a_stream_must_move_when_its_producer_stops_holding_it() -> None:
+    s = _stream(Pipeline.P_MD)
+    s.dispatched("p0")
+    now = s.last_held
+    assert s.stall(now + 1.9, lost_after_s=2.0, gap_after_s=1.0) is None
+    why, cause = s.stall(now + 2.1, lost_after_s=2.0, gap_after_s=1.0)
+    assert cause == "lost" and "prefill p0" in why
+
+
+def test_a_token_missing_in_transit_makes_the_stream_move_after_the_gap_timeout() -> None:
+    s = _stream(Pipeline.P_MD)
+    s.merger = TokenMerger(max_tokens=10)
+    s.dispatched("p0")
+    s.merger.add(0, [1])
+    s.merger.add(2, [3])  # index 1 never came
+    t = s.last_held
+    assert s.stall(t, 2.0, 1.0) is None  # the gap is noticed
+    assert s.stall(t + 0.5, 2.0, 1.0) is None
+    assert s.stall(t + 1.1, 2.0, 1.0) == ("token 1 was lost in transit", "gap")
+
+
+def test_a_move_restarts_the_merger_at_the_tokens_sent_and_names_a_new_attempt() -> None:
+    s = _stream(Pipeline.P_MD)
+    s.merger = TokenMerger(max_tokens=10)
+    s.dispatched("p0")
+    s.merger.add(0, [1, 2])
+    s.merger.add(3, [4], finished=True, finish_reason="stop")
+    new = s.migrating()
+    assert new == "r-m1" and s.attempt_rid == "r-m1" and s.producer is None
+    assert s.merger.released == [1, 2] and not s.merger.has_gap and s.merger.end_index is None
+    s.resumed(Role.RELAY, "r0")
+    out = s.merger.add(2, [3, 4], finished=True, finish_reason="stop")  # the new attempt resends from 2
+    assert out.tokens == [3, 4] and out.finished and s.merger.released == [1, 2, 3, 4]
+    assert s.summary()["migrations"] == 1
 
 
 def test_p_md_is_with_md_from_dispatch_and_reports_md_figures() -> None:
     s = _stream(Pipeline.P_MD)
-    s.dispatched()
+    s.dispatched("p0")
     assert s.state.state is StreamState.WITH_MD
     s.observe(TokenEvent("r", Role.MAIN_DECODE, 1, [7], decode=DecodeReport("md0", md_tokens=4, wan_bytes=4096)))
     s.finish()
@@ -79,9 +119,9 @@ def test_an_ended_stream_cannot_move_again() -> None:
     s = _stream(Pipeline.P_MD)
     with pytest.raises(IllegalTransition):
         s.finish()  # still dispatching
-    s.dispatched()
+    s.dispatched("p0")
     s.finish()
     s.fail("late")  # a failure after the finish changes nothing
     assert s.done and s.failure is None
     with pytest.raises(IllegalTransition):
-        s.dispatched()
+        s.dispatched("p0")

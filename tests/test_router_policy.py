@@ -6,8 +6,9 @@ from services.router.policy import (
     choose_main_decode,
     choose_pipeline,
     estimate_wan_seconds,
+    resume_candidates,
 )
-from shared.bus.messages import Pipeline
+from shared.bus.messages import Pipeline, Role
 
 P_MD, P_RLD_MD = Pipeline.P_MD, Pipeline.P_RLD_MD
 
@@ -67,3 +68,13 @@ def test_kv_queued_toward_md_pushes_a_request_onto_the_relay():
     # nothing to send: the backlog does not matter
     hit = choose_pipeline(200, 200, 1000, 1e6, 0.0, 0.5, True, backlog_bytes=10_000_000)
     assert hit.pipeline == P_MD
+
+
+def test_a_lost_request_resumes_on_the_md_with_its_prefix_then_the_least_loaded_then_a_relay():
+    mds = [InstanceLoad("m0", running=1), InstanceLoad("m1", running=5), InstanceLoad("m2", running=0)]
+    relays = [InstanceLoad("r0", running=4), InstanceLoad("r1", running=2)]
+    order = resume_candidates(mds, relays, {"m1": 3})
+    assert order == [(Role.MAIN_DECODE, "m1"), (Role.MAIN_DECODE, "m2"), (Role.MAIN_DECODE, "m0"),
+                     (Role.RELAY, "r1"), (Role.RELAY, "r0")]  # fmt: skip
+    assert resume_candidates([], relays, {})[0] == (Role.RELAY, "r1")
+    assert resume_candidates([], [], {}) == []

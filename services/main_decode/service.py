@@ -29,6 +29,8 @@ from shared.bus.messages import (
     Pipeline,
     PrepareReply,
     PrepareRequest,
+    ResumeReply,
+    ResumeRequest,
     Role,
     TokenEvent,
 )
@@ -67,6 +69,7 @@ MOVES = table_of(
 class MDJob:
     req: PrepareRequest
     rid = property(lambda self: self.req.rid)
+    router = property(lambda self: self.req.router)
     missing: set[int]
     state: StateMachine[DecodeState] = field(default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES))
     received: set[int] = field(default_factory=set)
@@ -106,6 +109,7 @@ class MainDecodeService(EngineService):
     async def subscribe(self) -> None:
         inst = self.settings.instance
         await self.subscribe_admission(subjects.md_prepare(inst), PrepareRequest, PrepareReply, self._prepare)
+        await self.subscribe_admission(subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume)
         await self.life.subscribe(self.nc, subjects.all_req(Req.HANDOFF), HandoffBatch, self._on_handoff)
 
     # ---- prepare: which blocks must cross the WAN -------------------------------------
@@ -123,6 +127,16 @@ class MainDecodeService(EngineService):
         missing = msg.block_hashes[have:]
         self.jobs[msg.rid] = MDJob(msg, set(missing), ctx=otel_context.get_current())
         await respond(raw, PrepareReply(ok=True, missing=missing, bulk_address=self.advertise_address))
+
+    async def _resume(self, msg: ResumeRequest, raw) -> None:
+        """The request moved here by its token IDs: no KV comes; decode from what is cached
+        plus an extend over the rest."""
+        req = PrepareRequest(msg.rid, msg.prompt_ids, msg.params, [], Pipeline.P_MD, router=msg.router)
+        job = MDJob(req, set(), state=StateMachine(DecodeState.DECODING, MOVES), next_index=len(msg.generated),
+                    ctx=otel_context.get_current())  # fmt: skip
+        if await self.admit_resumed(msg, raw, job):
+            attrs = {REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)}
+            job.decode_span = self.tracer.start_span("md.decode", attributes=attrs)
 
     # ---- KV sink (bulk channel over the WAN) -------------------------------------------
     def _receiving(self, rid: str) -> MDJob:

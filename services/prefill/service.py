@@ -95,6 +95,7 @@ class PrefillJob:
     compute_span: Span | None = None
 
     rid = property(lambda self: self.submit.rid)
+    router = property(lambda self: self.submit.router)
 
 
 class PrefillService(EngineService):
@@ -280,7 +281,8 @@ class PrefillService(EngineService):
     def _relay_start(self, job: PrefillJob, span: Span) -> RelayStart:
         s = job.submit
         assert job.first_token is not None  # the local stream ends only after the first token
-        return RelayStart(s.rid, s.prompt_ids, job.first_token, s.params, s.catchup_threshold, traceparent_of(span))
+        return RelayStart(s.rid, s.prompt_ids, job.first_token, s.params, s.catchup_threshold, traceparent_of(span),
+                          router=s.router)  # fmt: skip
 
     async def _transfer_failed(self, job: PrefillJob, path: KVPath, address: str, span: Span, e: Exception) -> None:
         if not isinstance(e, KVTransferError | TimeoutError | OSError):

@@ -30,6 +30,8 @@ from shared.bus.messages import (
     Outcome,
     RelayReport,
     RelayStart,
+    ResumeReply,
+    ResumeRequest,
     Role,
     TokenEvent,
 )
@@ -79,6 +81,7 @@ class RelayJob:
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
     timers: list[asyncio.Task] = field(default_factory=list)
     span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
+    router: str = ""  # the router that owns the request
 
 
 class RelayService(EngineService):
@@ -100,6 +103,8 @@ class RelayService(EngineService):
             (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
         ]:
             await self.life.subscribe(self.nc, subjects.all_req(kind), cls, handler)
+        inst = self.settings.instance
+        await self.subscribe_admission(subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume)
 
     async def report_load(self) -> EngineStats:
         stats = await super().report_load()
@@ -119,7 +124,7 @@ class RelayService(EngineService):
         if start.rid != rid or rid in self.jobs:
             raise ValueError(f"request {rid}: relay start for {start.rid!r} or a duplicate")
         threshold = start.catchup_threshold if start.catchup_threshold and start.catchup_threshold > 0 else None
-        job = RelayJob(rid, threshold or self.settings.catchup_threshold)
+        job = RelayJob(rid, threshold or self.settings.catchup_threshold, router=start.router)
         job.span = self.tracer.start_span(
             "relay.decode",
             context=context_from_traceparent(start.traceparent),
@@ -135,6 +140,17 @@ class RelayService(EngineService):
             del self.early_ready[rid]
             job.state.to(RelayState.HANDING_OFF)
             await self._start_handoff(job)
+
+    async def _resume(self, msg: ResumeRequest, raw) -> None:
+        """The request moved here by its token IDs (its instance was lost, or no MD is
+        reachable): the relay finishes it alone, recomputing what its cache lacks."""
+        job = RelayJob(msg.rid, self.settings.catchup_threshold, router=msg.router)
+        job.state = StateMachine(RelayState.SOLO, MOVES)
+        job.span = self.tracer.start_span(
+            "relay.decode", attributes={REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)}
+        )
+        if not await self.admit_resumed(msg, raw, job):
+            job.span.end()
 
     async def on_abort(self, rid: str, reason: str) -> None:
         if rid not in self.jobs:  # stream aborted before decoding began: just unpin

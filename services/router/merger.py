@@ -24,6 +24,7 @@ class TokenMerger:
         self.max_tokens = max_tokens
         self._pending: dict[int, int] = {}
         self.next_index = 0  # first index not yet released
+        self.released: list[int] = []  # every token released so far, in order
         self.end_index: int | None = None  # one past the last token, once known
         self.finish_reason: str | None = None
         self.duplicates = 0
@@ -50,5 +51,17 @@ class TokenMerger:
         while self.next_index in self._pending:
             out.tokens.append(self._pending.pop(self.next_index))
             self.next_index += 1
+        self.released.extend(out.tokens)
         out.finished = self.end_index is not None and self.next_index >= self.end_index
         return out
+
+    @property
+    def has_gap(self) -> bool:
+        """Tokens past a missing index are waiting (a lost message, or one still on its way)."""
+        return bool(self._pending)
+
+    def restart_at_released(self) -> None:
+        """The request moves to another instance, which continues from the released tokens:
+        forget what the old one sent beyond them (and its finish, if seen)."""
+        self._pending.clear()
+        self.end_index, self.finish_reason = None, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.bus.messages import Pipeline
+from shared.bus.messages import Pipeline, Role
 from shared.kv.link_estimator import estimate_wan_seconds
 
 
@@ -65,3 +65,14 @@ def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:
     if not candidates:
         return None
     return min(candidates, key=lambda c: (c.running + c.waiting, -c.free_blocks, c.instance)).instance
+
+
+def resume_candidates(
+    mds: list[InstanceLoad], relays: list[InstanceLoad], cached_blocks: dict[str, int]
+) -> list[tuple[Role, str]]:
+    """Where a request whose instance was lost may continue, best first: the MDs (decode is
+    their job) by longest cached prefix, then least loaded; then the relays by load (an
+    RLD-only finish, the fault fallback)."""
+    by_md = sorted(mds, key=lambda c: (-cached_blocks.get(c.instance, 0), c.running + c.waiting, -c.free_blocks))
+    by_relay = sorted(relays, key=lambda c: (c.running + c.waiting, -c.free_blocks, c.instance))
+    return [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]

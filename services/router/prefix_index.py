@@ -24,5 +24,12 @@ class PrefixIndex:
             n += 1
         return n
 
+    def forget(self, instance: str) -> None:
+        """The instance left: drop what it held (it re-announces a snapshot if it returns)."""
+        self._blocks.pop(instance, None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
     def size(self, instance: str) -> int:
         return len(self._blocks.get(instance, ()))

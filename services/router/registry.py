@@ -25,6 +25,22 @@ class Registry:
             if svc == service and now - seen < self.stale_after_s
         ]
 
+    def silent_for(self, service: str, instance: str) -> float:
+        """Seconds since the instance's last report (inf if never heard)."""
+        entry = self._reports.get((service, instance))
+        return time.monotonic() - entry[1] if entry else float("inf")
+
+    def prune(self, forget_after_s: float) -> list[tuple[str, str]]:
+        """Forget instances silent longer than forget_after_s (they left): the keys removed."""
+        now = time.monotonic()
+        gone = [key for key, (_, seen) in self._reports.items() if now - seen > forget_after_s]
+        for key in gone:
+            del self._reports[key]
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
     def get(self, service: str, instance: str) -> LoadReport | None:
         entry = self._reports.get((service, instance))
         return entry[0] if entry else None

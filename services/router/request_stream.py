@@ -1,5 +1,9 @@
 """One request as the router sees it: its route, its merged token stream, and where it is
-in its life (which instance can still finish it if main decode is lost)."""
+in its life: which instance produces its tokens now (it must keep listing the request in its
+heartbeat), and which can take over if that one is lost.
+
+A request may move (migration by token IDs): each move is a new *attempt* with its own
+backend request id, so late messages of an abandoned attempt never mix into the stream."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from enum import Enum, auto
 
 from opentelemetry.trace import Span, format_trace_id
 
-from shared.bus.messages import DecodeReport, Pipeline, RelayReport, TokenEvent
+from shared.bus.messages import DecodeReport, Pipeline, RelayReport, Role, TokenEvent
+from shared.engine import SamplingParams
 from shared.state_machine import StateMachine, table_of
 
 from .merger import TokenMerger
@@ -22,20 +27,25 @@ class StreamState(Enum):
     RELAYED = auto()  # p-rld-md before the handoff: if MD is lost, the relay finishes it
     WITH_MD = auto()  # p-md, or handed over: only MD can produce the rest
     RELAY_SOLO = auto()  # MD was lost before the handoff: the relay finishes alone
+    MIGRATING = auto()  # its instance was lost: looking for another to continue from the tokens sent
+    RESUMED = auto()  # continued by one instance (MD or relay) from the tokens already sent
     FINISHED = auto()
     FAILED = auto()
 
 
 MOVES = table_of(
     StreamState,
-    DISPATCHING=("RELAYED", "WITH_MD", "FAILED"),
-    RELAYED=("WITH_MD", "RELAY_SOLO", "FINISHED", "FAILED"),
-    WITH_MD=("FINISHED", "FAILED"),
-    RELAY_SOLO=("FINISHED", "FAILED"),
+    DISPATCHING=("RELAYED", "WITH_MD", "MIGRATING", "FAILED"),
+    RELAYED=("WITH_MD", "RELAY_SOLO", "MIGRATING", "FINISHED", "FAILED"),
+    WITH_MD=("MIGRATING", "FINISHED", "FAILED"),
+    RELAY_SOLO=("MIGRATING", "FINISHED", "FAILED"),
+    MIGRATING=("RESUMED", "FINISHED", "FAILED"),
+    RESUMED=("MIGRATING", "FINISHED", "FAILED"),
     FINISHED=(),
     FAILED=(),
 )
 ENDED = (StreamState.FINISHED, StreamState.FAILED)
+MOVABLE = (StreamState.RELAYED, StreamState.WITH_MD, StreamState.RELAY_SOLO, StreamState.RESUMED)
 
 
 @dataclass
@@ -54,6 +64,7 @@ class RequestStream:
     block_hashes: list[int] = field(default_factory=list)
     relay_instance: str | None = None  # on P→RLD→MD
     span: Span | None = None  # the request's root span: one trace across both datacenters
+    params: SamplingParams | None = None  # what a migration resends, with the prompt and tokens so far
     state: StateMachine[StreamState] = field(default_factory=lambda: StateMachine(StreamState.DISPATCHING, MOVES))
     queue: asyncio.Queue[TokenEvent | None] = field(default_factory=asyncio.Queue)  # None: the router gave up
     # The router passes one bounded by the request's max_tokens; a stream built without one takes no tokens.
@@ -63,28 +74,70 @@ class RequestStream:
     decode: DecodeReport | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    # Who must be holding the request now (listed in its heartbeat), and since when it was seen to.
+    producer: tuple[Role, str] | None = None
+    last_held: float = field(default_factory=time.monotonic)
+    attempt: int = 0  # 0: the first dispatch; n: the n-th migration
+    gap_since: float | None = None  # tokens after a missing one arrived at this time
 
     # ---- transitions -----------------------------------------------------------------
-    def dispatched(self) -> None:
+    def dispatched(self, prefill: str) -> None:
         relayed = self.decision.pipeline is Pipeline.P_RLD_MD
         self.state.to(StreamState.RELAYED if relayed else StreamState.WITH_MD)
+        self.hand_to(Role.PREFILL, prefill)  # until the first token
+
+    def hand_to(self, role: Role, instance: str) -> None:
+        self.producer = (role, instance)
+        self.last_held = time.monotonic()
 
     def observe(self, ev: TokenEvent) -> None:
-        """Take the reports an event carries; a relay that handed over leaves MD in charge."""
+        """Take the reports an event carries and follow the request from instance to instance:
+        after the first token the relay (P→RLD→MD) or MD (P→MD) produces; a relay that handed
+        over leaves MD in charge."""
         self.relay = ev.relay or self.relay
         self.decode = ev.decode or self.decode
+        self.last_held = time.monotonic()  # progress: whoever sent it still holds the request
+        if self.producer and self.producer[0] is Role.PREFILL and ev.tokens and ev.index == 0:
+            if self.state.is_in(StreamState.RELAYED) and self.relay_instance:
+                self.hand_to(Role.RELAY, self.relay_instance)
+            elif self.state.is_in(StreamState.WITH_MD):
+                self.hand_to(Role.MAIN_DECODE, self.md_instance)
         if ev.relay and ev.relay.handed_over and self.state.is_in(StreamState.RELAYED):
             self.state.to(StreamState.WITH_MD)
+            self.hand_to(Role.MAIN_DECODE, self.md_instance)
 
-    def md_lost(self) -> bool:
-        """MD stopped reporting. True if the relay can still finish the request; else the
-        request has failed (the consumer is woken)."""
-        if self.state.is_in(StreamState.RELAYED):
-            self.state.to(StreamState.RELAY_SOLO)
-            return True
-        self.fail(f"main decode instance {self.md_instance} was lost")
-        self.queue.put_nowait(None)
-        return False
+    def stall(self, now: float, lost_after_s: float, gap_after_s: float) -> tuple[str, str] | None:
+        """(why, cause) if the request must move: the instance that should produce it stopped
+        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped), or a
+        token went missing in transit (NATS delivers at most once)."""
+        if not self.state.is_in(*MOVABLE):
+            return None
+        if self.producer is not None and now - self.last_held > lost_after_s:
+            role, instance = self.producer
+            return f"{role.value} {instance} no longer holds it", "lost"
+        if not self.merger.has_gap:
+            self.gap_since = None
+        elif self.gap_since is None:
+            self.gap_since = now
+        elif now - self.gap_since > gap_after_s:
+            return f"token {self.merger.next_index} was lost in transit", "gap"
+        return None
+
+    def md_lost(self) -> None:
+        """MD stopped reporting before the handoff: the relay finishes the request."""
+        self.state.to(StreamState.RELAY_SOLO)
+
+    def migrating(self) -> str:
+        """Start a move; the new attempt's backend request id."""
+        self.state.to(StreamState.MIGRATING)
+        self.attempt += 1
+        self.producer, self.gap_since = None, None
+        self.merger.restart_at_released()
+        return self.attempt_rid
+
+    def resumed(self, role: Role, instance: str) -> None:
+        self.state.to(StreamState.RESUMED)
+        self.hand_to(role, instance)
 
     def finish(self) -> None:
         self.state.to(StreamState.FINISHED)
@@ -95,6 +148,11 @@ class RequestStream:
             self.state.to(StreamState.FAILED)
 
     # ---- views -----------------------------------------------------------------------
+    @property
+    def attempt_rid(self) -> str:
+        """The request id the backends know this attempt by."""
+        return self.rid if self.attempt == 0 else f"{self.rid}-m{self.attempt}"
+
     @property
     def done(self) -> bool:
         return self.state.is_in(StreamState.FINISHED)
@@ -126,5 +184,6 @@ class RequestStream:
             "rld_tokens": relay.rld_tokens if relay else 0,
             "md_tokens": decode.md_tokens if decode else 0,
             "wan_bytes": decode.wan_bytes if decode else 0,
+            "migrations": self.attempt,
             "trace_id": self.trace_id,
         }

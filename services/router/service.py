@@ -1,4 +1,5 @@
-"""The router's request life: route, prepare MD, submit to P, merge indexed tokens."""
+"""The router's request life: route, prepare MD, submit to P, merge indexed tokens, and move
+a request whose instance is lost to a live one by its token IDs (migration)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from shared.bus.messages import (
     PrefillSubmit,
     PrepareReply,
     PrepareRequest,
+    ResumeReply,
+    ResumeRequest,
     Role,
     SubmitReply,
     TokenEvent,
@@ -34,6 +37,7 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import RouterSettings
 from shared.engine import SamplingParams, block_hashes
+from shared.liveness import HEARTBEAT_S, ConnectionWatch
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -41,13 +45,15 @@ from shared.telemetry.tracing import get_tracer
 
 from .errors import APIError
 from .merger import TokenMerger
-from .policy import RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline
+from .policy import RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline, resume_candidates
 from .prefix_index import PrefixIndex
 from .registry import Registry
-from .request_stream import Delta, RequestStream, StreamState
+from .request_stream import MOVABLE, Delta, RequestStream, StreamState
 from .schemas import PddOptions
 
 log = logging.getLogger(__name__)
+
+STALE_ABORT_EVERY_S = 10.0  # an abandoned attempt that keeps producing is told again after this
 
 
 class RouterCore:
@@ -58,8 +64,11 @@ class RouterCore:
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token
         self.index = PrefixIndex()
-        self.registry = Registry()
-        self.streams: dict[str, RequestStream] = {}
+        self.registry = Registry(stale_after_s=settings.lost_after_s)
+        self.streams: dict[str, RequestStream] = {}  # by the client's request id
+        self.attempts: dict[str, RequestStream] = {}  # by the backends' id of the current attempt
+        self.stale_aborted: dict[str, float] = {}  # attempt ids told to stop recently (rate limit)
+        self.conn = ConnectionWatch(nc)
         self.tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
@@ -67,7 +76,8 @@ class RouterCore:
         await self.life.subscribe(self.nc, subjects.all_req(Req.TOKENS), TokenEvent, self._on_tokens)
         await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self._on_kv_events)
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
-        self.life.every(1.0, self._watch_main_decode)
+        self.life.every(HEARTBEAT_S, self._heartbeat)
+        self.life.every(HEARTBEAT_S, self._watch_streams)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -79,9 +89,15 @@ class RouterCore:
 
     # ---- inbound events ----------------------------------------------------------------
     async def _on_tokens(self, ev: TokenEvent, raw) -> None:
-        stream = self.streams.get(ev.rid)
+        stream = self.attempts.get(ev.rid)
         if stream is None:
             metrics.UNKNOWN_REQUEST_MESSAGES.labels(service="router").inc()
+            if not ev.finished:  # an abandoned attempt (its abort was lost?) still producing
+                await self._abort_stale(ev.rid)
+            return
+        if ev.outcome is Outcome.ERROR and stream.state.is_in(StreamState.DISPATCHING, *MOVABLE):
+            # The instance failed the request (a lost peer, a cut transfer): continue elsewhere.
+            self.life.spawn(self._migrate(stream, f"{ev.source.value} failed it: {ev.error}", "error"))
             return
         stream.queue.put_nowait(ev)
 
@@ -89,17 +105,45 @@ class RouterCore:
         self.index.apply(ev.instance, ev.stored, ev.evicted, ev.reset)
 
     async def _on_load(self, report: LoadReport, raw) -> None:
+        """A heartbeat: the instance is alive, and holds the requests it lists."""
+        if report.service is Role.ROUTER:
+            return
         self.registry.update(report)
+        me = (report.service, report.instance)
+        for rid in report.held:
+            stream = self.attempts.get(rid)
+            if stream is not None and stream.producer == me:
+                stream.last_held = time.monotonic()
 
-    async def _watch_main_decode(self) -> None:
-        """A request whose MD stopped reporting fails fast instead of waiting for a timeout,
-        unless a relay still holds it: then the relay is told to finish it."""
-        alive = {r.instance for r in self.registry.alive(Role.MAIN_DECODE)}
+    async def _heartbeat(self) -> None:
+        """Backends drop the requests of a router that stops heartbeating."""
+        report = LoadReport(service=Role.ROUTER, instance=self.settings.instance, running=len(self.streams))
+        await publish(self.nc, subjects.load(Role.ROUTER.value, self.settings.instance), report)
+
+    async def _watch_streams(self) -> None:
+        """Act on lost instances. Not while this router's own NATS link was just down: then
+        every silence is its own, and the heartbeats need a moment to come back."""
+        if self.conn.up_for() <= self.settings.lost_after_s:
+            return
+        alive_md = {r.instance for r in self.registry.alive(Role.MAIN_DECODE)}
+        now = time.monotonic()
         for stream in list(self.streams.values()):
-            watched = stream.state.is_in(StreamState.RELAYED, StreamState.WITH_MD)
-            if watched and stream.md_instance not in alive and stream.md_lost():
-                lost = MainDecodeLost(stream.rid, stream.md_instance)
-                await publish(self.nc, subjects.req(stream.rid, Req.MD_LOST), lost)
+            if stream.state.is_in(StreamState.RELAYED) and stream.md_instance not in alive_md:
+                stream.md_lost()  # before the handoff the relay finishes it: no move needed
+                lost = MainDecodeLost(stream.attempt_rid, stream.md_instance)
+                await publish(self.nc, subjects.req(stream.attempt_rid, Req.MD_LOST), lost)
+            stall = stream.stall(now, self.settings.lost_after_s, self.settings.gap_timeout_s)
+            if stall is not None:
+                self.life.spawn(self._migrate(stream, *stall))
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Maps keyed by what the network told us stay bounded."""
+        for service, instance in self.registry.prune(self.settings.forget_after_s):
+            if service == Role.MAIN_DECODE:
+                self.index.forget(instance)
+        for rid in [r for r, t in self.stale_aborted.items() if now - t > STALE_ABORT_EVERY_S]:
+            del self.stale_aborted[rid]
 
     # ---- routing -----------------------------------------------------------------------
     def _link_to_md(self, md: str) -> tuple[str | None, float, float]:
@@ -112,13 +156,15 @@ class RouterCore:
         return address, bandwidth, rtt
 
     def route(self, prompt_ids: list[int], forced: Pipeline | None) -> tuple[RouteDecision, str, str | None, list[int]]:
-        """(decision, MD instance, relay instance on P→RLD→MD, the prompt's block hashes)."""
+        """(decision, MD instance, relay instance on P→RLD→MD, the prompt's block hashes).
+        With no MD alive (lost, or its datacenter unreachable) the MD is "" and the request
+        goes to a relay (RLD-only: a fault fallback, never a policy)."""
         hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         mds = self.registry.loads(Role.MAIN_DECODE)
         cached = {m.instance: self.index.cached_prefix_blocks(m.instance, hashes) for m in mds}
         md = choose_main_decode(mds, cached)
         if md is None:
-            raise APIError("no main-decode instance is available", 503)
+            return RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, hashes
         relay = choose_least_loaded(self.registry.loads(Role.RELAY))
         address, bandwidth, rtt = self._link_to_md(md)
         decision = choose_pipeline(
@@ -141,8 +187,6 @@ class RouterCore:
         trace_context: Context | None = None,
     ) -> RequestStream:
         """Route and dispatch a request; `trace_context` is the caller's (W3C headers), if any."""
-        if not self.registry.alive(Role.PREFILL):
-            raise APIError("no prefill instance is available", 503)
         if params.seed is None:  # every instance must sample a request the same way
             params.seed = secrets.randbits(63)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -155,8 +199,11 @@ class RouterCore:
             with trace.use_span(span, end_on_exit=False):
                 options = options or PddOptions()
                 forced = Pipeline(options.pipeline) if options.pipeline else None
-                stream = self._routed(rid, span, prompt_ids, forced, params.max_tokens)
-                await self._dispatch(stream, params, options.catchup_threshold)
+                stream = self._routed(rid, span, prompt_ids, forced, params)
+                if stream.decision.pipeline is Pipeline.RLD_ONLY or not self.registry.alive(Role.PREFILL):
+                    await self._start_elsewhere(stream, "no prefill or main-decode instance is available")
+                else:
+                    await self._dispatch(stream, params, options.catchup_threshold)
                 return stream
         except APIError as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
@@ -164,7 +211,7 @@ class RouterCore:
             raise
 
     def _routed(
-        self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, max_tokens: int
+        self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, params: SamplingParams
     ) -> RequestStream:
         with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
             decision, md, relay, hashes = self.route(prompt_ids, forced)
@@ -172,47 +219,119 @@ class RouterCore:
                 "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
                 "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline.value,
                 "pdd.md_instance": md, "pdd.relay_instance": relay or "",
-                "pdd.bandwidth_estimate": self._link_to_md(md)[1],
             })  # fmt: skip
-        stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span, merger=TokenMerger(max_tokens))
+        stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span, params=params,
+                               merger=TokenMerger(params.max_tokens))  # fmt: skip
         span.set_attribute("pdd.pipeline", decision.pipeline.value)
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
-        self.streams[rid] = stream
+        self.streams[rid] = self.attempts[rid] = stream
         return stream
 
     async def _dispatch(self, stream: RequestStream, params: SamplingParams, catchup: int | None) -> None:
         """Ask MD (across the WAN) and P at once: prefill starts without waiting a round trip;
-        MD's answer (which blocks it lacks) follows P as an MDTarget."""
+        MD's answer (which blocks it lacks) follows P as an MDTarget. If an instance does not
+        answer, the request starts on another one instead (by token IDs)."""
         try:
             prep, reply = await asyncio.gather(self._prepare_md(stream, params), self._submit(stream, params, catchup))
-            if not reply.ok:
-                raise APIError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
-            if not prep.ok:
-                raise APIError(f"main decode refused the request: {prep.error}", 503)
-            target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
-            await publish(self.nc, subjects.req(stream.rid, Req.MD_TARGET), target)
-            stream.dispatched()
-        except Exception as e:
-            stream.fail(str(e))
+        except Exception as e:  # an instance vanished, or NATS trouble
+            await self._start_elsewhere(stream, f"could not dispatch the request: {e or type(e).__name__}")
+            return
+        if not stream.state.is_in(StreamState.DISPATCHING):
+            return  # an instance failed it meanwhile and it moved (or ended)
+        if not reply.ok:
+            stream.fail(reply.error or "refused")
             await self.abort(stream.rid, AbortReason.DISPATCH_FAILED)
-            if isinstance(e, APIError):
-                raise
-            if isinstance(e, TimeoutError):
-                raise APIError("timed out dispatching the request", 503) from e
-            raise APIError(f"could not dispatch the request: {e}", 503) from e  # NATS trouble
+            raise APIError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
+        if not prep.ok:
+            await self._start_elsewhere(stream, f"main decode refused the request: {prep.error}")
+            return
+        target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
+        await publish(self.nc, subjects.req(stream.rid, Req.MD_TARGET), target)
+        stream.dispatched(reply.instance)
+
+    async def _start_elsewhere(self, stream: RequestStream, why: str) -> None:
+        """The normal path is not available: start the request on a live MD or relay, which
+        computes the prompt itself; 503 if none takes it."""
+        if not await self._migrate(stream, why, "dispatch"):
+            await self.abort(stream.rid, AbortReason.DISPATCH_FAILED)
+            raise APIError(stream.failure or why, 503)
 
     async def _prepare_md(self, stream: RequestStream, params: SamplingParams) -> PrepareReply:
-        msg = PrepareRequest(stream.rid, stream.prompt_ids, params, stream.block_hashes, stream.decision.pipeline)
+        msg = PrepareRequest(stream.rid, stream.prompt_ids, params, stream.block_hashes, stream.decision.pipeline,
+                             router=self.settings.instance)  # fmt: skip
         subject = subjects.md_prepare(stream.md_instance)
         return await request(self.nc, subject, msg, PrepareReply, timeout=self.settings.prepare_timeout_s)
 
     async def _submit(self, stream: RequestStream, params: SamplingParams, catchup: int | None) -> SubmitReply:
         relay = self.registry.get(Role.RELAY, stream.relay_instance) if stream.relay_instance else None
         msg = PrefillSubmit(stream.rid, stream.prompt_ids, params, stream.decision.pipeline,
-                            relay_address=relay.address if relay else None, catchup_threshold=catchup)  # fmt: skip
+                            relay_address=relay.address if relay else None, catchup_threshold=catchup,
+                            router=self.settings.instance)  # fmt: skip
         prefill = choose_least_loaded(self.registry.loads(Role.PREFILL))
         subject = subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit()
         return await request(self.nc, subject, msg, SubmitReply, timeout=self.settings.prepare_timeout_s)
+
+    # ---- migration by token IDs --------------------------------------------------------
+    async def _migrate(self, stream: RequestStream, why: str, cause: str) -> bool:
+        """Continue the request on a live instance from the tokens the client already has.
+        The old attempt is aborted; its late messages no longer reach the stream. False (and
+        the stream failed, its consumer woken) if no instance takes it."""
+        if not stream.state.is_in(StreamState.DISPATCHING, *MOVABLE):
+            return False  # ended, or another move is under way
+        lost = stream.producer
+        if stream.attempt >= self.settings.migration_limit:
+            return self._give_up(stream, f"{why}; migration limit ({self.settings.migration_limit}) reached")
+        log.warning("request %s (attempt %s): %s; moving it by token IDs", stream.rid, stream.attempt_rid, why)
+        metrics.MIGRATIONS.labels(cause=cause).inc()
+        old = stream.attempt_rid
+        self.attempts.pop(old, None)
+        self.attempts[stream.migrating()] = stream
+        self.life.spawn(self._publish_abort(old, AbortReason.MIGRATED, stream.span))
+        avoid = {lost} if lost and self.registry.silent_for(*lost) > self.settings.lost_after_s else set()
+        ctx = trace.set_span_in_context(stream.span) if stream.span else None
+        attrs = {REQUEST_ID_ATTR: stream.rid, "reason": why, "attempt": stream.attempt,
+                 "tokens_sent": stream.merger.next_index}  # fmt: skip
+        with self.tracer.start_as_current_span("router.migrate", context=ctx, attributes=attrs) as span:
+            target = await self._resume(stream, avoid)
+            span.set_attribute("target", f"{target[0].value}/{target[1]}" if target else "")
+        if target is None:
+            return self._give_up(stream, f"{why}; no live instance took the request")
+        stream.resumed(*target)
+        return True
+
+    async def _resume(self, stream: RequestStream, avoid: set[tuple[Role, str]]) -> tuple[Role, str] | None:
+        """Offer the request to the candidates (best first) until one takes it; wait a little
+        for one to (re)appear. The instance that took it, or None."""
+        assert stream.params is not None
+        msg = ResumeRequest(stream.attempt_rid, stream.prompt_ids, list(stream.merger.released), stream.params,
+                            router=self.settings.instance)  # fmt: skip
+        deadline = time.monotonic() + self.settings.migration_wait_s
+        while True:
+            for role, instance in self._resume_candidates(stream, avoid):
+                try:
+                    subject = subjects.resume(role.value, instance)
+                    reply = await request(self.nc, subject, msg, ResumeReply, timeout=self.settings.resume_timeout_s)
+                except Exception as e:  # gone, frozen, or NATS trouble: try the next one
+                    reply = ResumeReply(ok=False, error=str(e) or type(e).__name__)
+                if reply.ok:
+                    return role, instance
+                log.warning("request %s: %s %s did not take it: %s", stream.rid, role.value, instance, reply.error)
+                avoid = avoid | {(role, instance)}
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _resume_candidates(self, stream: RequestStream, avoid: set[tuple[Role, str]]) -> list[tuple[Role, str]]:
+        mds = [m for m in self.registry.loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
+        relays = [r for r in self.registry.loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
+        cached = {m.instance: self.index.cached_prefix_blocks(m.instance, stream.block_hashes) for m in mds}
+        return resume_candidates(mds, relays, cached)
+
+    def _give_up(self, stream: RequestStream, why: str) -> bool:
+        log.warning("request %s failed: %s", stream.rid, why)
+        stream.fail(why)
+        stream.queue.put_nowait(None)  # wake the consumer: it reports the failure
+        return False
 
     async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
         """Ordered new tokens until the request finishes; raises APIError on failure."""
@@ -245,6 +364,8 @@ class RouterCore:
         return ev
 
     def _merge(self, stream: RequestStream, ev: TokenEvent) -> Delta | None:
+        if ev.rid != stream.attempt_rid:
+            return None  # queued before the request moved: the new attempt resends what counts
         stream.observe(ev)
         merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None)
         if merged.tokens and stream.first_token_at is None:
@@ -259,27 +380,40 @@ class RouterCore:
     def _close(self, stream: RequestStream) -> None:
         """The stream ended (finished, failed or abandoned): record it and free it everywhere."""
         self.streams.pop(stream.rid, None)
+        self.attempts.pop(stream.attempt_rid, None)
         stream.fail("client went away")  # no-op unless it is still running
         if stream.span:
             stream.span.set_attributes({
                 "pdd.pipeline": stream.pipeline.value, "pdd.output_tokens": stream.merger.next_index,
-                "pdd.outcome": "ok" if stream.done else "aborted",
+                "pdd.outcome": "ok" if stream.done else "aborted", "pdd.migrations": stream.attempt,
             })  # fmt: skip
             stream.span.end()
         # Also after a normal finish: whatever still holds the request (e.g. an MD whose
         # transfer the relay made moot) frees it now rather than at its timeout.
         reason = AbortReason.FINISHED if stream.done else AbortReason.CLIENT_GONE
-        self.life.spawn(self.abort(stream.rid, reason, stream.span))
+        self.life.spawn(self._publish_abort(stream.attempt_rid, reason, stream.span))
 
     async def abort(self, rid: str, reason: AbortReason, parent: Span | None = None) -> None:
+        """Give up on the client's request `rid`: every instance drops its current attempt."""
         stream = self.streams.pop(rid, None)
+        attempt = rid
         if stream is not None:
             stream.fail(reason.value)
+            attempt = stream.attempt_rid
+            self.attempts.pop(attempt, None)
+        await self._publish_abort(attempt, reason, parent)
+
+    async def _abort_stale(self, attempt_rid: str) -> None:
+        if attempt_rid not in self.stale_aborted:
+            self.stale_aborted[attempt_rid] = time.monotonic()
+            await self._publish_abort(attempt_rid, AbortReason.STALE)
+
+    async def _publish_abort(self, attempt_rid: str, reason: AbortReason, parent: Span | None = None) -> None:
         ctx = trace.set_span_in_context(parent) if parent else None
         try:
             with self.tracer.start_as_current_span(
-                "abort", context=ctx, attributes={REQUEST_ID_ATTR: rid, "reason": reason.value}
+                "abort", context=ctx, attributes={REQUEST_ID_ATTR: attempt_rid, "reason": reason.value}
             ):
-                await publish(self.nc, subjects.abort(rid, Role.ROUTER.value), Abort(rid, reason))
-        except Exception as e:  # NATS gone: peers time the request out on their own
-            log.warning("could not publish abort for %s: %s", rid, e)
+                await publish(self.nc, subjects.abort(attempt_rid, Role.ROUTER.value), Abort(attempt_rid, reason))
+        except Exception as e:  # NATS gone: peers drop the request when this router's heartbeat stops
+            log.warning("could not publish abort for %s: %s", attempt_rid, e)

@@ -140,7 +140,6 @@ class RelayStart(Message):
     catchup_threshold: int | None = None
     traceparent: str | None = None
     router: str = ""  # the router instance that owns the request
-    solo: bool = False  # no MD takes part (RLD-only fallback): the relay finishes the request
 
 
 @dataclass
@@ -177,7 +176,6 @@ class TokenEvent(Message):
     error: str | None = None
     relay: RelayReport | None = None
     decode: DecodeReport | None = None
-    fatal: bool = False  # with an error: retrying elsewhere cannot help (the router does not migrate)
 
     @property
     def finished(self) -> bool:

@@ -49,7 +49,7 @@ ANY_MD_PREPARE = f"{PREFIX}.md.*.prepare"
 ANY_PREFILL_SUBMIT = f"{PREFIX}.prefill.*.submit"
 ANY_MD_RESUME = f"{PREFIX}.md.*.resume"
 ANY_RELAY_RESUME = f"{PREFIX}.relay.*.resume"
-ROUTER_HEARTBEATS = f"{PREFIX}.load.router.*"  # backends drop the requests of a router that went silent
+ROUTER_HEARTBEATS = subjects.router_heartbeats()
 
 
 def own_load(service: str) -> str:

@@ -82,5 +82,10 @@ def load(service: str, inst: str) -> str:
     return f"{PREFIX}.load.{_tok(service)}.{_tok(inst)}"
 
 
+def router_heartbeats() -> str:
+    """Every router's load report: backends drop the requests of a router that went silent."""
+    return f"{PREFIX}.load.router.*"
+
+
 def all_load() -> str:
     return f"{PREFIX}.load.*.*"

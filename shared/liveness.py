@@ -1,0 +1,81 @@
+"""Who is alive, judged from heartbeats, without false alarms.
+
+Every instance heartbeats (its LoadReport, every 0.5 s). An observer declares a peer lost
+only when the peer has been silent longer than `lost_after_s` *and* the observer's own NATS
+connection has been up for at least as long: while the observer itself is cut off (its
+server restarting, a reconnect), silence proves nothing, so nobody is declared lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+HEARTBEAT_S = 0.5  # how often every instance reports its load (its heartbeat)
+
+
+def is_lost(last_heard: float, now: float, lost_after_s: float, observer_up_for: float) -> bool:
+    """A peer last heard at `last_heard` is lost: silent too long while the observer was up."""
+    return now - last_heard > lost_after_s and observer_up_for > lost_after_s
+
+
+class ConnectionWatch:
+    """How long this process's NATS connection has been up without a break.
+
+    Polled (cheaply) rather than hooked: nats-py counts reconnects, so even a blip shorter
+    than the polling interval shows up as a changed count."""
+
+    def __init__(self, nc: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.nc = nc
+        self.clock = clock
+        self._reconnects = self._count()
+        self._up_since: float | None = clock() if nc.is_connected else None
+
+    def _count(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0))
+
+    def up_for(self) -> float:
+        """Seconds since the connection last came (back) up; 0 while it is down."""
+        now = self.clock()
+        count = self._count()
+        if not self.nc.is_connected:
+            self._up_since = None
+        elif self._up_since is None or count != self._reconnects:
+            self._up_since = now
+        self._reconnects = count
+        return 0.0 if self._up_since is None else now - self._up_since
+
+
+class Heartbeats:
+    """When each peer was last heard. A peer first seen by this observer counts as heard at
+    the observer's start, so one that never speaks is still noticed."""
+
+    def __init__(self, lost_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lost_after_s = lost_after_s
+        self.clock = clock
+        self.started = clock()
+        self._last: dict[Hashable, float] = {}
+
+    def heard(self, peer: Hashable) -> None:
+        self._last[peer] = self.clock()
+
+    def last_heard(self, peer: Hashable) -> float:
+        return self._last.get(peer, self.started)
+
+    def lost(self, peers: Iterable[Hashable], observer_up_for: float) -> set[Hashable]:
+        """Those of `peers` that are lost now."""
+        now = self.clock()
+        return {p for p in peers if is_lost(self.last_heard(p), now, self.lost_after_s, observer_up_for)}
+
+    def forget(self, peer: Hashable) -> None:
+        self._last.pop(peer, None)
+
+    def prune(self, keep_s: float) -> None:
+        """Drop peers silent for longer than keep_s (keys come from the network: keep them bounded)."""
+        now = self.clock()
+        for peer in [p for p, t in self._last.items() if now - t > keep_s]:
+            del self._last[peer]
+
+    def __len__(self) -> int:
+        return len(self._last)
