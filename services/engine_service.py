@@ -55,7 +55,7 @@ class EngineService:
         self.life = Lifecycle()
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
-        self.routers = Heartbeats(settings.router_lost_after_s)
+        self.routers = Heartbeats(settings.orphan_after_s)
         self.conn = ConnectionWatch(nc)
 
     # ---- lifecycle -------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Who is alive, judged from heartbeats, without false alarms.
 
 Every instance heartbeats (its LoadReport, every 0.5 s). An observer declares a peer lost
-only when the peer has been silent longer than `lost_after_s` *and* the observer's own NATS
-connection has been up for at least as long: while the observer itself is cut off (its
-server restarting, a reconnect), silence proves nothing, so nobody is declared lost.
+only when the peer has been silent longer than `lost_after_s` *and* the observer has been
+able to hear for at least as long: while its own NATS connection is down or was just
+re-established (its server restarting), or while the observer itself was frozen (a stopped
+process, a long pause), silence proves nothing, so nobody is declared lost.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ def is_lost(last_heard: float, now: float, lost_after_s: float, observer_up_for:
 
 
 class ConnectionWatch:
-    """How long this process's NATS connection has been up without a break.
+    """How long this process has been able to hear: its NATS connection up without a break,
+    and the process itself running (polled every HEARTBEAT_S, so a longer gap between two
+    polls means it was frozen and missed what was said meanwhile).
 
     Polled (cheaply) rather than hooked: nats-py counts reconnects, so even a blip shorter
     than the polling interval shows up as a changed count."""
 
-    def __init__(self, nc: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nc: Any, clock: Callable[[], float] = time.monotonic, frozen_after_s: float = 2.0) -> None:
         self.nc = nc
         self.clock = clock
+        self.frozen_after_s = frozen_after_s
         self._reconnects = self._count()
-        self._up_since: float | None = clock() if nc.is_connected else None
+        self._last_poll = clock()
+        self._up_since: float | None = self._last_poll if nc.is_connected else None
 
     def _count(self) -> int:
         return int(self.nc.stats.get("reconnects", 0))
@@ -38,12 +43,12 @@ class ConnectionWatch:
     def up_for(self) -> float:
         """Seconds since the connection last came (back) up; 0 while it is down."""
         now = self.clock()
-        count = self._count()
+        count, frozen = self._count(), now - self._last_poll > self.frozen_after_s
         if not self.nc.is_connected:
             self._up_since = None
-        elif self._up_since is None or count != self._reconnects:
+        elif self._up_since is None or count != self._reconnects or frozen:
             self._up_since = now
-        self._reconnects = count
+        self._reconnects, self._last_poll = count, now
         return 0.0 if self._up_since is None else now - self._up_since
 
 

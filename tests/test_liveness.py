@@ -41,7 +41,7 @@ def test_heartbeats_notice_a_peer_never_heard_since_the_start_and_prune_old_ones
 
 def test_connection_watch_restarts_its_count_on_a_drop_or_a_reconnect_between_polls() -> None:
     clock, link = Clock(), Link()
-    watch = ConnectionWatch(link, clock=clock)
+    watch = ConnectionWatch(link, clock=clock, frozen_after_s=20)
     clock.t += 10
     assert watch.up_for() == 10
     link.stats["reconnects"] = 1  # a blip shorter than the polling interval
@@ -55,3 +55,16 @@ def test_connection_watch_restarts_its_count_on_a_drop_or_a_reconnect_between_po
     assert watch.up_for() == 0
     clock.t += 1
     assert watch.up_for() == 1
+
+
+def test_an_observer_that_was_frozen_does_not_trust_the_silence_it_slept_through() -> None:
+    clock, link = Clock(), Link()
+    watch = ConnectionWatch(link, clock=clock, frozen_after_s=2.0)
+    for _ in range(10):
+        clock.t += 0.5
+        watch.up_for()
+    assert watch.up_for() == 5.0
+    clock.t += 6.0  # SIGSTOP, or a pause: no poll for 6 s
+    assert watch.up_for() == 0
+    clock.t += 0.5
+    assert watch.up_for() == 0.5
