@@ -1,4 +1,4 @@
-"""`pdd` — the command line: up, certs, serve, wan, bench, trace."""
+"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, trace."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from shared.launch import SERVICES, UpOptions, with_base_port
 
-BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth")
-FORWARDING = ("wan", "bench")  # subcommands whose extra arguments belong to another main()
+BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth", "chaos")
+FORWARDING = ("wan", "bench", "chaos")  # subcommands whose extra arguments belong to another main()
 
 
 def _add_up_options(p: argparse.ArgumentParser) -> None:
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark; extra arguments go to it")
     bench.add_argument("name", choices=BENCHES)
+
+    sub.add_parser("chaos", help="inject faults into a running system under load (= pdd bench chaos)",
+                   add_help=False)  # fmt: skip
 
     trace = sub.add_parser("trace", help="show one request's trace from the local span store")
     trace.add_argument("id", help="request id (x-request-id) or 32-hex trace id")
@@ -177,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_wan(extra)
     if args.command == "bench":
         return cmd_bench(args, extra)
+    if args.command == "chaos":
+        from bench.chaos import main as chaos_main
+
+        return int(chaos_main(extra) or 0)
     return cmd_trace(args)
 
 

@@ -252,6 +252,8 @@ class RouterCore:
     async def _start_elsewhere(self, stream: RequestStream, why: str) -> None:
         """The normal path is not available: start the request on a live MD or relay, which
         computes the prompt itself; 503 if none takes it."""
+        if stream.state.is_in(StreamState.MIGRATING, StreamState.RESUMED):
+            return  # an instance failed it meanwhile: it is moving already
         if not await self._migrate(stream, why, "dispatch"):
             await self.abort(stream.rid, AbortReason.DISPATCH_FAILED)
             raise APIError(stream.failure or why, 503)
