@@ -13,32 +13,28 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 
+from shared.supervisor import read_pid
 from shared.system import RunningSystem, start_system
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream
 MAX_TOKENS = 160
 
 
-def _pid_of(system: RunningSystem, name: str) -> int:
-    """The pid of one of the system's processes: a service (`python -m services.<name>`) or a
-    NATS server (its config lives under <workdir>/nats/<name>/)."""
-    needle = f"services.{name}" if not name.startswith("nats-") else str(system.workdir / "nats" / name)
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
-            env = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle.encode() in cmd and (name.startswith("nats-") or str(system.workdir).encode() in env):
-            return int(proc.name)
-    raise LookupError(name)
+def _pid_of(system: RunningSystem, name: str, timeout_s: float = 60.0) -> int:
+    """The pid of one of the system's processes (from `pdd up`'s pid files), once it runs."""
+    deadline = time.monotonic() + timeout_s
+    while (pid := read_pid(system.workdir, name)) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pid is not None, f"{name} is not running"
+    return pid
+
+
+def kill(system: RunningSystem, name: str) -> Callable[[], None]:
+    return lambda: os.kill(_pid_of(system, name), signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +61,16 @@ class Streamed:
     seconds: float = 0.0
 
 
-def stream(system: RunningSystem, payload: dict, at_token: int = -1, fault: Callable[[], None] | None = None) -> Streamed:
+def stream(
+    system: RunningSystem, payload: dict, at_token: int = -1, fault: Callable[[], None] | None = None,
+    at_s: float | None = None,
+) -> Streamed:
     """One streamed completion; `fault()` runs (in a thread, so the stream keeps being read)
-    once `at_token` tokens arrived."""
+    once `at_token` tokens arrived, or `at_s` seconds after the request was sent."""
     out, t0, fired = Streamed(), time.monotonic(), None
+    if fault is not None and at_s is not None:
+        fired = threading.Timer(at_s, fault)
+        fired.start()
     with httpx.stream("POST", f"{system.router_url}/v1/completions", json=payload, timeout=90) as r:
         assert r.status_code == 200, r.read()
         out.pipeline = r.headers.get("x-pdd-pipeline")
@@ -96,7 +98,10 @@ def settled(system: RunningSystem, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     view: dict = {}
     while time.monotonic() < deadline:
-        view = system.instances()
+        try:
+            view = system.instances()
+        except httpx.HTTPError:  # the router is restarting
+            view = {}
         roles = {k.split("/")[0] for k in view}
         busy = [k for k, v in view.items() if v["held"] or v["used_blocks"]]
         if not busy and {"prefill", "relay", "main_decode"} <= roles:
@@ -106,14 +111,18 @@ def settled(system: RunningSystem, timeout_s: float = 20.0) -> dict:
 
 
 def serves_again(system: RunningSystem, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        r = httpx.post(f"{system.router_url}/v1/completions", timeout=60,
-                       json={"prompt": "back again", "max_tokens": 4, "pdd": {"pipeline": "p-md"}})  # fmt: skip
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
+    deadline, last = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{system.router_url}/v1/completions", timeout=60,
+                           json={"prompt": "back again", "max_tokens": 4, "pdd": {"pipeline": "p-md"}})  # fmt: skip
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.HTTPError as e:  # the router is restarting
+            last = str(e)
         time.sleep(0.5)
-    assert r.status_code == 200, r.text
+    raise AssertionError(f"the system did not serve again within {timeout_s}s: {last}")
 
 
 def reference(system: RunningSystem, payload: dict) -> list[int]:
@@ -171,3 +180,49 @@ def test_a_router_frozen_past_its_heartbeat_bound_loses_nothing(system):
     md_log = system.log("main_decode")
     assert "router 0 stopped heartbeating" in md_log
     settled(system)
+
+
+def test_main_decode_killed_mid_stream(system):
+    payload = body("p-md", salt=4)
+    want = reference(system, payload)
+    got = stream(system, payload, at_token=10, fault=kill(system, "main_decode"))
+    assert got.error is None and got.done and got.tokens == want
+    settled(system, timeout_s=60)  # includes MD's restart by `pdd up`
+    serves_again(system)
+
+
+def test_relay_killed_while_it_streams_ahead_of_main_decode(system):
+    payload = body("p-rld-md", salt=5, n=320)
+    want = reference(system, payload)
+    with system.shaped("bulk", bandwidth_mbps=15):  # MD's copy of the prompt KV takes ~3 s
+        got = stream(system, payload, at_token=5, fault=kill(system, "relay"))
+    assert got.error is None and got.done and got.tokens == want
+    settled(system, timeout_s=60)
+    serves_again(system)
+
+
+def test_prefill_killed_before_the_first_token(system):
+    payload = body("p-md", salt=6, n=1200, max_tokens=40)
+    want = reference(system, payload)
+    got = stream(system, payload, fault=kill(system, "prefill"), at_s=0.3)
+    assert got.error is None and got.done and got.tokens == want
+    settled(system, timeout_s=60)
+    serves_again(system)
+
+
+@pytest.mark.parametrize("server", ["nats-a", "nats-b"])
+def test_a_nats_server_restart_fails_no_stream(system, server):
+    payload = body("p-md", salt=7)
+    want = reference(system, payload)
+    got = stream(system, payload, at_token=10, fault=kill(system, server))
+    assert got.error is None and got.done and got.tokens == want
+    settled(system, timeout_s=60)
+    serves_again(system)
+
+
+def test_a_killed_router_leaves_nothing_held_and_comes_back(system):
+    payload = body("p-md", salt=8, max_tokens=600)
+    with pytest.raises(httpx.HTTPError):  # the client's connection goes with the router
+        stream(system, payload, at_token=10, fault=kill(system, "router"))
+    settled(system, timeout_s=60)  # the backends dropped the dead router's request
+    serves_again(system, timeout_s=60)
