@@ -58,7 +58,7 @@ def _gone(pid: int) -> bool:
 
 async def _until(what: Callable[[], object], timeout_s: float = 20) -> None:
     async with asyncio.timeout(timeout_s):
-        while not what():
+        while not what():  # noqa: ASYNC110 (polls processes and files: nothing to await)
             await asyncio.sleep(0.02)
 
 
