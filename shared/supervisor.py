@@ -1,41 +1,90 @@
-"""Run a set of ProcessSpecs as child processes: logs to files, health gate, clean stop.
+"""Run the system's processes as supervised children: logs, pid files, restarts, clean stop.
 
-Each child gets its own session (process group), so a stop reaches whatever the child
-spawned: SIGTERM to the group, SIGKILL after a grace period. On Linux children also get
+A service child gets its own session (process group), so a stop reaches whatever it spawned:
+SIGTERM to the group, SIGKILL after a grace period. Every child (NATS servers too) gets
 PR_SET_PDEATHSIG, so even a SIGKILLed `pdd up` leaves no orphans behind.
+
+Once the system serves, a child that exits is restarted after a backoff that doubles from
+`backoff_initial_s` to `backoff_max_s` and starts over once the child stayed up `stable_after_s`;
+`crash_loop_crashes` exits of one child within `crash_loop_window_s` are a crash loop, which
+stops the system. While a child runs, `<workdir>/run/<name>.pid` holds its pid (fault injection
+reads it with `read_pid`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
-
-import httpx
+from typing import Protocol
 
 from shared.launch import ProcessSpec
+from shared.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
 
+RUN_DIR = "run"  # under the workdir: one <name>.pid per running child
+LOG_DIR = "logs"
+
 
 class ProcessDied(RuntimeError):
-    """A child exited while the system was starting or running."""
+    """A child exited while the system was starting."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform == "linux":
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+class CrashLoop(ProcessDied):
+    """A child kept crashing: restarting it again would not help."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    stable_after_s: float = 30.0  # up at least this long: its next crash starts the backoff over
+    crash_loop_crashes: int = 5
+    crash_loop_window_s: float = 60.0
+
+
+class Backoff:
+    """Restart delays of one child. Times come in as arguments, so the policy is testable without clocks."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.next_delay_s = policy.backoff_initial_s
+        self.crashes: deque[float] = deque()
+
+    def on_crash(self, started_at: float, now: float) -> float | None:
+        """Seconds to wait before restarting a child started at `started_at` that exited at `now`;
+        None when this crash completes a crash loop."""
+        p = self.policy
+        if now - started_at >= p.stable_after_s:
+            self.next_delay_s = p.backoff_initial_s
+        self.crashes.append(now)
+        while self.crashes[0] <= now - p.crash_loop_window_s:
+            self.crashes.popleft()
+        if len(self.crashes) >= p.crash_loop_crashes:
+            return None
+        delay, self.next_delay_s = self.next_delay_s, min(2 * self.next_delay_s, p.backoff_max_s)
+        return delay
+
+
+def pid_path(workdir: Path, name: str) -> Path:
+    return Path(workdir) / RUN_DIR / f"{name}.pid"
+
+
+def read_pid(workdir: Path, name: str) -> int | None:
+    """The pid of the child `name` of the `pdd up` running in `workdir`; None while it is not running."""
+    try:
+        return int(pid_path(workdir, name).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def tail(path: Path, n: int = 20) -> str:
@@ -46,86 +95,183 @@ def tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-@dataclass
-class Child:
-    spec: ProcessSpec
-    log_path: Path
-    proc: subprocess.Popen[bytes]
-    log_file: IO[bytes]
+def exit_reason(returncode: int | None) -> str:
+    if returncode is None:
+        return "is not running"
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"
 
-    def describe_exit(self) -> str:
-        code = self.proc.returncode
-        last = tail(self.log_path)
-        return f"{self.spec.name} exited with code {code}; last lines of {self.log_path}:\n{last}"
+
+class Supervised(Protocol):
+    """What the supervisor (re)starts: a ServiceProcess or a NATS server (shared/bus/nats_server.py)."""
+
+    name: str
+
+    @property
+    def log_path(self) -> Path: ...
+    @property
+    def running(self) -> bool: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def returncode(self) -> int | None: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class ServiceProcess:
+    """One ProcessSpec as a child process in its own session; output to <log_dir>/<name>.log."""
+
+    def __init__(self, spec: ProcessSpec, log_dir: Path, grace_s: float) -> None:
+        self.spec, self.name, self.grace_s = spec, spec.name, grace_s
+        self.log_path = Path(log_dir) / f"{spec.name}.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab" if self.proc else "wb") as out:  # a restart keeps the crash's log
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.spec.argv,
+                env={**os.environ, **self.spec.env},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+
+    async def stop(self) -> None:
+        """SIGTERM the process group; SIGKILL it after grace_s (also what an exited leader left)."""
+        if self.proc is None:
+            return
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self.grace_s):
+                await self.proc.wait()
+        except TimeoutError:
+            log.warning("%s did not stop within %.0fs; killing it", self.name, self.grace_s)
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            await self.proc.wait()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)  # pid == pgid: start_new_session made each child a group leader
 
 
 class Supervisor:
-    """Starts specs in order and stops them in reverse order."""
+    """Starts children in batches, restarts those that exit, stops batches in reverse order."""
 
-    def __init__(self, log_dir: Path, grace_s: float = 10.0) -> None:
-        self.log_dir = Path(log_dir)
+    def __init__(self, workdir: Path, grace_s: float = 10.0, policy: RestartPolicy = RestartPolicy()) -> None:
+        self.workdir = Path(workdir)
         self.grace_s = grace_s
-        self.children: list[Child] = []
+        self.policy = policy
+        self.batches: list[list[Supervised]] = []
+        self._started_at: dict[str, float] = {}
+        self._backoff: dict[str, Backoff] = {}
+        self._restarts: dict[str, asyncio.Task[None]] = {}
 
-    def start(self, spec: ProcessSpec) -> Child:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{spec.name}.log"
-        log_file = log_path.open("wb")
-        proc = subprocess.Popen(
-            spec.argv,
-            env={**os.environ, **spec.env},
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        child = Child(spec, log_path, proc, log_file)
-        self.children.append(child)
-        log.info("started %s (pid %d), log %s", spec.name, proc.pid, log_path)
-        return child
+    @property
+    def children(self) -> list[Supervised]:
+        return [c for batch in self.batches for c in batch]
 
-    def start_all(self, specs: Sequence[ProcessSpec]) -> None:
-        for spec in specs:
-            self.start(spec)
+    async def start(self, *children: Supervised) -> None:
+        """Start children in order, as one batch: they will stop together."""
+        batch: list[Supervised] = []
+        self.batches.append(batch)
+        for child in children:
+            self._backoff[child.name] = Backoff(self.policy)
+            await self._start(child)
+            batch.append(child)  # only now: a child that failed to start cleaned up after itself
+
+    async def start_all(self, specs: Sequence[ProcessSpec]) -> list[ServiceProcess]:
+        children = [ServiceProcess(spec, self.workdir / LOG_DIR, self.grace_s) for spec in specs]
+        await self.start(*children)
+        return children
+
+    async def _start(self, child: Supervised) -> None:
+        self._started_at[child.name] = time.monotonic()
+        await child.start()
+        path = pid_path(self.workdir, child.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{child.pid}\n")
+        log.info("started %s (pid %s), log %s", child.name, child.pid, child.log_path)
+
+    def describe(self, child: Supervised) -> str:
+        return f"{child.name} {exit_reason(child.returncode)}; last lines of {child.log_path}:\n{tail(child.log_path)}"
 
     def check(self) -> None:
-        """Raise ProcessDied naming the first child that has exited."""
+        """Raise ProcessDied naming the first child that is not running."""
         for c in self.children:
-            if c.proc.poll() is not None:
-                raise ProcessDied(c.describe_exit())
+            if not c.running:
+                raise ProcessDied(self.describe(c))
 
-    async def wait_http_ok(self, url: str, timeout_s: float) -> None:
-        """Poll `url` until it answers 200; fail fast if a child dies meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
+    async def until_exit(self, poll_s: float = 0.25) -> None:
+        """Raise ProcessDied once any child exits: while the system starts, nothing restarts."""
+        while True:
+            self.check()
+            await asyncio.sleep(poll_s)
+
+    async def supervise(self, poll_s: float = 0.2) -> None:
+        """Restart children that exit, each after its backoff; raise CrashLoop when one keeps crashing."""
+        try:
             while True:
-                self.check()
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(url)).status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
-                await asyncio.sleep(0.25)
+                for c in self.children:
+                    if not c.running and c.name not in self._restarts:
+                        delay = self._restart_delay(c)
+                        self._restarts[c.name] = asyncio.create_task(self._restart(c, delay))
+                await asyncio.sleep(poll_s)
+        finally:
+            await self._cancel_restarts()
+
+    def _restart_delay(self, child: Supervised) -> float:
+        pid_path(self.workdir, child.name).unlink(missing_ok=True)  # down: no pid to signal
+        why = self.describe(child)
+        delay = self._backoff[child.name].on_crash(self._started_at[child.name], time.monotonic())
+        if delay is None:
+            p = self.policy
+            raise CrashLoop(f"crash loop ({p.crash_loop_crashes} exits within {p.crash_loop_window_s:.0f}s): {why}")
+        log.warning("%s\nrestarting %s in %gs", why, child.name, delay)
+        return delay
+
+    async def _restart(self, child: Supervised, delay_s: float) -> None:
+        try:
+            await asyncio.sleep(delay_s)
+            await child.stop()  # reap it and whatever it left behind
+            await self._start(child)
+        except Exception as e:  # still down: the next poll counts it as another crash
+            log.warning("restarting %s failed: %s", child.name, e)
+        finally:
+            self._restarts.pop(child.name, None)
+
+    async def _cancel_restarts(self) -> None:
+        tasks = list(self._restarts.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stop_all(self) -> None:
-        """SIGTERM every process group (reverse start order), SIGKILL what is left after grace_s."""
-        children = list(reversed(self.children))
-        for c in children:
-            _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        # Popen has no awaitable wait; polling a handful of children is cheap.
-        while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        for c in children:
-            _signal_group(c.proc, signal.SIGKILL)  # also reaps grandchildren of exited leaders
-            if c.proc.poll() is None:
-                log.warning("%s did not stop within %.0fs; killed", c.spec.name, self.grace_s)
-            c.proc.wait()
-            c.log_file.close()
-        self.children.clear()
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # pid == pgid: start_new_session made each child a group leader
+        """Stop the batches in reverse start order, the children of a batch together; remove pid files."""
+        await self._cancel_restarts()
+        for batch in reversed(self.batches):
+            results = await asyncio.gather(*(c.stop() for c in batch), return_exceptions=True)
+            for child, result in zip(batch, results, strict=True):
+                pid_path(self.workdir, child.name).unlink(missing_ok=True)
+                if isinstance(result, BaseException):
+                    log.warning("stopping %s failed: %s", child.name, result)
+        self.batches.clear()

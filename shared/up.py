@@ -2,8 +2,9 @@
 
 Order: the credentials (created on first start, reused after), WAN emulator, the two NATS
 servers (their gateway crosses the WAN), then prefill, relay, main_decode, router; ready once
-the router's /health answers 200. Ctrl-C / SIGTERM (or any child dying) stops everything in
-reverse order.
+the router's /health answers 200. A child that exits before then stops `pdd up` (a setup error
+that restarting would not fix); once up, shared/supervisor.py restarts whatever exits, with
+backoff. Ctrl-C / SIGTERM or a crash loop stops everything in reverse order.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import json
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -20,7 +22,7 @@ import httpx
 
 from shared.launch import SERVICES, NatsSpec, UpOptions, nats_specs, secrets_dir, service_specs
 from shared.security.credentials import Credentials
-from shared.supervisor import ProcessDied, Supervisor
+from shared.supervisor import ProcessDied, RestartPolicy, Supervisor
 
 
 def _client_host(host: str) -> str:
@@ -63,14 +65,17 @@ def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
     )
 
 
-async def _watch(sup: Supervisor, servers: list[Any], interval_s: float = 0.5) -> None:
-    """Raise ProcessDied when a service or a NATS server exits."""
-    while True:
-        sup.check()
-        for server in servers:
-            if not server.running:
-                raise ProcessDied(f"nats-server {server.name} exited; log {server.log_path}")
-        await asyncio.sleep(interval_s)
+async def _wait_http_ok(url: str, timeout_s: float) -> None:
+    """Poll `url` until it answers 200."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url)).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
+            await asyncio.sleep(0.25)
 
 
 async def smoke_request(base_url: str, out: Callable[[str], None] = print) -> bool:
@@ -87,29 +92,17 @@ async def smoke_request(base_url: str, out: Callable[[str], None] = print) -> bo
     return r.status_code == 200
 
 
-async def _start_system(
-    opts: UpOptions, sup: Supervisor, servers: list[Any], base_url: str, start_timeout_s: float
-) -> None:
-    """WAN emulator, NATS servers, then the services; returns once the router's /health is 200.
-    Each NATS server joins `servers` as soon as it runs, so a failure later still stops it."""
+async def _start_system(opts: UpOptions, sup: Supervisor, base_url: str, start_timeout_s: float) -> None:
+    """WAN emulator, NATS servers, then the services; returns once the router's /health is 200."""
     creds = ensure_credentials(opts)
     wan, *services = service_specs(opts)
-    sup.start(wan)
-    for spec in nats_specs(opts):
-        server = _nats_server(spec, opts, creds)
-        await server.start()  # cleans up after itself if it fails
-        servers.append(server)
+    await sup.start_all([wan])
+    servers = [_nats_server(spec, opts, creds) for spec in nats_specs(opts)]
+    for server in servers:
+        await sup.start(server)
     await asyncio.gather(*(s.wait_gateways(start_timeout_s) for s in servers))
-    sup.start_all(services)
-    await sup.wait_http_ok(f"{base_url}/health", start_timeout_s)
-
-
-async def _stop_system(sup: Supervisor, servers: list[Any]) -> None:
-    """Services first, then the NATS servers in reverse order of start."""
-    await sup.stop_all()
-    for server in reversed(servers):
-        with contextlib.suppress(Exception):
-            await server.stop()
+    await sup.start_all(services)
+    await _wait_http_ok(f"{base_url}/health", start_timeout_s)
 
 
 @contextlib.contextmanager
@@ -130,30 +123,30 @@ async def run_up(
     *,
     smoke: bool = False,
     start_timeout_s: float = 180.0,
+    restart: RestartPolicy = RestartPolicy(),
     out: Callable[[str], None] = print,
 ) -> int:
-    """Bring the system up; serve until a signal (or, with smoke, one request). Exit code."""
+    """Bring the system up; serve until a signal or a crash loop (with smoke: one request). Exit code."""
     workdir = opts.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(workdir / "logs")
-    servers: list[Any] = []
+    sup = Supervisor(workdir, policy=restart)
     stop = asyncio.Event()
     base_url = f"http://{_client_host(opts.host)}:{opts.router_port}"
     ok = True
 
     async def serve() -> None:
         nonlocal ok
-        await _start_system(opts, sup, servers, base_url, start_timeout_s)
+        await _first(_start_system(opts, sup, base_url, start_timeout_s), sup.until_exit())
         out(f"pdd is up: {base_url}")
         out(f"  logs: {workdir / 'logs'}   traces: pdd trace <x-request-id> --dir {workdir / 'traces'}")
         if smoke:
             ok = await smoke_request(base_url, out)
             return
-        await asyncio.Event().wait()  # serve until stopped
+        await sup.supervise()  # serve until stopped
 
     try:
         with _signals_set(stop):
-            await _first(serve(), _watch(sup, servers), stop.wait())
+            await _first(serve(), stop.wait())
     except ProcessDied as e:
         print(f"pdd up: {e}", file=sys.stderr)
         ok = False
@@ -162,5 +155,5 @@ async def run_up(
         ok = False
     finally:
         out("pdd up: stopping")
-        await _stop_system(sup, servers)
+        await sup.stop_all()  # services first, then the NATS servers, the WAN emulator last
     return 0 if ok else 1

@@ -109,6 +109,13 @@ def test_healthchecks(compose: dict[str, Any], specs: dict[str, Any], name: str)
         assert "8222/healthz" in test
 
 
+def test_restart_policies(compose: dict[str, Any]) -> None:
+    # Like `pdd up`'s supervisor: whatever serves comes back when it exits; the one-shot init does not.
+    policies = {name: svc.get("restart") for name, svc in compose["services"].items()}
+    assert policies.pop("certs") == "no"
+    assert policies == dict.fromkeys(policies, "unless-stopped")
+
+
 def test_depends_on(compose: dict[str, Any], specs: dict[str, Any]) -> None:
     services = compose["services"]
     for name in SERVICES:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shared import up
 from shared.launch import NatsSpec, ProcessSpec, UpOptions
-from shared.supervisor import ProcessDied, Supervisor
+from shared.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
+
+FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, stable_after_s=30, crash_loop_crashes=3)
 
 
 def _free_port() -> int:
@@ -51,21 +56,57 @@ def _gone(pid: int) -> bool:
     return "State:\tZ" in status  # a zombie waiting for init to reap it is dead too
 
 
-async def test_health_gate_and_stop(tmp_path: Path) -> None:
-    port = _free_port()
-    sup = Supervisor(tmp_path / "logs", grace_s=5)
-    sup.start(_fake_router(tmp_path, port))
-    await sup.wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=20)
-    pid = sup.children[0].proc.pid
+async def _until(what: Callable[[], object], timeout_s: float = 20) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not what():  # noqa: ASYNC110 (polls processes and files: nothing to await)
+            await asyncio.sleep(0.02)
+
+
+def _delays(caplog, name: str) -> list[str]:
+    """The restart delays the supervisor logged for `name`, in order."""
+    lines = [r.getMessage().splitlines()[-1] for r in caplog.records]
+    return [line.rsplit(" in ", 1)[1] for line in lines if line.startswith(f"restarting {name} in ")]
+
+
+# ---- the restart policy, on given times ----------------------------------------------------------
+
+
+def test_backoff_doubles_to_its_cap() -> None:
+    b = Backoff(RestartPolicy(backoff_initial_s=0.5, backoff_max_s=3, crash_loop_crashes=100))
+    assert [b.on_crash(started_at=t, now=t + 1) for t in range(6)] == [0.5, 1, 2, 3, 3, 3]
+
+
+def test_backoff_starts_over_after_a_stable_run() -> None:
+    b = Backoff(RestartPolicy(backoff_initial_s=0.5, stable_after_s=30, crash_loop_crashes=100))
+    assert [b.on_crash(0, 1), b.on_crash(2, 3)] == [0.5, 1]
+    assert b.on_crash(started_at=10, now=40) == 0.5  # up 30 s
+    assert b.on_crash(started_at=41, now=42) == 1
+
+
+def test_crash_loop_is_n_crashes_within_the_window() -> None:
+    b = Backoff(RestartPolicy(crash_loop_crashes=3, crash_loop_window_s=60))
+    assert b.on_crash(0, 0) is not None and b.on_crash(0, 50) is not None
+    assert b.on_crash(0, 70) is not None  # the crash at 0 left the window
+    assert b.on_crash(0, 100) is None  # 50, 70, 100
+
+
+# ---- real child processes ------------------------------------------------------------------------
+
+
+async def test_pid_files_while_running_and_stop(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, grace_s=5)
+    children = await sup.start_all([_py("wan", "import time; time.sleep(60)"), _py("relay", "import time; time.sleep(60)")])
+    assert [read_pid(tmp_path, c.name) for c in children] == [c.pid for c in children]
     await sup.stop_all()
-    assert _gone(pid) and not sup.children
+    assert all(_gone(c.pid) for c in children) and not sup.children
+    assert read_pid(tmp_path, "wan") is None and read_pid(tmp_path, "relay") is None
 
 
 async def test_dead_child_is_named_with_its_log(tmp_path: Path) -> None:
-    sup = Supervisor(tmp_path / "logs")
-    sup.start(_py("prefill", "import sys; print('boom: bad model path', flush=True); sys.exit(3)"))
+    sup = Supervisor(tmp_path)
+    await sup.start_all([_py("prefill", "import sys; print('boom: bad model path', flush=True); sys.exit(3)")])
     with pytest.raises(ProcessDied, match=r"(?s)prefill exited with code 3.*boom: bad model path"):
-        await sup.wait_http_ok(f"http://127.0.0.1:{_free_port()}/health", timeout_s=20)
+        await asyncio.wait_for(sup.until_exit(), 20)
     await sup.stop_all()
 
 
@@ -77,20 +118,56 @@ async def test_stubborn_group_is_killed(tmp_path: Path) -> None:
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    sup = Supervisor(tmp_path / "logs", grace_s=0.5)
-    child = sup.start(_py("stubborn", code))
-    for _ in range(100):
-        if child.log_path.read_text().strip():
-            break
-        await asyncio.sleep(0.05)
+    sup = Supervisor(tmp_path, grace_s=0.5)
+    (child,) = await sup.start_all([_py("stubborn", code)])
+    await _until(lambda: child.log_path.read_text().strip())
     grandchild = int(child.log_path.read_text())
     await sup.stop_all()
-    assert _gone(child.proc.pid)
-    for _ in range(100):  # SIGKILL of the group is delivered asynchronously to the grandchild
-        if _gone(grandchild):
-            break
-        await asyncio.sleep(0.02)
-    assert _gone(grandchild)
+    assert _gone(child.pid)
+    await _until(lambda: _gone(grandchild))  # SIGKILL of the group reaches the grandchild asynchronously
+
+
+async def test_exited_child_is_restarted_with_backoff_and_a_new_pid_file(tmp_path: Path, caplog) -> None:
+    # Exits with code 3 on its first two runs, then stays up; each run leaves a line in its log.
+    runs = tmp_path / "runs"
+    code = (
+        f"import pathlib, sys, time\np = pathlib.Path({str(runs)!r})\n"
+        "n = len(p.read_text()) if p.exists() else 0\np.write_text('x' * (n + 1))\n"
+        "print(f'run {n}', flush=True)\nsys.exit(3) if n < 2 else time.sleep(60)\n"
+    )
+    sup = Supervisor(tmp_path, grace_s=5, policy=dataclasses.replace(FAST, crash_loop_crashes=4))
+    (child,) = await sup.start_all([_py("flaky", code)])
+    first = child.pid
+    caplog.set_level(logging.INFO, logger="shared.supervisor")
+    task = asyncio.create_task(sup.supervise(poll_s=0.02))
+    try:
+        await _until(lambda: runs.exists() and len(runs.read_text()) == 3 and child.running)
+        await _until(lambda: read_pid(tmp_path, "flaky") == child.pid)
+        assert child.pid != first
+        assert _delays(caplog, "flaky") == ["0.05s", "0.1s"]
+        assert "flaky exited with code 3" in caplog.text and "run 1" in caplog.text  # why, with the log tail
+        assert child.log_path.read_text().split() == ["run", "0", "run", "1", "run", "2"]  # appended
+        os.kill(child.pid, signal.SIGKILL)  # a signal is named too; the backoff keeps doubling
+        await _until(lambda: "flaky was killed by SIGKILL" in caplog.text)
+        await _until(lambda: child.running and read_pid(tmp_path, "flaky") == child.pid)
+        assert _delays(caplog, "flaky") == ["0.05s", "0.1s", "0.2s"]
+    finally:
+        task.cancel()
+        await sup.stop_all()
+    assert read_pid(tmp_path, "flaky") is None
+
+
+async def test_crash_loop_stops_supervising_with_the_childs_log(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
+    await sup.start_all([_py("wan", "import time; time.sleep(60)")])
+    (crashing,) = await sup.start_all([_py("relay", "print('cannot bind socket', flush=True); raise SystemExit(2)")])
+    with pytest.raises(CrashLoop, match=r"(?s)3 exits within 60s.*relay exited with code 2.*cannot bind socket"):
+        await asyncio.wait_for(sup.supervise(poll_s=0.02), 30)
+    assert sup.children[0].running  # what stops the rest is the caller's stop_all
+    await sup.stop_all()
+
+
+# ---- `pdd up`'s flow: stand-in services, one real nats-server -------------------------------------
 
 
 @pytest.fixture
@@ -104,21 +181,62 @@ def fake_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> UpOptions:
     return opts
 
 
-async def test_up_serves_until_sigterm(fake_system: UpOptions) -> None:
+async def _run_up_until_up(opts: UpOptions, lines: list[str]) -> asyncio.Task[int]:
+    task = asyncio.create_task(up.run_up(opts, start_timeout_s=20, restart=FAST, out=lines.append))
+    await _until(lambda: task.done() or any("pdd is up" in line for line in lines), 30)
+    assert not task.done(), task.result()
+    return task
+
+
+async def test_up_serves_until_sigterm_and_stops_all(fake_system: UpOptions) -> None:
     lines: list[str] = []
-    task = asyncio.create_task(up.run_up(fake_system, start_timeout_s=20, out=lines.append))
-    for _ in range(200):
-        if any("pdd is up" in line for line in lines):
-            break
-        await asyncio.sleep(0.05)
+    task = await _run_up_until_up(fake_system, lines)
     assert f"http://127.0.0.1:{fake_system.router_port}" in lines[0]
+    pids = {name: read_pid(fake_system.workdir, name) for name in ("wan", "nats-a", "router")}
+    assert all(pids.values()), pids
     os.kill(os.getpid(), signal.SIGTERM)  # run_up's handler turns it into a clean stop
     assert await asyncio.wait_for(task, 20) == 0
+    assert all(_gone(pid) for pid in pids.values())
+    assert not list((fake_system.workdir / "run").iterdir())  # pid files removed
     assert (fake_system.workdir / "logs" / "router.log").exists()
     assert (fake_system.workdir / "nats" / "nats-a" / "nats-server.conf").exists()
 
 
-async def test_up_reports_a_dying_service(fake_system: UpOptions, monkeypatch, capsys) -> None:
+async def test_up_restarts_a_killed_nats_server_on_its_port(fake_system: UpOptions) -> None:
+    task = await _run_up_until_up(fake_system, [])
+    try:
+        old = read_pid(fake_system.workdir, "nats-a")
+        os.kill(old, signal.SIGKILL)
+        await _until(lambda: read_pid(fake_system.workdir, "nats-a") not in (None, old))
+        port = up.nats_specs(fake_system)[0].port
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"INFO")
+        writer.close()
+        assert not task.done()
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 20) == 0
+
+
+async def test_up_stops_on_a_crash_loop(fake_system: UpOptions, monkeypatch, tmp_path: Path, capsys) -> None:
+    # relay serves until told to fail, then fails at every start.
+    flag = tmp_path / "fail"
+    code = (
+        f"import os, sys, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.02)\n"
+        "print('relay: socket in use', flush=True)\nsys.exit(4)\n"
+    )
+    specs = [*up.service_specs(fake_system), _py("relay", code)]
+    monkeypatch.setattr(up, "service_specs", lambda o: specs)
+    task = await _run_up_until_up(fake_system, [])
+    pids = [read_pid(fake_system.workdir, name) for name in ("wan", "nats-a", "router")]
+    flag.touch()
+    assert await asyncio.wait_for(task, 30) == 1
+    err = capsys.readouterr().err
+    assert "crash loop" in err and "relay exited with code 4" in err and "relay: socket in use" in err
+    assert all(_gone(pid) for pid in pids)
+
+
+async def test_up_reports_a_service_dying_at_start(fake_system: UpOptions, monkeypatch, capsys) -> None:
     specs = [_py("wan", "import time; time.sleep(60)"), _py("main_decode", "raise SystemExit('no KV pool')")]
     monkeypatch.setattr(up, "service_specs", lambda o: specs)
     assert await up.run_up(fake_system, start_timeout_s=20, out=lambda s: None) == 1

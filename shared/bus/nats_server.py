@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from shared.bus.nats_config import NatsConfig, NatsUser
+from shared.parent_death import die_with_parent
 from shared.security.pki import Identity, write_private
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,15 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it exited (negative: the signal); None while running or never started."""
+        return self._proc.returncode if self._proc is not None else None
+
     def config_text(self) -> str:
         gateway = self.gateway_port is not None
         return NatsConfig(
@@ -122,6 +132,7 @@ class NatsServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,  # atexit cannot run when the parent is SIGKILLed
         )
         atexit.register(self._kill_sync)
         try:
