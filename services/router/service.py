@@ -188,7 +188,7 @@ class RouterCore:
             if not reply.ok:
                 raise APIError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
             if not prep.ok:
-                raise APIError(f"main decode refused the request: {prep.error}", 503)
+                raise md_refusal(prep)
             target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
             await publish(self.nc, subjects.req(stream.rid, Req.MD_TARGET), target)
             stream.dispatched()
@@ -283,3 +283,11 @@ class RouterCore:
                 await publish(self.nc, subjects.abort(rid, Role.ROUTER.value), Abort(rid, reason))
         except Exception as e:  # NATS gone: peers time the request out on their own
             log.warning("could not publish abort for %s: %s", rid, e)
+
+
+def md_refusal(prep: PrepareReply) -> APIError:
+    """MD busy (its KV memory is taken for now): 503, try again. Otherwise MD refused the
+    request itself (e.g. it can never fit MD's KV pool): 400, like prefill's refusal."""
+    if prep.busy:
+        return APIError(f"main decode is busy ({prep.error}): try again later", 503)
+    return APIError(f"main decode refused the request: {prep.error}", 400, "invalid_request_error")
