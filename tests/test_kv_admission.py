@@ -100,16 +100,16 @@ def test_reserve_waits_for_promised_blocks_and_refuses_the_impossible():
 
 # ---- MD's bounded FIFO wait --------------------------------------------------------------------
 class Pool:
-    """Stands in for the engine's ledger: `free` slots, taken one per admitted request."""
+    """Stands in for the engine's ledger: `free` slots, `need` taken per admitted request."""
 
     def __init__(self, free: int):
         self.free, self.order, self.undone = free, [], []
 
-    def attempt(self, rid: str):
+    def attempt(self, rid: str, need: int = 1):
         async def attempt():
-            if self.free == 0:
+            if self.free < need:
                 return None
-            self.free -= 1
+            self.free -= need
             self.order.append(rid)
             return rid
 
@@ -122,8 +122,8 @@ class Pool:
         return undo
 
 
-async def _admit(queue: KVAdmissionQueue, pool: Pool, rid: str):
-    return await queue.admit(rid, pool.attempt(rid), pool.undo(rid))
+async def _admit(queue: KVAdmissionQueue, pool: Pool, rid: str, need: int = 1):
+    return await queue.admit(rid, pool.attempt(rid, need), pool.undo(rid))
 
 
 async def test_waiters_are_admitted_in_arrival_order():
@@ -136,6 +136,18 @@ async def test_waiters_are_admitted_in_arrival_order():
         pool.free += 1
         await asyncio.sleep(0.01)
     assert await asyncio.gather(*waiters) == ["b", "c", "d"] and pool.order == ["a", "b", "c", "d"]
+
+
+async def test_small_request_does_not_pass_a_large_one_waiting():
+    queue, pool = KVAdmissionQueue(max_waiting=8, max_wait_s=30, retry_s=0.001), Pool(free=0)
+    large = asyncio.create_task(_admit(queue, pool, "large", need=2))
+    await asyncio.sleep(0.01)
+    small = asyncio.create_task(_admit(queue, pool, "small", need=1))
+    pool.free = 1
+    await asyncio.sleep(0.02)
+    assert pool.order == [] and list(queue.waiting) == ["large", "small"]
+    pool.free = 3
+    assert await asyncio.wait_for(asyncio.gather(large, small), 5) == ["large", "small"]
 
 
 async def test_full_queue_and_long_wait_answer_busy():
