@@ -32,7 +32,11 @@ class EngineSettings(BaseModel):
     """Paged KV pool and batching limits."""
 
     block_size: int = 16
-    kv_memory_mb: float = 64.0  # KV pool budget; the block count follows from it
+    kv_memory_mb: float | None = None  # KV pool budget; the block count follows from it. Overrides:
+    # Used when kv_memory_mb is not given: this share of the memory available at start (host RAM
+    # on the CPU, free device memory after the weights on CUDA). Small, so three engines and a
+    # few test systems share a 24 GiB machine; raise it on a machine an engine has to itself.
+    kv_memory_fraction: float = 0.05
     max_num_seqs: int = 64  # running sequences per step
     max_batched_tokens: int = 2048  # tokens per forward (prefill chunks + decodes)
     max_model_len: int = 4096
@@ -96,6 +100,7 @@ class RelaySettings(CommonSettings):
     catchup_load: int = 4  # running requests at or above which RLD prefers one-shot
     catchup_max_rounds: int = 4  # catch-up batches before the final one, whatever remains
     md_ready_timeout_s: float = 30.0  # after this, RLD finishes the request itself
+    kv_import_wait_s: float = 20.0  # longest wait for free KV blocks to take prefill's stream
 
 
 class MainDecodeSettings(CommonSettings):
@@ -104,6 +109,11 @@ class MainDecodeSettings(CommonSettings):
     datacenter: str = "dc-b"
     bulk_address: str = "tcp://127.0.0.1:7400"  # where MD listens for KV
     advertise_address: str | None = None  # what P dials (the WAN proxy in front of MD)
+    # A prepare whose KV does not fit now waits, first come first served, for blocks to free
+    # up; past either bound MD answers busy. Keep admission_wait_s under the router's
+    # prepare_timeout_s.
+    admission_wait_s: float = 20.0
+    admission_queue_max: int = 256
 
 
 class RouterSettings(CommonSettings):
@@ -115,7 +125,9 @@ class RouterSettings(CommonSettings):
     default_bandwidth_bps: float = 1e9 / 8  # prior for the link estimator, bytes/s
     default_rtt_s: float = 0.03
     max_tokens_default: int = 256
-    prepare_timeout_s: float = 10.0  # MD's answer to prepare (one WAN round trip)
+    # MD's answer to prepare: one WAN round trip, plus up to MD's admission_wait_s (20 s)
+    # when its KV memory is taken. Also bounds prefill's answer to the submit.
+    prepare_timeout_s: float = 30.0
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
     lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
     gap_timeout_s: float = 1.0  # a token missing this long while later ones arrived: it was lost

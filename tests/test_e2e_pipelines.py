@@ -36,7 +36,7 @@ def system(tmp_path_factory) -> RunningSystem:
 
 @pytest.fixture(scope="module")
 def reference() -> LLMEngine:
-    return LLMEngine(ModelSettings(preset=PRESET), EngineSettings())
+    return LLMEngine(ModelSettings(preset=PRESET), EngineSettings(kv_memory_mb=64))
 
 
 def ref_tokens(engine: LLMEngine, prompt: list[int], **params) -> list[int]:

@@ -36,13 +36,15 @@ from shared.bus.messages import (
 )
 from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings
-from shared.engine import EngineError, LLMEngine, Mode, StepOutput
+from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
+from shared.engine.admission import Verdict
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
 from ..engine_service import EngineService, outcome_of
+from .kv_admission import KVAdmissionQueue, KVBusy
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class MainDecodeService(EngineService):
 
     def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
+        self.kv_admission = KVAdmissionQueue(settings.admission_queue_max, settings.admission_wait_s)
 
     @property
     def advertise_address(self) -> str:
@@ -119,10 +122,15 @@ class MainDecodeService(EngineService):
             # Hashes name cache entries every later request may reuse: derive them, trust none.
             if msg.block_hashes != self.engine.block_hashes(msg.prompt_ids):
                 raise EngineError("block_hashes do not match the prompt")
-            # Pin what is cached now so it cannot be evicted before the request uses it.
-            have = await self.engine_loop.call(self.engine.transfer.pin_blocks, msg.rid, msg.block_hashes)
+            have = await self._reserve_kv(msg)
+        except KVBusy as e:
+            await respond(raw, PrepareReply(ok=False, busy=True, error=str(e)))
+            return
         except EngineError as e:
             await respond(raw, PrepareReply(ok=False, error=str(e)))
+            return
+        if have is None:  # it ended elsewhere while it waited (say the relay finished it): MD takes no part
+            await respond(raw, PrepareReply(ok=True, bulk_address=self.advertise_address))
             return
         missing = msg.block_hashes[have:]
         self.jobs[msg.rid] = MDJob(msg, set(missing), ctx=otel_context.get_current())
@@ -137,6 +145,26 @@ class MainDecodeService(EngineService):
         if await self.admit_resumed(msg, raw, job):
             attrs = {REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)}
             job.decode_span = self.tracer.start_span("md.decode", attributes=attrs)
+
+    async def _reserve_kv(self, msg: PrepareRequest) -> int | None:
+        """Reserve the request's KV for its whole life (pin what is cached, set aside blocks
+        for the rest, promise room for its tokens), so its import and decode never run out;
+        while the pool is promised to others, wait in line. Returns how many prompt blocks
+        are cached, or None if the request was aborted meanwhile."""
+        need = self.engine.lifetime_blocks(len(msg.prompt_ids), msg.params)
+        pool_blocks = self.engine.pool.num_blocks
+        if need > pool_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens needs up to {need} KV blocks ({need * self.engine.block_size} tokens) "
+                f"but main decode's whole KV pool holds {pool_blocks} blocks "
+                f"({pool_blocks * self.engine.block_size} tokens): shorten the prompt or max_tokens"
+            )
+
+        async def attempt() -> int | None:
+            verdict, have = await self.engine_loop.call(self.engine.transfer.reserve, msg.rid, msg.block_hashes, need)
+            return have if verdict is Verdict.ADMIT else None
+
+        return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
 
     # ---- KV sink (bulk channel over the WAN) -------------------------------------------
     def _receiving(self, rid: str) -> MDJob:
@@ -261,6 +289,7 @@ class MainDecodeService(EngineService):
 
     # ---- faults and cleanup ------------------------------------------------------------
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
+        self.kv_admission.cancel(msg.rid)
         job = self.jobs.get(msg.rid)
         if job is not None:
             await self._drop(job)

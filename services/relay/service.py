@@ -38,6 +38,7 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
+from shared.engine.errors import KVShortageError
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -49,6 +50,7 @@ from .handoff_policy import catchup_is_final, choose_handoff_mode
 log = logging.getLogger(__name__)
 
 EARLY_READY_MAX = 1024
+IMPORT_RETRY_S = 0.02  # how often an import waiting for free KV blocks tries again
 
 
 class RelayState(Enum):
@@ -113,7 +115,22 @@ class RelayService(EngineService):
 
     # ---- KV sink (local fast path from prefill) ----------------------------------------
     async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
-        await self.engine_loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
+        await self._import_when_room(rid, hashes, kv)
+
+    async def _import_when_room(self, rid: str, hashes: list[int], kv: torch.Tensor) -> int:
+        """Import, waiting (bounded) while the pool is full: decoding requests finish and
+        prompts already here start decoding (and drop their pins), so blocks free up.
+        Meanwhile this connection holds back the sender."""
+        wait = self.settings.kv_import_wait_s
+        try:
+            async with asyncio.timeout(wait):
+                while True:
+                    try:
+                        return await self.engine_loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
+                    except KVShortageError:
+                        await asyncio.sleep(IMPORT_RETRY_S)
+        except TimeoutError:
+            raise KVShortageError(f"no room for {len(hashes)} KV blocks within {wait:g} s") from None
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         """All prompt blocks are here: start decoding after prefill's first token."""

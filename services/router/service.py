@@ -238,13 +238,13 @@ class RouterCore:
             return
         if not stream.state.is_in(StreamState.DISPATCHING):
             return  # an instance failed it meanwhile and it moved (or ended)
-        if not reply.ok:
-            stream.fail(reply.error or "refused")
+        if not (reply.ok and prep.ok):
+            error = md_refusal(prep) if reply.ok else APIError(
+                f"prefill refused the request: {reply.error}", 400, "invalid_request_error"
+            )
+            stream.fail(str(error))
             await self.abort(stream.rid, AbortReason.DISPATCH_FAILED)
-            raise APIError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
-        if not prep.ok:
-            await self._start_elsewhere(stream, f"main decode refused the request: {prep.error}")
-            return
+            raise error
         target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
         await publish(self.nc, subjects.req(stream.rid, Req.MD_TARGET), target)
         stream.dispatched(reply.instance)
@@ -419,3 +419,11 @@ class RouterCore:
                 await publish(self.nc, subjects.abort(attempt_rid, Role.ROUTER.value), Abort(attempt_rid, reason))
         except Exception as e:  # NATS gone: peers drop the request when this router's heartbeat stops
             log.warning("could not publish abort for %s: %s", attempt_rid, e)
+
+
+def md_refusal(prep: PrepareReply) -> APIError:
+    """MD busy (its KV memory is taken for now): 503, try again. Otherwise MD refused the
+    request itself (e.g. it can never fit MD's KV pool): 400, like prefill's refusal."""
+    if prep.busy:
+        return APIError(f"main decode is busy ({prep.error}): try again later", 503)
+    return APIError(f"main decode refused the request: {prep.error}", 400, "invalid_request_error")

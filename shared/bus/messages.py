@@ -78,6 +78,7 @@ class PrepareReply(Message):
     missing: list[int] = field(default_factory=list)  # block hashes MD lacks: only these cross the WAN
     bulk_address: str = ""
     error: str | None = None
+    busy: bool = False  # refused for now (MD's KV memory is taken): another try may succeed
 
 
 @dataclass

@@ -13,10 +13,12 @@ import logging
 import torch
 
 from shared.config import EngineSettings, ModelSettings
+from shared.engine.admission import request_blocks
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
 from shared.engine.intake import RequestIntake
+from shared.engine.kv_memory import available_bytes, kv_pool_bytes
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import EngineStats, FinishReason, StepOutput
 from shared.engine.sampler import Sampler
@@ -43,9 +45,12 @@ class LLMEngine:
         self.device = self.model.lm_head.weight.device
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
         self.max_model_len = min(es.max_model_len, cfg.max_position_embeddings)
-        num_blocks = int(es.kv_memory_mb * 2**20) // (self.block_size * self.kv_bytes_per_token)
+        budget = kv_pool_bytes(es.kv_memory_mb, es.kv_memory_fraction, lambda: available_bytes(self.device))
+        num_blocks = budget // (self.block_size * self.kv_bytes_per_token)
         self.pool = BlockPool(num_blocks)
         # The pool is exactly num_blocks * block_size tokens of K and V: no other per-token state.
+        # zeros, not empty: padded decode attention reads unwritten slots, and garbage there
+        # (NaN) would leak through a zero weight. So the whole pool is committed at start.
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
@@ -55,6 +60,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size)
         self.sampler = Sampler()
         self.transfer = KVTransfer(self.pool, self.kv_cache)
+        log.info("KV pool: %d blocks of %d tokens (%.0f MB)", num_blocks, self.block_size, budget / 2**20)
         self.seqs: dict[str, Sequence] = {}  # every request the engine still knows
         self._outbox: list[StepOutput] = []  # produced between steps (extend of nothing)
         self._resample: list[Sequence] = []  # held seqs extended by nothing with final=True
@@ -114,6 +120,10 @@ class LLMEngine:
         """Hashes of the request's full blocks whose KV is computed (all in the prefix cache)."""
         seq = self.seqs.get(rid)
         return [] if seq is None else seq.hashes[: seq.num_computed_tokens // self.block_size]
+
+    def lifetime_blocks(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """KV blocks a request of this prompt length may hold until it finishes."""
+        return request_blocks(num_prompt_tokens, params.max_tokens, self.max_model_len, self.block_size)
 
     def block_hashes(self, token_ids: list[int]) -> list[int]:
         return block_hashes(token_ids, self.block_size, self.model_id)

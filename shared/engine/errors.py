@@ -7,3 +7,7 @@ class EngineError(Exception):
 
 class InvalidRequestError(EngineError):
     """The request itself is bad; the engine refused it and keeps serving the others."""
+
+
+class KVShortageError(EngineError):
+    """Not enough free KV blocks right now; the same call may succeed once blocks free up."""

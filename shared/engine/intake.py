@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from shared.engine.admission import request_blocks
 from shared.engine.block_pool import blocks_for
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
@@ -92,9 +93,11 @@ class RequestIntake:
         return npt
 
     def _check_fits_pool(self, n: int, npt: int, params: SamplingParams, mode: Mode) -> None:
-        # KV it may need at most: every token but the last sampled one.
-        final_len = n + 1 if mode is Mode.PREFILL else min(npt + params.max_tokens, self.max_model_len)
-        need = blocks_for(final_len - 1, self.block_size)
+        if mode is Mode.PREFILL:
+            final_len, need = n + 1, blocks_for(n, self.block_size)
+        else:
+            final_len = min(npt + params.max_tokens, self.max_model_len)
+            need = request_blocks(npt, params.max_tokens, self.max_model_len, self.block_size)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 f"request needs up to {need} KV blocks ({final_len - 1} tokens), "

@@ -3,14 +3,19 @@
 A pin is a reference on cached blocks held for an owner (a request id) until unpin(owner),
 so they cannot be evicted while, say, the rest of a prompt's KV is on its way. Pins are
 their own namespace: aborting or releasing a request never touches them.
+
+A reservation (reserve) is an owner's promise of blocks for its whole life, kept in a ledger
+that never promises more than the pool: free blocks set aside now for the KV it will
+import, plus a count for the KV it will compute. unpin(owner) ends the pins and the promise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shared.engine.admission import Verdict, admission_verdict
 from shared.engine.block_pool import BlockPool
-from shared.engine.errors import EngineError
+from shared.engine.errors import EngineError, KVShortageError
 
 
 class KVTransfer:
@@ -18,6 +23,8 @@ class KVTransfer:
         self.pool = pool
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.pins: dict[str, list[int]] = {}  # owner -> referenced block ids
+        self.spare: dict[str, list[int]] = {}  # owner -> blocks set aside for its imports
+        self.promised: dict[str, int] = {}  # owner -> blocks promised for its life (the ledger)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -36,8 +43,32 @@ class KVTransfer:
         return len(bids)
 
     def unpin(self, owner: str) -> None:
-        for bid in reversed(self.pins.pop(owner, [])):
+        """Drop the owner's pins, its unused spare blocks and its reservation."""
+        for bid in [*reversed(self.pins.pop(owner, [])), *self.spare.pop(owner, [])]:
             self.pool.release(bid)
+        self.promised.pop(owner, None)
+
+    @property
+    def promised_blocks(self) -> int:
+        return sum(self.promised.values())
+
+    def reserve(self, owner: str, hashes: list[int], blocks: int) -> tuple[Verdict, int]:
+        """Promise `blocks` to owner if the ledger allows it and the blocks its imports need
+        are free now: pin the cached leading run of `hashes` and set aside one free block per
+        missing hash. Returns (verdict, blocks already cached); nothing changes unless ADMIT."""
+        if owner in self.promised:
+            raise EngineError(f"{owner!r} already holds a reservation")
+        hit = self.pool.lookup(hashes)
+        missing = len(set(hashes[len(hit) :]))
+        verdict = admission_verdict(
+            blocks, self.promised_blocks, self.pool.num_blocks, missing + self.pool.cost_of(hit), self.pool.num_free
+        )
+        if verdict is not Verdict.ADMIT:
+            return verdict, len(hit)
+        self.promised[owner] = blocks
+        self.pin_blocks(owner, hashes)
+        self.spare[owner] = [self.pool.allocate() for _ in range(missing)]
+        return verdict, len(hit)
 
     def export_blocks(self, hashes: list[int]) -> torch.Tensor:
         """The KV of cached blocks, on the CPU: [layers, 2, len(hashes), block_size, kv_heads, head_dim]."""
@@ -60,8 +91,9 @@ class KVTransfer:
         for i, h in enumerate(hashes):
             if self.pool.block_of(h) is None:
                 new.setdefault(h, i)
+        self._release_spare(pin, len(new) + len(present))
         if len(new) + self.pool.cost_of(present) > self.pool.num_free:
-            raise EngineError(f"no free KV block for import: {len(new)} new blocks, {self.pool.num_free} free")
+            raise KVShortageError(f"no free KV block for import: {len(new)} new blocks, {self.pool.num_free} free")
         for bid in present:  # hold them, so allocating the new ones cannot evict them
             self.pool.touch(bid)
         bids = [self.pool.allocate() for _ in new]
@@ -78,6 +110,12 @@ class KVTransfer:
             for bid in reversed(held):
                 self.pool.release(bid)
         return len(bids)
+
+    def _release_spare(self, owner: str | None, n: int) -> None:
+        """Give back up to n of owner's spare blocks, so they are what the import allocates."""
+        spare = self.spare.get(owner or "", [])
+        for _ in range(min(n, len(spare))):
+            self.pool.release(spare.pop())
 
     def _check_kv(self, kv: torch.Tensor, num_blocks: int) -> None:
         layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
