@@ -198,10 +198,11 @@ async def test_pool_forgets_a_peer_once_its_connections_are_gone() -> None:
 
 def test_link_estimator_forgets_peers_not_seen_for_a_while() -> None:
     est = LinkEstimator(forget_after_s=600)
-    est.observe_rtt("tcp://old:1", 0.05)
     est.observe_rtt("tcp://new:1", 0.05)
+    est.observe_rtt("tcp://old:1", 0.2)
     est._peers["tcp://old:1"].updated -= 601
     est.observe_rtt("tcp://new:1", 0.05)  # any observation sweeps
+    assert est.rtt("tcp://old:1") == est.default_rtt  # forgotten: back to the prior
     assert list(est.snapshot()) == ["tcp://new:1"]
     est.forget_idle(now=time.time() + 601)
     assert est.snapshot() == {} and est.rtt("tcp://new:1") == est.default_rtt
