@@ -246,3 +246,26 @@ def test_chat_matches_the_single_engine_on_the_chat_layout(system, reference):
     assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(expected)}
     assert choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}
+
+
+def test_bulk_link_dropped_mid_transfer_is_resent_unseen_by_the_client(system, reference):
+    prompt = prompt_of(600, salt=12)  # ≈ 9.8 MB of KV: ≈ 4 s on a 20 Mbit/s link
+    params = dict(max_tokens=24, ignore_eos=True)
+    links = f"{system.wan_url}/links"
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS / 4), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = httpx.get(links, timeout=10).json()["bulk"]["bytes_up"]
+        reply = pool.submit(complete, system, prompt, **params, pdd={"pipeline": "p-md"})
+        deadline = time.monotonic() + 30
+        while httpx.get(links, timeout=10).json()["bulk"]["bytes_up"] - start < 1 << 20:
+            assert time.monotonic() < deadline and not reply.done(), "the transfer never started"
+            time.sleep(0.05)
+        try:
+            system.wan("bulk", cut=True, cut_mode="drop")  # resets the transfer's connection
+            time.sleep(1.0)
+        finally:
+            system.wan("bulk", cut=False)
+        r = reply.result(timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["pdd"]["pipeline"] == "p-md"
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, **params)
+    assert f"kv transfer of {r.headers['x-request-id']}" in system.log("prefill")  # the drop hit it

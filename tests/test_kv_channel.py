@@ -376,14 +376,15 @@ async def test_receiver_vanishing_fails_pending_calls_within_timeout() -> None:
         await client.close()
 
 
-async def test_sender_vanishing_aborts_its_requests(kv_pair) -> None:
+async def test_sender_vanishing_aborts_its_requests_after_the_grace(kv_pair) -> None:
     sink, server, client = kv_pair
+    server.reconnect_grace = 0.2
     await client.send_blocks("x", [1], blocks(1))
     await client.send_blocks("y", [1], blocks(1))
     await until(lambda: len(sink.held) == 2)
     client._stream.abort()  # the sender's socket dies without a goodbye
     await until(lambda: len(sink.aborts) == 2)
-    assert sorted(rid for rid, _ in sink.aborts) == ["x", "y"] and not sink.held
+    assert sorted(sink.aborts) == [("x", "connection lost"), ("y", "connection lost")] and not sink.held
 
 
 async def test_finish_times_out_when_the_receiver_hangs(kv_pair) -> None:

@@ -176,9 +176,19 @@ class MainDecodeService(EngineService):
         return job
 
     async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
-        job = self._receiving(rid)
+        """Idempotent by block hash: after a dropped connection prefill sends every block again,
+        and a block this request already holds is skipped (even once its KV is complete)."""
+        job = self.jobs.get(rid)
+        if job is None:
+            raise KeyError(f"unknown request id {rid}")
         if not set(hashes) <= job.missing:
             raise ValueError(f"request {rid}: unexpected blocks")
+        fresh = [i for i, h in enumerate(hashes) if h not in job.received]
+        if not fresh:
+            return
+        job = self._receiving(rid)
+        if len(fresh) < len(hashes):
+            hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
         if job.receive_span is None:  # parented by prefill's transfer span, from the frame header
             job.receive_span = self.tracer.start_span(
                 "md.kv_receive",
@@ -190,6 +200,9 @@ class MainDecodeService(EngineService):
         job.wan_bytes += kv.numel() * kv.element_size()
 
     async def on_done(self, rid: str, payload: bytes) -> None:
+        job = self.jobs.get(rid)
+        if job is not None and not job.state.is_in(DecodeState.RECEIVING):
+            return  # again after a dropped connection lost the ack: the first one was applied
         job = self._receiving(rid)
         lacking = job.missing - job.received
         if lacking:

@@ -38,7 +38,7 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
-from shared.kv import KVClient, KVClientPool, KVTransferError, LinkEstimator
+from shared.kv import KVClient, KVClientPool, KVTransfer, KVTransferError, LinkEstimator
 from shared.kv.tls import client_tls
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
@@ -90,7 +90,7 @@ class PrefillJob:
     wan_bytes: int = 0
     wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
     senders: dict[KVPath, asyncio.Task] = field(default_factory=dict)
-    clients: dict[KVPath, KVClient] = field(default_factory=dict)  # connection each sender uses
+    transfers: dict[KVPath, KVTransfer] = field(default_factory=dict)  # each sender's (it survives drops)
     ctx: Context | None = None  # trace context of the router's request
     compute_span: Span | None = None
 
@@ -243,26 +243,30 @@ class PrefillService(EngineService):
             "kv.transfer", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "path": path.value, "peer": address}
         )
         t_start, sent = time.monotonic(), 0
+        transfer = job.transfers[path] = KVTransfer(
+            self.kv_clients, address, job.rid, timeout=self.settings.request_timeout_s
+        )
         try:
-            client = job.clients[path] = await self.kv_clients.acquire(address)
-            sent, t_first = await self._stream(job, path, client, queue, traceparent_of(span))
+            sent, t_first = await self._stream(job, path, transfer, queue, traceparent_of(span))
             payload = encode(self._relay_start(job, span)) if path is KVPath.LOCAL else b""
-            await client.finish(job.rid, payload=payload, timeout=self.settings.request_timeout_s)
-            if path is KVPath.WAN:
-                self._observe_link(address, client, sent, t_first, time.monotonic())
+            await transfer.finish(payload)
+            if path is KVPath.WAN and transfer.client is not None and not transfer.reconnects:
+                self._observe_link(address, transfer.client, sent, t_first, time.monotonic())  # no outage in it
         except asyncio.CancelledError:
             raise
         except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
             await self._transfer_failed(job, path, address, span, e)
         finally:
-            span.set_attributes({"bytes": sent, "duration_s": time.monotonic() - t_start})
+            span.set_attributes(
+                {"bytes": sent, "duration_s": time.monotonic() - t_start, "reconnects": transfer.reconnects}
+            )
             span.end()
-            if path in job.clients:
-                self.kv_clients.release(job.clients.pop(path))
+            job.transfers.pop(path, None)
+            transfer.close()
             await self._release_if_drained(job)
 
     async def _stream(
-        self, job: PrefillJob, path: KVPath, client: KVClient, queue: asyncio.Queue, tp: str | None
+        self, job: PrefillJob, path: KVPath, transfer: KVTransfer, queue: asyncio.Queue, tp: str | None
     ) -> tuple[int, float | None]:
         """Send queued blocks until the end marker: (bytes sent, time of the first block)."""
         timeout = self.settings.request_timeout_s
@@ -270,7 +274,7 @@ class PrefillService(EngineService):
         while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not _END:
             hashes, kv = item
             t_first = t_first or time.monotonic()
-            n = await client.send_blocks(job.rid, hashes, kv, traceparent=tp, timeout=timeout)
+            n = await transfer.send_blocks(hashes, kv, traceparent=tp)
             sent += n
             if path is KVPath.WAN:
                 job.wan_bytes += n
@@ -334,11 +338,11 @@ class PrefillService(EngineService):
         task = job.senders.get(path)
         if task is None or task.done() or task is asyncio.current_task():
             return False
-        client = job.clients.get(path)
+        transfer = job.transfers.get(path)
         task.cancel()
-        if client is not None and not client.closed:
+        if transfer is not None:
             try:
-                await client.abort(job.rid, reason)
+                await transfer.abort(reason)
             except Exception as e:  # the peer may already be gone
                 log.debug("abort of %s on the %s path failed: %s", job.rid, path.value, e)
         return True

@@ -8,19 +8,17 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from ssl import SSLCertVerificationError, SSLContext
+from typing import Any
 
 import torch
 from opentelemetry import propagate
 
 from shared.kv import auth
 from shared.kv.checksum import ALGOS, DEFAULT_ALGO, checksum
-from shared.kv.errors import FrameError, KVTransferError
+from shared.kv.errors import FrameError, KVConnectionLost, KVTransferError
 from shared.kv.frame import DEFAULT_MAX_HEADER, PREFIX, byte_view, dtype_name, pack, read_header
 from shared.kv.transport import Stream, transport_for
-
-if TYPE_CHECKING:
-    from ssl import SSLContext
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +32,7 @@ ABORTED_MEMORY = 4096  # aborted rids remembered, so a producer still running ge
 class _Rid:
     groups: int = 0
     error: str | None = None
+    lost: bool = False  # the error is the connection's loss, not the receiver's refusal
     ack: asyncio.Future | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one group at a time per rid
 
@@ -67,7 +66,7 @@ class _Layers:
         return self.data[lo * self.layer_bytes : hi * self.layer_bytes]
 
 
-def _sendable(kv: torch.Tensor, hashes: list[int]) -> torch.Tensor:
+def sendable(kv: torch.Tensor, hashes: list[int]) -> torch.Tensor:
     """kv checked against its hashes, as a contiguous CPU tensor."""
     if kv.dim() != 6 or kv.shape[2] != len(hashes):
         raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(hashes)} block hashes")
@@ -83,9 +82,15 @@ def _current_traceparent() -> str | None:
     return carrier.get("traceparent")
 
 
+def _error(st: _Rid) -> KVTransferError:
+    return (KVConnectionLost if st.lost else KVTransferError)(st.error or "failed")
+
+
 class KVClient:
-    """`closed` turns True when the channel is unusable; every call then raises KVTransferError.
-    `rtt` is the handshake round trip in seconds."""
+    """`closed` turns True when the channel is unusable; every call then raises KVTransferError
+    (KVConnectionLost when the connection dropped). `rtt` is the handshake round trip in seconds;
+    `idle_timeout` the receiver's (it closes a connection idle that long); `last_used` the
+    monotonic time of the last frame sent or ack received."""
 
     def __init__(
         self, stream: Stream, address: str, welcome: dict[str, Any], rtt: float, checksum: str = DEFAULT_ALGO
@@ -98,12 +103,15 @@ class KVClient:
         self.rtt = rtt
         self.max_frame = int(welcome.get("max_frame", 0)) or None
         self.max_header = int(welcome.get("max_header", 0)) or None
+        self.idle_timeout = float(welcome.get("idle_timeout", 0)) or None
+        self.last_used = time.monotonic()
         self.bytes_sent = 0
         self._stream = stream
         self._wlock = asyncio.Lock()
         self._rids: dict[str, _Rid] = {}
         self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()  # bounded memory
         self._close_reason = "closed"
+        self._lost = False  # closed because the connection dropped
         self._reader = asyncio.create_task(self._read_loop())
 
     async def send_blocks(
@@ -117,14 +125,13 @@ class KVClient:
     ) -> int:
         """Send blocks of rid (kv: [L, 2, n, block_size, kv_heads, head_dim], n == len(hashes)).
         Returns bytes sent. CUDA / non-contiguous tensors are copied to contiguous CPU first.
-        `traceparent` defaults to the current OpenTelemetry context's."""
-        st = self._state(rid)
-        if st.error:
-            raise KVTransferError(st.error)
-        kv = _sendable(kv, hashes)
+        `traceparent` defaults to the current OpenTelemetry context's. On any failure rid is
+        forgotten here (later calls for it raise) and, unless the call was cancelled, at the receiver."""
+        kv = sendable(kv, hashes)
         layers = _Layers.of(kv)
         if self.max_frame and layers.subframe_bytes + (64 << 10) + 9 * len(hashes) > self.max_frame:
             raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
+        st = self._state(rid)
         if traceparent is None:
             traceparent = _current_traceparent()
         base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
@@ -133,10 +140,18 @@ class KVClient:
                 base["seq"] = st.groups
                 st.groups += 1
                 sent = await self._send_group(st, base, hashes, traceparent, layers)
+            if st.error:  # the receiver failed rid while we were sending
+                raise _error(st)
+        except asyncio.CancelledError:
+            self._drop(rid, st)  # whoever cancelled tells the receiver (abort())
+            raise
         except TimeoutError:
-            raise KVTransferError(f"send_blocks({rid}): timed out after {timeout}s") from None
-        if st.error:  # the receiver failed rid while we were sending
-            raise KVTransferError(st.error)
+            why = f"send_blocks({rid}): timed out after {timeout}s"
+            await self._forget(rid, st, notify=True, reason=why)
+            raise KVTransferError(why) from None
+        except Exception:
+            await self._forget(rid, st, notify=True)
+            raise
         return sent
 
     async def finish(self, rid: str, *, payload: bytes = b"", timeout: float = 60.0) -> None:
@@ -147,9 +162,6 @@ class KVClient:
         rejected/aborted rid, the peer vanished, or on timeout."""
         done = self._done_frame(rid, payload)
         st = self._state(rid)
-        if st.error:
-            await self._forget(rid, st, notify=True)
-            raise KVTransferError(st.error)
         st.ack = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(timeout):
@@ -191,12 +203,17 @@ class KVClient:
 
     # -- internals --
 
+    def _closed_error(self) -> KVTransferError:
+        return (KVConnectionLost if self._lost else KVTransferError)(
+            f"kv channel to {self.address}: {self._close_reason}"
+        )
+
     def _state(self, rid: str) -> _Rid:
         if self.closed:
-            raise KVTransferError(f"kv channel to {self.address}: {self._close_reason}")
+            raise self._closed_error()
         if rid in self._aborted:
             raise KVTransferError(f"{rid}: {self._aborted[rid]}")
-        # An errored rid stays here until finish()/abort(), so those raise too.
+        # A failed rid leaves _rids at once (see _drop); _aborted makes its later calls raise.
         return self._rids.setdefault(rid, _Rid())
 
     async def _hash(self, data: memoryview, threaded: bool) -> int:
@@ -245,13 +262,18 @@ class KVClient:
         while len(self._aborted) > ABORTED_MEMORY:
             self._aborted.popitem(last=False)
 
-    async def _forget(self, rid: str, st: _Rid, notify: bool, reason: str | None = None) -> None:
-        """Drop a failed rid (later calls for it keep raising) and tell the receiver to drop it too."""
+    def _drop(self, rid: str, st: _Rid, reason: str | None = None) -> bool:
+        """Forget a failed rid (later calls for it keep raising); False if already forgotten
+        (by abort(), the receiver's error or a channel failure)."""
         if self._rids.get(rid) is not st:
-            return  # already forgotten by abort() or a channel failure
+            return False
         del self._rids[rid]
         self._remember_failed(rid, st.error or reason or "failed")
-        if notify and not self.closed:
+        return True
+
+    async def _forget(self, rid: str, st: _Rid, notify: bool, reason: str | None = None) -> None:
+        """Drop a failed rid and tell the receiver to drop it too."""
+        if self._drop(rid, st, reason) and notify and not self.closed:
             with contextlib.suppress(KVTransferError, TimeoutError):
                 async with asyncio.timeout(CONTROL_TIMEOUT_S):
                     await self._send_frame(
@@ -268,9 +290,9 @@ class KVClient:
         try:
             async with self._wlock:
                 if self.closed:
-                    raise KVTransferError(f"kv channel to {self.address}: {self._close_reason}")
+                    raise self._closed_error()
                 if st.error and not force:
-                    raise KVTransferError(st.error)
+                    raise _error(st)
                 writing = True
                 await self._stream.send(hdr, *([payload] if payload is not None else []))
                 writing = False
@@ -279,10 +301,11 @@ class KVClient:
                 self._fail_all(f"{header['kind']} frame interrupted")
             raise
         except (ConnectionError, OSError) as e:
-            self._fail_all(f"connection lost: {e}")
-            raise KVTransferError(f"connection to {self.address} lost: {e}") from None
+            self._fail_all(f"connection lost: {e}", lost=True)
+            raise KVConnectionLost(f"connection to {self.address} lost: {e}") from None
         n = len(hdr) + (len(payload) if payload is not None else 0)
         self.bytes_sent += n
+        self.last_used = time.monotonic()
         return n
 
     async def _read_loop(self) -> None:
@@ -292,11 +315,13 @@ class KVClient:
                 rid = h.get("rid")
                 st = self._rids.get(rid) if isinstance(rid, str) else None
                 if h["kind"] == "ack":
+                    self.last_used = time.monotonic()
                     if st is not None and st.ack is not None and not st.ack.done():
                         st.ack.set_result(None)
                 elif h["kind"] == "error":
                     if st is not None:
                         st.error = f"receiver failed {rid}: {h.get('reason')}"
+                        self._drop(rid, st)
                         if st.ack is not None and not st.ack.done():
                             st.ack.set_exception(KVTransferError(st.error))
                 else:
@@ -306,21 +331,22 @@ class KVClient:
         except FrameError as e:
             log.error("kv: receiver %s broke the protocol: %s", self.address, e)
             self._fail_all(f"protocol error: {e}")
-        except (ConnectionError, OSError) as e:
-            self._fail_all(f"receiver gone: {e}")
+        except (ConnectionError, OSError) as e:  # reset, EOF, TLS error
+            self._fail_all(f"receiver gone: {e}", lost=True)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, lost: bool = False) -> None:
         if self.closed:
             return
         self.closed = True
         self._close_reason = reason
+        self._lost = lost
         if reason != "closed by sender":
             log.warning("kv: channel to %s failed: %s", self.address, reason)
         self._stream.abort()  # wakes a send blocked on a dead or blackholed peer
         for rid, st in self._rids.items():
-            st.error = st.error or f"{rid}: {reason}"
+            st.error, st.lost = f"{rid}: {reason}", lost
             if st.ack is not None and not st.ack.done():
-                st.ack.set_exception(KVTransferError(st.error))
+                st.ack.set_exception(_error(st))
         self._rids.clear()
 
 
@@ -332,7 +358,8 @@ async def open_kv_client(
     checksum: str = DEFAULT_ALGO,
     ssl: SSLContext | None = None,
 ) -> KVClient:
-    """Connect and authenticate. Raises KVTransferError when refused, unauthenticated or timed out.
+    """Connect and authenticate. Raises KVTransferError when unauthenticated or refused by TLS,
+    KVConnectionLost when the connection could not be made or dropped, or on timeout.
     `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://).
     `ssl`: TLS on tcp:// (a client context with this party's certificate); unix:// ignores it."""
     stream: Stream | None = None
@@ -342,16 +369,14 @@ async def open_kv_client(
             t0 = time.perf_counter()
             welcome = await auth.client_handshake(stream, secret.encode())
             rtt = time.perf_counter() - t0  # hello was already in flight: ~ one round trip
-    except KVTransferError:
+    except BaseException as e:
         if stream is not None:
             stream.close()
+        if isinstance(e, TimeoutError):
+            raise KVConnectionLost(f"{address}: no answer within {timeout}s") from None
+        if isinstance(e, OSError) and not isinstance(e, SSLCertVerificationError):
+            raise KVConnectionLost(f"{address}: {e}") from None  # refused, reset: worth another try
+        if isinstance(e, OSError | FrameError):
+            raise KVTransferError(f"{address}: {e}") from None
         raise
-    except TimeoutError:
-        if stream is not None:
-            stream.close()
-        raise KVTransferError(f"{address}: no answer within {timeout}s") from None
-    except (OSError, FrameError) as e:
-        if stream is not None:
-            stream.close()
-        raise KVTransferError(f"{address}: {e}") from None
     return KVClient(stream, address, welcome, rtt, checksum)

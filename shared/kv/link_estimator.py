@@ -35,6 +35,7 @@ class LinkEstimator:
         default_bandwidth: float = 125e6,
         default_rtt: float = 0.03,
         min_bytes: int = 64 << 10,
+        forget_after_s: float = 600.0,
     ):
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
@@ -42,7 +43,18 @@ class LinkEstimator:
         self.default_bandwidth = default_bandwidth
         self.default_rtt = default_rtt
         self.min_bytes = min_bytes  # smaller transfers say more about latency than bandwidth
+        self.forget_after_s = forget_after_s  # peers come from NATS: keep only those still in use
         self._peers: dict[str, _Peer] = {}
+
+    def forget_idle(self, now: float | None = None) -> None:
+        """Drop peers not observed for forget_after_s (they fall back to the defaults)."""
+        now = time.time() if now is None else now
+        for name in [n for n, p in self._peers.items() if now - p.updated > self.forget_after_s]:
+            del self._peers[name]
+
+    def _peer(self, name: str) -> _Peer:
+        self.forget_idle()
+        return self._peers.setdefault(name, _Peer())
 
     def _ewma(self, old: float | None, sample: float) -> float:
         return sample if old is None else self.alpha * sample + (1 - self.alpha) * old
@@ -53,7 +65,7 @@ class LinkEstimator:
         computing the goodput sample."""
         if nbytes < self.min_bytes or seconds <= 0:
             return
-        p = self._peers.setdefault(peer, _Peer())
+        p = self._peer(peer)
         wire = max(seconds - self.rtt(peer), 0.1 * seconds)  # never trust a sub-RTT transfer fully
         p.bandwidth = self._ewma(p.bandwidth, nbytes / wire)
         p.transfers += 1
@@ -62,7 +74,7 @@ class LinkEstimator:
     def observe_rtt(self, peer: str, seconds: float) -> None:
         if seconds <= 0:
             return
-        p = self._peers.setdefault(peer, _Peer())
+        p = self._peer(peer)
         p.rtt = self._ewma(p.rtt, seconds)
         p.rtt_samples += 1
         p.updated = time.time()
@@ -80,7 +92,9 @@ class LinkEstimator:
         return estimate_wan_seconds(nbytes, self.bandwidth(peer), self.rtt(peer))
 
     def snapshot(self) -> dict[str, dict]:
-        """{peer: {bandwidth, rtt, transfers, rtt_samples, updated}} for every peer observed."""
+        """{peer: {bandwidth, rtt, transfers, rtt_samples, updated}} for every peer observed
+        in the last forget_after_s."""
+        self.forget_idle()
         return {
             name: {
                 "bandwidth": self.bandwidth(name),

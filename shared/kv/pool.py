@@ -3,14 +3,38 @@
 Requests on one TCP connection are served in order: a high-hit request with a few blocks
 would otherwise wait behind tens of MB of a low-hit one. Each request takes the connection
 with the fewest requests in flight; a new one is opened while all are busy, up to a cap.
+
+Peers are learned from NATS messages, so nothing is kept for a peer once its connections
+are gone: an idle connection is closed before the receiver's idle timeout would close it
+under a request, and a peer left with no connection is forgotten.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass, field
 from ssl import SSLContext
 
 from shared.kv.client import KVClient, open_kv_client
+
+IDLE_MARGIN_S = 5.0  # close an idle connection this long before the receiver would
+PEER_IDLE_S = 600.0  # close an idle connection after this long even if the receiver would not
+
+
+def keep_idle_for(receiver_idle_timeout: float | None) -> float:
+    """How long an unused connection stays in the pool: a margin below the receiver's idle
+    timeout (it closes the connection then, and a request must not be sent into that)."""
+    if receiver_idle_timeout is None:
+        return PEER_IDLE_S
+    return min(PEER_IDLE_S, max(receiver_idle_timeout - IDLE_MARGIN_S, receiver_idle_timeout / 2))
+
+
+@dataclass
+class _Peer:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    conns: list[KVClient] = field(default_factory=list)
+    acquiring: int = 0  # tasks inside acquire() for this peer: it must not be forgotten under them
 
 
 class KVClientPool:
@@ -19,26 +43,29 @@ class KVClientPool:
         self.ssl = ssl  # TLS for tcp:// peers
         self.per_peer = per_peer
         self.timeout = timeout
-        self._conns: dict[str, list[KVClient]] = {}
+        self._peers: dict[str, _Peer] = {}
         self._active: dict[KVClient, int] = {}  # requests in flight per connection
-        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
 
     async def acquire(self, address: str) -> KVClient:
-        async with self._locks.setdefault(address, asyncio.Lock()):
-            conns = []
-            for c in self._conns.get(address, []):
-                if c.closed:  # failed: free its socket and its count
-                    self._active.pop(c, None)
-                    await c.close()
-                else:
-                    conns.append(c)
-            idle = min(conns, key=lambda c: self._active.get(c, 0), default=None)
-            if idle is None or (self._active.get(idle, 0) > 0 and len(conns) < self.per_peer):
-                idle = await open_kv_client(address, self.secret, timeout=self.timeout, ssl=self.ssl)
-                conns.append(idle)
-            self._conns[address] = conns
-            self._active[idle] = self._active.get(idle, 0) + 1
-            return idle
+        await self.forget_idle()
+        peer = self._peers.setdefault(address, _Peer())
+        peer.acquiring += 1
+        try:
+            async with peer.lock:
+                conns = peer.conns  # changed in place only: forget_idle may run while we connect
+                conns[:] = [c for c in conns if not c.closed]  # forget_idle closes them
+                idle = min(conns, key=lambda c: self._active.get(c, 0), default=None)
+                if idle is None or (self._active.get(idle, 0) > 0 and len(conns) < self.per_peer):
+                    idle = await open_kv_client(address, self.secret, timeout=self.timeout, ssl=self.ssl)
+                    conns.append(idle)
+                self._active[idle] = self._active.get(idle, 0) + 1
+                return idle
+        finally:
+            peer.acquiring -= 1
 
     def release(self, client: KVClient) -> None:
         n = self._active.get(client, 0) - 1
@@ -46,9 +73,26 @@ class KVClientPool:
             self._active[client] = n
         else:
             self._active.pop(client, None)
+        client.last_used = max(client.last_used, time.monotonic())  # idle from now on
+
+    async def forget_idle(self, now: float | None = None) -> None:
+        """Close connections that failed or sat unused too long; forget peers left without one."""
+        now = time.monotonic() if now is None else now
+        doomed: list[KVClient] = []
+        for address, peer in list(self._peers.items()):
+            for c in peer.conns:
+                unused = c not in self._active and now - c.last_used > keep_idle_for(c.idle_timeout)
+                if c.closed or unused:
+                    doomed.append(c)
+            peer.conns[:] = [c for c in peer.conns if c not in doomed]
+            if not peer.conns and not peer.acquiring:
+                del self._peers[address]
+        for c in doomed:  # after the bookkeeping: nothing above awaits
+            await c.close()
 
     async def close(self) -> None:
-        for conns in self._conns.values():
-            for c in conns:
+        for peer in self._peers.values():
+            for c in peer.conns:
                 await c.close()
-        self._conns.clear()
+        self._peers.clear()
+        self._active.clear()

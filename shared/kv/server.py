@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 AUTH_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 10.0
 SINK_ABORT_TIMEOUT_S = 10.0
+SINK_CALL_TIMEOUT_S = 30.0  # on_blocks / on_done: past this the request is rejected
+IDLE_TIMEOUT_S = 60.0  # a connection with nothing in flight is closed after this long silent
+RECONNECT_GRACE_S = 3.0  # a request whose connection dropped waits this long for its sender
 FAILED_MEMORY = 4096  # failed rids remembered per connection, to discard their in-flight frames
 MAX_GROUP_FRAMES = 16  # one send_blocks() group may be at most this many max-size frames
 
@@ -65,11 +68,20 @@ class _Group:
     next_layer: int = 0
 
 
+@dataclass
+class _Orphan:
+    """A request whose connection dropped, until its sender continues it or the grace ends."""
+
+    identity: str
+    timer: asyncio.Task
+
+
 class _Receiver:
     """One authenticated sender connection; frames are handled strictly in order."""
 
     def __init__(self, server: KVServer, stream: Stream):
         self.server, self.stream, self.sink = server, stream, server.sink
+        self.identity = stream.identity  # a dropped request may continue only from the same peer
         self.next_seq: dict[str, int] = {}  # rids in flight on this connection
         self.groups: dict[str, _Group] = {}
         self.inflight = InFlight(server.caps.conn_inflight_bytes, server.caps.conn_groups, "this connection")
@@ -77,17 +89,18 @@ class _Receiver:
         self._scratch: memoryview | None = None
 
     async def run(self) -> None:
-        reason = "sender disconnected"
+        reason, lost = "sender disconnected", False
         try:
             async with asyncio.timeout(AUTH_TIMEOUT_S):
                 limits = {
                     "max_frame": self.server.max_frame_bytes,
                     "max_header": self.server.max_header_bytes,
+                    "idle_timeout": self.server.idle_timeout,
                 }
                 if not await auth.server_handshake(self.stream, self.server.secret, limits):
                     return
             while True:
-                h = await read_header(self.stream, self.server.max_header_bytes)
+                h = await self._next_header()
                 kind = h["kind"]
                 if kind == "blocks":
                     await self._on_blocks(h)
@@ -103,23 +116,48 @@ class _Receiver:
         except TimeoutError:
             reason = "handshake timeout"
             log.warning("kv: dropping %s: handshake timeout", self.stream.peer)
-        except (ConnectionError, OSError) as e:
+        except (ConnectionError, OSError) as e:  # reset, EOF, TLS error, idle
             log.info("kv: %s gone: %s", self.stream.peer, e)
+            lost = True
         except asyncio.CancelledError:
             reason = "receiver closing"
             raise
         finally:
             self.stream.abort()
-            for rid in list(self.next_seq):
-                await self._sink_abort(rid, reason)
+            rids = list(self.next_seq)
             self.next_seq.clear()
             for rid in list(self.groups):
                 self._drop_group(rid)
+            for rid in rids:
+                if lost:  # the sender may continue it on a new connection
+                    self.server.orphan(rid, self.identity)
+                else:
+                    await self.server.sink_abort(rid, reason)
             self.stream.close()
+
+    async def _next_header(self) -> dict[str, Any]:
+        """The next frame's header; with nothing in flight, a sender silent for the idle
+        timeout is dropped (its pool closes idle connections before that)."""
+        if self.next_seq or self.groups:
+            return await read_header(self.stream, self.server.max_header_bytes)
+        try:
+            async with asyncio.timeout(self.server.idle_timeout):
+                return await read_header(self.stream, self.server.max_header_bytes)
+        except TimeoutError:
+            raise ConnectionAbortedError(f"idle for {self.server.idle_timeout}s") from None
+
+    def release(self, rid: str) -> None:
+        """rid continues on another connection of its sender: this one drops it silently."""
+        self.next_seq.pop(rid, None)
+        self._drop_group(rid)
+        self._remember_failed(rid, "continued on another connection")
 
     async def _on_blocks(self, h: dict[str, Any]) -> None:
         b = check_blocks(h, self.server.max_frame_bytes)
         if b.rid in self.failed:
+            await self._discard(b.nbytes)
+            return
+        if b.lo == 0 and b.rid not in self.next_seq and not await self._claim(b.rid):
             await self._discard(b.nbytes)
             return
         group = self._group(b, h)
@@ -132,6 +170,8 @@ class _Receiver:
         await self.stream.recv_into(
             byte_view(group.kv)[b.lo * b.layer_bytes : b.hi * b.layer_bytes], hasher.update
         )
+        if self.groups.get(b.rid) is not group:
+            return  # taken over by another connection (release) while it was landing
         if hasher.value() != b.csum:
             await self._fail(b.rid, f"checksum mismatch in seq={b.seq} layers [{b.lo}, {b.hi})")
             return
@@ -143,7 +183,8 @@ class _Receiver:
         kv, hashes, traceparent = group.kv, group.hashes, group.traceparent
         del group
         try:
-            await self.sink.on_blocks(b.rid, hashes, kv, traceparent)
+            async with asyncio.timeout(SINK_CALL_TIMEOUT_S):
+                await self.sink.on_blocks(b.rid, hashes, kv, traceparent)
         except Exception as e:
             log.warning("kv: sink rejected %s: %r", b.rid, e)
             await self._fail(b.rid, f"rejected by receiver: {e!r}")
@@ -185,17 +226,20 @@ class _Receiver:
             self.server.inflight.give(group.nbytes)
 
     async def _on_done(self, rid: str, payload: bytes) -> None:
+        if rid not in self.next_seq and rid not in self.failed and not await self._claim(rid):
+            return
         reason = self.failed.pop(rid, None)
         if reason is None and rid in self.groups:
             reason = "done before the last sub-frame"
         if reason is not None:  # (repeat the) error: the sender's finish() must not wait for an ack
             self._drop_group(rid)
             if self.next_seq.pop(rid, None) is not None:
-                await self._sink_abort(rid, reason)
+                await self.server.sink_abort(rid, reason)
             await self._send({"kind": "error", "rid": rid, "reason": reason})
             return
         try:
-            await self.sink.on_done(rid, payload)
+            async with asyncio.timeout(SINK_CALL_TIMEOUT_S):
+                await self.sink.on_done(rid, payload)
         except Exception as e:
             log.warning("kv: sink failed on_done for %s: %r", rid, e)
             await self._fail(rid, f"rejected by receiver: {e!r}")
@@ -205,26 +249,32 @@ class _Receiver:
         await self._send({"kind": "ack", "rid": rid})
 
     async def _on_abort(self, rid: str, reason: str) -> None:
+        if rid not in self.next_seq and rid not in self.failed and not await self._claim(rid):
+            return
         self.next_seq.pop(rid, None)
         self._drop_group(rid)
         if self.failed.pop(rid, None) is None:  # not yet aborted on our side
-            await self._sink_abort(rid, f"aborted by sender: {reason}")
+            await self.server.sink_abort(rid, f"aborted by sender: {reason}")
+
+    async def _claim(self, rid: str) -> bool:
+        """rid starts on this connection; False (and the sender told) if another peer holds it."""
+        why = self.server.claim(rid, self)
+        if why is not None:
+            self._remember_failed(rid, why)
+            await self._send({"kind": "error", "rid": rid, "reason": why})
+        return why is None
 
     async def _fail(self, rid: str, reason: str) -> None:
         self.next_seq.pop(rid, None)
         self._drop_group(rid)
+        self._remember_failed(rid, reason)
+        await self.server.sink_abort(rid, reason)
+        await self._send({"kind": "error", "rid": rid, "reason": reason})
+
+    def _remember_failed(self, rid: str, reason: str) -> None:
         self.failed[rid] = reason
         while len(self.failed) > FAILED_MEMORY:
             self.failed.popitem(last=False)
-        await self._sink_abort(rid, reason)
-        await self._send({"kind": "error", "rid": rid, "reason": reason})
-
-    async def _sink_abort(self, rid: str, reason: str) -> None:
-        try:
-            async with asyncio.timeout(SINK_ABORT_TIMEOUT_S):
-                await self.sink.on_abort(rid, reason)
-        except Exception:
-            log.exception("kv: sink.on_abort(%s) failed", rid)
 
     async def _discard(self, nbytes: int) -> None:
         if self._scratch is None:
@@ -251,6 +301,8 @@ class KVServer:
         max_header_bytes: int,
         caps: ReceiveCaps,
         expect: Layout | None,
+        idle_timeout: float = IDLE_TIMEOUT_S,
+        reconnect_grace: float = RECONNECT_GRACE_S,
     ):
         self.sink = sink
         self.secret = secret.encode()
@@ -258,10 +310,13 @@ class KVServer:
         self.max_header_bytes = max_header_bytes
         self.caps = caps
         self.expect = expect
+        self.idle_timeout = idle_timeout
+        self.reconnect_grace = reconnect_grace
         self.inflight = InFlight(caps.inflight_bytes, caps.groups, "this receiver")
         self.buffers = RecvBuffers()
         self._listener: Listener | None = None
         self._receivers: set[_Receiver] = set()
+        self._orphans: dict[str, _Orphan] = {}  # rids whose connection dropped, in their grace
 
     @property
     def address(self) -> str:
@@ -272,6 +327,47 @@ class KVServer:
     def in_flight(self) -> dict[str, list[str]]:
         """{sender peer: rids with blocks received and no done/abort yet} (and partial groups)."""
         return {r.stream.peer: sorted(set(r.next_seq) | set(r.groups)) for r in self._receivers}
+
+    @property
+    def orphans(self) -> list[str]:
+        """rids whose connection dropped, waiting for their sender to continue them."""
+        return sorted(self._orphans)
+
+    def orphan(self, rid: str, identity: str) -> None:
+        """rid's connection dropped: its sender may continue it on a new one within the grace."""
+        old = self._orphans.pop(rid, None)
+        if old is not None:
+            old.timer.cancel()
+        self._orphans[rid] = _Orphan(identity, asyncio.create_task(self._expire(rid)))
+
+    async def _expire(self, rid: str) -> None:
+        await asyncio.sleep(self.reconnect_grace)
+        if self._orphans.pop(rid, None) is not None:
+            await self.sink_abort(rid, "connection lost")
+
+    def claim(self, rid: str, receiver: _Receiver) -> str | None:
+        """rid starts on `receiver`: it takes rid over from a dropped (or dropping) connection of
+        the same peer. Why not, when another peer holds it (None: it may go on)."""
+        orphan = self._orphans.get(rid)
+        if orphan is not None:
+            if orphan.identity != receiver.identity:
+                return f"request {rid} belongs to another sender"
+            del self._orphans[rid]
+            orphan.timer.cancel()
+            return None
+        for other in self._receivers:
+            if other is not receiver and (rid in other.next_seq or rid in other.groups):
+                if other.identity != receiver.identity:
+                    return f"request {rid} belongs to another sender"
+                other.release(rid)  # its connection is dead and not noticed yet
+        return None
+
+    async def sink_abort(self, rid: str, reason: str) -> None:
+        try:
+            async with asyncio.timeout(SINK_ABORT_TIMEOUT_S):
+                await self.sink.on_abort(rid, reason)
+        except Exception:
+            log.exception("kv: sink.on_abort(%s) failed", rid)
 
     async def _serve(self, stream: Stream) -> None:
         if len(self._receivers) >= self.caps.connections:
@@ -286,10 +382,15 @@ class KVServer:
             self._receivers.discard(receiver)
 
     async def close(self) -> None:
-        """Stop accepting, drop every connection (the sink gets on_abort for rids in flight)."""
+        """Stop accepting, drop every connection (the sink gets on_abort for rids in flight,
+        those in their reconnect grace included)."""
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
+        orphans, self._orphans = self._orphans, {}
+        for rid, orphan in orphans.items():
+            orphan.timer.cancel()
+            await self.sink_abort(rid, "receiver closing")
 
 
 async def start_kv_server(
@@ -302,12 +403,18 @@ async def start_kv_server(
     ssl: SSLContext | None = None,
     expect: Layout | None = None,
     caps: ReceiveCaps | None = None,
+    idle_timeout: float = IDLE_TIMEOUT_S,
+    reconnect_grace: float = RECONNECT_GRACE_S,
 ) -> KVServer:
     """Listen on "tcp://host:port" (port 0 = any) or "unix:///path"; `server.address` is the bound one.
     ssl: TLS on tcp:// (a server context that requires client certificates); the HMAC handshake
     runs inside it all the same. expect: refuse groups of another dtype or per-block shape
-    before reserving them. caps: bounds on connections and on what is reserved (defaults)."""
-    server = KVServer(sink, secret, max_frame_bytes, max_header_bytes, caps or ReceiveCaps(), expect)
+    before reserving them. caps: bounds on connections and on what is reserved (defaults).
+    idle_timeout: a connection with nothing in flight is closed after this long silent (senders
+    learn it in the handshake). reconnect_grace: when a connection drops, its requests wait this
+    long to continue on a new connection from the same peer before the sink gets on_abort."""
+    caps = caps or ReceiveCaps()
+    server = KVServer(sink, secret, max_frame_bytes, max_header_bytes, caps, expect, idle_timeout, reconnect_grace)
     server._listener = await transport_for(address).listen(address, server._serve, ssl=ssl)
     log.info("kv receiver listening on %s", server.address)
     return server

@@ -33,6 +33,10 @@ TLS_CHUNK = 256 << 10  # socket reads and encrypted writes, per call
 class Stream(Protocol):
     peer: str
 
+    @property
+    def identity(self) -> str:
+        """Who the peer is, the same on each of its connections (`peer` names one connection)."""
+
     async def send(self, *bufs: bytes | memoryview) -> None:
         """Write all bytes, in order (returns once they are in the kernel: TCP backpressure)."""
 
@@ -119,6 +123,11 @@ class SocketStream:
     def _recv_some(self, view: memoryview) -> int:
         return self._sock.recv_into(view)
 
+    @property
+    def identity(self) -> str:
+        """The peer's host (the port changes with each connection)."""
+        return self.peer.rsplit(":", 1)[0] if self._sock.family != socket.AF_UNIX else self.peer
+
     def abort(self) -> None:
         # shutdown wakes any task blocked in recv_into/sock_sendall; close() would not.
         with contextlib.suppress(OSError):
@@ -145,6 +154,12 @@ class TLSStream(SocketStream):
         super().__init__(sock, peer)
         self._tls, self._in, self._out = tls, incoming, outgoing
         self._scratch = memoryview(bytearray(TLS_CHUNK))
+
+    @property
+    def identity(self) -> str:
+        """The peer certificate's common name at the peer's host."""
+        subject = dict(rdn[0] for rdn in (self._tls.getpeercert() or {}).get("subject", ()))
+        return f"{subject.get('commonName', '?')}@{super().identity}"
 
     def _recv_some(self, view: memoryview) -> int:
         got = 0

@@ -1,0 +1,141 @@
+"""One request's KV to one peer, carried over a dropped connection.
+
+When the connection under a transfer drops (reset, EOF, TLS error: not a refusal by the
+receiver), every group sent so far goes again on a fresh connection, then the rest. The
+receiver keeps the request through a grace period and takes a block it already holds as a
+no-op, so a resend is safe. Groups are kept (hashes and CPU tensor) until finish() is acked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from shared.kv.client import KVClient, sendable
+from shared.kv.errors import KVConnectionLost, KVTransferError
+from shared.kv.pool import KVClientPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5  # fresh connections tried after drops, over the whole transfer
+    backoff_s: float = 0.1  # before the first retry; doubles on each one
+    max_backoff_s: float = 1.0
+    deadline_s: float = 3.0  # no retry starts later than this after the first drop
+
+
+def retry_delay(policy: RetryPolicy, retry: int, since_first_drop: float) -> float | None:
+    """Seconds to wait before retry number `retry` (0-based), or None when the transfer
+    must give up: out of attempts, or the wait would end past the deadline."""
+    if retry >= policy.attempts:
+        return None
+    delay = min(policy.backoff_s * 2**retry, policy.max_backoff_s)
+    if since_first_drop + delay > policy.deadline_s:
+        return None
+    return delay
+
+
+@dataclass
+class _Group:
+    hashes: list[int]
+    kv: torch.Tensor  # contiguous CPU copy: a resend costs no device copy
+    traceparent: str | None
+
+
+class KVTransfer:
+    """send_blocks()* then finish(), or abort(); close() always (it returns the connection)."""
+
+    def __init__(
+        self, pool: KVClientPool, address: str, rid: str, *, timeout: float = 60.0, policy: RetryPolicy | None = None
+    ):
+        self.pool, self.address, self.rid = pool, address, rid
+        self.timeout = timeout  # each send_blocks / finish on one connection
+        self.policy = policy or RetryPolicy()
+        self.client: KVClient | None = None  # the connection in use now
+        self.reconnects = 0  # fresh connections after a drop
+        self.bytes_sent = 0  # resends included
+        self._groups: list[_Group] = []
+        self._retries = 0
+        self._first_drop: float | None = None
+
+    async def send_blocks(self, hashes: list[int], kv: torch.Tensor, *, traceparent: str | None = None) -> int:
+        """Bytes sent for this group (KVClient.send_blocks), plus any resend it took."""
+        before = self.bytes_sent
+        group = _Group(list(hashes), sendable(kv, hashes), traceparent)
+        self._groups.append(group)
+        await self._deliver(lambda client: self._send(client, group), after_resend=False)
+        return self.bytes_sent - before
+
+    async def finish(self, payload: bytes = b"") -> None:
+        """KVClient.finish; once acked the kept groups are let go."""
+        await self._deliver(
+            lambda client: client.finish(self.rid, payload=payload, timeout=self.timeout), after_resend=True
+        )
+        self._groups.clear()
+
+    async def abort(self, reason: str) -> None:
+        self._groups.clear()
+        if self.client is not None and not self.client.closed:
+            await self.client.abort(self.rid, reason)
+
+    def close(self) -> None:
+        self._groups.clear()
+        if self.client is not None:
+            self.pool.release(self.client)
+            self.client = None
+
+    # -- internals --
+
+    async def _deliver(self, op: Callable[[KVClient], Awaitable[object]], after_resend: bool) -> None:
+        """op on the connection; if it drops, a fresh one gets every group so far (op's own
+        group included) and, when after_resend, op once more."""
+        while True:
+            if self.client is not None:
+                try:
+                    await op(self.client)
+                    return
+                except KVConnectionLost as e:
+                    self._dropped(e)
+            await self._reconnect()
+            if not after_resend:
+                return
+
+    async def _send(self, client: KVClient, group: _Group) -> None:
+        kw = {"traceparent": group.traceparent, "timeout": self.timeout}
+        self.bytes_sent += await client.send_blocks(self.rid, group.hashes, group.kv, **kw)
+
+    def _dropped(self, e: Exception) -> None:
+        log.warning("kv transfer of %s to %s: connection dropped: %s", self.rid, self.address, e)
+        if self._first_drop is None:
+            self._first_drop = time.monotonic()
+        if self.client is not None:
+            self.pool.release(self.client)
+            self.client = None
+
+    async def _reconnect(self) -> None:
+        """A connection with every group so far on it; raises KVTransferError when out of tries."""
+        while True:
+            if self._first_drop is not None:
+                delay = retry_delay(self.policy, self._retries, time.monotonic() - self._first_drop)
+                if delay is None:
+                    raise KVTransferError(
+                        f"kv transfer of {self.rid} to {self.address}: connection lost, {self._retries} retries failed"
+                    )
+                self._retries += 1
+                await asyncio.sleep(delay)
+            try:
+                self.client = await self.pool.acquire(self.address)
+                if self._first_drop is not None:
+                    self.reconnects += 1
+                for group in self._groups:
+                    await self._send(self.client, group)
+                return
+            except KVConnectionLost as e:
+                self._dropped(e)
