@@ -138,8 +138,10 @@ class RelayService(EngineService):
             start = decode(RelayStart, payload)
         except MessageError as e:
             raise ValueError(f"request {rid}: bad relay start: {e}") from None
-        if start.rid != rid or rid in self.jobs:
-            raise ValueError(f"request {rid}: relay start for {start.rid!r} or a duplicate")
+        if start.rid != rid:
+            raise ValueError(f"request {rid}: relay start for {start.rid!r}")
+        if rid in self.jobs:
+            return  # resent after the connection dropped before its ack: it is running already
         threshold = start.catchup_threshold if start.catchup_threshold and start.catchup_threshold > 0 else None
         job = RelayJob(rid, threshold or self.settings.catchup_threshold, router=start.router)
         job.span = self.tracer.start_span(
