@@ -94,14 +94,16 @@ NO_FAILURE_EXPECTED = ("restart-nats-a", "restart-nats-b", "cut-gateway-5s", "cu
 # ---- load -----------------------------------------------------------------------------
 def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], n: int,
               fault: Callable[[RunningSystem], None] | None) -> tuple[list[tuple[int, Timed]], float | None]:
-    """n streams (prompt index, result); the fault runs `fault_at` s in. Also the time the
-    fault was injected (monotonic), or None."""
-    injected: list[float] = []
+    """n streams (prompt index, result); the fault runs `fault_at` s in, while a probe measures
+    how long until a fresh request succeeds again (None without a fault)."""
+    recovery: list[float | None] = []
 
     def inject() -> None:
         time.sleep(args.fault_at)
-        injected.append(time.monotonic())
+        probe = threading.Thread(target=lambda: recovery.append(_recovery_s(system, time.monotonic())))
+        probe.start()
         fault(system)
+        probe.join()
 
     def one(i: int) -> tuple[int, Timed]:
         k = i % len(prompts)
@@ -116,11 +118,13 @@ def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[lis
         results = list(pool.map(one, range(n)))
     if injector:
         injector.join()
-    return results, injected[0] if injected else None
+    return results, recovery[0] if recovery else None
 
 
 def _recovery_s(system: RunningSystem, since: float, timeout_s: float = 120.0) -> float | None:
-    """Seconds from `since` until a fresh short request succeeds (None: not within timeout_s)."""
+    """Seconds from `since` (the fault) until a fresh short request succeeds (None: not within
+    timeout_s). The first probe waits a moment: the fault must have landed first."""
+    time.sleep(0.5)
     while time.monotonic() - since < timeout_s:
         try:
             r = httpx.post(f"{system.router_url}/v1/completions", timeout=30,
@@ -170,9 +174,9 @@ def _score(results: list[tuple[int, Timed]], reference: dict[int, list[int]], ha
 def _phase(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], name: str,
            reference: dict[int, list[int]]) -> dict:
     print(f"[{name}] {args.requests} streams, {args.concurrency} at a time ...", flush=True)
-    results, injected = _run_load(system, args, prompts, args.requests, FAULTS[name])
+    results, recovery = _run_load(system, args, prompts, args.requests, FAULTS[name])
     row = _score(results, reference, args.hang_s)
-    row["recovery_s"] = _recovery_s(system, injected) if injected else None
+    row["recovery_s"] = recovery
     row["left_after_settling"] = _settle(system)
     print(f"[{name}] completed {row['completed']} (migrated {row['migrated']}), failed {row['failed_clear']}, "
           f"hung {row['hung']}, broken {row['broken_streams']}, mismatched {row['mismatched']}, "
