@@ -34,11 +34,14 @@ class EngineService:
         self.settings = settings
         self.nc = nc
         self.engine = engine
-        self.engine_loop = EngineLoop(engine, self.on_outputs, post_step)
+        self.engine_loop = EngineLoop(engine, self.on_outputs, post_step, settings.engine_call_timeout_s)
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
         self.life = Lifecycle()
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
+        self.track("jobs", lambda: len(self.jobs))
+        self.track("engine_requests", lambda: len(engine.seqs))
+        self.track("pins", lambda: len(engine.transfer.pins))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +106,10 @@ class EngineService:
 
     def load_links(self) -> list[LinkReport]:
         return []
+
+    def track(self, name: str, size: metrics.SizeOf) -> None:
+        """Publish one of this service's maps as pdd_open_entries{service=role, map=name}."""
+        metrics.track(self.role.value, name, size)
 
     # ---- load ------------------------------------------------------------------------
     async def report_load(self) -> EngineStats:

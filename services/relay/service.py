@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -77,6 +78,7 @@ class RelayJob:
     handed: int = 0  # output tokens already sent to MD
     seq: int = 0  # next handoff batch number (= catch-up rounds done, before the final one)
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
+    created: float = field(default_factory=time.monotonic)
     timers: list[asyncio.Task] = field(default_factory=list)
     span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
 
@@ -92,6 +94,8 @@ class RelayService(EngineService):
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
         await super().start()
+        self.track("early_ready", lambda: len(self.early_ready))
+        self.life.every(1.0, self._expire)
 
     async def subscribe(self) -> None:
         for kind, cls, handler in [
@@ -285,6 +289,19 @@ class RelayService(EngineService):
         else:
             self._forget(job)
             await self.free(msg.rid)
+
+    async def _expire(self) -> None:
+        """No request outlives the timeout on the relay, whatever its peers (or the engine) did:
+        the router gets an error, the other roles an abort, and the relay frees it."""
+        now = time.monotonic()
+        for job in list(self.jobs.values()):
+            if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):
+                error = "request timed out on the relay"
+                log.warning("request %s: %s", job.rid, error)
+                self._forget(job)
+                await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
+                await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+                await self.free(job.rid)
 
     def _forget(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.DONE):

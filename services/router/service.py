@@ -283,3 +283,9 @@ class RouterCore:
                 await publish(self.nc, subjects.abort(rid, Role.ROUTER.value), Abort(rid, reason))
         except Exception as e:  # NATS gone: peers time the request out on their own
             log.warning("could not publish abort for %s: %s", rid, e)
+
+    def release(self, stream: RequestStream) -> None:
+        """Free a stream whose deltas() never ran to its end (e.g. the client left before the
+        first one was asked for); a no-op once the stream is closed."""
+        if self.streams.get(stream.rid) is stream:
+            self._close(stream)
