@@ -48,6 +48,7 @@ from .handoff_policy import catchup_is_final, choose_handoff_mode
 log = logging.getLogger(__name__)
 
 EARLY_READY_MAX = 1024
+EARLY_READY_TTL_S = 5.0  # a kv_ready beats the local KV by well under this, or its request is gone
 
 
 class RelayState(Enum):
@@ -89,7 +90,7 @@ class RelayService(EngineService):
 
     def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.early_ready: OrderedDict[str, None] = OrderedDict()  # kv_ready that beat the local KV
+        self.early_ready: OrderedDict[str, float] = OrderedDict()  # kv_ready that beat the local KV: when
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
@@ -171,7 +172,7 @@ class RelayService(EngineService):
     async def _on_kv_ready(self, msg: KVReady, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.early_ready[msg.rid] = None
+            self.early_ready[msg.rid] = time.monotonic()
             if len(self.early_ready) > EARLY_READY_MAX:  # only seconds matter: drop the oldest
                 self.early_ready.popitem(last=False)
             return
@@ -292,8 +293,11 @@ class RelayService(EngineService):
 
     async def _expire(self) -> None:
         """No request outlives the timeout on the relay, whatever its peers (or the engine) did:
-        the router gets an error, the other roles an abort, and the relay frees it."""
+        the router gets an error, the other roles an abort, and the relay frees it. A kv_ready
+        whose request never came (or had already ended) is dropped after EARLY_READY_TTL_S."""
         now = time.monotonic()
+        while self.early_ready and next(iter(self.early_ready.values())) < now - EARLY_READY_TTL_S:
+            self.early_ready.popitem(last=False)
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):
                 error = "request timed out on the relay"
