@@ -67,6 +67,14 @@ async def test_a_running_call_past_its_deadline_raises_and_still_finishes(loop) 
     assert await loop.call(lambda: "slow" in loop.engine.seqs) is True
 
 
+async def test_a_timeout_the_call_raises_itself_is_not_taken_for_the_deadline(loop) -> None:
+    def gives_up() -> None:
+        raise TimeoutError("the call's own")
+
+    with pytest.raises(TimeoutError, match="the call's own"):
+        await loop.call(gives_up)
+
+
 async def test_the_deadline_defaults_to_the_loops_setting() -> None:
     engine_loop = EngineLoop(make_engine(), _no_outputs, call_timeout_s=0.2)
     engine_loop.start()

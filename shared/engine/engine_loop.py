@@ -57,10 +57,13 @@ class EngineLoop:
         becomes of the call."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         future = self._executor.submit(fn, *args, **kwargs)
+        deadline = asyncio.timeout(limit)
         try:
-            async with asyncio.timeout(limit):
+            async with deadline:
                 return await asyncio.wrap_future(future)
         except TimeoutError:
+            if not deadline.expired():
+                raise  # fn's own
             raise TimeoutError(self._settle_late(fn, future, limit)) from None
         finally:
             self._wake.set()
