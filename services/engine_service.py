@@ -132,11 +132,11 @@ class EngineService:
         self.engine.transfer.unpin(rid)
 
     async def free(self, rid: str) -> None:
-        """Drop the request's sequence and its pinned blocks."""
-        await self.engine_loop.call(self._free_now, rid)
+        """Drop the request's sequence and its pinned blocks (late or not: must_run)."""
+        await self.engine_loop.call(self._free_now, rid, must_run=True)
 
     async def unpin(self, rid: str) -> None:
-        await self.engine_loop.call(self.engine.transfer.unpin, rid)
+        await self.engine_loop.call(self.engine.transfer.unpin, rid, must_run=True)
 
     # ---- messages --------------------------------------------------------------------
     async def _on_abort(self, msg: Abort, raw: Any) -> None:

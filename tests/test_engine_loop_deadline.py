@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from shared.engine import Mode
 from shared.engine.engine_loop import EngineLoop
 from tests.engine_util import greedy, make_engine
 
@@ -50,6 +51,17 @@ async def test_a_queued_call_past_its_deadline_raises_and_never_runs(loop) -> No
     await asyncio.wait_for(holder, WAIT_S)
     # The engine thread is free again: the next call runs, and the skipped one never did.
     assert await loop.call(lambda: "late" in loop.engine.seqs) is False
+
+
+async def test_a_queued_must_run_call_past_its_deadline_raises_and_runs_later(loop) -> None:
+    await loop.call(loop.engine.add_request, "r", [1, 2, 3], greedy(4), mode=Mode.HOLD)  # stays until freed
+    release = threading.Event()
+    holder = await _occupy(loop, release)
+    with pytest.raises(TimeoutError, match="deadline"):
+        await loop.call(loop.engine.abort, "r", timeout_s=0.2, must_run=True)
+    release.set()
+    await asyncio.wait_for(holder, WAIT_S)
+    assert await loop.call(lambda: "r" in loop.engine.seqs) is False  # the abort ran after all
 
 
 async def test_a_running_call_past_its_deadline_raises_and_still_finishes(loop) -> None:

@@ -142,7 +142,7 @@ class PrefillService(EngineService):
         except (EngineError, TimeoutError) as e:
             self.jobs.pop(msg.rid, None)
             if isinstance(e, TimeoutError):  # an admit that was already running still lands: free it after
-                self.life.spawn(self.engine_loop.call(self._free_request, msg.rid))
+                self.life.spawn(self.engine_loop.call(self._free_request, msg.rid, must_run=True))
             job.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
@@ -365,7 +365,7 @@ class PrefillService(EngineService):
         self.jobs.pop(job.rid, None)
         if job.compute_span and job.compute_span.is_recording():
             job.compute_span.end()
-        await self.engine_loop.call(self._free_request, job.rid)
+        await self.engine_loop.call(self._free_request, job.rid, must_run=True)
 
     def _free_request(self, rid: str) -> None:  # engine thread
         self.exporter.forget(rid)

@@ -5,8 +5,9 @@ one single-worker executor: commands queued by message handlers run between step
 order, and the event loop never blocks on a forward pass.
 
 Every `call` has a deadline. When it passes, the caller gets TimeoutError and the call is
-settled, not lost: one still waiting in the queue is skipped (it never runs); one already
-running finishes on the engine thread and its result is dropped; both are logged.
+settled, not lost: one still waiting in the queue is skipped (it never runs), unless it is a
+`must_run` call (a free: skipping it would leak blocks), which stays queued and runs later;
+one already running finishes on the engine thread and its result is dropped. All are logged.
 """
 
 from __future__ import annotations
@@ -51,31 +52,36 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def call(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> T:
+    async def call(
+        self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, must_run: bool = False, **kwargs: Any
+    ) -> T:
         """Run fn(*args, **kwargs) on the engine thread between two steps. Raises TimeoutError
         after `timeout_s` (default: `call_timeout_s`); see the module docstring for what then
         becomes of the call."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         future = self._executor.submit(fn, *args, **kwargs)
         deadline = asyncio.timeout(limit)
+        waited = asyncio.wrap_future(future)
         try:
             async with deadline:
-                return await asyncio.wrap_future(future)
+                return await (asyncio.shield(waited) if must_run else waited)
         except TimeoutError:
             if not deadline.expired():
                 raise  # fn's own
-            raise TimeoutError(self._settle_late(fn, future, limit)) from None
+            raise TimeoutError(self._settle_late(fn, future, limit, must_run)) from None
         finally:
             self._wake.set()
 
     @staticmethod
-    def _settle_late(fn: Callable, future: Future, limit: float) -> str:
-        """Skip a late call that has not started; log what became of it. The error message."""
+    def _settle_late(fn: Callable, future: Future, limit: float, must_run: bool) -> str:
+        """Skip a late call that has not started (unless must_run); log what became of it.
+        The error message."""
         name = getattr(fn, "__qualname__", repr(fn))
-        if future.cancel():
+        if not must_run and future.cancel():
             what = "skipped: it had not started"
-        else:  # running (or just done): it finishes; its end is logged too
-            what = "still running; its result is dropped"
+        else:  # it runs (or ran) anyway; its end is logged too
+            what = "it runs later" if must_run and not future.running() else "still running"
+            what += "; its result is dropped"
             future.add_done_callback(lambda f: _log_late_end(name, f))
         log.warning("engine call %s missed its %g s deadline: %s", name, limit, what)
         return f"engine call {name} missed its {limit:g} s deadline ({what})"
