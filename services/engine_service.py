@@ -50,13 +50,17 @@ class EngineService:
         self.settings = settings
         self.nc = nc
         self.engine = engine
-        self.engine_loop = EngineLoop(engine, self.on_outputs, post_step)
+        self.engine_loop = EngineLoop(engine, self.on_outputs, post_step, settings.engine_call_timeout_s)
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
         self.life = Lifecycle()
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
         self.routers = Heartbeats(settings.orphan_after_s)
         self.conn = ConnectionWatch(nc)
+        self.track("jobs", lambda: len(self.jobs))
+        self.track("engine_requests", lambda: len(engine.seqs))
+        self.track("pins", lambda: len(engine.transfer.pins))
+        self.track("routers", lambda: len(self.routers))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,6 +128,10 @@ class EngineService:
     def load_links(self) -> list[LinkReport]:
         return []
 
+    def track(self, name: str, size: metrics.SizeOf) -> None:
+        """Publish one of this service's maps as pdd_open_entries{service=role, map=name}."""
+        metrics.track(self.role.value, name, size)
+
     # ---- load ------------------------------------------------------------------------
     async def report_load(self) -> EngineStats:
         stats = await self.engine_loop.call(self.engine.stats)
@@ -178,11 +186,11 @@ class EngineService:
         self.engine.transfer.unpin(rid)
 
     async def free(self, rid: str) -> None:
-        """Drop the request's sequence and its pinned blocks."""
-        await self.engine_loop.call(self._free_now, rid)
+        """Drop the request's sequence and its pinned blocks (late or not: must_run)."""
+        await self.engine_loop.call(self._free_now, rid, must_run=True)
 
     async def unpin(self, rid: str) -> None:
-        await self.engine_loop.call(self.engine.transfer.unpin, rid)
+        await self.engine_loop.call(self.engine.transfer.unpin, rid, must_run=True)
 
     # ---- messages --------------------------------------------------------------------
     async def _on_abort(self, msg: Abort, raw: Any) -> None:

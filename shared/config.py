@@ -66,6 +66,7 @@ class CommonSettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
     orphan_after_s: float = 4.0  # a router silent this long is gone: its requests are orphans, dropped
+    engine_call_timeout_s: float = 30.0  # longest wait for one command on the engine thread
     torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
     metrics_host: str = "127.0.0.1"  # address the /metrics server binds to

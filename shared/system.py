@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from shared.launch import UpOptions, service_specs, with_base_port
 from shared.security.credentials import Credentials
 
 _handed_out: set[int] = set()
@@ -75,6 +76,17 @@ class RunningSystem:
 
     def instances(self) -> dict:
         return httpx.get(f"{self.router_url}/v1/instances", timeout=10).json()
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each service serves Prometheus metrics: the router on its HTTP port, the
+        others on the ports `pdd up` gave them."""
+        base = int(self.router_url.rsplit(":", 1)[1])
+        urls = {"router": f"{self.router_url}/metrics"}
+        for spec in service_specs(with_base_port(UpOptions(), base)):
+            port = next((v for k, v in spec.env.items() if k.endswith("_METRICS_PORT")), None)
+            if port is not None:
+                urls[spec.name] = f"http://127.0.0.1:{port}/metrics"
+        return urls
 
     def log(self, name: str) -> str:
         path = self.workdir / "logs" / f"{name}.log"

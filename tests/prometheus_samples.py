@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.system import RunningSystem
+
 Samples = dict[tuple[str, frozenset], float]
+Entries = dict[tuple[str, str], float]
+# Maps keyed by instance, not by request: they stay filled while the system is up.
+# Maps keyed by instance (bounded by the fleet, pruned when one leaves) or with a TTL: not per request.
+PER_INSTANCE = frozenset({
+    ("router", "registry_reports"), ("router", "prefix_index_instances"), ("router", "stale_aborted"),
+    ("prefill", "routers"), ("relay", "routers"), ("main_decode", "routers"),
+})  # fmt: skip
 
 
 def parse_samples(text: str) -> Samples:
@@ -17,8 +28,8 @@ def parse_samples(text: str) -> Samples:
     }
 
 
-def scrape(url: str) -> Samples:
-    r = httpx.get(url, timeout=10)
+def scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
+    r = httpx.get(url, headers=headers, timeout=10)
     r.raise_for_status()
     return parse_samples(r.text)
 
@@ -28,3 +39,35 @@ def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
     key = (name, frozenset(labels.items()))
     assert key in after, f"no sample {name}{labels}"
     return after[key] - before.get(key, 0.0)
+
+
+def open_entries(system: RunningSystem, headers: dict[str, str] | None = None) -> Entries:
+    """{(service, map): entries} of every service's pdd_open_entries, plus each engine
+    service's KV blocks in use as (service, "kv_blocks_used")."""
+    entries: Entries = {}
+    for url in system.metrics_urls().values():
+        for (name, labels), value in scrape(url, headers).items():
+            label = dict(labels)
+            if name == "pdd_open_entries":
+                entries[(label["service"], label["map"])] = value
+            elif name == "pdd_kv_blocks_used":
+                entries[(label["service"], "kv_blocks_used")] = value
+    return entries
+
+
+def held(entries: Entries) -> Entries:
+    """The per-request entries still held (PER_INSTANCE maps are not per request)."""
+    return {key: n for key, n in entries.items() if n and key not in PER_INSTANCE}
+
+
+def wait_until_drained(system: RunningSystem, timeout_s: float, headers: dict[str, str] | None = None) -> Entries:
+    """Poll until no service holds a per-request entry; what is still held after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = held(open_entries(system, headers))
+        except httpx.HTTPError as e:  # a service restarting
+            left = {("unreachable", str(e)): 1.0}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)

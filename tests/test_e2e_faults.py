@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from shared.supervisor import read_pid
+from tests.prometheus_samples import wait_until_drained
 from shared.system import RunningSystem, start_system
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream
@@ -94,7 +95,8 @@ def stream(
 
 
 def settled(system: RunningSystem, timeout_s: float = 20.0) -> dict:
-    """Wait until every instance reports no request held and no KV block in use; the view."""
+    """Wait until every instance reports no request held and no KV block in use, and no
+    service holds an entry in a per-request map (pdd_open_entries); the instances' view."""
     deadline = time.monotonic() + timeout_s
     view: dict = {}
     while time.monotonic() < deadline:
@@ -105,6 +107,8 @@ def settled(system: RunningSystem, timeout_s: float = 20.0) -> dict:
         roles = {k.split("/")[0] for k in view}
         busy = [k for k, v in view.items() if v["held"] or v["used_blocks"]]
         if not busy and {"prefill", "relay", "main_decode"} <= roles:
+            left = wait_until_drained(system, max(deadline - time.monotonic(), 1.0))
+            assert not left, f"per-request maps not empty: {left}"
             return view
         time.sleep(0.5)
     raise AssertionError(f"instances still hold requests or blocks after {timeout_s}s: {view}")

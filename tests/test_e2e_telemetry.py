@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 
-from shared.launch import UpOptions, service_specs, with_base_port
 from shared.system import RunningSystem, start_system
 from tests.prometheus_samples import moved, scrape
 
@@ -82,14 +81,6 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
     assert "dc-a" in out.stdout and "dc-b" in out.stdout and "md.extend" in out.stdout
 
 
-def _metrics_url(system: RunningSystem, service: str) -> str:
-    """Where `pdd up` has a non-router service serve its Prometheus metrics."""
-    base = int(system.router_url.rsplit(":", 1)[1])
-    spec = next(s for s in service_specs(with_base_port(UpOptions(), base)) if s.name == service)
-    port = next(v for k, v in spec.env.items() if k.endswith("_METRICS_PORT"))
-    return f"http://127.0.0.1:{port}/metrics"
-
-
 def _stream(system: RunningSystem, body: dict) -> tuple[list[list[int]], dict]:
     """The token chunks of a streamed completion, and its final pdd summary."""
     chunks, summary = [], {}
@@ -106,7 +97,8 @@ def _stream(system: RunningSystem, body: dict) -> tuple[list[list[int]], dict]:
 
 
 def test_metrics_after_traffic(system):
-    router, md = f"{system.router_url}/metrics", _metrics_url(system, "main_decode")
+    urls = system.metrics_urls()
+    router, md = urls["router"], urls["main_decode"]
     before_router, before_md = scrape(router), scrape(md)
     chunks, summary = _stream(system, {"prompt": "metrics please", "max_tokens": 12, "temperature": 0,
                                        "ignore_eos": True, "pdd": {"pipeline": "p-md"}})

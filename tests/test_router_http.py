@@ -172,6 +172,22 @@ def test_a_body_that_stops_arriving_is_408(system):
     assert status == 408 and json.loads(raw)["error"]["type"] == "invalid_request_error"
 
 
+def test_a_body_that_trickles_in_is_408_at_the_whole_body_deadline(system):
+    """Every byte comes well within the deadline, the body as a whole does not: the router
+    answers 408 while the client is still sending."""
+    trickle_s = 0.5
+    with connect(system) as sock:
+        sock.sendall(request_head("/v1/completions", {"content-length": "1000"}) + b'{"prompt": "')
+        for _ in range(int(6 * BODY_TIMEOUT_S / trickle_s)):  # the body would need 500 s
+            answered, _, _ = select.select([sock], [], [], trickle_s)
+            if answered:
+                break
+            sock.sendall(b"x")
+        assert answered, "no answer while the body was still arriving"
+        status, _, raw = read_response(sock)
+    assert status == 408 and "did not arrive within" in json.loads(raw)["error"]["message"]
+
+
 # ---- bad input: a 4xx naming the problem, never a 5xx -------------------------------------------
 def completion(**fields) -> bytes:
     return json.dumps({"prompt": "hi", "max_tokens": 3, **fields}).encode()

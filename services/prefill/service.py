@@ -109,6 +109,8 @@ class PrefillService(EngineService):
         self.kv_clients = KVClientPool(settings.secret, ssl=client_tls(settings))
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
+        self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series
+        self.track("export_plans", lambda: len(self.exporter._plans))
 
     async def subscribe(self) -> None:
         # Least-loaded choice by the router on the instance subject; the queue group serves
@@ -138,8 +140,10 @@ class PrefillService(EngineService):
         self.jobs[msg.rid] = job
         try:
             await self.engine_loop.call(self.exporter.admit, msg.rid, msg.prompt_ids, msg.params, local)
-        except EngineError as e:
+        except (EngineError, TimeoutError) as e:
             self.jobs.pop(msg.rid, None)
+            if isinstance(e, TimeoutError):  # an admit that was already running still lands: free it after
+                self.life.spawn(self.engine_loop.call(self._free_request, msg.rid, must_run=True))
             job.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
@@ -306,6 +310,7 @@ class PrefillService(EngineService):
         if t_first is not None:
             self.links.observe_transfer(address, sent, t_end - t_first)  # small transfers are ignored there
         metrics.WAN_BANDWIDTH.labels(peer=address).set(self.links.bandwidth(address))
+        self._labelled_peers.add(address)
 
     # ---- endings ---------------------------------------------------------------------
     async def _watch(self, job: PrefillJob) -> None:
@@ -331,7 +336,7 @@ class PrefillService(EngineService):
         """Only the WAN stream goes: the relay's local stream must go on."""
         job = self.jobs.get(msg.rid)
         if job is not None and await self._cancel_sender(job, KVPath.WAN, "md_lost"):
-            metrics.KV_TRANSFER_ABORTS.labels(reason="md_lost").inc()
+            metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason("md_lost")).inc()
 
     async def _cancel_sender(self, job: PrefillJob, path: KVPath, reason: str) -> bool:
         """Stop one stream and tell its peer to drop what it got; False if it had ended."""
@@ -351,7 +356,7 @@ class PrefillService(EngineService):
         """Cancel transfers (peers are told to drop what they got) and free the blocks."""
         for path in list(job.senders):
             if await self._cancel_sender(job, path, reason.value) and path is KVPath.WAN:
-                metrics.KV_TRANSFER_ABORTS.labels(reason=reason.value).inc()
+                metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason(reason.value)).inc()
         await self._release(job)
 
     async def _release_if_drained(self, job: PrefillJob) -> None:
@@ -366,7 +371,7 @@ class PrefillService(EngineService):
         self.jobs.pop(job.rid, None)
         if job.compute_span and job.compute_span.is_recording():
             job.compute_span.end()
-        await self.engine_loop.call(self._free_request, job.rid)
+        await self.engine_loop.call(self._free_request, job.rid, must_run=True)
 
     def _free_request(self, rid: str) -> None:  # engine thread
         self.exporter.forget(rid)
@@ -376,9 +381,11 @@ class PrefillService(EngineService):
     def load_links(self) -> list[LinkReport]:
         """Measured links (otherwise the router keeps its configured prior) and the KV still
         queued toward each MD."""
+        known = self.links.snapshot()
+        metrics.forget_peers_except(self._labelled_peers, known)  # the estimator dropped them
         links = {
             peer: LinkReport(peer, bandwidth=info["bandwidth"], rtt=info["rtt"])
-            for peer, info in self.links.snapshot().items()
+            for peer, info in known.items()
             if info["transfers"]
         }
         for job in self.jobs.values():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 EARLY_READY_MAX = 1024
 IMPORT_RETRY_S = 0.02  # how often an import waiting for free KV blocks tries again
+EARLY_READY_TTL_S = 5.0  # a kv_ready beats the local KV by well under this, or its request is gone
 
 
 class RelayState(Enum):
@@ -81,6 +83,7 @@ class RelayJob:
     handed: int = 0  # output tokens already sent to MD
     seq: int = 0  # next handoff batch number (= catch-up rounds done, before the final one)
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
+    created: float = field(default_factory=time.monotonic)
     timers: list[asyncio.Task] = field(default_factory=list)
     span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
     router: str = ""  # the router that owns the request
@@ -92,11 +95,13 @@ class RelayService(EngineService):
 
     def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.early_ready: OrderedDict[str, None] = OrderedDict()  # kv_ready that beat the local KV
+        self.early_ready: OrderedDict[str, float] = OrderedDict()  # kv_ready that beat the local KV: when
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
         await super().start()
+        self.track("early_ready", lambda: len(self.early_ready))
+        self.life.every(1.0, self._expire)
 
     async def subscribe(self) -> None:
         for kind, cls, handler in [
@@ -202,7 +207,7 @@ class RelayService(EngineService):
     async def _on_kv_ready(self, msg: KVReady, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.early_ready[msg.rid] = None
+            self.early_ready[msg.rid] = time.monotonic()
             if len(self.early_ready) > EARLY_READY_MAX:  # only seconds matter: drop the oldest
                 self.early_ready.popitem(last=False)
             return
@@ -320,6 +325,22 @@ class RelayService(EngineService):
         else:
             self._forget(job)
             await self.free(msg.rid)
+
+    async def _expire(self) -> None:
+        """No request outlives the timeout on the relay, whatever its peers (or the engine) did:
+        the router gets an error, the other roles an abort, and the relay frees it. A kv_ready
+        whose request never came (or had already ended) is dropped after EARLY_READY_TTL_S."""
+        now = time.monotonic()
+        while self.early_ready and next(iter(self.early_ready.values())) < now - EARLY_READY_TTL_S:
+            self.early_ready.popitem(last=False)
+        for job in list(self.jobs.values()):
+            if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):
+                error = "request timed out on the relay"
+                log.warning("request %s: %s", job.rid, error)
+                self._forget(job)
+                await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
+                await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+                await self.free(job.rid)
 
     def _forget(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.DONE):

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,7 +27,7 @@ from .http_settings import HttpSettings
 from .openai_request import describe, parse_request
 from .openapi import completion_docs, install_openapi
 from .response_schemas import ChatCompletionResponse, CompletionResponse
-from .responses import complete, sse
+from .responses import SSEResponse, complete
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .service import RouterCore
 
@@ -42,6 +42,7 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         core, tokenizer, max_model_len, closer = await core_factory()
+        _track_maps(core)
         app.state.core, app.state.tokenizer, app.state.max_model_len = core, tokenizer, max_model_len
         try:
             yield
@@ -58,6 +59,15 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
     app.include_router(api)
     install_openapi(app)
     return app
+
+
+def _track_maps(core: RouterCore) -> None:
+    """The router's per-request and per-instance maps, as pdd_open_entries{service="router"}."""
+    metrics.track("router", "streams", lambda: len(core.streams))
+    metrics.track("router", "attempts", lambda: len(core.attempts))
+    metrics.track("router", "stale_aborted", lambda: len(core.stale_aborted))
+    metrics.track("router", "registry_reports", lambda: len(core.registry))
+    metrics.track("router", "prefix_index_instances", lambda: len(core.index))
 
 
 async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -145,10 +155,14 @@ async def _serve(request: Request, chat: bool) -> Response:
     except APIError:
         metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
         raise
-    headers = {"x-request-id": stream.rid, "x-pdd-pipeline": stream.decision.pipeline.value}
-    if stream.traceparent:
-        headers["traceparent"] = stream.traceparent
-    detok = Detokenizer(tokenizer, parsed.params.stop)
-    if parsed.body.stream:
-        return StreamingResponse(sse(core, stream, detok, chat), media_type="text/event-stream", headers=headers)
-    return await complete(request, core, stream, detok, chat, headers)
+    try:
+        headers = {"x-request-id": stream.rid, "x-pdd-pipeline": stream.decision.pipeline.value}
+        if stream.traceparent:
+            headers["traceparent"] = stream.traceparent
+        detok = Detokenizer(tokenizer, parsed.params.stop)
+        if parsed.body.stream:
+            return SSEResponse(core, stream, detok, chat, headers)  # it releases the stream
+        return await complete(request, core, stream, detok, chat, headers)  # so does complete
+    except BaseException:
+        core.release(stream)  # failed before either took the stream over
+        raise

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from shared.telemetry import metrics
 
@@ -46,6 +47,9 @@ async def _collect(core: RouterCore, stream: RequestStream, detok: Detokenizer) 
     return reason
 
 
+CANCEL_WAIT_S = 5.0  # for a cancelled collector to run its cleanup
+
+
 async def _until_done_or_gone(request: Request, task: asyncio.Task) -> bool:
     """Wait for `task`; False (and the task cancelled) if the client disconnected first."""
     while not task.done():
@@ -70,6 +74,8 @@ async def complete(
     finally:
         if not task.done():
             task.cancel()
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)  # its deltas() frees the stream...
+        core.release(stream)  # ...unless it never started
     detok.flush()
     count(stream, "ok")
     headers["x-pdd-pipeline"] = stream.pipeline.value
@@ -112,16 +118,33 @@ class SSEChunks:
         return self._data(choice, extra)
 
 
+class SSEResponse(StreamingResponse):
+    """The SSE response of one stream, which it releases however the response ends: also when
+    the client left before the body was ever iterated (then deltas() never ran)."""
+
+    def __init__(self, core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool, headers: dict):
+        super().__init__(sse(core, stream, detok, chat), media_type="text/event-stream", headers=headers)
+        self.core, self.stream = core, stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # a started body frees the stream itself...
+            self.core.release(self.stream)  # ...an unstarted one is freed here
+
+
 async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool) -> AsyncIterator[bytes]:
     chunks = SSEChunks(stream, chat, core.model_id)
     try:
         if chat:
             yield chunks.role()
         reason = None
-        async for text, tokens, finish in _texts(core, stream, detok):
-            reason = finish
-            if text or tokens:
-                yield chunks.tokens(text, tokens)
+        async with aclosing(_texts(core, stream, detok)) as texts:  # closing this closes deltas()
+            async for text, tokens, finish in texts:
+                reason = finish
+                if text or tokens:
+                    yield chunks.tokens(text, tokens)
         tail = detok.flush()
         count(stream, "ok")
         extra = {"pdd": stream.summary(), "usage": usage(stream, len(detok.tokens))}

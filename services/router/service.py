@@ -142,6 +142,7 @@ class RouterCore:
         for service, instance in self.registry.prune(self.settings.forget_after_s):
             if service == Role.MAIN_DECODE:
                 self.index.forget(instance)
+                metrics.forget_peer(instance)
         for rid in [r for r, t in self.stale_aborted.items() if now - t > STALE_ABORT_EVERY_S]:
             del self.stale_aborted[rid]
 
@@ -419,6 +420,12 @@ class RouterCore:
                 await publish(self.nc, subjects.abort(attempt_rid, Role.ROUTER.value), Abort(attempt_rid, reason))
         except Exception as e:  # NATS gone: peers drop the request when this router's heartbeat stops
             log.warning("could not publish abort for %s: %s", attempt_rid, e)
+
+    def release(self, stream: RequestStream) -> None:
+        """Free a stream whose deltas() never ran to its end (e.g. the client left before the
+        first one was asked for); a no-op once the stream is closed."""
+        if self.streams.get(stream.rid) is stream:
+            self._close(stream)
 
 
 def md_refusal(prep: PrepareReply) -> APIError:

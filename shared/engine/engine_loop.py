@@ -3,6 +3,11 @@
 The engine is not thread-safe, so every call — steps and commands alike — goes through
 one single-worker executor: commands queued by message handlers run between steps, in
 order, and the event loop never blocks on a forward pass.
+
+Every `call` has a deadline. When it passes, the caller gets TimeoutError and the call is
+settled, not lost: one still waiting in the queue is skipped (it never runs), unless it is a
+`must_run` call (a free: skipping it would leak blocks), which stays queued and runs later;
+one already running finishes on the engine thread and its result is dropped. All are logged.
 """
 
 from __future__ import annotations
@@ -11,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shared.engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CALL_TIMEOUT_S = 30.0  # default deadline of one call (services pass settings.engine_call_timeout_s)
 
 # Called on the engine thread right after each step (e.g. to export freshly computed KV).
 PostStep = Callable[[LLMEngine], Any]
@@ -25,21 +31,60 @@ PostStep = Callable[[LLMEngine], Any]
 OnOutputs = Callable[[list[StepOutput], Any], Awaitable[None]]
 
 
+def _log_late_end(name: str, future: Future) -> None:
+    error = None if future.cancelled() else future.exception()
+    log.warning("late engine call %s ended%s", name, f" with {error!r}" if error else "")
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_outputs: OnOutputs, post_step: PostStep | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: OnOutputs,
+        post_step: PostStep | None = None,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ):
         self.engine = engine
+        self.call_timeout_s = call_timeout_s
         self._on_outputs = on_outputs
         self._post_step = post_step
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run fn(*args) on the engine thread between two steps."""
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
-        self._wake.set()
-        return result
+    async def call(
+        self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, must_run: bool = False, **kwargs: Any
+    ) -> T:
+        """Run fn(*args, **kwargs) on the engine thread between two steps. Raises TimeoutError
+        after `timeout_s` (default: `call_timeout_s`); see the module docstring for what then
+        becomes of the call."""
+        limit = self.call_timeout_s if timeout_s is None else timeout_s
+        future = self._executor.submit(fn, *args, **kwargs)
+        deadline = asyncio.timeout(limit)
+        waited = asyncio.wrap_future(future)
+        try:
+            async with deadline:
+                return await (asyncio.shield(waited) if must_run else waited)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # fn's own
+            raise TimeoutError(self._settle_late(fn, future, limit, must_run)) from None
+        finally:
+            self._wake.set()
+
+    @staticmethod
+    def _settle_late(fn: Callable, future: Future, limit: float, must_run: bool) -> str:
+        """Skip a late call that has not started (unless must_run); log what became of it.
+        The error message."""
+        name = getattr(fn, "__qualname__", repr(fn))
+        if not must_run and future.cancel():
+            what = "skipped: it had not started"
+        else:  # it runs (or ran) anyway; its end is logged too
+            what = "it runs later" if must_run and not future.running() else "still running"
+            what += "; its result is dropped"
+            future.add_done_callback(lambda f: _log_late_end(name, f))
+        log.warning("engine call %s missed its %g s deadline: %s", name, limit, what)
+        return f"engine call {name} missed its {limit:g} s deadline ({what})"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")

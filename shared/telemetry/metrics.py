@@ -3,12 +3,15 @@
 All live in prometheus-client's default registry. Non-router services expose it with
 `start_metrics_server(port, addr)`; the router serves `metrics_text()` on its own `/metrics`.
 Label values: pipeline = p-md | p-rld-md | rld-only; path = wan | local;
-mode = one-shot | catch-up; role = rld | md.
+mode = one-shot | catch-up; role = rld | md. Labels taken from messages stay bounded: an abort
+reason is an AbortReason value (else "other"), and a forgotten peer's series is removed
+(`forget_peer`). `track` registers a map's size for `pdd_open_entries{service, map}`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,6 +22,9 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+
+from shared.bus.messages import AbortReason
+from shared.telemetry.open_entries import OpenEntries, SizeOf
 
 # Latency buckets span the paper's range: same-DC TTFT is seconds, cross-DC P99 tens of seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
@@ -46,10 +52,16 @@ UNKNOWN_REQUEST_MESSAGES = Counter(
 MIGRATIONS = Counter(  # cause = lost | gap | error | dispatch (see RequestStream.stall, RouterCore._migrate)
     "pdd_migrations", "Requests moved to another instance by their token IDs", ["cause"]
 )
-KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])
+KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])  # see abort_reason
 HANDOFF_BATCHES_DROPPED = Counter(  # reason = stale (seq already applied) | duplicate (seq already held)
     "pdd_handoff_batches_dropped", "Redelivered handoff batches MD dropped (first copy kept)", ["reason"]
 )
+
+OPEN_ENTRIES = OpenEntries()
+REGISTRY.register(OPEN_ENTRIES)
+# Reasons a service names itself (not an Abort's) that are not AbortReason values.
+OWN_ABORT_REASONS = frozenset({"md_lost"})
+_ABORT_REASONS = frozenset(r.value for r in AbortReason) | OWN_ABORT_REASONS
 
 _servers: dict[int, object] = {}
 _lock = threading.Lock()
@@ -65,3 +77,28 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
 def metrics_text() -> tuple[bytes, str]:
     """(body, content type) for a `/metrics` HTTP handler."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def track(service: str, name: str, size: SizeOf) -> None:
+    """Publish `size()` as pdd_open_entries{service, map=name} at every scrape."""
+    OPEN_ENTRIES.track(service, name, size)
+
+
+def abort_reason(reason: str) -> str:
+    """A `reason` label value: the reason if it is a known one, else "other"."""
+    return reason if reason in _ABORT_REASONS else "other"
+
+
+def forget_peer(peer: str) -> None:
+    """Drop a peer's per-peer series (the link estimator no longer knows it)."""
+    try:
+        WAN_BANDWIDTH.remove(peer)
+    except KeyError:
+        pass  # never labelled, or already forgotten
+
+
+def forget_peers_except(labelled: set[str], known: Iterable[str]) -> None:
+    """forget_peer every peer of `labelled` (the caller's own set) that is not in `known`."""
+    for peer in labelled - set(known):
+        forget_peer(peer)
+        labelled.discard(peer)

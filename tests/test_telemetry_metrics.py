@@ -1,0 +1,54 @@
+"""Prometheus metrics stay bounded and observable: map sizes are read at scrape time, abort
+reasons outside AbortReason collapse into "other", and a forgotten peer's series goes away.
+The real default registry, read back through the exposition text."""
+
+from __future__ import annotations
+
+from shared.bus.messages import AbortReason
+from shared.telemetry import metrics
+from tests.prometheus_samples import parse_samples
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    return parse_samples(metrics.metrics_text()[0].decode()).get((name, frozenset(labels.items())))
+
+
+def test_a_tracked_map_is_read_at_every_scrape() -> None:
+    entries: dict[str, int] = {}
+    metrics.track("test-svc", "things", lambda: len(entries))
+    assert _sample("pdd_open_entries", service="test-svc", map="things") == 0
+    entries.update(a=1, b=2)
+    assert _sample("pdd_open_entries", service="test-svc", map="things") == 2
+    metrics.track("test-svc", "things", lambda: 7)  # a new instance replaces the old callback
+    assert _sample("pdd_open_entries", service="test-svc", map="things") == 7
+
+
+def test_a_failing_size_callback_costs_only_its_own_sample() -> None:
+    metrics.track("test-svc", "broken", lambda: 1 // 0)
+    metrics.track("test-svc", "fine", lambda: 3)
+    try:
+        assert _sample("pdd_open_entries", service="test-svc", map="broken") is None
+        assert _sample("pdd_open_entries", service="test-svc", map="fine") == 3
+    finally:  # later scrapes in this process stay quiet
+        metrics.track("test-svc", "broken", lambda: 0)
+
+
+def test_abort_reason_labels_are_bounded() -> None:
+    assert all(metrics.abort_reason(r.value) == r.value for r in AbortReason)
+    assert metrics.abort_reason("md_lost") == "md_lost"  # prefill's own reason for a WAN cancel
+    assert metrics.abort_reason("anything a peer made up") == "other"
+
+
+def test_a_forgotten_peer_loses_its_series() -> None:
+    for peer in ("tcp://a:1", "tcp://b:1"):
+        metrics.WAN_BANDWIDTH.labels(peer=peer).set(1e6)
+    metrics.forget_peer("tcp://a:1")
+    metrics.forget_peer("tcp://a:1")  # twice, or never labelled: nothing happens
+    name = "pdd_wan_bandwidth_bytes_per_second"
+    assert _sample(name, peer="tcp://a:1") is None and _sample(name, peer="tcp://b:1") == 1e6
+
+    labelled = {"tcp://b:1", "tcp://c:1"}
+    metrics.WAN_BANDWIDTH.labels(peer="tcp://c:1").set(2e6)
+    metrics.forget_peers_except(labelled, known=["tcp://c:1"])
+    assert labelled == {"tcp://c:1"}
+    assert _sample(name, peer="tcp://b:1") is None and _sample(name, peer="tcp://c:1") == 2e6
