@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from shared.supervisor import read_pid
-from tests.prometheus_samples import wait_until_drained
 from shared.system import RunningSystem, start_system
+from tests.prometheus_samples import wait_until_drained
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream
 MAX_TOKENS = 160
