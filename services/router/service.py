@@ -263,7 +263,8 @@ class RouterCore:
         msg = PrepareRequest(stream.rid, stream.prompt_ids, params, stream.block_hashes, stream.decision.pipeline,
                              router=self.settings.instance)  # fmt: skip
         subject = subjects.md_prepare(stream.md_instance)
-        return await request(self.nc, subject, msg, PrepareReply, timeout=self.settings.prepare_timeout_s)
+        peer = (Role.MAIN_DECODE, stream.md_instance)
+        return await self._ask(peer, subject, msg, PrepareReply, self.settings.prepare_timeout_s)
 
     async def _submit(self, stream: RequestStream, params: SamplingParams, catchup: int | None) -> SubmitReply:
         relay = self.registry.get(Role.RELAY, stream.relay_instance) if stream.relay_instance else None
@@ -272,7 +273,21 @@ class RouterCore:
                             router=self.settings.instance)  # fmt: skip
         prefill = choose_least_loaded(self.registry.loads(Role.PREFILL))
         subject = subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit()
-        return await request(self.nc, subject, msg, SubmitReply, timeout=self.settings.prepare_timeout_s)
+        if prefill is None:
+            return await request(self.nc, subject, msg, SubmitReply, timeout=self.settings.prepare_timeout_s)
+        return await self._ask((Role.PREFILL, prefill), subject, msg, SubmitReply, self.settings.prepare_timeout_s)
+
+    async def _ask(self, peer: tuple[Role, str], subject: str, msg, reply_cls: type, timeout: float):
+        """Request/reply to one instance, given up as soon as the instance is lost (a request
+        to a dead instance across the gateway gets no "no responders", only silence)."""
+        task = asyncio.ensure_future(request(self.nc, subject, msg, reply_cls, timeout=timeout))
+        try:
+            while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
+                if self.registry.silent_for(*peer) > self.settings.lost_after_s:
+                    raise ConnectionError(f"{peer[0].value} {peer[1]} was lost")
+            return task.result()
+        finally:
+            task.cancel()
 
     # ---- migration by token IDs --------------------------------------------------------
     async def _migrate(self, stream: RequestStream, why: str, cause: str) -> bool:
@@ -313,7 +328,7 @@ class RouterCore:
             for role, instance in self._resume_candidates(stream, avoid):
                 try:
                     subject = subjects.resume(role.value, instance)
-                    reply = await request(self.nc, subject, msg, ResumeReply, timeout=self.settings.resume_timeout_s)
+                    reply = await self._ask((role, instance), subject, msg, ResumeReply, self.settings.resume_timeout_s)
                 except Exception as e:  # gone, frozen, or NATS trouble: try the next one
                     reply = ResumeReply(ok=False, error=str(e) or type(e).__name__)
                 if reply.ok:
