@@ -62,9 +62,27 @@ def test_killed_service_is_restarted_and_serves_the_same(system: RunningSystem, 
     assert before.status_code == 200, before.text
     old = read_pid(system.workdir, service)
     os.kill(old, signal.SIGKILL)
+    _wait_restarted(system, service, old)  # (meanwhile the router serves from the other instances)
     assert _tokens_once_back(system, pipeline) == before.json()["choices"][0]["token_ids"]
-    assert read_pid(system.workdir, service) not in (None, old)
     assert f"{service} was killed by SIGKILL" in (system.workdir / "pdd-up.log").read_text()
+
+
+def _wait_restarted(system: RunningSystem, service: str, old: int) -> None:
+    """Until the service runs under a new pid and (an engine service) heartbeats to the router again."""
+    deadline = time.monotonic() + BACK_WITHIN_S
+    while read_pid(system.workdir, service) in (None, old):
+        assert time.monotonic() < deadline, f"{service} not restarted within {BACK_WITHIN_S}s"
+        time.sleep(0.2)
+    while service in ("main_decode", "relay") and not any(k.startswith(service) for k in _instances(system)):
+        assert time.monotonic() < deadline, f"{service} not heartbeating within {BACK_WITHIN_S}s"
+        time.sleep(0.2)
+
+
+def _instances(system: RunningSystem) -> dict:
+    try:
+        return system.instances()
+    except httpx.HTTPError:
+        return {}
 
 
 def test_killing_pdd_up_takes_every_child_with_it(system: RunningSystem) -> None:
