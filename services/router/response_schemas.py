@@ -32,6 +32,7 @@ class PddSummary(_Strict):
     rld_tokens: int
     md_tokens: int
     wan_bytes: int
+    migrations: int  # times the request moved to another instance by its token IDs (a fault)
     trace_id: str | None
 
 
