@@ -6,6 +6,7 @@ request by its token IDs (resume)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -39,6 +40,8 @@ from shared.telemetry.tracing import get_tracer
 
 log = logging.getLogger(__name__)
 
+ABORTS_KEPT_S = 60.0  # how long an abort is remembered against a late admission
+
 
 class EngineService:
     """Base of the three engine services. Per-request state lives in each service's job
@@ -56,11 +59,15 @@ class EngineService:
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
         self.routers = Heartbeats(settings.orphan_after_s)
+        # Aborts heard lately: one may overtake the message that creates its job (they travel
+        # different paths, and admission awaits the engine), and must still win.
+        self.aborted: dict[str, tuple[float, Abort, Role]] = {}
         self.conn = ConnectionWatch(nc)
         self.track("jobs", lambda: len(self.jobs))
         self.track("engine_requests", lambda: len(engine.seqs))
         self.track("pins", lambda: len(engine.transfer.pins))
         self.track("routers", lambda: len(self.routers))
+        self.track("aborted", lambda: len(self.aborted))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,8 +99,13 @@ class EngineService:
     async def _admit(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
         if msg.rid in self.jobs:
             await respond(raw, reply_cls(ok=False, error=f"duplicate request id {msg.rid}"))
+        elif msg.rid in self.aborted:
+            await respond(raw, reply_cls(ok=False, error=f"request {msg.rid} was aborted"))
         else:
             await admit(msg, raw)
+            late = self.aborted.get(msg.rid)
+            if late is not None and msg.rid in self.jobs:  # its abort overtook the admission
+                await self.on_abort_message(*late[1:])
 
     async def serve_kv(self, address: str) -> None:
         """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort).
@@ -160,6 +172,9 @@ class EngineService:
             log.warning("request %s: router %s stopped heartbeating; dropping it", job.rid, job.router)
             await self.on_abort_message(Abort(job.rid, AbortReason.ROUTER_LOST, job.router), Role.ROUTER)
         self.routers.prune(keep_s=600.0)
+        now = time.monotonic()
+        for rid in [r for r, (t, *_) in self.aborted.items() if now - t > ABORTS_KEPT_S]:
+            del self.aborted[rid]
 
     # ---- migration by token IDs ---------------------------------------------------------
     async def admit_resumed(self, msg: ResumeRequest, raw: Any, job: Any) -> bool:
@@ -199,7 +214,12 @@ class EngineService:
         except ValueError:
             return  # not a role's subject: nobody we know sent it
         if source is not self.role:
+            self.aborted[msg.rid] = (time.monotonic(), msg, source)
             await self.on_abort_message(msg, source)
+
+    def was_aborted(self, rid: str) -> bool:
+        """Another role gave up on `rid` lately: a job for it must not start (or not stay)."""
+        return rid in self.aborted
 
     async def send_abort(self, rid: str, reason: AbortReason, detail: str = "", parent: Span | None = None) -> None:
         """Tell every other role to drop `rid`."""

@@ -132,6 +132,7 @@ class RouterSettings(CommonSettings):
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
     lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
     gap_timeout_s: float = 1.0  # a token missing this long while later ones arrived: it was lost
+    stall_timeout_s: float = 10.0  # no token this long once tokens flowed: the request moves
     migration_limit: int = 3  # moves by token IDs per request before it fails
     migration_wait_s: float = 2.0  # how long a move waits for a live instance to take the request
     resume_timeout_s: float = 3.0  # an instance's answer to a resume request

@@ -16,6 +16,7 @@ Entries = dict[tuple[str, str], float]
 PER_INSTANCE = frozenset({
     ("router", "registry_reports"), ("router", "prefix_index_instances"), ("router", "stale_aborted"),
     ("prefill", "routers"), ("relay", "routers"), ("main_decode", "routers"),
+    ("prefill", "aborted"), ("relay", "aborted"), ("main_decode", "aborted"),
 })  # fmt: skip
 
 

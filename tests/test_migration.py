@@ -14,8 +14,11 @@ from services.relay.service import RelayService
 from services.router.errors import APIError
 from services.router.service import RouterCore
 from shared.bus import subjects
+from shared.bus.codec import encode
 from shared.bus.connection import publish, request, subscribe
 from shared.bus.messages import (
+    Abort,
+    AbortReason,
     LoadReport,
     Pipeline,
     PrepareReply,
@@ -139,4 +142,43 @@ async def test_with_no_live_instance_a_request_fails_clearly_within_its_bound(na
         assert core.streams == {} and core.attempts == {}
     finally:
         await core.stop()
+        await nc.close()
+
+
+async def test_an_abort_that_overtakes_its_admission_still_wins(nats_server, nats_security, tmp_path) -> None:
+    """An abort may reach MD before (or while) the prepare that creates its job: the job must
+    not start, or must not stay (else it holds its KV until the request timeout)."""
+    nc = await nats_security.connect(nats_server, "abort-first-test")
+    md = await _service("md", nc, tmp_path)
+    await md.start()
+    try:
+        hashes = md.engine.block_hashes(PROMPT)
+        await publish(nc, subjects.abort("early", "router"), Abort("early", AbortReason.DISPATCH_FAILED))
+        await nc.flush()
+        async with asyncio.timeout(10):
+            while not md.was_aborted("early"):  # noqa: ASYNC110 - the abort arrives through NATS
+                await asyncio.sleep(0.05)
+        msg = PrepareRequest("early", PROMPT, greedy(8), hashes, Pipeline.P_MD, router="r")
+        reply = await request(nc, subjects.md_prepare("0"), msg, PrepareReply, timeout=10)
+        assert not reply.ok and "aborted" in reply.error and md.jobs == {}
+
+        async def prepare_overtaken(m, raw) -> None:  # the abort lands while the prepare runs
+            md.aborted[m.rid] = (0.0, Abort(m.rid, AbortReason.DISPATCH_FAILED), Role.ROUTER)
+            await md._prepare(m, raw)
+
+        msg = PrepareRequest("overtaken", PROMPT, greedy(8), hashes, Pipeline.P_MD, router="r")
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def on(raw) -> None:
+            await got.put(raw)
+
+        sub = await nc.subscribe(subjects.md_prepare("1"), cb=on)
+        reply_task = asyncio.ensure_future(nc.request(subjects.md_prepare("1"), encode(msg), timeout=10))
+        raw = await asyncio.wait_for(got.get(), 10)
+        await md._admit(msg, raw, PrepareReply, prepare_overtaken)
+        await reply_task
+        await sub.unsubscribe()
+        assert md.jobs == {} and (await md.engine_loop.call(md.engine.stats)).used_blocks == 0
+    finally:
+        await md.stop()
         await nc.close()

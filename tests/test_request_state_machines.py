@@ -73,8 +73,8 @@ def test_a_stream_must_move_when_its_producer_stops_holding_it() -> None:
     s = _stream(Pipeline.P_MD)
     s.dispatched("p0")
     now = s.last_held
-    assert s.stall(now + 1.9, lost_after_s=2.0, gap_after_s=1.0) is None
-    why, cause = s.stall(now + 2.1, lost_after_s=2.0, gap_after_s=1.0)
+    assert s.stall(now + 1.9, lost_after_s=2.0, gap_after_s=1.0, stall_after_s=9.0) is None
+    why, cause = s.stall(now + 2.1, lost_after_s=2.0, gap_after_s=1.0, stall_after_s=9.0)
     assert cause == "lost" and "prefill p0" in why
 
 
@@ -85,9 +85,23 @@ def test_a_token_missing_in_transit_makes_the_stream_move_after_the_gap_timeout(
     s.merger.add(0, [1])
     s.merger.add(2, [3])  # index 1 never came
     t = s.last_held
-    assert s.stall(t, 2.0, 1.0) is None  # the gap is noticed
-    assert s.stall(t + 0.5, 2.0, 1.0) is None
-    assert s.stall(t + 1.1, 2.0, 1.0) == ("token 1 was lost in transit", "gap")
+    assert s.stall(t, 2.0, 1.0, 9.0) is None  # the gap is noticed
+    assert s.stall(t + 0.5, 2.0, 1.0, 9.0) is None
+    assert s.stall(t + 1.1, 2.0, 1.0, 9.0) == ("token 1 was lost in transit", "gap")
+
+
+def test_a_stream_whose_tokens_stop_while_it_is_held_moves_after_the_stall_timeout() -> None:
+    s = _stream(Pipeline.P_MD)
+    s.merger = TokenMerger(max_tokens=10)
+    s.dispatched("p0")
+    assert s.stall(s.last_held + 30, 99.0, 1.0, 9.0) is None  # no token yet: prefill may take long
+    s.observe(TokenEvent("r", Role.PREFILL, 0, [4]))
+    s.merger.add(0, [4])
+    t = s.last_token_at
+    assert s.stall(t + 8.9, 99.0, 1.0, 9.0) is None
+    assert s.stall(t + 9.1, 99.0, 1.0, 9.0) == ("no token for 9 s", "stall")
+    s.migrating()
+    assert s.last_token_at is None  # the new attempt gets its own window
 
 
 def test_a_move_restarts_the_merger_at_the_tokens_sent_and_names_a_new_attempt() -> None:

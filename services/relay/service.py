@@ -145,6 +145,8 @@ class RelayService(EngineService):
             raise ValueError(f"request {rid}: bad relay start: {e}") from None
         if start.rid != rid:
             raise ValueError(f"request {rid}: relay start for {start.rid!r}")
+        if self.was_aborted(rid):
+            raise ValueError(f"request {rid} was aborted")
         if rid in self.jobs:
             return  # resent after the connection dropped before its ack: it is running already
         threshold = start.catchup_threshold if start.catchup_threshold and start.catchup_threshold > 0 else None

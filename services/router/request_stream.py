@@ -77,6 +77,7 @@ class RequestStream:
     # Who must be holding the request now (listed in its heartbeat), and since when it was seen to.
     producer: tuple[Role, str] | None = None
     last_held: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None  # when this attempt last produced a token (None: none yet)
     attempt: int = 0  # 0: the first dispatch; n: the n-th migration
     gap_since: float | None = None  # tokens after a missing one arrived at this time
 
@@ -97,6 +98,8 @@ class RequestStream:
         self.relay = ev.relay or self.relay
         self.decode = ev.decode or self.decode
         self.last_held = time.monotonic()  # progress: whoever sent it still holds the request
+        if ev.tokens:
+            self.last_token_at = self.last_held
         if self.producer and self.producer[0] is Role.PREFILL and ev.tokens and ev.index == 0:
             if self.state.is_in(StreamState.RELAYED) and self.relay_instance:
                 self.hand_to(Role.RELAY, self.relay_instance)
@@ -106,15 +109,19 @@ class RequestStream:
             self.state.to(StreamState.WITH_MD)
             self.hand_to(Role.MAIN_DECODE, self.md_instance)
 
-    def stall(self, now: float, lost_after_s: float, gap_after_s: float) -> tuple[str, str] | None:
+    def stall(self, now: float, lost_after_s: float, gap_after_s: float, stall_after_s: float) -> tuple[str, str] | None:
         """(why, cause) if the request must move: the instance that should produce it stopped
-        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped), or a
-        token went missing in transit (NATS delivers at most once)."""
+        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped); a token
+        went missing in transit (NATS delivers at most once); or, once tokens flowed, none came
+        for stall_after_s although someone holds it (a control message between instances was
+        lost, and the one holding it waits for it)."""
         if not self.state.is_in(*MOVABLE):
             return None
         if self.producer is not None and now - self.last_held > lost_after_s:
             role, instance = self.producer
             return f"{role.value} {instance} no longer holds it", "lost"
+        if self.last_token_at is not None and now - self.last_token_at > stall_after_s:
+            return f"no token for {now - self.last_token_at:.0f} s", "stall"
         if not self.merger.has_gap:
             self.gap_since = None
         elif self.gap_since is None:
@@ -131,7 +138,7 @@ class RequestStream:
         """Start a move; the new attempt's backend request id."""
         self.state.to(StreamState.MIGRATING)
         self.attempt += 1
-        self.producer, self.gap_since = None, None
+        self.producer, self.gap_since, self.last_token_at = None, None, None
         self.merger.restart_at_released()
         return self.attempt_rid
 

@@ -132,7 +132,8 @@ class RouterCore:
                 stream.md_lost()  # before the handoff the relay finishes it: no move needed
                 lost = MainDecodeLost(stream.attempt_rid, stream.md_instance)
                 await publish(self.nc, subjects.req(stream.attempt_rid, Req.MD_LOST), lost)
-            stall = stream.stall(now, self.settings.lost_after_s, self.settings.gap_timeout_s)
+            stall = stream.stall(now, self.settings.lost_after_s, self.settings.gap_timeout_s,
+                                 self.settings.stall_timeout_s)  # fmt: skip
             if stall is not None:
                 self.life.spawn(self._migrate(stream, *stall))
         self._prune(now)
