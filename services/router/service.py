@@ -69,6 +69,9 @@ class RouterCore:
         self.attempts: dict[str, RequestStream] = {}  # by the backends' id of the current attempt
         self.stale_aborted: dict[str, float] = {}  # attempt ids told to stop recently (rate limit)
         self.conn = ConnectionWatch(nc)
+        # Instance plus a per-process suffix: the requests of a router that restarted under the
+        # same instance id belong to a router that is gone, and backends drop them.
+        self.identity = f"{settings.instance}-{secrets.token_hex(4)}"
         self.tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
@@ -117,8 +120,8 @@ class RouterCore:
 
     async def _heartbeat(self) -> None:
         """Backends drop the requests of a router that stops heartbeating."""
-        report = LoadReport(service=Role.ROUTER, instance=self.settings.instance, running=len(self.streams))
-        await publish(self.nc, subjects.load(Role.ROUTER.value, self.settings.instance), report)
+        report = LoadReport(service=Role.ROUTER, instance=self.identity, running=len(self.streams))
+        await publish(self.nc, subjects.load(Role.ROUTER.value, self.identity), report)
 
     async def _watch_streams(self) -> None:
         """Act on lost instances. Not while this router's own NATS link was just down: then
@@ -174,9 +177,9 @@ class RouterCore:
             self.settings.wan_time_threshold_s, relay is not None,
             backlog_bytes=self.registry.wan_backlog(address) if address else 0,
         )  # fmt: skip
-        if forced is not None and forced is not decision.pipeline:
-            if forced is Pipeline.P_RLD_MD and relay is None:
-                raise APIError("pipeline p-rld-md requested but no relay instance is available", 503)
+        # A forced pipeline is honoured when it can be: with no relay alive, P→RLD→MD runs as P→MD
+        # (x-pdd-pipeline says which ran).
+        if forced is not None and forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):
             decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
         return decision, md, relay if decision.pipeline is Pipeline.P_RLD_MD else None, hashes
 
@@ -262,7 +265,7 @@ class RouterCore:
 
     async def _prepare_md(self, stream: RequestStream, params: SamplingParams) -> PrepareReply:
         msg = PrepareRequest(stream.rid, stream.prompt_ids, params, stream.block_hashes, stream.decision.pipeline,
-                             router=self.settings.instance)  # fmt: skip
+                             router=self.identity)  # fmt: skip
         subject = subjects.md_prepare(stream.md_instance)
         peer = (Role.MAIN_DECODE, stream.md_instance)
         return await self._ask(peer, subject, msg, PrepareReply, self.settings.prepare_timeout_s)
@@ -271,7 +274,7 @@ class RouterCore:
         relay = self.registry.get(Role.RELAY, stream.relay_instance) if stream.relay_instance else None
         msg = PrefillSubmit(stream.rid, stream.prompt_ids, params, stream.decision.pipeline,
                             relay_address=relay.address if relay else None, catchup_threshold=catchup,
-                            router=self.settings.instance)  # fmt: skip
+                            router=self.identity)  # fmt: skip
         prefill = choose_least_loaded(self.registry.loads(Role.PREFILL))
         subject = subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit()
         if prefill is None:
@@ -323,7 +326,7 @@ class RouterCore:
         for one to (re)appear. The instance that took it, or None."""
         assert stream.params is not None
         msg = ResumeRequest(stream.attempt_rid, stream.prompt_ids, list(stream.merger.released), stream.params,
-                            router=self.settings.instance)  # fmt: skip
+                            router=self.identity)  # fmt: skip
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
             for role, instance in self._resume_candidates(stream, avoid):
