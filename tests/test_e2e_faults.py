@@ -41,7 +41,8 @@ def kill(system: RunningSystem, name: str) -> Callable[[], None]:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
     # Long router timeouts: a stream that survives did so by moving, not by a timeout.
-    env = {"PDD_ROUTER_TOKEN_TIMEOUT_S": "60"}
+    # Backends give up on a silent router after 3 s (4 s by default): the frozen-router case is shorter.
+    env = {"PDD_ROUTER_TOKEN_TIMEOUT_S": "60", "PDD_ORPHAN_AFTER_S": "3"}
     sysm = start_system(tmp_path_factory.mktemp("pdd-faults"), env, model_preset=PRESET)
     yield sysm
     sysm.stop()
@@ -176,10 +177,10 @@ def test_a_5s_gateway_cut_fails_no_stream(system):
 def test_a_router_frozen_past_its_heartbeat_bound_loses_nothing(system):
     """The backends drop the requests of a router that went silent (freeing their blocks);
     once it runs again it finds its stream held by nobody and moves it by token IDs."""
-    payload = body("p-md", salt=3, max_tokens=600)  # still decoding when the backends give up
+    payload = body("p-md", salt=3, max_tokens=320)  # still decoding when the backends give up
     want = reference(system, payload)
     router = _pid_of(system, "router")
-    got = stream(system, payload, at_token=10, fault=freeze(router, 6.0))
+    got = stream(system, payload, at_token=10, fault=freeze(router, 4.5))
     assert got.error is None and got.done and got.tokens == want
     md_log = system.log("main_decode")
     assert "router 0-" in md_log and "stopped heartbeating" in md_log
