@@ -243,9 +243,9 @@ def _figure(result: dict):
     failed = [r["failed_clear"] for r in rows]
     ax.barh(names, done, label="completed in place")
     ax.barh(names, moved, left=done, label="completed after a move")
-    ax.barh(names, failed, left=[a + b for a, b in zip(done, moved, strict=True)], label="failed, clear error")
+    ax.barh(names, failed, left=[a + b for a, b in zip(done, moved, strict=True)], label="failed: error, or the connection broke")
     ax.set_xlabel("requests")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     ax.set_title("outcome per fault")
     bx.barh(names, [r.get("recovery_s") or 0 for r in rows])
     bx.set_xlabel("seconds from the fault until a new request succeeds")
