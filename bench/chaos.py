@@ -108,7 +108,7 @@ def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[lis
     def one(i: int) -> tuple[int, Timed]:
         k = i % len(prompts)
         with httpx.Client(base_url=system.router_url) as client:
-            return k, stream_completion(client, prompts[k], args.max_tokens, pipeline=PIPELINES[i % 2],
+            return k, stream_completion(client, prompts[k], args.max_tokens, pipeline=pipeline_of(k),
                                         timeout=args.hang_s)  # fmt: skip
 
     injector = threading.Thread(target=inject) if fault else None
@@ -153,21 +153,34 @@ def _settle(system: RunningSystem, timeout_s: float = 60.0) -> dict[str, int]:
 
 
 # ---- scoring --------------------------------------------------------------------------
+def pipeline_of(prompt: int) -> str:
+    """Each prompt always takes the same (forced) pipeline; the pool alternates them."""
+    return PIPELINES[prompt % 2]
+
+
+def _outcomes(results: list[tuple[int, Timed]], hang_s: float) -> dict[str, int]:
+    completed = [t for _, t in results if t.ok and t.end < hang_s]
+    return {
+        "requests": len(results), "completed": len(completed),
+        "migrated": sum(bool((t.pdd or {}).get("migrations")) for t in completed),
+        "failed_clear": sum(not t.ok and t.end < hang_s for _, t in results),
+        "hung": sum(t.end >= hang_s for _, t in results),
+    }  # fmt: skip
+
+
 def _score(results: list[tuple[int, Timed]], reference: dict[int, list[int]], hang_s: float) -> dict:
-    completed = [t for _, t in results if t.ok and len(t.token_ids) > 0 and t.end < hang_s]
-    failed = [t for _, t in results if not t.ok and t.end < hang_s]
-    hung = [t for _, t in results if t.end >= hang_s]
+    completed = [t for _, t in results if t.ok and t.end < hang_s]
     migrated = [t for t in completed if (t.pdd or {}).get("migrations")]
     done = {id(t) for t in completed}
-    # Tokens missing or repeated: the stream is not a prefix of its reference.
-    broken = sum(t.token_ids != reference[k][: len(t.token_ids)] for k, t in results)
-    mismatched = sum(id(t) in done and t.token_ids != reference[k] for k, t in results)
     return {
-        "requests": len(results), "completed": len(completed), "migrated": len(migrated),
-        "failed_clear": len(failed), "hung": len(hung), "broken_streams": broken, "mismatched": mismatched,
-        "errors": sorted({(t.error or "")[:120] for t in failed})[:5],
+        **_outcomes(results, hang_s),
+        "by_pipeline": {p: _outcomes([(k, t) for k, t in results if pipeline_of(k) == p], hang_s) for p in PIPELINES},
+        # Tokens missing or repeated: the stream is not a prefix of its reference.
+        "broken_streams": sum(t.token_ids != reference[k][: len(t.token_ids)] for k, t in results),
+        "mismatched": sum(id(t) in done and t.token_ids != reference[k] for k, t in results),
+        "errors": sorted({(t.error or "")[:120] for _, t in results if not t.ok})[:5],
         "migrated_max_gap_p99_s": pct([t.max_gap for t in migrated], 99),
-        "max_gap_p99_s": pct([t.max_gap for _, t in results if t.ok], 99),
+        "max_gap_p99_s": pct([t.max_gap for t in completed], 99),
     }  # fmt: skip
 
 
@@ -223,6 +236,16 @@ def _targets(rows: dict[str, dict]) -> list[dict]:
     ]  # fmt: skip
 
 
+def _print_matrix(result: dict) -> None:
+    """fault x pipeline -> completed (moved) / failed / hung."""
+    print(f"\n{'fault':16}" + "".join(f" {p:>22}" for p in PIPELINES))
+    for name, r in result["faults"].items():
+        cells = [r["by_pipeline"][p] for p in PIPELINES]
+        print(f"{name:16}" + "".join(
+            f" {c['completed']:>4} ok ({c['migrated']:>2} moved) {c['failed_clear']:>2}F {c['hung']}H" for c in cells
+        ))  # fmt: skip
+
+
 def _print(result: dict) -> None:
     print(f"\n{'fault':16} {'done':>5} {'moved':>5} {'failed':>6} {'hung':>4} {'broken':>6} {'diff':>4} "
           f"{'left':>5} {'recover s':>9}")  # fmt: skip
@@ -231,6 +254,7 @@ def _print(result: dict) -> None:
         rec = r.get("recovery_s")
         print(f"{name:16} {r['completed']:5} {r['migrated']:5} {r['failed_clear']:6} {r['hung']:4} "
               f"{r['broken_streams']:6} {r['mismatched']:4} {left:5} {rec if rec is None else f'{rec:9.1f}'}")  # fmt: skip
+    _print_matrix(result)
 
 
 def _figure(result: dict):

@@ -77,6 +77,7 @@ class EngineService:
         await self.life.subscribe(self.nc, subjects.router_heartbeats(), LoadReport, self._on_router_heartbeat)
         self.life.every(HEARTBEAT_S, self.report_load)
         self.life.every(HEARTBEAT_S, self._drop_orphans)
+        self.life.every(ABORTS_KEPT_S / 10, self._forget_old_aborts)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -172,6 +173,8 @@ class EngineService:
             log.warning("request %s: router %s stopped heartbeating; dropping it", job.rid, job.router)
             await self.on_abort_message(Abort(job.rid, AbortReason.ROUTER_LOST, job.router), Role.ROUTER)
         self.routers.prune(keep_s=600.0)
+
+    async def _forget_old_aborts(self) -> None:
         now = time.monotonic()
         for rid in [r for r, (t, *_) in self.aborted.items() if now - t > ABORTS_KEPT_S]:
             del self.aborted[rid]
