@@ -1,4 +1,4 @@
-"""`pdd chaos`: faults injected into a running `pdd up` under a steady streaming load.
+"""`pdd chaos`: faults injected into a `pdd up` system (started here) under a steady streaming load.
 
 One system (the `small` preset), one phase per fault. Each phase runs `--requests` streamed,
 greedy completions, `--concurrency` at a time, alternating the two pipelines (p-md and

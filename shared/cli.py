@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark; extra arguments go to it")
     bench.add_argument("name", choices=BENCHES)
 
-    sub.add_parser("chaos", help="inject faults into a running system under load (= pdd bench chaos)",
+    sub.add_parser("chaos", help="start a system and inject faults into it under load (= pdd bench chaos)",
                    add_help=False)  # fmt: skip
 
     trace = sub.add_parser("trace", help="show one request's trace from the local span store")
