@@ -139,3 +139,11 @@ def test_an_ended_stream_cannot_move_again() -> None:
     assert s.done and s.failure is None
     with pytest.raises(IllegalTransition):
         s.dispatched("p0")
+
+
+def test_a_first_token_that_beats_mds_answer_still_hands_the_request_on() -> None:
+    s = _stream(Pipeline.P_MD)
+    s.observe(TokenEvent("r", Role.PREFILL, 0, [4]))  # prefill answered before MD's prepare reply came
+    assert s.producer is None
+    s.dispatched("p0")
+    assert s.producer == (Role.MAIN_DECODE, "md0")  # not prefill, which lets go once its KV is sent

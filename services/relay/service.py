@@ -170,8 +170,7 @@ class RelayService(EngineService):
     async def _resume(self, msg: ResumeRequest, raw) -> None:
         """The request moved here by its token IDs (its instance was lost, or no MD is
         reachable): the relay finishes it alone, recomputing what its cache lacks."""
-        job = RelayJob(msg.rid, self.settings.catchup_threshold, router=msg.router)
-        job.state = StateMachine(RelayState.SOLO, MOVES)
+        job = RelayJob(msg.rid, self.settings.catchup_threshold, StateMachine(RelayState.SOLO, MOVES), router=msg.router)
         job.span = self.tracer.start_span(
             "relay.decode", attributes={REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)}
         )

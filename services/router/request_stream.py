@@ -85,28 +85,35 @@ class RequestStream:
     def dispatched(self, prefill: str) -> None:
         relayed = self.decision.pipeline is Pipeline.P_RLD_MD
         self.state.to(StreamState.RELAYED if relayed else StreamState.WITH_MD)
-        self.hand_to(Role.PREFILL, prefill)  # until the first token
+        if self.last_token_at is None:
+            self.hand_to(Role.PREFILL, prefill)  # until the first token
+        else:  # prefill's first token came before MD's answer to prepare did
+            self._first_token_out()
 
     def hand_to(self, role: Role, instance: str) -> None:
         self.producer = (role, instance)
         self.last_held = time.monotonic()
 
     def observe(self, ev: TokenEvent) -> None:
-        """Take the reports an event carries and follow the request from instance to instance:
-        after the first token the relay (P→RLD→MD) or MD (P→MD) produces; a relay that handed
-        over leaves MD in charge."""
+        """An event of this attempt arrived (the router calls this on arrival, not when the
+        client reads it, so a slow client never looks like a stalled instance). Takes the
+        reports it carries and follows the request from instance to instance."""
         self.relay = ev.relay or self.relay
         self.decode = ev.decode or self.decode
         self.last_held = time.monotonic()  # progress: whoever sent it still holds the request
         if ev.tokens:
             self.last_token_at = self.last_held
-        if self.producer and self.producer[0] is Role.PREFILL and ev.tokens and ev.index == 0:
-            if self.state.is_in(StreamState.RELAYED) and self.relay_instance:
-                self.hand_to(Role.RELAY, self.relay_instance)
-            elif self.state.is_in(StreamState.WITH_MD):
-                self.hand_to(Role.MAIN_DECODE, self.md_instance)
+            if ev.index == 0 and self.producer is not None and self.producer[0] is Role.PREFILL:
+                self._first_token_out()
         if ev.relay and ev.relay.handed_over and self.state.is_in(StreamState.RELAYED):
             self.state.to(StreamState.WITH_MD)
+            self.hand_to(Role.MAIN_DECODE, self.md_instance)
+
+    def _first_token_out(self) -> None:
+        """After prefill's first token the relay (P→RLD→MD) or MD (P→MD) produces."""
+        if self.state.is_in(StreamState.RELAYED) and self.relay_instance:
+            self.hand_to(Role.RELAY, self.relay_instance)
+        elif self.state.is_in(StreamState.WITH_MD):
             self.hand_to(Role.MAIN_DECODE, self.md_instance)
 
     def stall(self, now: float, lost_after_s: float, gap_after_s: float, stall_after_s: float) -> tuple[str, str] | None:

@@ -102,6 +102,7 @@ class RouterCore:
             # The instance failed the request (a lost peer, a cut transfer): continue elsewhere.
             self.life.spawn(self._migrate(stream, f"{ev.source.value} failed it: {ev.error}", "error"))
             return
+        stream.observe(ev)
         stream.queue.put_nowait(ev)
 
     async def _on_kv_events(self, ev: KVEvents, raw) -> None:
@@ -205,10 +206,11 @@ class RouterCore:
                 options = options or PddOptions()
                 forced = Pipeline(options.pipeline) if options.pipeline else None
                 stream = self._routed(rid, span, prompt_ids, forced, params)
-                if stream.decision.pipeline is Pipeline.RLD_ONLY or not self.registry.alive(Role.PREFILL):
+                prefill = choose_least_loaded(self.registry.loads(Role.PREFILL))
+                if stream.decision.pipeline is Pipeline.RLD_ONLY or prefill is None:
                     await self._start_elsewhere(stream, "no prefill or main-decode instance is available")
                 else:
-                    await self._dispatch(stream, params, options.catchup_threshold)
+                    await self._dispatch(stream, prefill, options.catchup_threshold)
                 return stream
         except APIError as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
@@ -232,12 +234,12 @@ class RouterCore:
         self.streams[rid] = self.attempts[rid] = stream
         return stream
 
-    async def _dispatch(self, stream: RequestStream, params: SamplingParams, catchup: int | None) -> None:
+    async def _dispatch(self, stream: RequestStream, prefill: str, catchup: int | None) -> None:
         """Ask MD (across the WAN) and P at once: prefill starts without waiting a round trip;
         MD's answer (which blocks it lacks) follows P as an MDTarget. If an instance does not
         answer, the request starts on another one instead (by token IDs)."""
         try:
-            prep, reply = await asyncio.gather(self._prepare_md(stream, params), self._submit(stream, params, catchup))
+            prep, reply = await asyncio.gather(self._prepare_md(stream), self._submit(stream, prefill, catchup))
         except Exception as e:  # an instance vanished, or NATS trouble
             await self._start_elsewhere(stream, f"could not dispatch the request: {e or type(e).__name__}")
             return
@@ -263,22 +265,19 @@ class RouterCore:
             await self.abort(stream.rid, AbortReason.DISPATCH_FAILED)
             raise APIError(stream.failure or why, 503)
 
-    async def _prepare_md(self, stream: RequestStream, params: SamplingParams) -> PrepareReply:
-        msg = PrepareRequest(stream.rid, stream.prompt_ids, params, stream.block_hashes, stream.decision.pipeline,
+    async def _prepare_md(self, stream: RequestStream) -> PrepareReply:
+        msg = PrepareRequest(stream.rid, stream.prompt_ids, stream.params, stream.block_hashes, stream.decision.pipeline,
                              router=self.identity)  # fmt: skip
         subject = subjects.md_prepare(stream.md_instance)
         peer = (Role.MAIN_DECODE, stream.md_instance)
         return await self._ask(peer, subject, msg, PrepareReply, self.settings.prepare_timeout_s)
 
-    async def _submit(self, stream: RequestStream, params: SamplingParams, catchup: int | None) -> SubmitReply:
+    async def _submit(self, stream: RequestStream, prefill: str, catchup: int | None) -> SubmitReply:
         relay = self.registry.get(Role.RELAY, stream.relay_instance) if stream.relay_instance else None
-        msg = PrefillSubmit(stream.rid, stream.prompt_ids, params, stream.decision.pipeline,
+        msg = PrefillSubmit(stream.rid, stream.prompt_ids, stream.params, stream.decision.pipeline,
                             relay_address=relay.address if relay else None, catchup_threshold=catchup,
                             router=self.identity)  # fmt: skip
-        prefill = choose_least_loaded(self.registry.loads(Role.PREFILL))
-        subject = subjects.prefill_submit_to(prefill) if prefill else subjects.prefill_submit()
-        if prefill is None:
-            return await request(self.nc, subject, msg, SubmitReply, timeout=self.settings.prepare_timeout_s)
+        subject = subjects.prefill_submit_to(prefill)
         return await self._ask((Role.PREFILL, prefill), subject, msg, SubmitReply, self.settings.prepare_timeout_s)
 
     async def _ask(self, peer: tuple[Role, str], subject: str, msg, reply_cls: type, timeout: float):
@@ -388,7 +387,6 @@ class RouterCore:
     def _merge(self, stream: RequestStream, ev: TokenEvent) -> Delta | None:
         if ev.rid != stream.attempt_rid:
             return None  # queued before the request moved: the new attempt resends what counts
-        stream.observe(ev)
         merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None)
         if merged.tokens and stream.first_token_at is None:
             stream.first_token_at = time.monotonic()
