@@ -5,6 +5,8 @@ request by its token IDs (resume)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,6 +43,7 @@ from shared.telemetry.tracing import get_tracer
 log = logging.getLogger(__name__)
 
 ABORTS_KEPT_S = 60.0  # how long an abort is remembered against a late admission
+FREED_RECHECK_S = 0.25  # a wait for freed blocks looks again after this even unwoken (a free it missed)
 
 
 class EngineService:
@@ -63,6 +66,7 @@ class EngineService:
         # different paths, and admission awaits the engine), and must still win.
         self.aborted: dict[str, tuple[float, Abort, Role]] = {}
         self.conn = ConnectionWatch(nc)
+        self._freed = asyncio.Event()  # set when KV blocks went back to the pool
         self.track("jobs", lambda: len(self.jobs))
         self.track("engine_requests", lambda: len(engine.seqs))
         self.track("pins", lambda: len(engine.transfer.pins))
@@ -123,6 +127,8 @@ class EngineService:
 
     async def on_outputs(self, outputs: list[StepOutput], extra: Any) -> None:
         """One step's outputs, per live request."""
+        if any(o.finished for o in outputs):
+            self._freed.set()  # a finished sequence gave its blocks back
         for rid, outs in group_by_request(outputs).items():
             job = self.jobs.get(rid)
             if job is not None:
@@ -206,9 +212,18 @@ class EngineService:
     async def free(self, rid: str) -> None:
         """Drop the request's sequence and its pinned blocks (late or not: must_run)."""
         await self.engine_loop.call(self._free_now, rid, must_run=True)
+        self._freed.set()
 
     async def unpin(self, rid: str) -> None:
         await self.engine_loop.call(self.engine.transfer.unpin, rid, must_run=True)
+        self._freed.set()
+
+    async def blocks_freed(self) -> None:
+        """Return once KV blocks may have gone back to the pool since the last call (for a
+        wait for room); bounded, since a free between a failed try and this wait is missed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._freed.wait(), FREED_RECHECK_S)
+        self._freed.clear()
 
     # ---- messages --------------------------------------------------------------------
     async def _on_abort(self, msg: Abort, raw: Any) -> None:

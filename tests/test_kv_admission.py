@@ -4,6 +4,7 @@ reservations in the engine (imports never run out), and MD's bounded FIFO wait."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -104,6 +105,17 @@ class Pool:
 
     def __init__(self, free: int):
         self.free, self.order, self.undone = free, [], []
+        self.freed_event = asyncio.Event()
+
+    def give(self, n: int) -> None:
+        self.free += n
+        self.freed_event.set()
+
+    async def freed(self) -> None:
+        """Like the engine service's: woken by a free, or after a short bound."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.freed_event.wait(), 0.05)
+        self.freed_event.clear()
 
     def attempt(self, rid: str, need: int = 1):
         async def attempt():
@@ -127,31 +139,34 @@ async def _admit(queue: KVAdmissionQueue, pool: Pool, rid: str, need: int = 1):
 
 
 async def test_waiters_are_admitted_in_arrival_order():
-    queue, pool = KVAdmissionQueue(max_waiting=8, max_wait_s=30, retry_s=0.001), Pool(free=1)
+    pool = Pool(free=1)
+    queue = KVAdmissionQueue(max_waiting=8, max_wait_s=30, freed=pool.freed)
     assert await _admit(queue, pool, "a") == "a"
     waiters = [asyncio.create_task(_admit(queue, pool, rid)) for rid in "bcd"]
     await asyncio.sleep(0.01)
     assert list(queue.waiting) == ["b", "c", "d"]
     for _ in range(3):
-        pool.free += 1
+        pool.give(1)
         await asyncio.sleep(0.01)
     assert await asyncio.gather(*waiters) == ["b", "c", "d"] and pool.order == ["a", "b", "c", "d"]
 
 
 async def test_small_request_does_not_pass_a_large_one_waiting():
-    queue, pool = KVAdmissionQueue(max_waiting=8, max_wait_s=30, retry_s=0.001), Pool(free=0)
+    pool = Pool(free=0)
+    queue = KVAdmissionQueue(max_waiting=8, max_wait_s=30, freed=pool.freed)
     large = asyncio.create_task(_admit(queue, pool, "large", need=2))
     await asyncio.sleep(0.01)
     small = asyncio.create_task(_admit(queue, pool, "small", need=1))
-    pool.free = 1
+    pool.give(1)
     await asyncio.sleep(0.02)
     assert pool.order == [] and list(queue.waiting) == ["large", "small"]
-    pool.free = 3
+    pool.give(2)
     assert await asyncio.wait_for(asyncio.gather(large, small), 5) == ["large", "small"]
 
 
 async def test_full_queue_and_long_wait_answer_busy():
-    queue, pool = KVAdmissionQueue(max_waiting=1, max_wait_s=0.05, retry_s=0.001), Pool(free=0)
+    pool = Pool(free=0)
+    queue = KVAdmissionQueue(max_waiting=1, max_wait_s=0.05, freed=pool.freed)
     waiter = asyncio.create_task(_admit(queue, pool, "a"))
     await asyncio.sleep(0.01)
     with pytest.raises(KVBusy, match="already wait"):
@@ -162,7 +177,8 @@ async def test_full_queue_and_long_wait_answer_busy():
 
 
 async def test_cancelled_waiter_leaves_the_queue():
-    queue, pool = KVAdmissionQueue(max_waiting=4, max_wait_s=30, retry_s=0.001), Pool(free=0)
+    pool = Pool(free=0)
+    queue = KVAdmissionQueue(max_waiting=4, max_wait_s=30, freed=pool.freed)
     waiter = asyncio.create_task(_admit(queue, pool, "a"))
     await asyncio.sleep(0.01)
     queue.cancel("a")

@@ -1,5 +1,5 @@
 """MD's wait for KV memory: prepares that cannot reserve their blocks now queue, first come
-first served, and the oldest retries as blocks free up. The queue and each wait are bounded:
+first served, and the oldest tries again each time blocks are freed. The queue and each wait are bounded:
 past either bound the prepare is answered busy instead of holding up the router."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RETRY_S = 0.02  # how often the oldest waiter looks for freed blocks
 
 
 class KVBusy(Exception):
@@ -19,10 +18,12 @@ class KVBusy(Exception):
 
 
 class KVAdmissionQueue:
-    def __init__(self, max_waiting: int, max_wait_s: float, retry_s: float = RETRY_S):
+    def __init__(self, max_waiting: int, max_wait_s: float, freed: Callable[[], Awaitable[None]]):
+        """`freed()` returns once blocks may have been freed (the engine service's signal), or
+        after a short bound without one (so a cancel is noticed)."""
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
-        self.retry_s = retry_s
+        self.freed = freed
         self.waiting: dict[str, None] = {}  # request ids queued or trying, in arrival order
         self._turn = asyncio.Lock()  # fair: waiters get it in arrival order
         self._cancelled: set[str] = set()
@@ -48,7 +49,7 @@ class KVAdmissionQueue:
                     if not tried:
                         tried = True
                         log.info("request %s waits for KV memory (%d in line)", rid, len(self.waiting))
-                    await asyncio.sleep(self.retry_s)
+                    await self.freed()
                 return None
         except TimeoutError:
             raise KVBusy(f"no KV memory became free within {self.max_wait_s:g} s") from None

@@ -92,7 +92,7 @@ class MainDecodeService(EngineService):
 
     def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.kv_admission = KVAdmissionQueue(settings.admission_queue_max, settings.admission_wait_s)
+        self.kv_admission = KVAdmissionQueue(settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed)
 
     @property
     def advertise_address(self) -> str:

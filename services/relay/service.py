@@ -51,7 +51,6 @@ from .handoff_policy import catchup_is_final, choose_handoff_mode
 log = logging.getLogger(__name__)
 
 EARLY_READY_MAX = 1024
-IMPORT_RETRY_S = 0.02  # how often an import waiting for free KV blocks tries again
 EARLY_READY_TTL_S = 5.0  # a kv_ready beats the local KV by well under this, or its request is gone
 
 
@@ -133,7 +132,7 @@ class RelayService(EngineService):
                     try:
                         return await self.engine_loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
                     except KVShortageError:
-                        await asyncio.sleep(IMPORT_RETRY_S)
+                        await self.blocks_freed()
         except TimeoutError:
             raise KVShortageError(f"no room for {len(hashes)} KV blocks within {wait:g} s") from None
 
