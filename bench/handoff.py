@@ -43,7 +43,7 @@ import torch
 
 from bench.client import start_wan
 from bench.report import pyplot, save_report
-from shared.bus import decode, encode
+from shared.bus import decode, encode, flushed
 from shared.bus.messages import HandoffBatch, HandoffMode
 from shared.bus.nats_server import free_port
 from shared.security import Identity, client_context, server_context
@@ -152,7 +152,7 @@ def _md_main(conn: Any, cfg: dict) -> None:
         server = await start_kv_server(f"tcp://127.0.0.1:{cfg['kv_port']}", SECRET, md, ssl=tls)
         nc = await sec.connect(cfg["nats_b"], "bench-md")
         await nc.subscribe(SUBJECT, cb=md.on_handoff)
-        await nc.flush()
+        await flushed(nc)
         conn.send(("up", md.reference))
         loop = asyncio.get_running_loop()
         while True:

@@ -30,7 +30,7 @@ import torch
 
 from bench.client import start_wan
 from bench.report import save_report
-from shared.bus import NatsServer
+from shared.bus import NatsServer, flushed
 from shared.bus.nats_server import free_port
 from shared.kv import open_kv_client, start_kv_server
 from shared.kv.transport import SNDBUF
@@ -358,7 +358,7 @@ async def _nats_latency(sec: NatsSecurity, req: NatsServer, rep: NatsServer, cou
             await msg.respond(msg.data)
 
         await nc_rep.subscribe("bench.ping", cb=pong)
-        await nc_rep.flush()
+        await flushed(nc_rep)
         for _ in range(50):  # interest must cross the gateway first
             try:
                 await nc_req.request("bench.ping", b"x", timeout=0.2)

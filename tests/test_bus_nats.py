@@ -18,6 +18,7 @@ from shared.bus import (
     MALFORMED,
     Message,
     NatsServer,
+    flushed,
     publish,
     register_service,
     request,
@@ -46,7 +47,7 @@ async def _collect(nc, subject: str, cls: type[Message]) -> asyncio.Queue:
         await q.put((msg, trace.get_current_span().get_span_context().trace_id))
 
     await subscribe(nc, subject, cls, handler)
-    await nc.flush()
+    await flushed(nc)
     return q
 
 
@@ -117,7 +118,7 @@ async def _serve_pongs(nc, subject: str) -> None:
         await respond(raw, Pong(msg.n + 1, trace.get_current_span().get_span_context().trace_id))
 
     await subscribe(nc, subject, Ping, handler, queue="q")
-    await nc.flush()
+    await flushed(nc)
 
 
 async def test_request_reply_and_timeout(nats_server: NatsServer, nats_security: NatsSecurity) -> None:

@@ -15,7 +15,7 @@ from services.router.errors import APIError
 from services.router.service import RouterCore
 from shared.bus import subjects
 from shared.bus.codec import encode
-from shared.bus.connection import publish, request, subscribe
+from shared.bus.connection import flushed, publish, request, subscribe
 from shared.bus.messages import (
     Abort,
     AbortReason,
@@ -154,7 +154,7 @@ async def test_an_abort_that_overtakes_its_admission_still_wins(nats_server, nat
     try:
         hashes = md.engine.block_hashes(PROMPT)
         await publish(nc, subjects.abort("early", "router"), Abort("early", AbortReason.DISPATCH_FAILED))
-        await nc.flush()
+        await flushed(nc)
         async with asyncio.timeout(10):
             while not md.was_aborted("early"):  # noqa: ASYNC110 - the abort arrives through NATS
                 await asyncio.sleep(0.05)

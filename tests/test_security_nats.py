@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
-from shared.bus import NatsServer, connect, publish, subjects, subscribe
+from shared.bus import NatsServer, connect, flushed, publish, subjects, subscribe
 from shared.bus.messages import Role, TokenEvent
 from shared.bus.nats_server import free_port
 from shared.bus.subjects import Req
@@ -116,7 +116,7 @@ async def test_each_service_publishes_only_its_own_subjects(
 
     for pattern in ("pdd.>", PROBE):
         await listener.subscribe(pattern, cb=seen)
-    await listener.flush()
+    await flushed(listener)
     nc = await nats_security.connect(nats_server, service, user=service, error_cb=on_error)
     try:
         table = _publishers()
@@ -126,7 +126,7 @@ async def test_each_service_publishes_only_its_own_subjects(
         # this one is here every message published before it that was let through is here too.
         await nc.publish(subjects.abort("end", service), b"x")
         await asyncio.wait_for(done.wait(), 10)
-        await nc.flush()  # the server's -ERR replies precede its PONG, and nats-py reports them inline
+        await flushed(nc)  # the server's -ERR replies precede its PONG, and nats-py reports them inline
         assert set(got) - {subjects.abort("end", service)} == {s for s, who in table.items() if service in who}
         assert sum("permissions violation" in str(e).lower() for e in errors) == sum(
             service not in who for who in table.values()
@@ -148,12 +148,12 @@ async def test_a_token_event_from_the_router_never_reaches_the_router(
 
     try:
         await subscribe(router, subjects.all_req(Req.TOKENS), TokenEvent, on)
-        await router.flush()
+        await flushed(router)
         forged = TokenEvent(RID, Role.MAIN_DECODE, 0, [666])
         await publish(router, subjects.req(RID, Req.TOKENS), forged)  # the router may not
         # Had the server let it through, it would have sent it to this very connection before
-        # answering this flush's PING: so it would be queued ahead of the real one below.
-        await router.flush()
+        # answering these PINGs: so it would be queued ahead of the real one below.
+        await flushed(router)
         real = TokenEvent(RID, Role.RELAY, 0, [1])
         await publish(relay, subjects.req(RID, Req.TOKENS), real)  # the relay may
         assert await asyncio.wait_for(got.get(), 10) == real
@@ -176,10 +176,10 @@ async def test_a_service_cannot_listen_outside_its_row(nats_server: NatsServer, 
     try:
         await relay.subscribe(subjects.all_req(Req.TOKENS), cb=seen)
         await relay.subscribe(subjects.all_aborts(), cb=seen)
-        await relay.flush()
+        await flushed(relay)
         await prefill.publish(subjects.req(RID, Req.TOKENS), b"x")
         await prefill.publish(subjects.abort(RID, "prefill"), b"x")
-        await prefill.flush()
+        await flushed(prefill)
         await asyncio.wait_for(arrived.wait(), 10)  # in order: tokens first, had they been let through
         assert got == [subjects.abort(RID, "prefill")]
     finally:
@@ -252,7 +252,7 @@ async def test_the_gateway_runs_tls_and_carries_no_plaintext(tapped_pair, nats_s
 
     try:
         await md.subscribe(subjects.md_prepare("0"), cb=answer)
-        await md.flush()
+        await flushed(md)
         async with asyncio.timeout(15):
             while got.empty():  # interest crosses the gateway asynchronously
                 try:

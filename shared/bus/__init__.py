@@ -2,7 +2,16 @@
 
 from shared.bus import subjects
 from shared.bus.codec import Message, MessageError, decode, encode
-from shared.bus.connection import MALFORMED, RequestError, connect, publish, request, respond, subscribe
+from shared.bus.connection import (
+    MALFORMED,
+    RequestError,
+    connect,
+    flushed,
+    publish,
+    request,
+    respond,
+    subscribe,
+)
 from shared.bus.micro import register_service
 from shared.bus.nats_server import NatsServer
 
@@ -15,6 +24,7 @@ __all__ = [
     "connect",
     "decode",
     "encode",
+    "flushed",
     "publish",
     "register_service",
     "request",

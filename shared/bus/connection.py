@@ -97,6 +97,17 @@ async def connect(url: str | list[str], name: str, *, timeout: float | None = 30
     return nc
 
 
+async def flushed(nc: Client, timeout: float = 10) -> None:
+    """Return once the server has processed every SUB and PUB sent on `nc` so far.
+
+    nats-py writes its PING straight to the socket, ahead of commands still queued for its
+    flusher task, so one `nc.flush()` may return before an earlier SUB reaches the server (a
+    publish from another connection then finds no subscriber). The flusher runs before the
+    first PONG can be read, so a second PING leaves after everything queued before the call."""
+    await nc.flush(timeout)
+    await nc.flush(timeout)
+
+
 def _trace_headers(headers: dict | None) -> dict[str, str] | None:
     out = dict(headers or {})
     propagate.inject(out)  # adds `traceparent` (and baggage) when a span is current
