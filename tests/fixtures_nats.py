@@ -1,14 +1,16 @@
 """NATS fixtures, secured as `pdd up` runs them: mutual TLS, one user per service.
 
 `nats_security` holds a private CA and the services' credentials (made once per session), and
-builds servers and client connections from them; `nats_server`, `nats_pair` and
-`nats_pair_via_wan` are servers made by it. Its `connect` logs in as the test user, which may
+builds servers and client connections from them; `nats_server`, `nats_pair`,
+`nats_pair_via_wan` and `nats_supercluster` are servers made by it. Its `connect` logs in as the test user, which may
 use any subject (these fixtures serve tests of the bus, not of the permissions), or as a service.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
@@ -80,4 +82,51 @@ async def nats_pair_via_wan(nats_security: NatsSecurity) -> AsyncIterator[tuple[
             await a.stop()
             await b.stop()
     finally:
+        await wan.stop()
+
+
+CLUSTER_NODES = 3
+
+
+@dataclass
+class Supercluster:
+    a: list[NatsServer]  # cluster "nats-a", nodes "nats-a-0"...
+    b: list[NatsServer]
+    wan: WanControl  # link "gw-nats-a-0" fronts node nats-a-0's gateway, and so on
+
+
+def _cluster(sec: NatsSecurity, name: str, links: list[WanLink], gw_ports: list[int], remote: dict) -> list[NatsServer]:
+    """Nodes of cluster `name` (identity `name`), each advertising its WAN link as its gateway."""
+    route_ports = [free_port() for _ in gw_ports]
+    routes = [f"nats-route://127.0.0.1:{p}" for p in route_ports]
+    return [
+        sec.server(f"{name}-{i}", name, cluster=name, cluster_port=route_ports[i], routes=routes,
+                   gateway_port=gw_ports[i], gateway_advertise=links[i].listen, gateways=remote)  # fmt: skip
+        for i in range(len(gw_ports))
+    ]
+
+
+@pytest_asyncio.fixture
+async def nats_supercluster(nats_security: NatsSecurity) -> AsyncIterator[Supercluster]:
+    """Clusters "nats-a" and "nats-b" of CLUSTER_NODES nodes, routed, joined by gateways that cross the
+    emulator: every node dials the other cluster's nodes through their links, and advertises its own."""
+    names = ("nats-a", "nats-b")
+    gw_ports = {c: [free_port() for _ in range(CLUSTER_NODES)] for c in names}
+    links = {c: [WanLink(f"gw-{c}-{i}", "127.0.0.1:0", f"127.0.0.1:{p}") for i, p in enumerate(gw_ports[c])]
+             for c in names}  # fmt: skip
+    wan = WanEmulator([*links["nats-a"], *links["nats-b"]])
+    await wan.start()
+    urls = {c: [f"nats://{link.listen}" for link in links[c]] for c in names}
+    a = _cluster(nats_security, "nats-a", links["nats-a"], gw_ports["nats-a"], {"nats-b": urls["nats-b"]})
+    b = _cluster(nats_security, "nats-b", links["nats-b"], gw_ports["nats-b"], {"nats-a": urls["nats-a"]})
+    try:
+        for server in [*a, *b]:
+            await server.start()
+        await asyncio.gather(*(s.wait_routes(CLUSTER_NODES - 1, 15) for s in [*a, *b]))
+        await asyncio.gather(*(s.wait_gateways(15) for s in [*a, *b]))
+        assert wan.control_url is not None
+        yield Supercluster(a, b, WanControl(wan.control_url))
+    finally:
+        for server in [*a, *b]:
+            await server.stop()
         await wan.stop()

@@ -1,4 +1,5 @@
-"""Run a `nats-server` child process: one per datacenter, optionally joined by a gateway.
+"""Run a `nats-server` child process: one per datacenter, or a cluster of them (routes between
+the nodes of one datacenter), the datacenters joined by gateways.
 
 Used by the test fixtures and by `pdd up`, which always give it a TLS identity and users
 (shared/bus/nats_config.py); only the benchmarks run one without. The binary comes from the
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -54,11 +56,14 @@ class NatsServer:
         host: str = "127.0.0.1",
         port: int = 0,
         gateway_port: int | None = None,
-        gateways: dict[str, str] | None = None,
+        gateways: dict[str, str | list[str]] | None = None,  # remote gateway name -> its URL(s)
         workdir: Path | None = None,
         gateway_advertise: str | None = None,  # "host:port" peers should dial (e.g. a WAN proxy)
-        tls: Identity,  # clients and gateway peers: mutual TLS with this identity
+        tls: Identity,  # clients, route and gateway peers: mutual TLS with this identity
         users: list[NatsUser],  # who may connect: nobody else (there is no anonymous access)
+        cluster: str | None = None,  # cluster name (every node of one datacenter); also the gateway name
+        cluster_port: int | None = None,  # route listener (a free port when clustered and None)
+        routes: list[str] | None = None,  # nats-route://host:port of the cluster's nodes (own one ignored)
     ):
         if not users:
             raise ValueError(f"nats-server {name}: no users; anonymous access is never configured")
@@ -76,6 +81,9 @@ class NatsServer:
         self._proc: asyncio.subprocess.Process | None = None
         if self.gateways and gateway_port is None:
             self.gateway_port = free_port(host)
+        self.cluster = cluster
+        self.cluster_port = cluster_port if cluster_port is not None or not cluster else free_port(host)
+        self.routes = list(routes or [])
 
     @property
     def url(self) -> str:
@@ -88,6 +96,10 @@ class NatsServer:
     @property
     def gateway_url(self) -> str | None:
         return f"nats://{self.host}:{self.gateway_port}" if self.gateway_port else None
+
+    @property
+    def cluster_url(self) -> str | None:
+        return f"nats-route://{self.host}:{self.cluster_port}" if self.cluster else None
 
     @property
     def log_path(self) -> Path:
@@ -118,6 +130,9 @@ class NatsServer:
             gateway_advertise=self.gateway_advertise,
             gateways=self.gateways,
             log_file=str(self.log_path),
+            cluster=self.cluster,
+            cluster_listen=f"{self.host}:{self.cluster_port}" if self.cluster else None,
+            routes=self.routes,
         ).render()
 
     async def start(self, timeout: float = 10) -> None:
@@ -160,25 +175,37 @@ class NatsServer:
             await asyncio.sleep(0.02)
 
     async def wait_gateways(self, timeout: float = 10, names: list[str] | None = None) -> None:
-        """Wait until gateway connections to `names` (default: configured gateways) are up both ways."""
+        """Wait until gateway connections to `names` (default: configured gateways) are up: both
+        ways for a lone server; outbound for a cluster node, since each remote node dials only one
+        node of our cluster and the routes carry what it brings to the rest."""
         want = set(names if names is not None else self.gateways)
+
+        def connected(gz: dict) -> bool:
+            have_in = want if self.cluster else set(gz.get("inbound_gateways") or {})
+            return want <= set(gz.get("outbound_gateways") or {}) and want <= have_in
+
+        await self._wait_monitor("gatewayz", connected, timeout, f"gateways {sorted(want)} not connected")
+
+    async def wait_routes(self, n: int, timeout: float = 10) -> None:
+        """Wait until routed to `n` other nodes of the cluster (each may have several connections)."""
+
+        def routed(rz: dict) -> bool:
+            return len({r.get("remote_id") for r in rz.get("routes") or []}) >= n
+
+        await self._wait_monitor("routez", routed, timeout, f"routes to {n} other nodes not connected")
+
+    async def _wait_monitor(self, endpoint: str, done: Callable[[dict], bool], timeout: float, what: str) -> None:
+        """Poll a monitoring endpoint until `done` holds of its JSON; TimeoutError naming us and `what`."""
         async with httpx.AsyncClient(timeout=2) as http:
             try:
                 async with asyncio.timeout(timeout):
                     while True:
-                        try:
-                            gz = (await http.get(f"{self.monitor_url}/gatewayz")).json()
-                            have_out = set(gz.get("outbound_gateways") or {})
-                            have_in = set(gz.get("inbound_gateways") or {})
-                            if want <= have_out and want <= have_in:
+                        with contextlib.suppress(httpx.HTTPError):
+                            if done((await http.get(f"{self.monitor_url}/{endpoint}")).json()):
                                 return
-                        except httpx.HTTPError:
-                            pass
                         await asyncio.sleep(0.05)
             except TimeoutError:
-                raise TimeoutError(
-                    f"nats-server {self.name}: gateways {sorted(want)} not connected"
-                ) from None
+                raise TimeoutError(f"nats-server {self.name}: {what}") from None
 
     async def stop(self, timeout: float = 5) -> None:
         proc, self._proc = self._proc, None
