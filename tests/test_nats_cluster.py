@@ -4,6 +4,7 @@ across the WAN emulator (a supercluster); clients fail over to another node of t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -143,16 +144,16 @@ def _node_of(nc: Client, nodes: list[NatsServer]) -> NatsServer:
     return node
 
 
-async def _delivered(pub: Client, got: asyncio.Queue, timeout: float) -> bytes:
-    """Publish until one message arrives (interest crosses the gateway, clients reconnect, all
-    asynchronously); the first that arrives."""
+async def _delivered(pub: Client, got: asyncio.Queue, tag: str, timeout: float) -> None:
+    """Publish messages tagged `tag` until one arrives (interest crosses the gateway, clients
+    reconnect, all asynchronously); messages sent before, still on their way, do not count."""
     async with asyncio.timeout(timeout):
-        n = 0
-        while got.empty():
-            n += 1
-            await pub.publish(SUBJECT, str(n).encode())
+        for n in itertools.count():
+            await pub.publish(SUBJECT, f"{tag} {n}".encode())
             await asyncio.sleep(0.1)
-        return await got.get()
+            while not got.empty():
+                if got.get_nowait().startswith(f"{tag} ".encode()):
+                    return
 
 
 async def _sigkill(node: NatsServer) -> None:
@@ -177,17 +178,16 @@ async def test_a_client_fails_over_within_its_cluster_and_keeps_receiving_across
     try:
         await sub.subscribe(SUBJECT, cb=on_msg)
         await flushed(sub)
-        await _delivered(pub, got, 20)
+        await _delivered(pub, got, "before", 20)
         links = await sc.wan.get()
         assert sum(links[f"gw-nats-b-{i}"]["bytes_up"] for i in range(len(sc.b))) > 0  # A -> B via the WAN
 
         dead = [_node_of(sub, sc.b), _node_of(pub, sc.a)]
         for node in dead:
             await _sigkill(node)
-        while not got.empty():
-            got.get_nowait()
-        await _delivered(pub, got, 20)
+        await _delivered(pub, got, "after", 20)
         assert _node_of(sub, sc.b) not in dead and _node_of(pub, sc.a) not in dead
+        assert sub.stats["reconnects"] >= 1 and pub.stats["reconnects"] >= 1
         survivors = [n for n in [*sc.a, *sc.b] if n not in dead]
         await asyncio.gather(*(n.wait_routes(len(sc.a) - 2, 10) for n in survivors))
         await asyncio.gather(*(n.wait_gateways(10) for n in survivors))
