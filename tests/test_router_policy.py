@@ -117,6 +117,10 @@ def test_one_candidate_is_chosen_however_loaded():
     assert choose_main_decode([InstanceLoad("a", running=100)], {"a": 9.0}, W) == "a"
     assert choose_prefill([InstanceLoad("p", waiting=50)], 100, {}, W) == "p"
     assert choose_main_decode([], {}, W) is None and choose_prefill([], 100, {}, W) is None
+    # a factor under 1 may leave no instance within the bound: balance alone never refuses a request
+    strict = RouteWeights(W.overlap, W.load, W.prefill, balance_factor=0.5)
+    assert choose_main_decode([InstanceLoad("a", running=100)], {"a": 9.0}, strict) == "a"
+    assert within_bound([InstanceLoad("a", running=100)], 0.5) == [InstanceLoad("a", running=100)]
 
 
 def test_with_no_prefix_anywhere_the_least_loaded_md_wins():
