@@ -78,6 +78,7 @@ def test_p_md_matches_single_engine(system, reference):
     assert r.headers["x-pdd-pipeline"] == "p-md"
     assert body["pdd"]["pipeline"] == "p-md" and body["pdd"]["rld_tokens"] == 0
     assert body["pdd"]["md_tokens"] == 23  # prefill sampled the first
+    assert body["pdd"]["instances"] == {"prefill": "0", "relay": None, "main_decode": "0"}
     assert body["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=24, ignore_eos=True)
 
 
@@ -92,6 +93,7 @@ def test_relay_one_shot_matches(system, reference):
     assert stats["handoff_mode"] == "one-shot"
     assert stats["rld_tokens"] > 0 and stats["md_tokens"] > 0
     assert stats["handoff_batches"] == 1
+    assert stats["instances"] == {"prefill": "0", "relay": "0", "main_decode": "0"}
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=250, ignore_eos=True)
 
 

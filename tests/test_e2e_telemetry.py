@@ -61,6 +61,9 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
         return by_id[span["parent_span_id"]]["name"]
 
     root = next(s for s in spans if s["name"] == "router.request")
+    route = next(s for s in spans if s["name"] == "router.route")["attributes"]
+    instances = {k: route[f"pdd.instances.{k}"] for k in ("prefill", "relay", "main_decode")}
+    assert instances == body["pdd"]["instances"] == {"prefill": "0", "relay": "0", "main_decode": "0"}
     assert root["parent_span_id"] is None
     assert parent("prefill.compute") == "router.request"  # across NATS (submit)
     assert parent("kv.transfer", path="wan") == "router.request"

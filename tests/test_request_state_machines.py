@@ -147,3 +147,19 @@ def test_a_first_token_that_beats_mds_answer_still_hands_the_request_on() -> Non
     assert s.producer is None
     s.dispatched("p0")
     assert s.producer == (Role.MAIN_DECODE, "md0")  # not prefill, which lets go once its KV is sent
+
+
+def test_the_summary_names_the_instances_the_request_ran_on_also_after_a_move() -> None:
+    s = _stream(Pipeline.P_RLD_MD)
+    s.relay_instance = "r0"
+    assert s.summary()["instances"] == {"prefill": None, "relay": "r0", "main_decode": "md0"}  # not dispatched yet
+    s.dispatched("p1")
+    assert s.summary()["instances"] == {"prefill": "p1", "relay": "r0", "main_decode": "md0"}
+    s.migrating()
+    s.resumed(Role.MAIN_DECODE, "md2")  # md0 was lost: md2 produces the rest
+    assert s.summary()["instances"] == {"prefill": "p1", "relay": "r0", "main_decode": "md2"}
+    s.migrating()
+    s.resumed(Role.RELAY, "r3")
+    assert s.summary()["instances"]["relay"] == "r3"
+    no_md = RequestStream("q", [1], RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "")  # no MD was alive
+    assert no_md.summary()["instances"] == {"prefill": None, "relay": None, "main_decode": None}

@@ -1,16 +1,26 @@
 """The router's pure routing policy: which pipeline, which MD, which relay."""
 
+import pytest
+
 from services.router.policy import (
+    BOUND_SLACK,
     InstanceLoad,
+    RouteWeights,
     choose_least_loaded,
     choose_main_decode,
     choose_pipeline,
+    choose_prefill,
     estimate_wan_seconds,
+    load_of,
     resume_candidates,
+    within_bound,
 )
 from shared.bus.messages import Pipeline, Role
+from shared.config import RouterSettings
 
 P_MD, P_RLD_MD = Pipeline.P_MD, Pipeline.P_RLD_MD
+S = RouterSettings()
+W = RouteWeights(S.overlap_weight, S.load_weight, S.prefill_weight, S.balance_factor)  # the defaults
 
 
 def test_low_hit_long_prompt_takes_the_relay():
@@ -47,19 +57,6 @@ def test_cached_tokens_are_clamped():
     assert estimate_wan_seconds(0, 1e6, 0.04) == 0.02
 
 
-def test_md_with_longest_prefix_wins_then_least_loaded():
-    mds = [InstanceLoad("a", running=1), InstanceLoad("b", running=9), InstanceLoad("c", running=0)]
-    assert choose_main_decode(mds, {"a": 3, "b": 7, "c": 0}) == "b"
-    assert choose_main_decode(mds, {"a": 2, "b": 2, "c": 2}) == "c"
-    assert choose_main_decode([], {}) is None
-
-
-def test_least_loaded_relay():
-    loads = [InstanceLoad("x", running=3), InstanceLoad("y", running=1, waiting=1), InstanceLoad("z", running=5)]
-    assert choose_least_loaded(loads) == "y"
-    assert choose_least_loaded([]) is None
-
-
 def test_kv_queued_toward_md_pushes_a_request_onto_the_relay():
     # 200 × 1 KB alone: 0.2 s at 1 MB/s, under 0.5 s; behind 1 MB already queued: 1.2 s
     alone = choose_pipeline(200, 0, 1000, 1e6, 0.0, 0.5, True)
@@ -70,11 +67,126 @@ def test_kv_queued_toward_md_pushes_a_request_onto_the_relay():
     assert hit.pipeline == P_MD
 
 
-def test_a_lost_request_resumes_on_the_md_with_its_prefix_then_the_least_loaded_then_a_relay():
-    mds = [InstanceLoad("m0", running=1), InstanceLoad("m1", running=5), InstanceLoad("m2", running=0)]
+def test_load_counts_requests_held_or_running_those_sent_since_and_the_kv_in_use():
+    assert load_of(InstanceLoad("a")) == 0.0
+    assert load_of(InstanceLoad("a", running=2, waiting=1)) == 3.0
+    assert load_of(InstanceLoad("a", running=1, held=4)) == 4.0  # MD: also those whose KV is arriving
+    assert load_of(InstanceLoad("a", running=1, pending=2)) == 3.0
+    assert load_of(InstanceLoad("a", running=1, free_blocks=25, num_blocks=100)) == 1.75
+    assert load_of(InstanceLoad("a", free_blocks=0, num_blocks=0)) == 0.0  # pool size unknown
+
+
+def test_least_loaded_relay():
+    loads = [InstanceLoad("x", running=3), InstanceLoad("y", running=1, waiting=1), InstanceLoad("z", running=5)]
+    assert choose_least_loaded(loads) == "y"
+    assert choose_least_loaded(loads + [InstanceLoad("w", pending=1)]) == "w"
+    assert choose_least_loaded([InstanceLoad("x", running=2), InstanceLoad("y", held=1, pending=2)]) == "x"
+    assert choose_least_loaded([]) is None
+
+
+def test_the_bound_is_the_factor_times_the_mean_with_the_request_plus_one():
+    fleet = [InstanceLoad("a", running=5), InstanceLoad("b", running=1), InstanceLoad("c", running=0)]
+    # mean with the request: 7/3; bound 1.5 × 7/3 + 1 = 4.5: a (5 + 1) is over, b (2) and c (1) are not
+    assert [c.instance for c in within_bound(fleet, 1.5)] == ["b", "c"]
+    assert [c.instance for c in within_bound(fleet, 3.0)] == ["a", "b", "c"]  # 3 × 7/3 + 1 = 8
+    assert BOUND_SLACK == 1.0
+
+
+def test_an_idle_fleet_is_not_over_constrained():
+    idle = [InstanceLoad(m) for m in ("a", "b", "c")]
+    assert within_bound(idle, 1.5) == idle
+    # one request in flight: the MD serving it may take the session's next turn (2 ≤ 1.5 × 2/3 + 1)
+    one = [InstanceLoad("a", running=1), InstanceLoad("b"), InstanceLoad("c")]
+    assert within_bound(one, 1.5) == one
+    assert choose_main_decode(one, {"a": 0.0, "b": 1.0, "c": 1.0}, W) == "a"
+
+
+def test_the_md_holding_the_prefix_wins_within_the_bound_and_loses_over_it():
+    wan_s = {"a": 0.015, "b": 2.0}  # a holds the prompt; b would need 2 s of transfer
+    within = [InstanceLoad("a", running=4), InstanceLoad("b", running=2)]  # bound 1.5 × 7/2 + 1 = 6.25
+    assert choose_main_decode(within, wan_s, W) == "a"
+    edge = [InstanceLoad("a", running=9), InstanceLoad("b", running=2)]  # bound 1.5 × 12/2 + 1 = 10: a at it
+    assert choose_main_decode(edge, wan_s, W) == "a"
+    over = [InstanceLoad("a", running=10), InstanceLoad("b", running=2)]  # bound 1.5 × 13/2 + 1 = 10.75
+    assert choose_main_decode(over, wan_s, W) == "b"
+    # requests sent since a's report count: they push it over the bound as well
+    assert choose_main_decode([InstanceLoad("a", running=4, pending=6), InstanceLoad("b", running=2)], wan_s, W) == "b"
+
+
+def test_one_candidate_is_chosen_however_loaded():
+    assert choose_main_decode([InstanceLoad("a", running=100)], {"a": 9.0}, W) == "a"
+    assert choose_prefill([InstanceLoad("p", waiting=50)], 100, {}, W) == "p"
+    assert choose_main_decode([], {}, W) is None and choose_prefill([], 100, {}, W) is None
+    # a factor under 1 may leave no instance within the bound: balance alone never refuses a request
+    strict = RouteWeights(W.overlap, W.load, W.prefill, balance_factor=0.5)
+    assert choose_main_decode([InstanceLoad("a", running=100)], {"a": 9.0}, strict) == "a"
+    assert within_bound([InstanceLoad("a", running=100)], 0.5) == [InstanceLoad("a", running=100)]
+
+
+def test_with_no_prefix_anywhere_the_least_loaded_md_wins():
+    mds = [InstanceLoad("a", running=3), InstanceLoad("b", running=1), InstanceLoad("c", running=2)]
+    assert choose_main_decode(mds, {"a": 1.0, "b": 1.0, "c": 1.0}, W) == "b"
+    idle = [InstanceLoad("b"), InstanceLoad("a")]
+    assert choose_main_decode(idle, {"a": 1.0, "b": 1.0}, W) == "a"  # all equal: by name, stable
+    # equally busy: the one with more free KV
+    room = [InstanceLoad("a", running=1, free_blocks=10, num_blocks=100), InstanceLoad("b", running=1, free_blocks=90,
+                                                                                          num_blocks=100)]
+    assert choose_main_decode(room, {"a": 1.0, "b": 1.0}, W) == "b"
+
+
+def test_weights_at_zero():
+    mds = [InstanceLoad("a", running=3), InstanceLoad("b", running=2)]  # both within the bound (8.5)
+    wan_s = {"a": 0.0, "b": 1.0}
+    only_load = RouteWeights(overlap=0.0, load=1.0, prefill=0.0, balance_factor=1.5)
+    only_wan = RouteWeights(overlap=1.0, load=0.0, prefill=0.0, balance_factor=1.5)
+    nothing = RouteWeights(overlap=0.0, load=0.0, prefill=0.0, balance_factor=1.5)
+    assert choose_main_decode(mds, wan_s, only_load) == "b"
+    assert choose_main_decode(mds, wan_s, only_wan) == "a"
+    assert choose_main_decode(mds, wan_s, nothing) == "b"  # every cost 0: the least loaded
+    # the bound holds whatever the weights
+    hot = [InstanceLoad("a", running=9), InstanceLoad("b")]
+    assert choose_main_decode(hot, wan_s, only_wan) == "b"
+
+
+def test_a_far_md_with_a_longer_prefix_against_a_near_one():
+    def wan_s(prompt: int, cached: int, bandwidth: float, rtt: float) -> float:
+        return choose_pipeline(prompt, cached, 16_384, bandwidth, rtt, 0.5, True).est_wan_s
+
+    mds = [InstanceLoad("far"), InstanceLoad("near")]
+    # far: 1 MB/s, 200 ms; near: 100 MB/s, 10 ms
+    half = {"far": wan_s(2000, 1000, 1e6, 0.2), "near": wan_s(2000, 0, 100e6, 0.01)}  # 16.5 s vs 0.33 s
+    assert choose_main_decode(mds, half, W) == "near"
+    whole = {"far": wan_s(2000, 2000, 1e6, 0.2), "near": wan_s(2000, 0, 100e6, 0.01)}  # 0.1 s vs 0.33 s
+    assert choose_main_decode(mds, whole, W) == "far"
+    # a backlog queued toward the near one weighs as much as its own blocks
+    jammed = {"far": whole["far"], "near": choose_pipeline(2000, 0, 16_384, 100e6, 0.01, 0.5, True,
+                                                           backlog_bytes=10**9).est_wan_s}  # fmt: skip
+    assert choose_main_decode([InstanceLoad("far", running=3), InstanceLoad("near")], jammed, W) == "far"
+
+
+def test_prefill_by_its_cached_prefix_against_its_load():
+    ps = [InstanceLoad("p0", running=1), InstanceLoad("p1", running=0)]
+    # 4000 tokens at 1e-4 s each: 0.4 s of compute saved outweighs one request of load (0.1 s)
+    assert choose_prefill(ps, 4000, {"p0": 4000}, W) == "p0"
+    assert choose_prefill(ps, 4000, {"p0": 512}, W) == "p1"  # 0.05 s saved: less than the load
+    assert choose_prefill(ps, 4000, {}, W) == "p1"
+    busy = [InstanceLoad("p0", running=6), InstanceLoad("p1", running=0)]  # over the bound (1.5 × 7/2 + 1)
+    assert choose_prefill(busy, 100_000, {"p0": 100_000}, W) == "p1"
+
+
+@pytest.mark.parametrize("cached", [{"m1": 0.0}, {}])
+def test_a_lost_request_resumes_on_the_cheapest_md_then_a_relay(cached):
+    mds = [InstanceLoad("m0", running=1), InstanceLoad("m1", running=2), InstanceLoad("m2", running=0)]
     relays = [InstanceLoad("r0", running=4), InstanceLoad("r1", running=2)]
-    order = resume_candidates(mds, relays, {"m1": 3})
-    assert order == [(Role.MAIN_DECODE, "m1"), (Role.MAIN_DECODE, "m2"), (Role.MAIN_DECODE, "m0"),
-                     (Role.RELAY, "r1"), (Role.RELAY, "r0")]  # fmt: skip
-    assert resume_candidates([], relays, {})[0] == (Role.RELAY, "r1")
-    assert resume_candidates([], [], {}) == []
+    wan_s = {"m0": 1.0, "m1": 1.0, "m2": 1.0} | cached  # m1 holds the prompt (when it is in `cached`)
+    order = resume_candidates(mds, relays, wan_s, W)
+    first = ["m1", "m2", "m0"] if cached else ["m2", "m0", "m1"]
+    assert order == [(Role.MAIN_DECODE, m) for m in first] + [(Role.RELAY, "r1"), (Role.RELAY, "r0")]
+    assert resume_candidates([], relays, {}, W)[0] == (Role.RELAY, "r1")
+    assert resume_candidates([], [], {}, W) == []
+
+
+def test_an_md_over_the_bound_comes_last_among_the_mds():
+    mds = [InstanceLoad("hot", running=9), InstanceLoad("cold")]
+    order = resume_candidates(mds, [InstanceLoad("r")], {"hot": 0.0, "cold": 5.0}, W)
+    assert order == [(Role.MAIN_DECODE, "cold"), (Role.MAIN_DECODE, "hot"), (Role.RELAY, "r")]

@@ -1,4 +1,16 @@
-"""Routing policy: which pipeline and which instances serve a request. Pure functions."""
+"""Routing policy: which pipeline and which instances serve a request. Pure functions.
+
+Every instance choice is a cost in seconds, lowest wins, among the instances within the load
+bound (see `within_bound`):
+
+    MD cost = overlap_weight × WAN seconds to send the KV blocks this MD lacks
+              + load_weight × load
+    P cost  = prefill_weight × prompt tokens this P must compute (those it has not cached)
+              + load_weight × load
+
+load (`load_of`) counts requests; load_weight is the seconds of WAN transfer (or of prefill)
+one request of load is worth. The relay is the least loaded one.
+"""
 
 from __future__ import annotations
 
@@ -48,31 +60,89 @@ class InstanceLoad:
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
+    num_blocks: int = 0  # the KV pool's size (0: not known)
+    held: int = 0  # requests the instance holds (MD: also those whose KV is still arriving)
+    pending: int = 0  # requests this router sent it that its last report could not show yet
 
 
-def choose_main_decode(candidates: list[InstanceLoad], cached_blocks: dict[str, int]) -> str | None:
-    """The MD holding the longest cached prefix; ties go to the least loaded."""
+@dataclass(frozen=True)
+class RouteWeights:
+    """The cost's weights (RouterSettings documents their units)."""
+
+    overlap: float  # per second of WAN transfer to MD
+    load: float  # seconds per request of load
+    prefill: float  # seconds per prompt token P computes
+    balance_factor: float  # load bound: this many times the mean load (plus BOUND_SLACK)
+
+
+# Requests an instance may always take above balance_factor × the mean, like the ceiling in
+# consistent hashing with bounded loads. Without it an idle fleet is over-constrained: with
+# one request in flight over 3 MDs, 1.5 × the mean (with the new one: 2/3) is 1, so the MD
+# already serving a session could not take its next turn although every MD is nearly idle.
+# The price: at mean load L the busiest instance may reach balance_factor × L + 1.
+BOUND_SLACK = 1.0
+
+
+def load_of(c: InstanceLoad) -> float:
+    """Load in requests: those the instance holds or runs (whichever its report shows more
+    of), those sent since its report, plus the share of its KV pool in use (0..1, so that
+    between equally busy instances the one with more room wins)."""
+    used = 1.0 - c.free_blocks / c.num_blocks if c.num_blocks else 0.0
+    return max(c.running + c.waiting, c.held) + c.pending + used
+
+
+def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[InstanceLoad]:
+    """The candidates whose load with one more request stays within balance_factor × the
+    mean load (this request included) + BOUND_SLACK; all of them if none does (balance alone
+    never refuses a request)."""
     if not candidates:
-        return None
-    best = max(
-        candidates,
-        key=lambda c: (cached_blocks.get(c.instance, 0), -(c.running + c.waiting), c.free_blocks),
-    )
-    return best.instance
+        return []
+    loads = [load_of(c) for c in candidates]
+    bound = balance_factor * (sum(loads) + 1) / len(candidates) + BOUND_SLACK
+    return [c for c, load in zip(candidates, loads, strict=True) if load + 1 <= bound] or candidates
+
+
+def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], balance_factor: float) -> list[InstanceLoad]:
+    """Those within the load bound, then the rest; each by cost, then load, then name."""
+    eligible = {c.instance for c in within_bound(candidates, balance_factor)}
+    return sorted(candidates, key=lambda c: (c.instance not in eligible, costs[c.instance], load_of(c), c.instance))
+
+
+def md_costs(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> dict[str, float]:
+    """`wan_s`: each MD's estimated seconds to receive the blocks it lacks (choose_pipeline's est_wan_s)."""
+    return {c.instance: w.overlap * wan_s[c.instance] + w.load * load_of(c) for c in candidates}
+
+
+def choose_main_decode(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> str | None:
+    """The cheapest MD within the load bound."""
+    ranked = _ranked(candidates, md_costs(candidates, wan_s, w), w.balance_factor)
+    return ranked[0].instance if ranked else None
+
+
+def choose_prefill(
+    candidates: list[InstanceLoad], prompt_tokens: int, cached_tokens: dict[str, int], w: RouteWeights
+) -> str | None:
+    """The cheapest P within the load bound: prefill compute for what it has not cached, plus load."""
+    costs = {
+        c.instance: w.prefill * max(prompt_tokens - cached_tokens.get(c.instance, 0), 0) + w.load * load_of(c)
+        for c in candidates
+    }
+    ranked = _ranked(candidates, costs, w.balance_factor)
+    return ranked[0].instance if ranked else None
 
 
 def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:
     if not candidates:
         return None
-    return min(candidates, key=lambda c: (c.running + c.waiting, -c.free_blocks, c.instance)).instance
+    return min(candidates, key=lambda c: (load_of(c), -c.free_blocks, c.instance)).instance
 
 
 def resume_candidates(
-    mds: list[InstanceLoad], relays: list[InstanceLoad], cached_blocks: dict[str, int]
+    mds: list[InstanceLoad], relays: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights
 ) -> list[tuple[Role, str]]:
     """Where a request whose instance was lost may continue, best first: the MDs (decode is
-    their job) by longest cached prefix, then least loaded; then the relays by load (an
-    RLD-only finish, the fault fallback)."""
-    by_md = sorted(mds, key=lambda c: (-cached_blocks.get(c.instance, 0), c.running + c.waiting, -c.free_blocks))
-    by_relay = sorted(relays, key=lambda c: (c.running + c.waiting, -c.free_blocks, c.instance))
+    their job) by the MD cost, those within the load bound first; then the relays by load
+    (an RLD-only finish, the fault fallback)."""
+    by_md = _ranked(mds, md_costs(mds, wan_s, w), w.balance_factor)
+    by_relay = sorted(relays, key=lambda c: (load_of(c), -c.free_blocks, c.instance))
     return [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]

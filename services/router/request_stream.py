@@ -62,7 +62,8 @@ class RequestStream:
     decision: RouteDecision
     md_instance: str
     block_hashes: list[int] = field(default_factory=list)
-    relay_instance: str | None = None  # on P→RLD→MD
+    relay_instance: str | None = None  # on P→RLD→MD, or the relay that took the request over
+    prefill_instance: str | None = None  # the one that took the request (None: it started elsewhere)
     span: Span | None = None  # the request's root span: one trace across both datacenters
     params: SamplingParams | None = None  # what a migration resends, with the prompt and tokens so far
     state: StateMachine[StreamState] = field(default_factory=lambda: StateMachine(StreamState.DISPATCHING, MOVES))
@@ -83,6 +84,7 @@ class RequestStream:
 
     # ---- transitions -----------------------------------------------------------------
     def dispatched(self, prefill: str) -> None:
+        self.prefill_instance = prefill
         relayed = self.decision.pipeline is Pipeline.P_RLD_MD
         self.state.to(StreamState.RELAYED if relayed else StreamState.WITH_MD)
         if self.last_token_at is None:
@@ -152,6 +154,10 @@ class RequestStream:
     def resumed(self, role: Role, instance: str) -> None:
         self.state.to(StreamState.RESUMED)
         self.hand_to(role, instance)
+        if role is Role.MAIN_DECODE:
+            self.md_instance = instance
+        else:
+            self.relay_instance = instance
 
     def finish(self) -> None:
         self.state.to(StreamState.FINISHED)
@@ -200,4 +206,10 @@ class RequestStream:
             "wan_bytes": decode.wan_bytes if decode else 0,
             "migrations": self.attempt,
             "trace_id": self.trace_id,
+            "instances": self.instances(),
         }
+
+    def instances(self) -> dict[str, str | None]:
+        """Per role, the last instance of it the request ran on (None: none): after a move,
+        the one that took it over."""
+        return {"prefill": self.prefill_instance, "relay": self.relay_instance, "main_decode": self.md_instance or None}

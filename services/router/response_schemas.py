@@ -22,6 +22,15 @@ class Usage(_Strict):
     total_tokens: int
 
 
+class PddInstances(_Strict):
+    """Per role, the last instance of it the request ran on (null: none); after a move by
+    token IDs, the one that took it over."""
+
+    prefill: str | None
+    relay: str | None
+    main_decode: str | None
+
+
 class PddSummary(_Strict):
     """How the request was served (an extension field)."""
 
@@ -34,6 +43,7 @@ class PddSummary(_Strict):
     wan_bytes: int
     migrations: int  # times the request moved to another instance by its token IDs (a fault)
     trace_id: str | None
+    instances: PddInstances
 
 
 class CompletionChoice(_Strict):

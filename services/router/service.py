@@ -9,6 +9,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -43,9 +44,19 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
+from .assignments import Assignments
 from .errors import APIError
 from .merger import TokenMerger
-from .policy import RouteDecision, choose_least_loaded, choose_main_decode, choose_pipeline, resume_candidates
+from .policy import (
+    InstanceLoad,
+    RouteDecision,
+    RouteWeights,
+    choose_least_loaded,
+    choose_main_decode,
+    choose_pipeline,
+    choose_prefill,
+    resume_candidates,
+)
 from .prefix_index import PrefixIndex
 from .registry import Registry
 from .request_stream import MOVABLE, Delta, RequestStream, StreamState
@@ -64,6 +75,10 @@ class RouterCore:
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token
         self.index = PrefixIndex()
+        self.prefill_index = PrefixIndex()
+        self.assignments = Assignments()
+        self.weights = RouteWeights(settings.overlap_weight, settings.load_weight, settings.prefill_weight,
+                                    settings.balance_factor)  # fmt: skip
         self.registry = Registry(stale_after_s=settings.lost_after_s)
         self.streams: dict[str, RequestStream] = {}  # by the client's request id
         self.attempts: dict[str, RequestStream] = {}  # by the backends' id of the current attempt
@@ -161,28 +176,58 @@ class RouterCore:
         metrics.WAN_BANDWIDTH.labels(peer=md).set(bandwidth)
         return address, bandwidth, rtt
 
-    def route(self, prompt_ids: list[int], forced: Pipeline | None) -> tuple[RouteDecision, str, str | None, list[int]]:
-        """(decision, MD instance, relay instance on P→RLD→MD, the prompt's block hashes).
-        With no MD alive (lost, or its datacenter unreachable) the MD is "" and the request
-        goes to a relay (RLD-only: a fault fallback, never a policy)."""
-        hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
-        mds = self.registry.loads(Role.MAIN_DECODE)
-        cached = {m.instance: self.index.cached_prefix_blocks(m.instance, hashes) for m in mds}
-        md = choose_main_decode(mds, cached)
-        if md is None:
-            return RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, hashes
-        relay = choose_least_loaded(self.registry.loads(Role.RELAY))
+    def _loads(self, role: Role) -> list[InstanceLoad]:
+        """The live instances of a role, asked anew each time (instances that join or leave
+        count at once), with what their last report adds and the requests sent since."""
+        now = time.monotonic()
+        loads = []
+        for load in self.registry.loads(role):
+            report = self.registry.get(role, load.instance)
+            reported_at = now - self.registry.silent_for(role, load.instance)
+            loads.append(replace(
+                load, num_blocks=report.num_blocks if report else 0, held=len(report.held) if report else 0,
+                pending=self.assignments.pending((role, load.instance), reported_at),
+            ))  # fmt: skip
+        return loads
+
+    def _decide(self, prompt_ids: list[int], hashes: list[int], md: str, relay_available: bool) -> RouteDecision:
+        """The pipeline if the request went to this MD, with the WAN time it would take."""
         address, bandwidth, rtt = self._link_to_md(md)
-        decision = choose_pipeline(
-            len(prompt_ids), cached.get(md, 0) * self.block_size, self.kv_bytes_per_token, bandwidth, rtt,
-            self.settings.wan_time_threshold_s, relay is not None,
+        return choose_pipeline(
+            len(prompt_ids), self.index.cached_prefix_blocks(md, hashes) * self.block_size, self.kv_bytes_per_token,
+            bandwidth, rtt, self.settings.wan_time_threshold_s, relay_available,
             backlog_bytes=self.registry.wan_backlog(address) if address else 0,
         )  # fmt: skip
+
+    def route(
+        self, prompt_ids: list[int], forced: Pipeline | None
+    ) -> tuple[RouteDecision, str, str | None, str | None, list[int]]:
+        """(decision, MD instance, relay instance on P→RLD→MD, prefill instance, the prompt's
+        block hashes). The MD is the cheapest by the WAN time of what it lacks and its load;
+        the pipeline follows from that MD's WAN time. With no MD alive (lost, or its
+        datacenter unreachable) the MD is "" and the request goes to a relay (RLD-only: a
+        fault fallback, never a policy)."""
+        hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
+        self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
+        mds = self._loads(Role.MAIN_DECODE)
+        relay = choose_least_loaded(self._loads(Role.RELAY))
+        decisions = {m.instance: self._decide(prompt_ids, hashes, m.instance, relay is not None) for m in mds}
+        md = choose_main_decode(mds, {m: d.est_wan_s for m, d in decisions.items()}, self.weights)
+        if md is None:
+            return RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, None, hashes
+        decision = decisions[md]
         # A forced pipeline is honoured when it can be: with no relay alive, P→RLD→MD runs as P→MD
         # (x-pdd-pipeline says which ran).
         if forced is not None and forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):
             decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
-        return decision, md, relay if decision.pipeline is Pipeline.P_RLD_MD else None, hashes
+        relay = relay if decision.pipeline is Pipeline.P_RLD_MD else None
+        return decision, md, relay, self._choose_prefill(prompt_ids, hashes), hashes
+
+    def _choose_prefill(self, prompt_ids: list[int], hashes: list[int]) -> str | None:
+        prefills = self._loads(Role.PREFILL)
+        cached = {p.instance: self.prefill_index.cached_prefix_blocks(p.instance, hashes) * self.block_size
+                  for p in prefills}  # fmt: skip
+        return choose_prefill(prefills, len(prompt_ids), cached, self.weights)
 
     # ---- a request ---------------------------------------------------------------------
     async def open(
@@ -205,8 +250,7 @@ class RouterCore:
             with trace.use_span(span, end_on_exit=False):
                 options = options or PddOptions()
                 forced = Pipeline(options.pipeline) if options.pipeline else None
-                stream = self._routed(rid, span, prompt_ids, forced, params)
-                prefill = choose_least_loaded(self.registry.loads(Role.PREFILL))
+                stream, prefill = self._routed(rid, span, prompt_ids, forced, params)
                 if stream.decision.pipeline is Pipeline.RLD_ONLY or prefill is None:
                     await self._start_elsewhere(stream, "no prefill or main-decode instance is available")
                 else:
@@ -219,25 +263,33 @@ class RouterCore:
 
     def _routed(
         self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, params: SamplingParams
-    ) -> RequestStream:
+    ) -> tuple[RequestStream, str | None]:
+        """The request's stream, routed, and the prefill instance chosen for it."""
         with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
-            decision, md, relay, hashes = self.route(prompt_ids, forced)
+            decision, md, relay, prefill, hashes = self.route(prompt_ids, forced)
             route_span.set_attributes({
                 "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
                 "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline.value,
                 "pdd.md_instance": md, "pdd.relay_instance": relay or "",
+                "pdd.instances.prefill": prefill or "", "pdd.instances.relay": relay or "",
+                "pdd.instances.main_decode": md,
             })  # fmt: skip
         stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span, params=params,
                                merger=TokenMerger(params.max_tokens))  # fmt: skip
         span.set_attribute("pdd.pipeline", decision.pipeline.value)
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
         self.streams[rid] = self.attempts[rid] = stream
-        return stream
+        return stream, prefill
 
     async def _dispatch(self, stream: RequestStream, prefill: str, catchup: int | None) -> None:
         """Ask MD (across the WAN) and P at once: prefill starts without waiting a round trip;
         MD's answer (which blocks it lacks) follows P as an MDTarget. If an instance does not
         answer, the request starts on another one instead (by token IDs)."""
+        now = time.monotonic()
+        for role, instance in ((Role.PREFILL, prefill), (Role.RELAY, stream.relay_instance),
+                               (Role.MAIN_DECODE, stream.md_instance)):  # fmt: skip
+            if instance:  # its load counts it until it reports again
+                self.assignments.record((role, instance), now)
         try:
             prep, reply = await asyncio.gather(self._prepare_md(stream), self._submit(stream, prefill, catchup))
         except Exception as e:  # an instance vanished, or NATS trouble
@@ -343,10 +395,11 @@ class RouterCore:
             await asyncio.sleep(HEARTBEAT_S)
 
     def _resume_candidates(self, stream: RequestStream, avoid: set[tuple[Role, str]]) -> list[tuple[Role, str]]:
-        mds = [m for m in self.registry.loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
-        relays = [r for r in self.registry.loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
-        cached = {m.instance: self.index.cached_prefix_blocks(m.instance, stream.block_hashes) for m in mds}
-        return resume_candidates(mds, relays, cached)
+        mds = [m for m in self._loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
+        relays = [r for r in self._loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
+        wan_s = {m.instance: self._decide(stream.prompt_ids, stream.block_hashes, m.instance, False).est_wan_s
+                 for m in mds}  # fmt: skip
+        return resume_candidates(mds, relays, wan_s, self.weights)
 
     def _give_up(self, stream: RequestStream, why: str) -> bool:
         log.warning("request %s failed: %s", stream.rid, why)

@@ -1,0 +1,55 @@
+"""The router's count of requests it sent that the instances' load reports cannot show yet."""
+
+from dataclasses import replace
+
+from services.router.assignments import Assignments
+from services.router.policy import InstanceLoad, RouteWeights, choose_main_decode
+
+MD = "main_decode"
+W = RouteWeights(overlap=1.0, load=0.1, prefill=1e-4, balance_factor=1.5)
+
+
+def test_a_request_counts_from_when_it_is_sent_until_the_next_report():
+    a = Assignments()
+    a.record((MD, "a"), at=10.0)
+    a.record((MD, "a"), at=10.2)
+    a.record((MD, "b"), at=10.1)
+    assert a.pending((MD, "a"), reported_at=9.9) == 2  # the last report predates both
+    assert a.pending((MD, "b"), reported_at=9.9) == 1
+    assert a.pending((MD, "a"), reported_at=10.1) == 1  # a report after the first counts it itself
+    assert a.pending((MD, "a"), reported_at=10.3) == 0
+    assert a.pending((MD, "a"), reported_at=9.9) == 0  # dropped for good: the report counted them
+    assert a.pending(("relay", "a"), reported_at=0.0) == 0  # per role
+    assert len(a) == 1  # only b still has one pending
+
+
+def test_an_instance_that_left_leaves_nothing_behind():
+    a = Assignments()
+    a.record((MD, "gone"), at=1.0)
+    a.record((MD, "live"), at=1.0)
+    a.record((MD, "live"), at=5.0)
+    a.expire(before=3.0)
+    assert len(a) == 1 and a.pending((MD, "live"), reported_at=0.0) == 1
+    a.expire(before=6.0)
+    assert len(a) == 0
+
+
+def _burst(n: int, count_pending: bool) -> list[str]:
+    """n requests within one heartbeat interval over three idle MDs with no prefix cached."""
+    reports = [InstanceLoad(m) for m in ("a", "b", "c")]
+    sent = Assignments()
+    chosen = []
+    for i in range(n):
+        now = 1.01 + i * 0.01  # all after the reports, received at t=1
+        loads = [replace(r, pending=sent.pending((MD, r.instance), 1.0) if count_pending else 0) for r in reports]
+        md = choose_main_decode(loads, {"a": 0.5, "b": 0.5, "c": 0.5}, W)
+        sent.record((MD, md), now)
+        chosen.append(md)
+    return chosen
+
+
+def test_a_burst_between_two_reports_spreads_over_the_instances():
+    chosen = _burst(9, count_pending=True)
+    assert sorted(chosen.count(m) for m in "abc") == [3, 3, 3]
+    # without the count every one sees the same reports and the same instance wins
+    assert set(_burst(9, count_pending=False)) == {"a"}
