@@ -193,7 +193,7 @@ class _ViaSide(_Side):
 
     async def first_line(self) -> bytes:
         """The first line without its newline, due within via.TIMEOUT_S of the link being open
-        (a blackhole stops the clock: nothing can arrive meanwhile)."""
+        (a blackhole restarts the clock once restored: nothing could arrive meanwhile)."""
         while True:
             await self.conn.link.opened.wait()
             try:
