@@ -91,6 +91,9 @@ class PrefillSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_")
 
     prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk (0 = no cap)
+    # tcp://host:port of the WAN link every tcp:// KV peer (a main decoder) is dialed through,
+    # naming the peer in a first line (shared/wan/via.py); None = dial peers directly.
+    bulk_via: str | None = None
 
 
 class RelaySettings(CommonSettings):
@@ -109,7 +112,8 @@ class MainDecodeSettings(CommonSettings):
 
     datacenter: str = "dc-b"
     bulk_address: str = "tcp://127.0.0.1:7400"  # where MD listens for KV
-    advertise_address: str | None = None  # what P dials (the WAN proxy in front of MD)
+    # What P dials; None: bulk_address, with a wildcard host (0.0.0.0, ::) as this host's IP.
+    advertise_address: str | None = None
     # A prepare whose KV does not fit now waits, first come first served, for blocks to free
     # up; past either bound MD answers busy. Keep admission_wait_s under the router's
     # prepare_timeout_s.

@@ -80,6 +80,9 @@ def with_base_port(opts: UpOptions, base: int) -> UpOptions:
     return dataclasses.replace(opts, **{name: base + off for name, off in PORT_OFFSETS.items()})
 
 
+MD_BULK_PORTS = 10  # on one machine, main decoder i listens on md_bulk_port + i
+
+
 @dataclass(frozen=True)
 class Hosts:
     """What differs between one machine (`pdd up`) and one container per process (compose)."""
@@ -88,7 +91,7 @@ class Hosts:
     nats_a: str
     nats_b: str
     wan: str
-    main_decode: str
+    main_decode: str  # host of the main decoders' bulk listeners; "*": any (link `bulk` dials on demand)
     socket_dir: str | None = None  # relay's unix socket directory; None = the workdir
     secrets_dir: str | None = None  # credentials (shared/security/credentials.py); None = <workdir>/secrets
     local_traces: bool = True  # set PDD_TRACE_DIR (compose exports OTLP to Jaeger instead)
@@ -105,7 +108,7 @@ COMPOSE_HOSTS = Hosts(
     nats_a="nats-a",
     nats_b="nats-b",
     wan="wan",
-    main_decode="main_decode",
+    main_decode="*",  # replicas (`--scale main_decode=N`) have addresses unknown in advance
     socket_dir="/run/pdd",
     secrets_dir=f"{COMPOSE_WORKDIR}/secrets",
     local_traces=False,
@@ -122,12 +125,21 @@ class ProcessSpec:
 
 @dataclass
 class LinkSpec:
-    """One emulated WAN direction: listen on `listen_port`, forward to `target`."""
+    """One emulated WAN direction: listen on `listen_port`, forward to `target`. With
+    `last_port`, dial on demand (shared/wan/via.py): to the host:port each client names, on
+    target_host ("*" = any host) and a port in target_port..last_port."""
 
     name: str
     listen_port: int
     target_host: str
     target_port: int
+    last_port: int | None = None
+
+    @property
+    def target(self) -> str:
+        if self.last_port is None or (self.target_host == "*" and self.last_port == self.target_port):
+            return f"{self.target_host}:{self.target_port}"
+        return f"{self.target_host}:{self.target_port}-{self.last_port}"
 
 
 @dataclass
@@ -154,11 +166,14 @@ def certs_spec() -> ProcessSpec:
 
 
 def wan_links(opts: UpOptions, hosts: Hosts | None = None) -> list[LinkSpec]:
+    """Link `bulk` dials on demand, so one emulated line reaches every main decoder: on one
+    machine they share a host on ports md_bulk_port.., in compose a port on hosts unknown here."""
     h = hosts or Hosts.local(opts.host)
+    last_md_port = opts.md_bulk_port + (0 if h.main_decode == "*" else MD_BULK_PORTS - 1)
     return [
         LinkSpec("gw-ab", opts.wan_gw_ab_port, h.nats_b, opts.gw_b_port),
         LinkSpec("gw-ba", opts.wan_gw_ba_port, h.nats_a, opts.gw_a_port),
-        LinkSpec("bulk", opts.wan_bulk_port, h.main_decode, opts.md_bulk_port),
+        LinkSpec("bulk", opts.wan_bulk_port, h.main_decode, opts.md_bulk_port, last_md_port),
     ]
 
 
@@ -184,7 +199,7 @@ def wan_spec(opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
     argv += ["--delay-ms", str(opts.delay_ms), "--jitter-ms", str(opts.jitter_ms)]
     argv += ["--bandwidth-mbps", str(opts.bandwidth_mbps)]
     for link in wan_links(opts, h):
-        argv += ["--link", f"{link.name}={h.bind}:{link.listen_port}>{link.target_host}:{link.target_port}"]
+        argv += ["--link", f"{link.name}={h.bind}:{link.listen_port}>{link.target}"]
     return ProcessSpec("wan", argv, {"PYTHONUNBUFFERED": "1"}, DC_A)
 
 
@@ -241,15 +256,14 @@ def service_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[ProcessSp
 
     return [
         wan_spec(opts, h),
-        svc("prefill", nats_a, DC_A, m + 1),
+        svc("prefill", nats_a, DC_A, m + 1, bulk_via=f"tcp://{h.wan}:{opts.wan_bulk_port}"),
         svc("relay", nats_a, DC_A, m + 2, local_address=f"unix://{sock_dir}/relay-0.sock"),
         svc(
             "main_decode",
             nats_b,
             DC_B,
             m + 3,
-            bulk_address=f"tcp://{h.bind}:{opts.md_bulk_port}",
-            advertise_address=f"tcp://{h.wan}:{opts.wan_bulk_port}",
+            bulk_address=f"tcp://{h.bind}:{opts.md_bulk_port}",  # advertised as is, or as this host's IP
         ),
         svc(
             "router",

@@ -47,7 +47,9 @@ def test_topology() -> None:
     assert all(s.argv[1:] == ["-m", f"services.{s.name}"] for s in specs.values() if s.name != "wan")
     md = specs["main_decode"].env
     assert md["PDD_MD_NATS_URL"].endswith(f":{opts.nats_b_port}")
-    assert md["PDD_MD_ADVERTISE_ADDRESS"].endswith(f":{opts.wan_bulk_port}")  # P dials MD through the WAN
+    assert md["PDD_MD_BULK_ADDRESS"] == f"tcp://127.0.0.1:{opts.md_bulk_port}" and "PDD_MD_ADVERTISE_ADDRESS" not in md
+    # P dials every MD through the WAN
+    assert specs["prefill"].env["PDD_PREFILL_BULK_VIA"] == f"tcp://127.0.0.1:{opts.wan_bulk_port}"
     assert specs["prefill"].env["PDD_PREFILL_NATS_URL"].endswith(f":{opts.nats_a_port}")
     assert specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].startswith("unix:///")
 
@@ -58,6 +60,7 @@ def test_topology() -> None:
     assert links["gw-ab"].target_port == b.gateway_port and links["gw-ba"].target_port == a.gateway_port
     assert b.gateways == {"nats-a": f"nats://127.0.0.1:{links['gw-ba'].listen_port}"}
     wan = specs["wan"].argv
+    assert f"bulk=127.0.0.1:{opts.wan_bulk_port}>127.0.0.1:{opts.md_bulk_port}-{opts.md_bulk_port + 9}" in wan
     assert f"gw-ab=127.0.0.1:{opts.wan_gw_ab_port}>127.0.0.1:{opts.gw_b_port}" in wan
     assert wan[wan.index("--delay-ms") + 1] == "15.0"
 

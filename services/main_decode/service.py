@@ -38,6 +38,7 @@ from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings
 from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
 from shared.engine.admission import Verdict
+from shared.kv.transport import advertised_address
 from shared.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -94,15 +95,15 @@ class MainDecodeService(EngineService):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
         self.kv_admission = KVAdmissionQueue(settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed)
 
-    @property
-    def advertise_address(self) -> str:
-        return self.settings.advertise_address or (self.kv_server.address if self.kv_server else "")
+    advertise_address = ""  # where P dials this MD's bulk listener, once it listens
 
     def load_address(self) -> str:
         return self.advertise_address
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.bulk_address)
+        assert self.kv_server is not None
+        self.advertise_address = self.settings.advertise_address or await advertised_address(self.kv_server.address)
         await super().start()
         await self._publish_kv_snapshot()
         self.life.every(0.05, self._publish_kv_events)

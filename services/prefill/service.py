@@ -106,7 +106,9 @@ class PrefillService(EngineService):
         engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
-        self.kv_clients = KVClientPool(settings.secret, ssl=client_tls(settings))
+        # Peers over tcp:// are main decoders at any address: their certificates must name that identity.
+        self.kv_clients = KVClientPool(settings.secret, ssl=client_tls(settings), via=settings.bulk_via,
+                                       server_name=Role.MAIN_DECODE.value)  # fmt: skip
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
         self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series

@@ -357,15 +357,19 @@ async def open_kv_client(
     timeout: float = 10.0,
     checksum: str = DEFAULT_ALGO,
     ssl: SSLContext | None = None,
+    via: str | None = None,
+    server_name: str | None = None,
 ) -> KVClient:
     """Connect and authenticate. Raises KVTransferError when unauthenticated or refused by TLS,
     KVConnectionLost when the connection could not be made or dropped, or on timeout.
     `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://).
-    `ssl`: TLS on tcp:// (a client context with this party's certificate); unix:// ignores it."""
+    `ssl`: TLS on tcp:// (a client context with this party's certificate); unix:// ignores it.
+    `via`: a dial-on-demand WAN link's tcp:// address to reach tcp:// peers through.
+    `server_name`: the identity the peer's certificate must name (default: the address's host)."""
     stream: Stream | None = None
     try:
         async with asyncio.timeout(timeout):
-            stream = await transport_for(address).connect(address, ssl=ssl)
+            stream = await transport_for(address).connect(address, ssl=ssl, via=via, server_name=server_name)
             t0 = time.perf_counter()
             welcome = await auth.client_handshake(stream, secret.encode())
             rtt = time.perf_counter() - t0  # hello was already in flight: ~ one round trip

@@ -38,9 +38,19 @@ class _Peer:
 
 
 class KVClientPool:
-    def __init__(self, secret: str, per_peer: int = 4, timeout: float = 10.0, ssl: SSLContext | None = None):
+    def __init__(
+        self,
+        secret: str,
+        per_peer: int = 4,
+        timeout: float = 10.0,
+        ssl: SSLContext | None = None,
+        via: str | None = None,
+        server_name: str | None = None,
+    ):
         self.secret = secret
         self.ssl = ssl  # TLS for tcp:// peers
+        self.via = via  # the WAN link tcp:// peers are reached through (unix:// ones never are)
+        self.server_name = server_name  # the identity tcp:// peers' certificates must name
         self.per_peer = per_peer
         self.timeout = timeout
         self._peers: dict[str, _Peer] = {}
@@ -60,7 +70,8 @@ class KVClientPool:
                 conns[:] = [c for c in conns if not c.closed]  # forget_idle closes them
                 idle = min(conns, key=lambda c: self._active.get(c, 0), default=None)
                 if idle is None or (self._active.get(idle, 0) > 0 and len(conns) < self.per_peer):
-                    idle = await open_kv_client(address, self.secret, timeout=self.timeout, ssl=self.ssl)
+                    idle = await open_kv_client(address, self.secret, timeout=self.timeout, ssl=self.ssl,
+                                                via=self.via, server_name=self.server_name)  # fmt: skip
                     conns.append(idle)
                 self._active[idle] = self._active.get(idle, 0) + 1
                 return idle

@@ -22,6 +22,8 @@ from ssl import SSLContext
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from shared.wan.via import via_line
+
 log = logging.getLogger(__name__)
 
 RECV_CHUNK = 512 << 10  # checksum each piece while it is still in cache
@@ -61,7 +63,9 @@ OnStream = Callable[[Stream], Awaitable[None]]
 
 class Transport(Protocol):
     async def listen(self, address: str, on_stream: OnStream, ssl: SSLContext | None = None) -> Listener: ...
-    async def connect(self, address: str, ssl: SSLContext | None = None) -> Stream: ...
+    async def connect(
+        self, address: str, ssl: SSLContext | None = None, via: str | None = None, server_name: str | None = None
+    ) -> Stream: ...
 
 
 class SocketStream:
@@ -256,6 +260,28 @@ def _parse(address: str) -> tuple[str, tuple | str]:
     raise ValueError(f"unsupported address {address!r}")
 
 
+def _tcp(address: str) -> tuple[str, int]:
+    kind, where = _parse(address)
+    if kind != "tcp":
+        raise ValueError(f"expected tcp://host:port, got {address!r}")
+    assert isinstance(where, tuple)
+    return where
+
+
+async def advertised_address(bound: str) -> str:
+    """What peers dial to reach a listener bound at `bound`: a wildcard host (0.0.0.0, ::)
+    becomes this host's primary IP, its hostname's address (what a container's peers reach,
+    whatever it is); any other address is itself."""
+    kind, where = _parse(bound)
+    if kind != "tcp" or where[0] not in ("0.0.0.0", "::"):
+        return bound
+    family = socket.AF_INET6 if where[0] == "::" else socket.AF_INET
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(socket.gethostname(), None, family=family, type=socket.SOCK_STREAM)
+    ip = infos[0][4][0]
+    return f"tcp://{f'[{ip}]' if family == socket.AF_INET6 else ip}:{where[1]}"
+
+
 class SocketListener:
     def __init__(self, sock: socket.socket, address: str, on_stream: OnStream, tls: SSLContext | None):
         self.address = address
@@ -328,20 +354,29 @@ class SocketTransport:
         sock.setblocking(False)
         return SocketListener(sock, bound, on_stream, ssl if kind == "tcp" else None)
 
-    async def connect(self, address: str, ssl: SSLContext | None = None) -> Stream:
+    async def connect(
+        self, address: str, ssl: SSLContext | None = None, via: str | None = None, server_name: str | None = None
+    ) -> Stream:
+        """`via` (tcp://host:port of a dial-on-demand WAN link, shared/wan/via.py): connect
+        there and name `address` in a first line; TLS still runs end to end with `address`.
+        `server_name`: the name the server's certificate must hold (default: the address's
+        host). unix:// ignores all three."""
         kind, where = _parse(address)
         loop = asyncio.get_running_loop()
+        dial = where
         if kind == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         else:
-            infos = await loop.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)
-            family, _, _, _, where = infos[0]
+            infos = await loop.getaddrinfo(*(_tcp(via) if via else where), type=socket.SOCK_STREAM)
+            family, _, _, _, dial = infos[0]
             sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             _tune(sock)
-            await loop.sock_connect(sock, where)
+            await loop.sock_connect(sock, dial)
+            if kind == "tcp" and via is not None:
+                await loop.sock_sendall(sock, via_line(*where))
             if kind == "tcp" and ssl is not None:
-                return await _stream_of(sock, address, ssl, server_hostname=urlsplit(address).hostname)
+                return await _stream_of(sock, address, ssl, server_hostname=server_name or where[0])
         except BaseException:
             sock.close()
             raise

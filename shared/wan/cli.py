@@ -16,6 +16,8 @@ from shared.wan.shaper import check_setting
 EPILOG = """\
 link syntax:  NAME=LISTEN>TARGET[,delay_ms=X][,jitter_ms=X][,bandwidth_mbps=X]
   LISTEN and TARGET are host:port; quote the argument in a shell because of '>'.
+  A TARGET pattern HOST:LO-HI or *:PORT[-HI] dials on demand: each client first sends one
+  line "PDD-VIA host:port\\n" naming a target the pattern allows (else it is refused).
   Per-link options override the global --delay-ms/--jitter-ms/--bandwidth-mbps.
   Delay is one-way per direction: a round trip adds 2 x delay. Bandwidth is per direction.
 
@@ -23,6 +25,7 @@ example:
   python -m shared.wan --control 127.0.0.1:7490 \\
       --link 'bulk=127.0.0.1:7401>127.0.0.1:7400' \\
       --link 'gw-ab=127.0.0.1:7501>127.0.0.1:7500,bandwidth_mbps=100' \\
+      --link 'bulk-many=127.0.0.1:7402>127.0.0.1:7410-7419' \\
       --delay-ms 15 --jitter-ms 2 --bandwidth-mbps 1000
 
 control API:

@@ -1,6 +1,6 @@
 """Several WAN links in one process plus a small HTTP control API (FastAPI on uvicorn).
 
-GET  /links          -> {name: settings + byte counters}
+GET  /links          -> {name: listen, target (a pattern on dial-on-demand links), settings, counters}
 POST /links/{name}   <- {delay_ms?, jitter_ms?, bandwidth_mbps? (null = unlimited), cut?, cut_mode?}
 
 A request that is not that (a wrong type, an unknown key, a value outside shaper.LIMITS such

@@ -15,6 +15,7 @@ import struct
 from dataclasses import asdict, replace
 from typing import Literal, get_args
 
+from shared.wan import via
 from shared.wan.shaper import LinkSettings, Shaper
 
 log = logging.getLogger(__name__)
@@ -148,12 +149,67 @@ class _Side(asyncio.Protocol):
             self.conn.close()
 
 
+class _ViaSide(_Side):
+    """The client socket of a dial-on-demand link: its first line names the target and is
+    not forwarded; what follows it is, like any connection's bytes."""
+
+    def __init__(self, conn: _Conn, inbound: _Direction, outbound: _Direction):
+        super().__init__(conn, inbound, outbound)
+        self.head: bytearray | None = bytearray()  # None once the first line is in
+        self.named: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        if self.head is None:
+            self.inbound.push(data)
+            return
+        self.head += data
+        end = self.head.find(b"\n", 0, via.MAX_LINE)
+        if end < 0 and len(self.head) < via.MAX_LINE:
+            return  # more to come
+        head, self.head = self.head, None
+        if end < 0:  # too long: refused as it is, and nothing more is read
+            self.pause_in("via")
+            self.named.set_result(bytes(head[: via.MAX_LINE]))
+            return
+        self.named.set_result(bytes(head[:end]))
+        if len(head) > end + 1:
+            self.inbound.push(bytes(head[end + 1 :]))
+
+    def eof_received(self) -> bool:
+        if self.head is None:
+            return super().eof_received()
+        self._gone()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._gone()
+        super().connection_lost(exc)
+
+    def _gone(self) -> None:
+        """The client left before its first line was complete: what came is refused."""
+        if self.head is not None:
+            head, self.head = self.head, None
+            self.named.set_result(bytes(head))
+
+    async def first_line(self) -> bytes:
+        """The first line without its newline, due within via.TIMEOUT_S of the link being open
+        (a blackhole restarts the clock once restored: nothing could arrive meanwhile)."""
+        while True:
+            await self.conn.link.opened.wait()
+            try:
+                async with asyncio.timeout(via.TIMEOUT_S):
+                    return await asyncio.shield(self.named)
+            except TimeoutError:
+                if self.conn.link.is_open:
+                    raise via.ViaRefused(f"no PDD-VIA line within {via.TIMEOUT_S:g}s") from None
+
+
 class _Conn:
     def __init__(self, link: WanLink):
         self.link = link
         self.up = _Direction(link, link.up, "bytes_up")
         self.down = _Direction(link, link.down, "bytes_down")
-        self.client = _Side(self, inbound=self.up, outbound=self.down)
+        self.client = (_Side if link.via is None else _ViaSide)(self, inbound=self.up, outbound=self.down)
         self.target = _Side(self, inbound=self.down, outbound=self.up)
         self.up.src, self.down.dst = self.client, self.client
         self.down.src = self.target  # up.dst is set once the target connection exists
@@ -164,11 +220,14 @@ class _Conn:
         loop = asyncio.get_running_loop()
         while not self.link.is_open:  # blackholed: the new connection hangs until restore
             await self.link.opened.wait()
+        target = self.link.fixed or await self._named_target()
+        if target is None:
+            return
         try:
             async with asyncio.timeout(10):
-                await loop.create_connection(lambda: self.target, self.link.target_host, self.link.target_port)
+                await loop.create_connection(lambda: self.target, *target)
         except (OSError, TimeoutError) as e:
-            log.info("wan link %s: cannot reach %s: %s", self.link.name, self.link.target, e)
+            log.info("wan link %s: cannot reach %s:%s: %s", self.link.name, *target, e)
             self.close(reset=True)
             return
         if self.closed:  # the client left while we dialed
@@ -177,6 +236,18 @@ class _Conn:
             return
         self.up.dst = self.target
         self.up.schedule()
+
+    async def _named_target(self) -> tuple[str, int] | None:
+        """Where the client's first line asks to go; None (connection refused) unless allowed."""
+        assert isinstance(self.client, _ViaSide) and self.link.via is not None
+        try:
+            return via.parse_via_line(await self.client.first_line(), self.link.via)
+        except via.ViaRefused as e:
+            self.link.refused += 1
+            peer = self.client.transport.get_extra_info("peername") if self.client.transport else None
+            log.warning("wan link %s: refused a connection from %s: %s", self.link.name, peer, e)
+            self.close()
+            return None
 
     def resume(self) -> None:
         for side in (self.client, self.target):
@@ -222,7 +293,9 @@ class WanLink:
         self.name = name
         self.listen_host, self.listen_port = split_hostport(listen)
         self.target = target
-        self.target_host, self.target_port = split_hostport(target)
+        # A pattern: dial on demand (shared/wan/via.py); else the one fixed target.
+        self.via = via.parse_pattern(target)
+        self.fixed = split_hostport(target) if self.via is None else None
         self.settings = LinkSettings(float(delay_ms), float(jitter_ms), bandwidth_mbps)
         self.settings.validate()
         # Both directions share one settings object: a runtime change applies to both at once.
@@ -237,6 +310,7 @@ class WanLink:
         self.bytes_up = 0
         self.bytes_down = 0
         self.connections = 0
+        self.refused = 0  # connections whose first line named no allowed target
 
     @property
     def is_open(self) -> bool:
@@ -256,6 +330,7 @@ class WanLink:
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
             "connections": self.connections,
+            "refused": self.refused,
             "active": len(self.conns),
         }
 
