@@ -315,12 +315,17 @@ def wan_spec(opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
     return ProcessSpec("wan", argv, {"PYTHONUNBUFFERED": "1"}, DC_A)
 
 
+def nats_urls(opts: UpOptions, hosts: Hosts, dc: str) -> list[str]:
+    """The client URL of every NATS node of a DC."""
+    n = opts.nats_cluster
+    return [f"tls://{_nats_host(hosts, dc, c, n)}:{port}" for c, port in enumerate(port_plan(opts).nats[dc])]
+
+
 def nats_url(opts: UpOptions, hosts: Hosts, dc: str, instance: int) -> str:
-    """PDD_<ROLE>_NATS_URL: one URL, since a service's settings hold one. Instances spread over
-    the DC's nodes; each client learns the other nodes of the cluster from the server it reaches
-    (INFO connect_urls) and fails over to them."""
-    node = instance % opts.nats_cluster
-    return f"tls://{_nats_host(hosts, dc, node, opts.nats_cluster)}:{port_plan(opts).nats[dc][node]}"
+    """PDD_<ROLE>_NATS_URL: one node's URL, as a service's settings hold one URL (connect() is
+    given it as is); instances spread over the DC's nodes."""
+    urls = nats_urls(opts, hosts, dc)
+    return urls[instance % len(urls)]
 
 
 def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -> dict[str, str]:
