@@ -229,6 +229,27 @@ async def test_up_serves_until_sigterm_and_stops_all(fake_system: UpOptions) -> 
     assert (fake_system.workdir / "nats" / "nats-a" / "nats-server.conf").exists()
 
 
+async def test_up_starts_every_node_of_a_cluster_and_waits_for_its_routes(
+    fake_system: UpOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two routed nodes of dc-a (no gateway: the stand-in wan forwards nothing). `pdd is up`
+    # comes only once each node is routed to the other.
+    cluster_ports = [_free_port(), _free_port()]
+    routes = [f"nats-route://127.0.0.1:{p}" for p in cluster_ports]
+    nodes = [NatsSpec(f"nats-a-{c}", "dc-a", _free_port(), _free_port(), cluster="nats-a",
+                      cluster_port=cluster_ports[c], routes=routes) for c in range(2)]  # fmt: skip
+    monkeypatch.setattr(up, "nats_specs", lambda o: nodes)
+    task = await _run_up_until_up(fake_system, [])
+    try:
+        for node in nodes:
+            assert read_pid(fake_system.workdir, node.name)
+            conf = (fake_system.workdir / "nats" / node.name / "nats-server.conf").read_text()
+            assert "cluster {" in conf and all(r in conf for r in routes)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 20) == 0
+
+
 async def test_up_restarts_a_killed_nats_server_on_its_port(fake_system: UpOptions) -> None:
     task = await _run_up_until_up(fake_system, [])
     try:
