@@ -15,10 +15,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.launch import SERVICES, UpOptions, with_base_port
+from shared.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
 BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth", "chaos")
 FORWARDING = ("wan", "bench", "chaos")  # subcommands whose extra arguments belong to another main()
+COUNT_HELP = {
+    "prefill": f"prefill instances (1..{MAX_COUNT}); ",
+    "relay": f"relay decoder instances (1..{MAX_COUNT}); ",
+    "md": f"main decode instances (1..{MAX_COUNT}); ",
+    "routers": f"routers, on consecutive ports from --port (1..{MAX_COUNT}); ",
+    "nats_cluster": f"NATS nodes per datacenter (1..{MAX_COUNT}); ",
+}
 
 
 def _add_up_options(p: argparse.ArgumentParser) -> None:
@@ -31,10 +38,11 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
         value = getattr(defaults, f.name)
         flags = [f"--{f.name.replace('_', '-')}"] + (["--port"] if f.name == "router_port" else [])
         kind = type(value) if value is not None else str
-        p.add_argument(*flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"default: {value}")
+        what = COUNT_HELP.get(f.name, "")
+        p.add_argument(*flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"{what}default: {value}")
     p.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS,
                    help="require `Authorization: Bearer KEY` on the router (repeatable); default: open")
-    p.add_argument("--base-port", type=int, default=None, help="put every port in the block N..N+19")
+    p.add_argument("--base-port", type=int, default=None, help=f"put every port in the block N..N+{PORT_BLOCK - 1}")
     p.add_argument("--smoke", action="store_true", help="start, wait healthy, run one completion, stop")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for health")
 
@@ -86,7 +94,11 @@ def up_options(args: argparse.Namespace) -> UpOptions:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(UpOptions) if hasattr(args, f.name)}
     if "api_keys" in given:
         given["api_keys"] = tuple(given["api_keys"])
-    return dataclasses.replace(opts, **given)
+    try:
+        return dataclasses.replace(opts, **given)
+    except ValueError as e:  # a count out of range, ports that collide
+        print(f"pdd up: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -107,7 +119,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
         for spec in nats_specs(opts, COMPOSE_HOSTS):
             conf = NatsConfig(spec.name, f"{COMPOSE_HOSTS.bind}:{spec.port}", "127.0.0.1:8222",
-                              tls=creds.identity(spec.name), users=creds.nats_users(SERVICES),
+                              tls=creds.identity(spec.identity), users=creds.nats_users(SERVICES),
                               gateway_listen=f"{COMPOSE_HOSTS.bind}:{spec.gateway_port}",
                               gateway_advertise=spec.advertise, gateways=spec.gateways)  # fmt: skip
             write_private(creds.dir / f"{spec.name}.conf", conf.render().encode())

@@ -4,19 +4,23 @@
 in compose.yaml runs the same command with the same environment (only the addresses in
 `Hosts` differ), so the two cannot drift apart.
 
-Topology (DESIGN.md): nats-a (dc-a) and nats-b (dc-b) joined by a NATS gateway whose two
-connections cross the WAN emulator (links gw-ab, gw-ba); KV bulk P -> MD crosses link `bulk`.
-prefill, relay, router live in dc-a on nats-a; main_decode in dc-b on nats-b.
+Topology (DESIGN.md): NATS in dc-a and dc-b, one server or a cluster of `nats_cluster` nodes
+per DC, the two joined by NATS gateways whose connections cross the WAN emulator (one link in
+front of every node's gateway port: gw-ab into dc-b, gw-ba into dc-a). KV bulk P -> MD crosses
+the one link `bulk`, which dials on demand whichever MD the sender names. prefill, relay and
+router instances live in dc-a, main_decode instances in dc-b.
 
-Security is always on: every NATS connection and the gateway run mutual TLS, and each service
-connects as its own NATS user. The credentials live in one secrets directory
-(shared/security/credentials.py); services get the paths of their files in their settings.
+Security is always on: every NATS connection, route and gateway runs mutual TLS, and each
+service connects as its own NATS user (every instance of a role as the same one). The
+credentials live in one secrets directory (shared/security/credentials.py); services get the
+paths of their files in their settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +37,14 @@ ENV_PREFIX = {
     "main_decode": "PDD_MD_",
     "router": "PDD_ROUTER_",
 }
+NATS_CLUSTER = {DC_A: "nats-a", DC_B: "nats-b"}  # also each DC's gateway name
+MAX_COUNT = 8  # most instances of one role, and most NATS nodes per DC
+COUNTS = {"prefill": "prefill", "relay": "relay", "main_decode": "md", "router": "routers"}  # UpOptions field
 
 
 @dataclass
 class UpOptions:
-    """Flags of `pdd up`."""
+    """Flags of `pdd up`. The ports are those of instance / node 0; port_plan() places the rest."""
 
     host: str = "127.0.0.1"
     router_port: int = 8000
@@ -47,8 +54,15 @@ class UpOptions:
     model_preset: str = "tiny"
     model_path: str | None = None
     workdir: Path = Path(".pdd")
+    prefill: int = 1  # instances of each role
+    relay: int = 1
+    md: int = 1
+    routers: int = 1
+    nats_cluster: int = 1  # NATS nodes per datacenter
     nats_a_port: int = 4222
     nats_b_port: int = 4223
+    nats_a_cluster_port: int = 6222  # routes between the nodes of a cluster (nats_cluster > 1)
+    nats_b_cluster_port: int = 6223
     gw_a_port: int = 7222
     gw_b_port: int = 7223
     wan_gw_ab_port: int = 7322
@@ -59,28 +73,107 @@ class UpOptions:
     metrics_base_port: int = 9100
     api_keys: tuple[str, ...] = ()  # router API keys (`--api-key`, repeatable); none: the API is open
 
+    def __post_init__(self) -> None:
+        for name in (*COUNTS.values(), "nats_cluster"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+                raise ValueError(f"--{name.replace('_', '-')} must be 1..{MAX_COUNT}, got {value!r}")
+        port_plan(self)  # refuses colliding ports
 
-# `--base-port N`: every port of the system in one block N..N+19 (tests run several systems).
+
+def instance_counts(opts: UpOptions) -> dict[str, int]:
+    return {service: getattr(opts, flag) for service, flag in COUNTS.items()}
+
+
+def process_name(service: str, instance: int) -> str:
+    """Instance 0 keeps the bare role name (its logs and pid file keep theirs)."""
+    return service if instance == 0 else f"{service}-{instance}"
+
+
+# `--base-port B`: every port of the system in one block B..B+PORT_BLOCK-1 (tests run several
+# systems). Each entry is the port of instance / node 0; the others follow at PORT_STEP.
+PORT_BLOCK = 110
 PORT_OFFSETS = {
-    "router_port": 0,
-    "nats_a_port": 1,
-    "nats_b_port": 2,
-    "gw_a_port": 3,
-    "gw_b_port": 4,
-    "wan_gw_ab_port": 5,
-    "wan_gw_ba_port": 6,
-    "md_bulk_port": 7,
-    "wan_bulk_port": 8,
-    "metrics_base_port": 10,  # services use +1..+3
-    "wan_control_port": 19,
+    "router_port": 0,  # +0..+7
+    "nats_a_port": 8,  # +8..+23, the two DCs interleaved
+    "nats_b_port": 9,
+    "nats_a_cluster_port": 24,  # +24..+39
+    "nats_b_cluster_port": 25,
+    "gw_a_port": 40,  # +40..+55
+    "gw_b_port": 41,
+    "wan_gw_ab_port": 56,  # +56..+71
+    "wan_gw_ba_port": 57,
+    "md_bulk_port": 79,  # down to +72
+    "wan_bulk_port": 80,
+    "metrics_base_port": 84,  # services use +85..+108
+    "wan_control_port": 109,
 }
+# Distance between the ports of consecutive instances / nodes. The two DCs' NATS ports
+# interleave (4222, 4223, 4224, ...), and so do the three services' metrics ports. MD bulk
+# ports count down, so that they stay one range next to the WAN bulk port above them.
+PAIR_STEP, METRICS_STEP, MD_BULK_STEP = 2, len(KV_SERVICES), -1
 
 
 def with_base_port(opts: UpOptions, base: int) -> UpOptions:
     return dataclasses.replace(opts, **{name: base + off for name, off in PORT_OFFSETS.items()})
 
 
-MD_BULK_PORTS = 10  # on one machine, main decoder i listens on md_bulk_port + i
+def _series(first: int, step: int, n: int) -> tuple[int, ...]:
+    return tuple(first + step * i for i in range(n))
+
+
+@dataclass(frozen=True)
+class PortPlan:
+    """Every port of one system, per instance or node; a function of UpOptions alone."""
+
+    router: tuple[int, ...]
+    nats: dict[str, tuple[int, ...]]  # DC -> client port of each node
+    cluster: dict[str, tuple[int, ...]]  # DC -> route port of each node (none for a lone server)
+    gateway: dict[str, tuple[int, ...]]  # DC -> gateway port of each node
+    wan_gateway: dict[str, tuple[int, ...]]  # DC -> WAN link in front of each node's gateway
+    md_bulk: tuple[int, ...]
+    metrics: dict[str, tuple[int, ...]]  # service -> each instance's (the router serves its HTTP port)
+    wan_bulk: int
+    wan_control: int
+
+    def ports(self) -> list[int]:
+        per_dc = [p for d in (self.nats, self.cluster, self.gateway, self.wan_gateway) for ps in d.values() for p in ps]
+        per_service = [p for ps in self.metrics.values() for p in ps]
+        return [*self.router, *per_dc, *self.md_bulk, *per_service, self.wan_bulk, self.wan_control]
+
+
+def port_plan(opts: UpOptions) -> PortPlan:
+    """Every port for the counts in `opts`; ValueError when two would collide (explicit flags)."""
+    n, counts = opts.nats_cluster, instance_counts(opts)
+
+    def pair(a: int, b: int, used: bool = True) -> dict[str, tuple[int, ...]]:
+        return {DC_A: _series(a, PAIR_STEP, n if used else 0), DC_B: _series(b, PAIR_STEP, n if used else 0)}
+
+    plan = PortPlan(
+        router=_series(opts.router_port, 1, opts.routers),
+        nats=pair(opts.nats_a_port, opts.nats_b_port),
+        cluster=pair(opts.nats_a_cluster_port, opts.nats_b_cluster_port, used=n > 1),
+        gateway=pair(opts.gw_a_port, opts.gw_b_port),
+        wan_gateway=pair(opts.wan_gw_ba_port, opts.wan_gw_ab_port),  # gw-ba leads into dc-a
+        md_bulk=_series(opts.md_bulk_port, MD_BULK_STEP, opts.md),
+        metrics={s: _series(opts.metrics_base_port + 1 + r, METRICS_STEP, counts[s]) for r, s in enumerate(KV_SERVICES)},
+        wan_bulk=opts.wan_bulk_port,
+        wan_control=opts.wan_control_port,
+    )
+    ports = plan.ports()
+    if len(set(ports)) < len(ports):
+        clashes = sorted(p for p, k in Counter(ports).items() if k > 1)
+        raise ValueError(f"ports used twice: {clashes} (check the --*-port flags against the counts)")
+    return plan
+
+
+def client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def router_urls(opts: UpOptions) -> list[str]:
+    """Every router's base URL; the routers are interchangeable."""
+    return [f"http://{client_host(opts.host)}:{port}" for port in port_plan(opts).router]
 
 
 @dataclass(frozen=True)
@@ -88,70 +181,68 @@ class Hosts:
     """What differs between one machine (`pdd up`) and one container per process (compose)."""
 
     bind: str  # address listeners bind to
-    nats_a: str
-    nats_b: str
     wan: str
-    main_decode: str  # host of the main decoders' bulk listeners; "*": any (link `bulk` dials on demand)
+    nats: str | None = None  # host of every NATS node; None = the node's own name (a container each)
+    md: str = "*"  # host the bulk link may dial ("*": any, MD replicas' addresses are not known ahead)
     socket_dir: str | None = None  # relay's unix socket directory; None = the workdir
     secrets_dir: str | None = None  # credentials (shared/security/credentials.py); None = <workdir>/secrets
     local_traces: bool = True  # set PDD_TRACE_DIR (compose exports OTLP to Jaeger instead)
+    instance_ids: bool = True  # set PDD_<ROLE>_INSTANCE; compose leaves it to the container
 
     @classmethod
     def local(cls, host: str) -> Hosts:
-        return cls(bind=host, nats_a=host, nats_b=host, wan=host, main_decode=host)
+        return cls(bind=host, wan=host, nats=host, md=host)
 
 
 COMPOSE_WORKDIR = "/pdd"  # a volume: the certs service writes the credentials, the rest read them
 # Compose service names double as hostnames; the relay socket lives on a shared volume.
 COMPOSE_HOSTS = Hosts(
     bind="0.0.0.0",
-    nats_a="nats-a",
-    nats_b="nats-b",
     wan="wan",
-    main_decode="*",  # replicas (`--scale main_decode=N`) have addresses unknown in advance
     socket_dir="/run/pdd",
     secrets_dir=f"{COMPOSE_WORKDIR}/secrets",
     local_traces=False,
+    instance_ids=False,
 )
 
 
 @dataclass
 class ProcessSpec:
-    name: str
+    name: str  # process name: logs/<name>.log, run/<name>.pid
     argv: list[str]
     env: dict[str, str]
     datacenter: str
+    service: str | None = None  # its role (one of SERVICES) when it is a service instance
 
 
 @dataclass
 class LinkSpec:
-    """One emulated WAN direction: listen on `listen_port`, forward to `target`. With
-    `last_port`, dial on demand (shared/wan/via.py): to the host:port each client names, on
-    target_host ("*" = any host) and a port in target_port..last_port."""
+    """One emulated WAN direction: listen on `listen_port`, forward to `target` (host:port, or a
+    pattern `HOST:LO-HI` / `*:PORT` the client picks from, shared/wan/via.py)."""
 
     name: str
     listen_port: int
-    target_host: str
-    target_port: int
-    last_port: int | None = None
-
-    @property
-    def target(self) -> str:
-        if self.last_port is None or (self.target_host == "*" and self.last_port == self.target_port):
-            return f"{self.target_host}:{self.target_port}"
-        return f"{self.target_host}:{self.target_port}-{self.last_port}"
+    target: str
 
 
 @dataclass
 class NatsSpec:
-    """One NATS server of the supercluster; `gateways` maps remote gateway name -> URL (via the WAN)."""
+    """One NATS server; `gateways` maps remote gateway name -> its URL(s), via the WAN."""
 
-    name: str  # also its gateway name
+    name: str
     datacenter: str
     port: int
     gateway_port: int
-    gateways: dict[str, str] = field(default_factory=dict)
+    gateways: dict[str, str | list[str]] = field(default_factory=dict)
     advertise: str | None = None  # gateway address peers should use (the WAN link in front of it)
+    cluster: str | None = None  # the DC's cluster (also its gateway name); None: a lone server
+    cluster_port: int | None = None
+    routes: list[str] = field(default_factory=list)  # nats-route://host:port of every node of the cluster
+
+    @property
+    def identity(self) -> str:
+        """Whose certificate it serves: the nodes of one DC share theirs."""
+        return self.cluster or self.name
 
 
 def secrets_dir(opts: UpOptions, hosts: Hosts | None = None) -> Path:
@@ -165,31 +256,52 @@ def certs_spec() -> ProcessSpec:
     return ProcessSpec("certs", argv, {"PYTHONUNBUFFERED": "1"}, DC_A)
 
 
+def nats_node_name(dc: str, node: int, nodes: int) -> str:
+    """nats-a for a lone server (as always), nats-a-<node> in a cluster."""
+    return NATS_CLUSTER[dc] if nodes == 1 else f"{NATS_CLUSTER[dc]}-{node}"
+
+
+def _nats_host(h: Hosts, dc: str, node: int, nodes: int) -> str:
+    return h.nats or nats_node_name(dc, node, nodes)
+
+
+def _other(dc: str) -> str:
+    return DC_B if dc == DC_A else DC_A
+
+
 def wan_links(opts: UpOptions, hosts: Hosts | None = None) -> list[LinkSpec]:
-    """Link `bulk` dials on demand, so one emulated line reaches every main decoder: on one
-    machine they share a host on ports md_bulk_port.., in compose a port on hosts unknown here."""
-    h = hosts or Hosts.local(opts.host)
-    last_md_port = opts.md_bulk_port + (0 if h.main_decode == "*" else MD_BULK_PORTS - 1)
-    return [
-        LinkSpec("gw-ab", opts.wan_gw_ab_port, h.nats_b, opts.gw_b_port),
-        LinkSpec("gw-ba", opts.wan_gw_ba_port, h.nats_a, opts.gw_a_port),
-        LinkSpec("bulk", opts.wan_bulk_port, h.main_decode, opts.md_bulk_port, last_md_port),
-    ]
+    """gw-ab(-<node>) in front of each dc-b node's gateway, gw-ba(-<node>) of each dc-a node's;
+    `bulk` in front of every MD: the sender names its MD, within the MDs' port range."""
+    h, plan, n = hosts or Hosts.local(opts.host), port_plan(opts), opts.nats_cluster
+    links = []
+    for dc, direction in ((DC_B, "gw-ab"), (DC_A, "gw-ba")):
+        for node, listen in enumerate(plan.wan_gateway[dc]):
+            target = f"{_nats_host(h, dc, node, n)}:{plan.gateway[dc][node]}"
+            links.append(LinkSpec(direction if n == 1 else f"{direction}-{node}", listen, target))
+    ports = f"{min(plan.md_bulk)}-{max(plan.md_bulk)}" if h.md != "*" else str(opts.md_bulk_port)
+    links.append(LinkSpec("bulk", plan.wan_bulk, f"{h.md}:{ports}"))
+    return links
 
 
 def nats_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[NatsSpec]:
-    """nats-a dials nats-b's gateway through link gw-ab, nats-b dials nats-a through gw-ba.
-
-    Each also advertises the WAN address in front of it, so gateway gossip never teaches a
-    peer a direct address that would bypass the emulator.
-    """
-    h = hosts or Hosts.local(opts.host)
-    ab = f"{h.wan}:{opts.wan_gw_ab_port}"
-    ba = f"{h.wan}:{opts.wan_gw_ba_port}"
-    return [
-        NatsSpec("nats-a", DC_A, opts.nats_a_port, opts.gw_a_port, {"nats-b": f"nats://{ab}"}, advertise=ba),
-        NatsSpec("nats-b", DC_B, opts.nats_b_port, opts.gw_b_port, {"nats-a": f"nats://{ba}"}, advertise=ab),
-    ]
+    """Every node of both DCs. A node dials the other DC's gateways through the WAN links in
+    front of them, and advertises the link in front of itself, so gateway gossip never teaches a
+    peer a direct address that would bypass the emulator."""
+    h, plan, n = hosts or Hosts.local(opts.host), port_plan(opts), opts.nats_cluster
+    specs = []
+    for dc in (DC_A, DC_B):
+        remote = [f"nats://{h.wan}:{p}" for p in plan.wan_gateway[_other(dc)]]
+        routes = [f"nats-route://{_nats_host(h, dc, c, n)}:{p}" for c, p in enumerate(plan.cluster[dc])]
+        for node in range(n):
+            specs.append(NatsSpec(
+                nats_node_name(dc, node, n), dc, plan.nats[dc][node], plan.gateway[dc][node],
+                {NATS_CLUSTER[_other(dc)]: remote[0] if n == 1 else remote},
+                advertise=f"{h.wan}:{plan.wan_gateway[dc][node]}",
+                cluster=NATS_CLUSTER[dc] if n > 1 else None,
+                cluster_port=plan.cluster[dc][node] if n > 1 else None,
+                routes=routes,
+            ))  # fmt: skip
+    return specs
 
 
 def wan_spec(opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
@@ -203,22 +315,33 @@ def wan_spec(opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
     return ProcessSpec("wan", argv, {"PYTHONUNBUFFERED": "1"}, DC_A)
 
 
-def _service_env(
-    name: str, opts: UpOptions, h: Hosts, nats_url: str, dc: str, metrics: int | None
-) -> dict[str, str]:
+def nats_urls(opts: UpOptions, hosts: Hosts, dc: str) -> list[str]:
+    """The client URL of every NATS node of a DC."""
+    n = opts.nats_cluster
+    return [f"tls://{_nats_host(hosts, dc, c, n)}:{port}" for c, port in enumerate(port_plan(opts).nats[dc])]
+
+
+def nats_url(opts: UpOptions, hosts: Hosts, dc: str, instance: int) -> str:
+    """PDD_<ROLE>_NATS_URL: one node's URL, as a service's settings hold one URL (connect() is
+    given it as is); instances spread over the DC's nodes."""
+    urls = nats_urls(opts, hosts, dc)
+    return urls[instance % len(urls)]
+
+
+def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -> dict[str, str]:
     p = ENV_PREFIX[name]
     env = {
         "PYTHONUNBUFFERED": "1",
-        f"{p}NATS_URL": nats_url,
-        f"{p}INSTANCE": "0",
+        f"{p}NATS_URL": nats_url(opts, h, dc, instance),
+        **({f"{p}INSTANCE": str(instance)} if h.instance_ids else {}),  # compose: the container's hostname
         f"{p}DATACENTER": dc,
         f"{p}MODEL__PRESET": opts.model_preset,
         **_credentials_env(name, secrets_dir(opts, h)),
     }
     if opts.model_path:
         env[f"{p}MODEL__PATH"] = str(opts.model_path)
-    if metrics is not None:
-        env[f"{p}METRICS_PORT"] = str(metrics)
+    if name != "router":  # the router serves /metrics on its HTTP port
+        env[f"{p}METRICS_PORT"] = str(port_plan(opts).metrics[name][instance])
         env[f"{p}METRICS_HOST"] = h.bind  # like the service: loopback under `pdd up`
     if h.local_traces:
         env["PDD_TRACE_DIR"] = str(opts.workdir.resolve() / "traces")
@@ -241,40 +364,37 @@ def _credentials_env(name: str, directory: Path) -> dict[str, str]:
     return env
 
 
-def service_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[ProcessSpec]:
-    """wan, prefill, relay, main_decode, router — in start order (router last: it is the health gate)."""
+def _role_settings(name: str, instance: int, opts: UpOptions, h: Hosts) -> dict[str, str]:
+    """The settings only this role has, for one instance."""
+    plan = port_plan(opts)
+    if name == "prefill":  # KV to any MD goes through the one bulk link
+        return {"bulk_via": f"tcp://{h.wan}:{plan.wan_bulk}"}
+    if name == "relay":
+        return {"local_address": f"unix://{h.socket_dir or opts.workdir.resolve()}/relay-{instance}.sock"}
+    if name == "main_decode":  # no advertise override: MD names its own address, P's link dials it
+        return {"bulk_address": f"tcp://{h.bind}:{plan.md_bulk[instance]}"}
+    return {
+        "host": h.bind,
+        "port": str(plan.router[instance]),
+        **({"api_keys": ",".join(opts.api_keys)} if opts.api_keys else {}),
+        # The router's link-estimator priors start from the emulated link's settings.
+        "default_bandwidth_bps": str(opts.bandwidth_mbps * 1e6 / 8),
+        "default_rtt_s": str(2 * opts.delay_ms / 1000),
+    }
+
+
+def service_spec(name: str, instance: int, opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
     h = hosts or Hosts.local(opts.host)
-    nats_a = f"tls://{h.nats_a}:{opts.nats_a_port}"
-    nats_b = f"tls://{h.nats_b}:{opts.nats_b_port}"
-    sock_dir = h.socket_dir or str(opts.workdir.resolve())
-    m = opts.metrics_base_port
+    dc = DC_B if name == "main_decode" else DC_A
+    env = _service_env(name, instance, opts, h, dc)
+    env.update({ENV_PREFIX[name] + k.upper(): v for k, v in _role_settings(name, instance, opts, h).items()})
+    argv = [sys.executable, "-m", f"services.{name}"]
+    return ProcessSpec(process_name(name, instance), argv, env, dc, service=name)
 
-    def svc(name: str, nats_url: str, dc: str, metrics: int | None, **extra: str) -> ProcessSpec:
-        env = _service_env(name, opts, h, nats_url, dc, metrics)
-        env.update({ENV_PREFIX[name] + k.upper(): v for k, v in extra.items()})
-        return ProcessSpec(name, [sys.executable, "-m", f"services.{name}"], env, dc)
 
-    return [
-        wan_spec(opts, h),
-        svc("prefill", nats_a, DC_A, m + 1, bulk_via=f"tcp://{h.wan}:{opts.wan_bulk_port}"),
-        svc("relay", nats_a, DC_A, m + 2, local_address=f"unix://{sock_dir}/relay-0.sock"),
-        svc(
-            "main_decode",
-            nats_b,
-            DC_B,
-            m + 3,
-            bulk_address=f"tcp://{h.bind}:{opts.md_bulk_port}",  # advertised as is, or as this host's IP
-        ),
-        svc(
-            "router",
-            nats_a,
-            DC_A,
-            None,  # the router serves /metrics on its HTTP port
-            host=h.bind,
-            port=str(opts.router_port),
-            **({"api_keys": ",".join(opts.api_keys)} if opts.api_keys else {}),
-            # The router's link-estimator priors start from the emulated link's settings.
-            default_bandwidth_bps=str(opts.bandwidth_mbps * 1e6 / 8),
-            default_rtt_s=str(2 * opts.delay_ms / 1000),
-        ),
-    ]
+def service_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[ProcessSpec]:
+    """wan, then every instance of prefill, relay, main_decode, router — in start order (the
+    routers last: they are the health gate)."""
+    counts = instance_counts(opts)
+    instances = [service_spec(name, i, opts, hosts) for name in SERVICES for i in range(counts[name])]
+    return [wan_spec(opts, hosts), *instances]

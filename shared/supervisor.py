@@ -4,7 +4,9 @@ A service child gets its own session (process group), so a stop reaches whatever
 SIGTERM to the group, SIGKILL after a grace period. Every child (NATS servers too) gets
 PR_SET_PDEATHSIG, so even a SIGKILLed `pdd up` leaves no orphans behind.
 
-Once the system serves, a child that exits is restarted after a backoff that doubles from
+Once the system serves, a child that exits with status 0 stopped cleanly (the services exit 0
+only after SIGTERM / SIGINT, once drained: an operator scaling in) and stays stopped. Any other
+exit is restarted after a backoff that doubles from
 `backoff_initial_s` to `backoff_max_s` and starts over once the child stayed up `stable_after_s`;
 `crash_loop_crashes` exits of one child within `crash_loop_window_s` are a crash loop, which
 stops the system. While a child runs, `<workdir>/run/<name>.pid` holds its pid (fault injection
@@ -228,16 +230,30 @@ class Supervisor:
             await asyncio.sleep(poll_s)
 
     async def supervise(self, poll_s: float = 0.2) -> None:
-        """Restart children that exit, each after its backoff; raise CrashLoop when one keeps crashing."""
+        """Restart children that exit, each after its backoff; raise CrashLoop when one keeps
+        crashing. A child that stopped cleanly is let go."""
         try:
             while True:
                 for c in self.children:
-                    if not c.running and c.name not in self._restarts:
-                        delay = self._restart_delay(c)
-                        self._restarts[c.name] = asyncio.create_task(self._restart(c, delay))
+                    if c.running or c.name in self._restarts:
+                        continue
+                    if c.returncode == 0:
+                        await self._let_go(c)
+                        continue
+                    delay = self._restart_delay(c)
+                    self._restarts[c.name] = asyncio.create_task(self._restart(c, delay))
                 await asyncio.sleep(poll_s)
         finally:
             await self._cancel_restarts()
+
+    async def _let_go(self, child: Supervised) -> None:
+        """Stop supervising a child that exited 0: it was told to stop and drained (scale in)."""
+        for batch in self.batches:
+            if child in batch:
+                batch.remove(child)
+        pid_path(self.workdir, child.name).unlink(missing_ok=True)
+        await child.stop()  # reap it and whatever it left behind
+        log.warning("%s stopped cleanly; not restarted", child.name)
 
     def _restart_delay(self, child: Supervised) -> float:
         pid_path(self.workdir, child.name).unlink(missing_ok=True)  # down: no pid to signal

@@ -12,13 +12,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from shared.launch import UpOptions, service_specs, with_base_port
+from shared.launch import PORT_BLOCK, UpOptions, router_urls, service_specs, with_base_port
 from shared.security.credentials import Credentials
+from shared.supervisor import read_pid
 
 _handed_out: set[int] = set()
 _port_lock = threading.Lock()
@@ -29,7 +30,7 @@ def free_port_block(n: int) -> int:
     outgoing connections cannot take them meanwhile) and never one this process handed out."""
     with _port_lock:
         for _ in range(500):
-            base = random.randrange(20000, 32000 - n, 20)
+            base = random.randrange(20000, 32000 - n, n)  # blocks of one size never overlap
             if base in _handed_out:
                 continue
             socks = []
@@ -51,9 +52,15 @@ def free_port_block(n: int) -> int:
 @dataclass
 class RunningSystem:
     proc: subprocess.Popen
-    router_url: str
+    router_url: str  # the first router
     wan_url: str
     workdir: Path
+    router_urls: list[str] = field(default_factory=list)  # every router, interchangeable
+    opts: UpOptions = field(default_factory=UpOptions)  # what `pdd up` was given
+
+    def pid(self, name: str) -> int | None:
+        """The pid of process `name` (prefill, main_decode-1, nats-a, ...); None while it is down."""
+        return read_pid(self.workdir, name)
 
     def wan(self, link: str, **settings) -> None:
         r = httpx.post(f"{self.wan_url}/links/{link}", json=settings, timeout=10)
@@ -78,14 +85,14 @@ class RunningSystem:
         return httpx.get(f"{self.router_url}/v1/instances", timeout=10).json()
 
     def metrics_urls(self) -> dict[str, str]:
-        """Where each service serves Prometheus metrics: the router on its HTTP port, the
-        others on the ports `pdd up` gave them."""
-        base = int(self.router_url.rsplit(":", 1)[1])
-        urls = {"router": f"{self.router_url}/metrics"}
-        for spec in service_specs(with_base_port(UpOptions(), base)):
+        """Where each service instance serves Prometheus metrics, by process name: a router on
+        its HTTP port, the others on the ports `pdd up` gave them."""
+        urls = {}
+        for spec in service_specs(self.opts)[1:]:
             port = next((v for k, v in spec.env.items() if k.endswith("_METRICS_PORT")), None)
-            if port is not None:
-                urls[spec.name] = f"http://127.0.0.1:{port}/metrics"
+            if port is None:
+                port = spec.env["PDD_ROUTER_PORT"]
+            urls[spec.name] = f"http://127.0.0.1:{port}/metrics"
         return urls
 
     def log(self, name: str) -> str:
@@ -103,26 +110,40 @@ class RunningSystem:
 
 
 def start_system(workdir: Path, env: dict[str, str] | None = None, *, delay_ms: float = 10, jitter_ms: float = 0,
-                 bandwidth_mbps: float = 1000, model_preset: str = "tiny", timeout_s: float = 180) -> RunningSystem:
-    base = free_port_block(20)
+                 bandwidth_mbps: float = 1000, model_preset: str = "tiny", timeout_s: float = 180,
+                 prefill: int = 1, relay: int = 1, md: int = 1, routers: int = 1,
+                 nats_cluster: int = 1) -> RunningSystem:  # fmt: skip
+    counts = dict(prefill=prefill, relay=relay, md=md, routers=routers, nats_cluster=nats_cluster)
+    base = free_port_block(PORT_BLOCK)
+    opts = with_base_port(UpOptions(workdir=Path(workdir), model_preset=model_preset, delay_ms=delay_ms,
+                                    jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, **counts), base)  # fmt: skip
     args = [
         sys.executable, "-m", "shared.cli", "up", "--workdir", str(workdir), "--base-port", str(base),
         "--model-preset", model_preset, "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(bandwidth_mbps),
     ]
+    args += [a for name, n in counts.items() for a in (f"--{name.replace('_', '-')}", str(n))]
     out = open(workdir / "pdd-up.log", "wb")
     proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    router_url = f"http://127.0.0.1:{base}"
-    system = RunningSystem(proc, router_url, f"http://127.0.0.1:{base + 19}", workdir)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdd up exited early:\n{(workdir / 'pdd-up.log').read_text()[-4000:]}")
+    urls = router_urls(opts)
+    system = RunningSystem(proc, urls[0], f"http://127.0.0.1:{opts.wan_control_port}", workdir, urls, opts)
+    if _wait_healthy(system, timeout_s):
+        return system
+    system.stop()
+    raise RuntimeError(f"system not healthy in {timeout_s}s:\n{(workdir / 'pdd-up.log').read_text()[-4000:]}")
+
+
+def _wait_healthy(system: RunningSystem, timeout_s: float) -> bool:
+    """Poll every router's /health until all answer 200 (False on timeout); raise if `pdd up` exits."""
+    deadline, pending = time.monotonic() + timeout_s, list(system.router_urls)
+    while pending and time.monotonic() < deadline:
+        if system.proc.poll() is not None:
+            raise RuntimeError(f"pdd up exited early:\n{(system.workdir / 'pdd-up.log').read_text()[-4000:]}")
         try:
-            if httpx.get(f"{router_url}/health", timeout=2).status_code == 200:
-                return system
+            if httpx.get(f"{pending[0]}/health", timeout=2).status_code == 200:
+                pending.pop(0)
+                continue
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    system.stop()
-    raise RuntimeError(f"system not healthy in {timeout_s}s:\n{(workdir / 'pdd-up.log').read_text()[-4000:]}")
+    return not pending

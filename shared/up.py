@@ -1,8 +1,8 @@
 """`pdd up`: the whole two-DC system on one machine, from the specs in shared/launch.py.
 
-Order: the credentials (created on first start, reused after), WAN emulator, the two NATS
-servers (their gateway crosses the WAN), then prefill, relay, main_decode, router; ready once
-the router's /health answers 200. A child that exits before then stops `pdd up` (a setup error
+Order: the credentials (created on first start, reused after), WAN emulator, the NATS servers
+of both DCs (every node; routed within a DC, gatewayed across the WAN), then every instance of
+prefill, relay, main_decode, router; ready once every router's /health answers 200. A child that exits before then stops `pdd up` (a setup error
 that restarting would not fix); once up, shared/supervisor.py restarts whatever exits, with
 backoff. Ctrl-C / SIGTERM or a crash loop stops everything in reverse order.
 """
@@ -20,13 +20,9 @@ from typing import Any
 
 import httpx
 
-from shared.launch import SERVICES, NatsSpec, UpOptions, nats_specs, secrets_dir, service_specs
+from shared.launch import SERVICES, NatsSpec, UpOptions, nats_specs, router_urls, secrets_dir, service_specs
 from shared.security.credentials import Credentials
 from shared.supervisor import ProcessDied, RestartPolicy, Supervisor
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 async def _first(*aws: Awaitable[Any]) -> None:
@@ -60,8 +56,10 @@ def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
         gateways=spec.gateways,
         workdir=workdir,
         gateway_advertise=spec.advertise,
-        tls=creds.identity(spec.name),
+        tls=creds.identity(spec.identity),
         users=creds.nats_users(SERVICES),
+        # a lone server gets today's arguments only: no cluster block at all
+        **(dict(cluster=spec.cluster, cluster_port=spec.cluster_port, routes=spec.routes) if spec.cluster else {}),
     )
 
 
@@ -92,17 +90,26 @@ async def smoke_request(base_url: str, out: Callable[[str], None] = print) -> bo
     return r.status_code == 200
 
 
-async def _start_system(opts: UpOptions, sup: Supervisor, base_url: str, start_timeout_s: float) -> None:
-    """WAN emulator, NATS servers, then the services; returns once the router's /health is 200."""
+async def _start_nats(opts: UpOptions, sup: Supervisor, start_timeout_s: float) -> None:
+    """Every node of both DCs; returns once each is routed to the rest of its cluster and
+    gatewayed to the other DC."""
     creds = ensure_credentials(opts)
-    wan, *services = service_specs(opts)
-    await sup.start_all([wan])
-    servers = [_nats_server(spec, opts, creds) for spec in nats_specs(opts)]
+    specs = nats_specs(opts)
+    servers = [_nats_server(spec, opts, creds) for spec in specs]
     for server in servers:
         await sup.start(server)
+    clustered = [(server, spec) for server, spec in zip(servers, specs, strict=True) if spec.cluster]
+    await asyncio.gather(*(s.wait_routes(len(spec.routes) - 1, start_timeout_s) for s, spec in clustered))
     await asyncio.gather(*(s.wait_gateways(start_timeout_s) for s in servers))
+
+
+async def _start_system(opts: UpOptions, sup: Supervisor, urls: list[str], start_timeout_s: float) -> None:
+    """WAN emulator, NATS servers, then the services; returns once every router's /health is 200."""
+    wan, *services = service_specs(opts)
+    await sup.start_all([wan])
+    await _start_nats(opts, sup, start_timeout_s)
     await sup.start_all(services)
-    await _wait_http_ok(f"{base_url}/health", start_timeout_s)
+    await asyncio.gather(*(_wait_http_ok(f"{url}/health", start_timeout_s) for url in urls))
 
 
 @contextlib.contextmanager
@@ -131,16 +138,16 @@ async def run_up(
     workdir.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(workdir, policy=restart)
     stop = asyncio.Event()
-    base_url = f"http://{_client_host(opts.host)}:{opts.router_port}"
+    urls = router_urls(opts)
     ok = True
 
     async def serve() -> None:
         nonlocal ok
-        await _first(_start_system(opts, sup, base_url, start_timeout_s), sup.until_exit())
-        out(f"pdd is up: {base_url}")
+        await _first(_start_system(opts, sup, urls, start_timeout_s), sup.until_exit())
+        out(f"pdd is up: {' '.join(urls)}")
         out(f"  logs: {workdir / 'logs'}   traces: pdd trace <x-request-id> --dir {workdir / 'traces'}")
-        if smoke:
-            ok = await smoke_request(base_url, out)
+        if smoke:  # one request through every router
+            ok = all([await smoke_request(url, out) for url in urls])
             return
         await sup.supervise()  # serve until stopped
 

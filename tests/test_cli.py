@@ -35,11 +35,30 @@ def test_api_keys_reach_the_router_and_only_the_router() -> None:
 
 
 def test_base_port_moves_every_port_but_explicit_flags_win() -> None:
+    from shared.launch import PORT_BLOCK, port_plan
+
     opts = cli.up_options(cli.parse_args(["up", "--base-port", "20000", "--nats-b-port", "5555"])[0])
     ports = {k: v for k, v in vars(opts).items() if k.endswith("_port")}
-    assert opts.router_port == 20000 and opts.wan_control_port == 20019 and opts.nats_b_port == 5555
-    assert all(20000 <= p < 20020 for k, p in ports.items() if k != "nats_b_port")
+    assert opts.router_port == 20000 and opts.wan_control_port == 20000 + PORT_BLOCK - 1 and opts.nats_b_port == 5555
+    assert all(20000 <= p < 20000 + PORT_BLOCK for k, p in ports.items() if k != "nats_b_port")
     assert len(set(ports.values())) == len(ports)
+    argv = ["up", "--base-port", "20000", "--prefill", "8", "--relay", "8", "--md", "8", "--routers", "8",
+            "--nats-cluster", "8"]  # fmt: skip
+    plan = port_plan(cli.up_options(cli.parse_args(argv)[0]))
+    assert all(20000 <= p < 20000 + PORT_BLOCK for p in plan.ports())
+
+
+def test_count_flags(capsys) -> None:
+    argv = ["up", "--prefill", "2", "--relay", "3", "--md", "4", "--routers", "5", "--nats-cluster", "6"]
+    opts = cli.up_options(cli.parse_args(argv)[0])
+    assert (opts.prefill, opts.relay, opts.md, opts.routers, opts.nats_cluster) == (2, 3, 4, 5, 6)
+    for bad in (["--md", "0"], ["--routers", "9"], ["--nats-cluster", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            cli.up_options(cli.parse_args(["up", *bad])[0])
+        assert e.value.code == 2
+        assert f"pdd up: error: {bad[0]} must be 1..8, got {int(bad[1])}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_args(["up", "--prefill", "two"])
 
 
 def test_forwarded_and_rejected_arguments() -> None:

@@ -146,6 +146,22 @@ def test_ports_and_jaeger(compose: dict[str, Any]) -> None:
     assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
 
 
+def test_scalable_services_have_no_fixed_name_port_or_instance(compose: dict[str, Any]) -> None:
+    # `docker compose up --scale main_decode=3` (prefill, relay, router alike) needs replicas
+    # that differ only by their container: no fixed name, no fixed host port, an instance id
+    # and a KV address of their own.
+    services = compose["services"]
+    assert not [name for name, svc in services.items() if "container_name" in svc]
+    for name in SERVICES:
+        svc = services[name]
+        fixed = [p for p in svc.get("ports", []) if ":" in str(p)]
+        assert fixed == ([f"{UpOptions().router_port}:{UpOptions().router_port}"] if name == "router" else []), name
+        assert not [k for k in svc["environment"] if k.endswith(("_INSTANCE", "_ADVERTISE_ADDRESS"))], name
+    link = next(a for a in services["wan"]["command"] if a.startswith("bulk="))
+    assert link.endswith(f">*:{UpOptions().md_bulk_port}")  # whichever MD replica the sender names
+    assert services["prefill"]["environment"]["PDD_PREFILL_BULK_VIA"] == f"tcp://wan:{UpOptions().wan_bulk_port}"
+
+
 def test_relay_socket_is_shared(compose: dict[str, Any], specs: dict[str, Any]) -> None:
     sock = specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].removeprefix("unix://")
     for name in ("prefill", "relay"):

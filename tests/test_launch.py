@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 from shared import config
-from shared.launch import COMPOSE_HOSTS, ENV_PREFIX, UpOptions, nats_specs, service_specs, wan_links
+from shared.launch import (
+    COMPOSE_HOSTS,
+    ENV_PREFIX,
+    MAX_COUNT,
+    PORT_BLOCK,
+    UpOptions,
+    nats_specs,
+    port_plan,
+    router_urls,
+    service_specs,
+    wan_links,
+    with_base_port,
+)
 
 SETTINGS = {
     "prefill": config.PrefillSettings,
@@ -15,15 +30,19 @@ SETTINGS = {
 }
 
 
+SCALED = dict(prefill=3, relay=2, md=3, routers=2, nats_cluster=3)
+
+
 @pytest.mark.parametrize("hosts", [None, COMPOSE_HOSTS], ids=["local", "compose"])
-def test_env_is_read_by_settings(hosts, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = UpOptions(model_path="/models/qwen")
+@pytest.mark.parametrize("counts", [{}, SCALED], ids=["single", "scaled"])
+def test_env_is_read_by_settings(hosts, counts, monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = UpOptions(model_path="/models/qwen", **counts)
     for spec in service_specs(opts, hosts)[1:]:
-        prefix = ENV_PREFIX[spec.name]
+        prefix = ENV_PREFIX[spec.service]
         for key, value in spec.env.items():
             if key.startswith(prefix):
                 monkeypatch.setenv(key, value)
-        settings = SETTINGS[spec.name]()
+        settings = SETTINGS[spec.service]()
         for key, value in spec.env.items():
             if not key.startswith(prefix):
                 continue
@@ -47,20 +66,21 @@ def test_topology() -> None:
     assert all(s.argv[1:] == ["-m", f"services.{s.name}"] for s in specs.values() if s.name != "wan")
     md = specs["main_decode"].env
     assert md["PDD_MD_NATS_URL"].endswith(f":{opts.nats_b_port}")
-    assert md["PDD_MD_BULK_ADDRESS"] == f"tcp://127.0.0.1:{opts.md_bulk_port}" and "PDD_MD_ADVERTISE_ADDRESS" not in md
-    # P dials every MD through the WAN
+    assert md["PDD_MD_BULK_ADDRESS"] == f"tcp://127.0.0.1:{opts.md_bulk_port}"
+    assert "PDD_MD_ADVERTISE_ADDRESS" not in md  # MD names its own address; P's link dials it
     assert specs["prefill"].env["PDD_PREFILL_BULK_VIA"] == f"tcp://127.0.0.1:{opts.wan_bulk_port}"
     assert specs["prefill"].env["PDD_PREFILL_NATS_URL"].endswith(f":{opts.nats_a_port}")
     assert specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].startswith("unix:///")
 
     links = {link.name: link for link in wan_links(opts)}
-    assert (links["bulk"].listen_port, links["bulk"].target_port) == (opts.wan_bulk_port, opts.md_bulk_port)
-    a, b = nats_specs(opts)
+    assert (links["bulk"].listen_port, links["bulk"].target) == (opts.wan_bulk_port, "127.0.0.1:7400-7400")
+    a, b = nats_specs(opts)  # a lone server per DC: no cluster block, as always
+    assert (a.name, b.name, a.cluster, b.cluster, a.routes, b.routes) == ("nats-a", "nats-b", None, None, [], [])
     assert a.gateways == {"nats-b": f"nats://127.0.0.1:{links['gw-ab'].listen_port}"}
-    assert links["gw-ab"].target_port == b.gateway_port and links["gw-ba"].target_port == a.gateway_port
     assert b.gateways == {"nats-a": f"nats://127.0.0.1:{links['gw-ba'].listen_port}"}
+    assert links["gw-ab"].target == f"127.0.0.1:{b.gateway_port}" and links["gw-ba"].target == f"127.0.0.1:{a.gateway_port}"
+    assert (a.advertise, b.advertise) == ("127.0.0.1:7323", "127.0.0.1:7322")
     wan = specs["wan"].argv
-    assert f"bulk=127.0.0.1:{opts.wan_bulk_port}>127.0.0.1:{opts.md_bulk_port}-{opts.md_bulk_port + 9}" in wan
     assert f"gw-ab=127.0.0.1:{opts.wan_gw_ab_port}>127.0.0.1:{opts.gw_b_port}" in wan
     assert wan[wan.index("--delay-ms") + 1] == "15.0"
 
@@ -68,22 +88,108 @@ def test_topology() -> None:
 def test_wan_flags_parse() -> None:
     from shared.wan.cli import build_parser, parse_link
 
-    args = build_parser().parse_args(service_specs(UpOptions())[0].argv[3:])
+    args = build_parser().parse_args(service_specs(UpOptions(**SCALED))[0].argv[3:])
     assert args.control == "127.0.0.1:7490" and args.bandwidth_mbps == 1000.0
-    assert {parse_link(s, {}).name for s in args.link} == {"gw-ab", "gw-ba", "bulk"}
+    names = {f"gw-{d}-{c}" for d in ("ab", "ba") for c in range(3)} | {"bulk"}
+    assert {parse_link(s, {}).name for s in args.link} == names
 
 
-def test_ports_are_distinct() -> None:
-    opts = UpOptions()
-    ports = [v for k, v in vars(opts).items() if k.endswith("_port")]
-    ports += [opts.metrics_base_port + n for n in (1, 2, 3)]
-    assert len(ports) == len(set(ports))
+def test_today_s_ports_stay_for_instance_and_node_0() -> None:
+    plan = port_plan(UpOptions(**SCALED))
+    assert plan.router[0] == 8000 and plan.wan_control == 7490
+    assert (plan.nats["dc-a"][0], plan.nats["dc-b"][0]) == (4222, 4223)
+    assert (plan.gateway["dc-a"][0], plan.gateway["dc-b"][0]) == (7222, 7223)
+    assert (plan.wan_gateway["dc-b"][0], plan.wan_gateway["dc-a"][0]) == (7322, 7323)
+    assert (plan.md_bulk[0], plan.wan_bulk) == (7400, 7401)
+    assert [plan.metrics[s][0] for s in ("prefill", "relay", "main_decode")] == [9101, 9102, 9103]
+
+
+def _all_counts():
+    return itertools.product(range(1, MAX_COUNT + 1), repeat=5)
+
+
+@pytest.mark.parametrize("base", [None, 20000], ids=["default", "base-port"])
+def test_port_plan_never_collides_and_fits_its_block(base) -> None:
+    template = UpOptions() if base is None else with_base_port(UpOptions(), base)
+    for prefill, relay, md, routers, nodes in _all_counts():
+        counts = dict(prefill=prefill, relay=relay, md=md, routers=routers, nats_cluster=nodes)
+        plan = port_plan(dataclasses.replace(template, **counts))
+        ports = plan.ports()
+        assert len(ports) == len(set(ports)), counts
+        expected = routers + nodes * (6 if nodes == 1 else 8) + md + 2 + prefill + relay + md
+        assert len(ports) == expected  # every instance and node has its own
+        if base is not None:
+            assert all(base <= p < base + PORT_BLOCK for p in ports), counts
+    assert port_plan(UpOptions()) == port_plan(UpOptions())  # deterministic
+
+
+def test_counts_are_validated_and_ports_that_collide_refused() -> None:
+    for name in ("prefill", "relay", "md", "routers", "nats_cluster"):
+        for bad in (0, MAX_COUNT + 1):
+            with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be 1..{MAX_COUNT}"):
+                UpOptions(**{name: bad})
+    with pytest.raises(ValueError, match=r"ports used twice: \[4224\]"):
+        UpOptions(nats_cluster=2, nats_b_port=4224)  # node 1 of dc-a is on 4224 already
+    UpOptions(nats_b_port=4224)  # one node each: no clash
+
+
+def test_every_instance_has_its_own_name_id_ports_and_socket() -> None:
+    opts = UpOptions(**SCALED)
+    specs = service_specs(opts)[1:]
+    assert [s.name for s in specs] == [
+        "prefill", "prefill-1", "prefill-2", "relay", "relay-1", "main_decode", "main_decode-1",
+        "main_decode-2", "router", "router-1",
+    ]  # fmt: skip
+    ids = [s.env[f"{ENV_PREFIX[s.service]}INSTANCE"] for s in specs]
+    assert ids == ["0", "1", "2", "0", "1", "0", "1", "2", "0", "1"]
+    ports = [v for s in specs for k, v in s.env.items() if k.endswith(("_METRICS_PORT", "_ROUTER_PORT"))]
+    assert len(ports) == len(specs) == len(set(ports))
+    sockets = [s.env["PDD_RELAY_LOCAL_ADDRESS"] for s in specs if s.service == "relay"]
+    assert [a.rsplit("/", 1)[1] for a in sockets] == ["relay-0.sock", "relay-1.sock"]
+    assert router_urls(opts) == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert [s.env["PDD_ROUTER_PORT"] for s in specs if s.service == "router"] == ["8000", "8001"]
+
+
+def test_kv_bulk_reaches_every_md_through_the_one_link() -> None:
+    opts = UpOptions(**SCALED)
+    specs = service_specs(opts)[1:]
+    (bulk,) = [link for link in wan_links(opts) if link.name == "bulk"]
+    host, ports = bulk.target.split(":")
+    lo, hi = map(int, ports.split("-"))
+    mds = [s.env["PDD_MD_BULK_ADDRESS"] for s in specs if s.service == "main_decode"]
+    assert len(set(mds)) == 3 and all(a.startswith(f"tcp://{host}:") and lo <= int(a.rsplit(":", 1)[1]) <= hi for a in mds)
+    assert hi - lo + 1 == 3  # the pattern allows the MDs' ports and nothing else
+    assert {s.env["PDD_PREFILL_BULK_VIA"] for s in specs if s.service == "prefill"} == {f"tcp://127.0.0.1:{bulk.listen_port}"}
+    assert not any(k.endswith("ADVERTISE_ADDRESS") for s in specs for k in s.env)
+
+
+def test_nats_cluster_per_dc_behind_its_own_wan_links() -> None:
+    opts = UpOptions(**SCALED)
+    nodes = {n.name: n for n in nats_specs(opts)}
+    links = {link.name: link for link in wan_links(opts)}
+    assert list(nodes) == [f"nats-{d}-{c}" for d in "ab" for c in range(3)]
+    for d, other, inbound in (("a", "b", "gw-ba"), ("b", "a", "gw-ab")):
+        mine = [nodes[f"nats-{d}-{c}"] for c in range(3)]
+        routes = [f"nats-route://127.0.0.1:{n.cluster_port}" for n in mine]
+        remote = [f"nats://127.0.0.1:{links[f'gw-{d}{other}-{c}'].listen_port}" for c in range(3)]
+        for c, node in enumerate(mine):
+            assert (node.cluster, node.identity, node.routes) == (f"nats-{d}", f"nats-{d}", routes)
+            assert node.gateways == {f"nats-{other}": remote}  # every remote node, via the WAN
+            link = links[f"{inbound}-{c}"]  # the one link in front of this node's gateway
+            assert (link.target, node.advertise) == (f"127.0.0.1:{node.gateway_port}", f"127.0.0.1:{link.listen_port}")
+    # every service instance reaches its own DC's cluster; instances spread over its nodes
+    urls = {s.name: s.env[f"{ENV_PREFIX[s.service]}NATS_URL"] for s in service_specs(opts)[1:]}
+    a = {f"tls://127.0.0.1:{nodes[f'nats-a-{c}'].port}" for c in range(3)}
+    b = {f"tls://127.0.0.1:{nodes[f'nats-b-{c}'].port}" for c in range(3)}
+    assert {urls["main_decode"], urls["main_decode-1"], urls["main_decode-2"]} == b
+    assert {urls["prefill"], urls["prefill-1"], urls["prefill-2"]} == a
+    assert {urls["relay"], urls["relay-1"], urls["router"], urls["router-1"]} < a
 
 
 @pytest.mark.parametrize("hosts", [None, COMPOSE_HOSTS], ids=["local", "compose"])
 def test_each_service_gets_its_own_credentials_as_paths(hosts) -> None:
-    for spec in service_specs(UpOptions(), hosts)[1:]:
-        p, name = ENV_PREFIX[spec.name], spec.name
+    for spec in service_specs(UpOptions(**SCALED), hosts)[1:]:
+        p, name = ENV_PREFIX[spec.service], spec.service
         env = spec.env
         assert env[f"{p}NATS_URL"].startswith("tls://") and env[f"{p}NATS_USER"] == name
         assert env[f"{p}TLS_CERT"].endswith(f"/{name}.pem") and env[f"{p}TLS_KEY"].endswith(f"/{name}.key")
@@ -106,10 +212,10 @@ def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pyt
     for spec in service_specs(opts)[1:]:
         for key, value in spec.env.items():
             monkeypatch.setenv(key, value)
-        settings = require_credentials(SETTINGS[spec.name](), spec.name, ENV_PREFIX[spec.name],
-                                       kv=spec.name != "router")  # fmt: skip
-        assert settings.nats_password == creds.password(spec.name)
-        assert settings.secret == (None if spec.name == "router" else first[1])
+        settings = require_credentials(SETTINGS[spec.service](), spec.service, ENV_PREFIX[spec.service],
+                                       kv=spec.service != "router")  # fmt: skip
+        assert settings.nats_password == creds.password(spec.service)
+        assert settings.secret == (None if spec.service == "router" else first[1])
     from cryptography import x509
 
     cert = x509.load_pem_x509_certificate(creds.identity("nats-a").cert.read_bytes())

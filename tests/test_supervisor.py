@@ -157,6 +157,33 @@ async def test_exited_child_is_restarted_with_backoff_and_a_new_pid_file(tmp_pat
     assert read_pid(tmp_path, "flaky") is None
 
 
+async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Path, caplog) -> None:
+    # An operator scaling in: SIGTERM, the service drains and exits 0. A child that SIGTERM
+    # kills instead (no clean exit) is still restarted.
+    drains = (
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
+    scaled_in, killed = await sup.start_all([_py("relay-1", drains), _py("relay", "import time; time.sleep(60)")])
+    caplog.set_level(logging.INFO, logger="shared.supervisor")
+    task = asyncio.create_task(sup.supervise(poll_s=0.02))
+    try:
+        first = killed.pid
+        os.kill(killed.pid, signal.SIGTERM)
+        await _until(lambda: killed.running and killed.pid != first and read_pid(tmp_path, "relay") == killed.pid)
+        await _until(lambda: "ready" in scaled_in.log_path.read_text())  # its handler is in place
+        os.kill(scaled_in.pid, signal.SIGTERM)
+        await _until(lambda: "relay-1 stopped cleanly; not restarted" in caplog.text)
+        assert scaled_in.returncode == 0 and scaled_in not in sup.children and killed in sup.children
+        assert read_pid(tmp_path, "relay-1") is None
+        assert _delays(caplog, "relay") == ["0.05s"] and _delays(caplog, "relay-1") == []
+    finally:
+        task.cancel()
+        await sup.stop_all()
+    assert scaled_in.returncode == 0 and not scaled_in.running
+
+
 async def test_crash_loop_stops_supervising_with_the_childs_log(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
     await sup.start_all([_py("wan", "import time; time.sleep(60)")])
@@ -200,6 +227,27 @@ async def test_up_serves_until_sigterm_and_stops_all(fake_system: UpOptions) -> 
     assert not list((fake_system.workdir / "run").iterdir())  # pid files removed
     assert (fake_system.workdir / "logs" / "router.log").exists()
     assert (fake_system.workdir / "nats" / "nats-a" / "nats-server.conf").exists()
+
+
+async def test_up_starts_every_node_of_a_cluster_and_waits_for_its_routes(
+    fake_system: UpOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two routed nodes of dc-a (no gateway: the stand-in wan forwards nothing). `pdd is up`
+    # comes only once each node is routed to the other.
+    cluster_ports = [_free_port(), _free_port()]
+    routes = [f"nats-route://127.0.0.1:{p}" for p in cluster_ports]
+    nodes = [NatsSpec(f"nats-a-{c}", "dc-a", _free_port(), _free_port(), cluster="nats-a",
+                      cluster_port=cluster_ports[c], routes=routes) for c in range(2)]  # fmt: skip
+    monkeypatch.setattr(up, "nats_specs", lambda o: nodes)
+    task = await _run_up_until_up(fake_system, [])
+    try:
+        for node in nodes:
+            assert read_pid(fake_system.workdir, node.name)
+            conf = (fake_system.workdir / "nats" / node.name / "nats-server.conf").read_text()
+            assert "cluster {" in conf and all(r in conf for r in routes)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 20) == 0
 
 
 async def test_up_restarts_a_killed_nats_server_on_its_port(fake_system: UpOptions) -> None:

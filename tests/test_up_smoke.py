@@ -6,11 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shared.launch import PORT_BLOCK
 from shared.system import free_port_block
 
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:
-    base = free_port_block(20)
+    base = free_port_block(PORT_BLOCK)
     argv = [sys.executable, "-m", "shared.cli", "up", "--smoke", "--workdir", str(tmp_path), "--base-port", str(base)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = proc.stdout + proc.stderr
