@@ -11,6 +11,8 @@ double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_
 
 from __future__ import annotations
 
+import socket
+
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -52,7 +54,7 @@ class CommonSettings(BaseSettings):
     )
 
     nats_url: str = "tls://127.0.0.1:4222"
-    instance: str = "0"
+    instance: str = Field(default_factory=socket.gethostname)  # unique per host (compose replicas); `pdd up` numbers them
     datacenter: str = "dc-a"
     secret: str | None = None  # shared secret of the KV bulk channel (required, or secret_file)
     secret_file: str | None = None  # a file holding `secret` (what `pdd up` passes)
@@ -99,12 +101,17 @@ class PrefillSettings(CommonSettings):
 class RelaySettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_RELAY_")
 
-    local_address: str = "unix:///tmp/pdd-relay-0.sock"  # local fast path from prefill
+    # Local fast path from prefill; "{instance}" becomes this instance's id, so replicas that
+    # share a socket directory (compose) each get their own socket.
+    local_address: str = "unix:///tmp/pdd-relay-{instance}.sock"
     catchup_threshold: int = 64  # pending tokens above which handoff goes in batches
     catchup_load: int = 4  # running requests at or above which RLD prefers one-shot
     catchup_max_rounds: int = 4  # catch-up batches before the final one, whatever remains
     md_ready_timeout_s: float = 30.0  # after this, RLD finishes the request itself
     kv_import_wait_s: float = 20.0  # longest wait for free KV blocks to take prefill's stream
+
+    def model_post_init(self, _context: object) -> None:
+        self.local_address = self.local_address.replace("{instance}", self.instance)
 
 
 class MainDecodeSettings(CommonSettings):

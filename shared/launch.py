@@ -321,18 +321,17 @@ def nats_urls(opts: UpOptions, hosts: Hosts, dc: str) -> list[str]:
     return [f"tls://{_nats_host(hosts, dc, c, n)}:{port}" for c, port in enumerate(port_plan(opts).nats[dc])]
 
 
-def nats_url(opts: UpOptions, hosts: Hosts, dc: str, instance: int) -> str:
-    """PDD_<ROLE>_NATS_URL: one node's URL, as a service's settings hold one URL (connect() is
-    given it as is); instances spread over the DC's nodes."""
-    urls = nats_urls(opts, hosts, dc)
-    return urls[instance % len(urls)]
+def nats_url(opts: UpOptions, hosts: Hosts, dc: str) -> str:
+    """PDD_<ROLE>_NATS_URL: every node of the DC's cluster, comma-separated. The client picks
+    one at random (spreading the instances) and fails over to the others."""
+    return ",".join(nats_urls(opts, hosts, dc))
 
 
 def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -> dict[str, str]:
     p = ENV_PREFIX[name]
     env = {
         "PYTHONUNBUFFERED": "1",
-        f"{p}NATS_URL": nats_url(opts, h, dc, instance),
+        f"{p}NATS_URL": nats_url(opts, h, dc),
         **({f"{p}INSTANCE": str(instance)} if h.instance_ids else {}),  # compose: the container's hostname
         f"{p}DATACENTER": dc,
         f"{p}MODEL__PRESET": opts.model_preset,
@@ -370,7 +369,8 @@ def _role_settings(name: str, instance: int, opts: UpOptions, h: Hosts) -> dict[
     if name == "prefill":  # KV to any MD goes through the one bulk link
         return {"bulk_via": f"tcp://{h.wan}:{plan.wan_bulk}"}
     if name == "relay":
-        return {"local_address": f"unix://{h.socket_dir or opts.workdir.resolve()}/relay-{instance}.sock"}
+        ident = str(instance) if h.instance_ids else "{instance}"  # compose: the container's id
+        return {"local_address": f"unix://{h.socket_dir or opts.workdir.resolve()}/relay-{ident}.sock"}
     if name == "main_decode":  # no advertise override: MD names its own address, P's link dials it
         return {"bulk_address": f"tcp://{h.bind}:{plan.md_bulk[instance]}"}
     return {

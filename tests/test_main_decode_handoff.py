@@ -26,7 +26,7 @@ async def test_a_redelivered_handoff_batch_is_dropped_and_the_first_copy_applied
     nc = await nats_security.connect(nats_server, "md-handoff-test")  # the test user may say anything
     settings = MainDecodeSettings(
         nats_url=nats_server.url, bulk_address="tcp://127.0.0.1:0", engine=EngineSettings(kv_memory_mb=1),
-        secret="test-secret",
+        secret="test-secret", instance="0",
     )
     md = MainDecodeService(settings, nc, make_engine())
     await md.start()

@@ -44,9 +44,9 @@ def reference(params: SamplingParams) -> list[int]:
 
 async def _service(kind: str, nc, tmp_path, **kw):
     if kind == "md":
-        settings = MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", **kw)
+        settings = MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0", **kw)
         return MainDecodeService(settings, nc, make_engine())
-    settings = RelaySettings(local_address=f"unix://{tmp_path}/relay.sock", secret="s", **kw)
+    settings = RelaySettings(local_address=f"unix://{tmp_path}/relay.sock", secret="s", instance="0", **kw)
     return RelayService(settings, nc, make_engine())
 
 

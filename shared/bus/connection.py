@@ -58,7 +58,8 @@ async def connect(url: str | list[str], name: str, *, timeout: float | None = 30
 
     `timeout` bounds only the *first* connection (None = wait forever); `kw` goes to `nats.connect`.
     """
-    servers = [url] if isinstance(url, str) else list(url)
+    # A settings string may list a cluster's nodes, comma-separated: nats-py fails over among them.
+    servers = [u.strip() for u in url.split(",") if u.strip()] if isinstance(url, str) else list(url)
 
     async def on_disconnect() -> None:
         level = logging.INFO if nc.is_closed or nc.is_draining else logging.WARNING
