@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shared.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
-BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth", "chaos")
+BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth", "chaos", "scale")
 FORWARDING = ("wan", "bench", "chaos")  # subcommands whose extra arguments belong to another main()
 COUNT_HELP = {
     "prefill": f"prefill instances (1..{MAX_COUNT}); ",
