@@ -91,6 +91,7 @@ class PrefillSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_")
 
     prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk (0 = no cap)
+    drain_timeout_s: float = 30.0  # on SIGTERM: longest wait for the requests held to end before leaving
 
 
 class RelaySettings(CommonSettings):
@@ -102,6 +103,7 @@ class RelaySettings(CommonSettings):
     catchup_max_rounds: int = 4  # catch-up batches before the final one, whatever remains
     md_ready_timeout_s: float = 30.0  # after this, RLD finishes the request itself
     kv_import_wait_s: float = 20.0  # longest wait for free KV blocks to take prefill's stream
+    drain_timeout_s: float = 30.0  # on SIGTERM: longest wait for the requests held to end before leaving
 
 
 class MainDecodeSettings(CommonSettings):
@@ -115,6 +117,7 @@ class MainDecodeSettings(CommonSettings):
     # prepare_timeout_s.
     admission_wait_s: float = 20.0
     admission_queue_max: int = 256
+    drain_timeout_s: float = 30.0  # on SIGTERM: longest wait for the requests held to end before leaving
 
 
 class RouterSettings(CommonSettings):
@@ -131,6 +134,10 @@ class RouterSettings(CommonSettings):
     prepare_timeout_s: float = 30.0
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
     lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
+    # The instances' cache events are numbered; a lost one (or a restart) makes the router ask
+    # that instance for its whole cache. Besides, every instance is asked this often (a safety net).
+    kv_snapshot_every_s: float = 60.0
+    kv_snapshot_timeout_s: float = 2.0  # an instance's answer to a snapshot request; then it is asked again
     gap_timeout_s: float = 1.0  # a token missing this long while later ones arrived: it was lost
     stall_timeout_s: float = 10.0  # no token this long once tokens flowed: the request moves
     migration_limit: int = 3  # moves by token IDs per request before it fails
