@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 ABORTS_KEPT_S = 60.0  # how long an abort is remembered against a late admission
 DRAIN_POLL_S = 0.1  # how often a drain looks whether the requests held have ended
+UNFOLLOWED_EVENTS_DROP_S = 5.0  # how often a cache nobody follows drops its events
 FREED_RECHECK_S = 0.25  # a wait for freed blocks looks again after this even unwoken (a free it missed)
 
 
@@ -92,6 +93,8 @@ class EngineService:
         self.life.every(ABORTS_KEPT_S / 10, self._forget_old_aborts)
         if self.publishes_cache:
             await self.cache_events.start(self.life)
+        else:  # nobody follows this cache: its events would only pile up
+            self.life.every(UNFOLLOWED_EVENTS_DROP_S, self._drop_cache_events)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -222,6 +225,9 @@ class EngineService:
             log.warning("request %s: router %s stopped heartbeating; dropping it", job.rid, job.router)
             await self.on_abort_message(Abort(job.rid, AbortReason.ROUTER_LOST, job.router), Role.ROUTER)
         self.routers.prune(keep_s=600.0)
+
+    async def _drop_cache_events(self) -> None:
+        await self.engine_loop.call(self.engine.transfer.drain_events)
 
     async def _forget_old_aborts(self) -> None:
         now = time.monotonic()
