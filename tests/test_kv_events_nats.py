@@ -121,6 +121,11 @@ async def test_events_that_name_another_instance_than_their_subject_are_dropped(
         await router_nc.close()
 
 
+def _synced_epoch(core: RouterCore, role: Role) -> str | None:
+    feed = core.caches[role].feeds.get("0")
+    return feed.epoch if feed is not None and not feed.syncing else None
+
+
 async def _cached(service) -> set[int]:
     return set(await service.engine_loop.call(service.engine.transfer.cached_hashes))
 
@@ -134,6 +139,9 @@ async def test_real_main_decode_and_prefill_keep_the_router_exact(nats_server, n
     await md.start()
     await prefill.start()
     try:
+        async with asyncio.timeout(WAIT_S):  # idle instances tick: the router meets them anyway
+            while [_synced_epoch(core, s.role) for s in (md, prefill)] != [s.cache_events.epoch for s in (md, prefill)]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         resume = ResumeRequest("r1", PROMPT, [], greedy(8))
         assert (await request(router_nc, subjects.resume("main_decode", "0"), resume, ResumeReply, timeout=WAIT_S)).ok
         submit = PrefillSubmit("r2", PROMPT[:40], greedy(8), Pipeline.P_MD)

@@ -37,7 +37,7 @@ def test_first_contact_asks_once_and_buffers_until_the_snapshot() -> None:
     assert view.on_events(ev(5, stored=[50]))  # never met: ask
     assert not view.on_events(ev(6, stored=[60]))  # one fetch at a time
     assert view.syncing("0") and blocks(index) == set()  # nothing applied before the snapshot
-    assert not view.on_snapshot(snap(5, stored=[1, 50]))  # covers seq 5, not 6
+    assert not view.on_snapshot(snap(4, stored=[1]))  # older than the message that asked: that one applies too
     assert blocks(index) == {1, 50, 60} and not view.syncing("0")
 
 
@@ -105,3 +105,14 @@ def test_the_buffer_is_bounded_and_an_overflow_only_costs_another_snapshot() -> 
     assert view.on_snapshot(snap(2))  # the oldest buffered were dropped: 3 is missing
     assert not view.on_snapshot(snap(BUFFER_MAX + 9, stored=[1]))
     assert blocks(index) == {1}
+
+
+def test_messages_of_a_process_gone_meanwhile_cost_one_more_snapshot_not_one_each() -> None:
+    view, index = synced(0)
+    assert view.on_events(ev(2))  # 1 lost
+    for seq in (3, 4):
+        view.on_events(ev(seq, stored=[seq]))  # still the old process
+    view.on_events(ev(1, stored=[11], epoch="e2"))  # it restarted
+    assert view.on_snapshot(snap(1, stored=[11], epoch="e2"))  # the old process's messages break the feed
+    assert not view.on_snapshot(snap(1, stored=[11], epoch="e2"))  # and are gone with the next one
+    assert blocks(index) == {11}

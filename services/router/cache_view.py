@@ -48,7 +48,7 @@ class CacheView:
         if self._follows(feed, ev):
             return False
         feed.syncing = True
-        feed.buffer.append(ev)  # it may be newer than the snapshot to come
+        feed.buffer.append(ev)  # applied after the snapshot, should that be older
         return True
 
     def on_snapshot(self, snap: KVSnapshot) -> bool:
