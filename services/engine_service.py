@@ -1,7 +1,8 @@
 """What prefill, relay and main decode share: an engine on its own thread, the service's
 subscriptions and timers, heartbeats (load reports listing the requests held), pins, the
-abort protocol, dropping the requests of a router that went silent, and taking over a
-request by its token IDs (resume)."""
+abort protocol, dropping the requests of a router that went silent, taking over a
+request by its token IDs (resume), prefix-cache events for the routers (prefill and MD), and
+leaving without failing a request (drain)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
+from .cache_events import CacheEvents
+
 log = logging.getLogger(__name__)
 
 ABORTS_KEPT_S = 60.0  # how long an abort is remembered against a late admission
+DRAIN_POLL_S = 0.1  # how often a drain looks whether the requests held have ended
+UNFOLLOWED_EVENTS_DROP_S = 5.0  # how often a cache nobody follows drops its events
 FREED_RECHECK_S = 0.25  # a wait for freed blocks looks again after this even unwoken (a free it missed)
 
 
@@ -51,6 +56,7 @@ class EngineService:
     objects, owned by the event loop; the engine is touched only through `engine_loop`."""
 
     role: ClassVar[Role]
+    publishes_cache: ClassVar[bool] = False  # its prefix cache steers routing: the routers follow it
 
     def __init__(self, settings: Any, nc: Any, engine: LLMEngine, post_step: PostStep | None = None):
         self.settings = settings
@@ -67,6 +73,9 @@ class EngineService:
         self.aborted: dict[str, tuple[float, Abort, Role]] = {}
         self.conn = ConnectionWatch(nc)
         self._freed = asyncio.Event()  # set when KV blocks went back to the pool
+        self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine.transfer)
+        self.draining = False  # leaving: refuse new work, finish what is held
+        self._admitting = 0  # admissions under way (not jobs yet)
         self.track("jobs", lambda: len(self.jobs))
         self.track("engine_requests", lambda: len(engine.seqs))
         self.track("pins", lambda: len(engine.transfer.pins))
@@ -82,12 +91,39 @@ class EngineService:
         self.life.every(HEARTBEAT_S, self.report_load)
         self.life.every(HEARTBEAT_S, self._drop_orphans)
         self.life.every(ABORTS_KEPT_S / 10, self._forget_old_aborts)
+        if self.publishes_cache:
+            await self.cache_events.start(self.life)
+        else:  # nobody follows this cache: its events would only pile up
+            self.life.every(UNFOLLOWED_EVENTS_DROP_S, self._drop_cache_events)
 
     async def stop(self) -> None:
         await self.life.close()
         if self.kv_server:
             await self.kv_server.close()
         await self.engine_loop.stop()
+
+    # ---- leaving (scale-in) ----------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> None:
+        """Leave without failing a request: say so in a heartbeat now (routers stop choosing
+        this instance), refuse new work (the router takes it elsewhere), and wait up to
+        timeout_s for the requests held to end. Those still held then are released with an
+        error, so their router moves them to another instance by token IDs."""
+        self.draining = True
+        log.info("%s %s leaving: %d requests held", self.role.value, self.settings.instance, len(self.jobs))
+        try:
+            await self.report_load()
+        except Exception as e:  # the periodic heartbeat says it soon enough
+            log.warning("could not announce the drain: %s", e)
+        deadline = time.monotonic() + timeout_s
+        while (self.jobs or self._admitting) and time.monotonic() < deadline:  # noqa: ASYNC110 - jobs end in many places
+            await asyncio.sleep(DRAIN_POLL_S)
+        for job in list(self.jobs.values()):
+            log.warning("request %s still held after the %g s drain: released", job.rid, timeout_s)
+            await self.release_on_leaving(job)
+
+    async def release_on_leaving(self, job: Any) -> None:
+        """Give up a request at the end of a drain, so that its router moves it."""
+        raise NotImplementedError
 
     async def subscribe_admission(
         self, subject: str, cls: type, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]], queue: str = ""
@@ -102,6 +138,16 @@ class EngineService:
         await self.life.subscribe(self.nc, subject, cls, on_message, queue=queue)
 
     async def _admit(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
+        if self.draining:
+            await refuse(raw, f"{self.role.value} {self.settings.instance} is leaving")
+            return
+        self._admitting += 1
+        try:
+            await self._admit_new(msg, raw, reply_cls, admit)
+        finally:
+            self._admitting -= 1
+
+    async def _admit_new(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
         if msg.rid in self.jobs:
             await respond(raw, reply_cls(ok=False, error=f"duplicate request id {msg.rid}"))
         elif msg.rid in self.aborted:
@@ -161,7 +207,7 @@ class EngineService:
             service=self.role, instance=self.settings.instance, running=stats.running,
             waiting=stats.waiting, num_blocks=stats.num_blocks, used_blocks=stats.used_blocks,
             free_blocks=stats.free_blocks, address=self.load_address(), links=self.load_links(),
-            model_id=self.engine.model_id, held=list(self.jobs),
+            model_id=self.engine.model_id, held=list(self.jobs), draining=self.draining,
         )  # fmt: skip
         await publish(self.nc, subjects.load(self.role.value, self.settings.instance), report)
         return stats
@@ -179,6 +225,9 @@ class EngineService:
             log.warning("request %s: router %s stopped heartbeating; dropping it", job.rid, job.router)
             await self.on_abort_message(Abort(job.rid, AbortReason.ROUTER_LOST, job.router), Role.ROUTER)
         self.routers.prune(keep_s=600.0)
+
+    async def _drop_cache_events(self) -> None:
+        await self.engine_loop.call(self.engine.transfer.drain_events)
 
     async def _forget_old_aborts(self) -> None:
         now = time.monotonic()
@@ -260,3 +309,10 @@ def outcome_of(reason: FinishReason | None) -> Outcome:
     if reason is FinishReason.LENGTH:
         return Outcome.LENGTH
     return Outcome.ERROR
+
+
+async def refuse(raw: Any, why: str) -> None:
+    """Answer a request with a `nats.micro` service error (503, `why`): the router's request
+    raises, and it takes the request elsewhere, as when an instance does not answer."""
+    headers = {"Nats-Service-Error-Code": "503", "Nats-Service-Error": why}
+    await raw._client.publish(raw.reply, b"", headers=headers)

@@ -68,6 +68,7 @@ class CommonSettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
     orphan_after_s: float = 4.0  # a router silent this long is gone: its requests are orphans, dropped
+    drain_timeout_s: float = 30.0  # engine services, on SIGTERM: longest wait for the requests held to end
     engine_call_timeout_s: float = 30.0  # longest wait for one command on the engine thread
     torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
@@ -142,6 +143,10 @@ class RouterSettings(CommonSettings):
     prepare_timeout_s: float = 30.0
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
     lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
+    # The instances' cache events are numbered; a lost one (or a restart) makes the router ask
+    # that instance for its whole cache. Besides, every instance is asked this often (a safety net).
+    kv_snapshot_every_s: float = 60.0
+    kv_snapshot_timeout_s: float = 2.0  # an instance's answer to a snapshot request; then it is asked again
     gap_timeout_s: float = 1.0  # a token missing this long while later ones arrived: it was lost
     stall_timeout_s: float = 10.0  # no token this long once tokens flowed: the request moves
     migration_limit: int = 3  # moves by token IDs per request before it fails

@@ -17,13 +17,13 @@ def setup_logging(service: str) -> None:
     )
 
 
-async def wait_for_shutdown() -> None:
-    """Return on SIGINT or SIGTERM."""
-    stop = asyncio.Event()
+async def wait_for_shutdown() -> signal.Signals:
+    """The first SIGINT or SIGTERM received (later ones are ignored)."""
     loop = asyncio.get_running_loop()
+    got: asyncio.Future[signal.Signals] = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, lambda s=sig: got.done() or got.set_result(s))
+    return await got
 
 
 async def every(interval_s: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -85,7 +85,9 @@ class Lifecycle:
 async def serve_service(name: str, settings, factory) -> None:
     """Connect to NATS with this service's credentials (exit 2 without them), start
     `factory(settings, nc)`, register it for discovery, run until SIGINT/SIGTERM, then stop it
-    and drain the connection."""
+    and drain the connection. On SIGTERM (scale-in) a service that can drain finishes the
+    requests it holds first (up to settings.drain_timeout_s), so the process exits 0 having
+    failed none."""
     from shared.bus.connection import connect
     from shared.bus.micro import register_service
     from shared.launch import ENV_PREFIX
@@ -110,7 +112,8 @@ async def serve_service(name: str, settings, factory) -> None:
     )
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
     try:
-        await wait_for_shutdown()
+        if await wait_for_shutdown() == signal.SIGTERM and hasattr(service, "drain"):
+            await service.drain(settings.drain_timeout_s)
     finally:
         await micro.stop()
         await service.stop()

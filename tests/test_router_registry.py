@@ -20,3 +20,11 @@ def test_two_measured_links_average():
     reg.update(LoadReport(Role.PREFILL, "1", links=[LinkReport("a", bandwidth=3e6, rtt=0.03)]))
     assert reg.link_to("a") == (2e6, 0.02)
     assert [r.instance for r in reg.alive(Role.PREFILL)] == ["0", "1"] and reg.alive(Role.RELAY) == []
+
+
+def test_a_draining_instance_is_alive_but_never_chosen():
+    reg = Registry()
+    reg.update(LoadReport(Role.MAIN_DECODE, "0"))
+    reg.update(LoadReport(Role.MAIN_DECODE, "1", draining=True))
+    assert [r.instance for r in reg.alive(Role.MAIN_DECODE)] == ["0", "1"]  # its requests are not lost
+    assert [m.instance for m in reg.loads(Role.MAIN_DECODE)] == ["0"]

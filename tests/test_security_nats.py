@@ -43,7 +43,10 @@ def _publishers() -> dict[str, set[str]]:
         subjects.md_prepare("0"): {"router"},
         subjects.resume("main_decode", "0"): {"router"},
         subjects.resume("relay", "0"): {"router"},
-        subjects.kv_events("0"): {"main_decode"},
+        subjects.kv_events("main_decode", "0"): {"main_decode"},
+        subjects.kv_events("prefill", "0"): {"prefill"},
+        subjects.kv_snapshot("main_decode", "0"): {"router"},
+        subjects.kv_snapshot("prefill", "0"): {"router"},
         PROBE: set(),
     }
     table.update({subjects.load(s, "0"): {s} for s in SERVICES})  # the router's is its heartbeat

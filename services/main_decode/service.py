@@ -23,7 +23,6 @@ from shared.bus.messages import (
     DecodeReport,
     HandoffAck,
     HandoffBatch,
-    KVEvents,
     KVReady,
     Outcome,
     Pipeline,
@@ -89,6 +88,7 @@ class MDJob:
 
 class MainDecodeService(EngineService):
     role = Role.MAIN_DECODE
+    publishes_cache = True
     jobs: dict[str, MDJob]
 
     def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
@@ -105,9 +105,6 @@ class MainDecodeService(EngineService):
         assert self.kv_server is not None
         self.advertise_address = self.settings.advertise_address or await advertised_address(self.kv_server.address)
         await super().start()
-        await self._publish_kv_snapshot()
-        self.life.every(0.05, self._publish_kv_events)
-        self.life.every(10.0, self._publish_kv_snapshot)
         self.life.every(1.0, self._expire)
 
     async def subscribe(self) -> None:
@@ -317,6 +314,9 @@ class MainDecodeService(EngineService):
             )
         await self._drop(job)
 
+    async def release_on_leaving(self, job: MDJob) -> None:
+        await self._fail(job, "main decode is leaving")
+
     def _end_spans(self, job: MDJob) -> None:
         if job.decode_span and job.decode_span.is_recording():
             job.decode_span.set_attribute("md_tokens", job.md_tokens)
@@ -339,24 +339,3 @@ class MainDecodeService(EngineService):
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s:
                 await self._fail(job, "request timed out on MD")
-
-    # ---- the router's view of this cache -----------------------------------------------
-    async def _publish_kv_snapshot(self) -> None:
-        """The whole cache, now and then: a router that restarted or missed events catches up."""
-
-        def snapshot() -> list[int]:
-            self.engine.transfer.drain_events()  # covered by the snapshot
-            return self.engine.transfer.cached_hashes()
-
-        inst = self.settings.instance
-        stored = await self.engine_loop.call(snapshot)
-        await publish(self.nc, subjects.kv_events(inst), KVEvents(inst, stored=stored, reset=True))
-
-    async def _publish_kv_events(self) -> None:
-        events = await self.engine_loop.call(self.engine.transfer.drain_events)
-        if not events:
-            return
-        stored = [h for kind, h in events if kind == "stored"]
-        evicted = [h for kind, h in events if kind == "evicted"]
-        inst = self.settings.instance
-        await publish(self.nc, subjects.kv_events(inst), KVEvents(inst, stored=stored, evicted=evicted))

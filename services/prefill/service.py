@@ -100,6 +100,7 @@ class PrefillJob:
 
 class PrefillService(EngineService):
     role = Role.PREFILL
+    publishes_cache = True
     jobs: dict[str, PrefillJob]
 
     def __init__(self, settings: PrefillSettings, nc, engine: LLMEngine | None = None):
@@ -327,6 +328,9 @@ class PrefillService(EngineService):
         await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
         await self.send_abort(job.rid, AbortReason.FAILED, error)
         await self._drop(job, AbortReason.FAILED)
+
+    async def release_on_leaving(self, job: PrefillJob) -> None:
+        await self._fail(job, "prefill is leaving")
 
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)

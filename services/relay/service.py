@@ -335,12 +335,18 @@ class RelayService(EngineService):
             self.early_ready.popitem(last=False)
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):
-                error = "request timed out on the relay"
-                log.warning("request %s: %s", job.rid, error)
-                self._forget(job)
-                await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
-                await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
-                await self.free(job.rid)
+                await self._fail(job, "request timed out on the relay")
+
+    async def release_on_leaving(self, job: RelayJob) -> None:
+        await self._fail(job, "the relay is leaving")
+
+    async def _fail(self, job: RelayJob, error: str) -> None:
+        """Give the request up: the router gets an error (and moves it), the other roles an abort."""
+        log.warning("request %s: %s", job.rid, error)
+        self._forget(job)
+        await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
+        await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+        await self.free(job.rid)
 
     def _forget(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.DONE):

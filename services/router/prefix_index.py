@@ -1,4 +1,5 @@
-"""The router's view of which KV blocks each MD holds, fed by MD's KV events."""
+"""The router's view of which KV blocks each instance of one role holds, fed by its KV events
+(kept exact by cache_view.CacheView)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class PrefixIndex:
         return n
 
     def forget(self, instance: str) -> None:
-        """The instance left: drop what it held (it re-announces a snapshot if it returns)."""
+        """The instance left: drop what it held (if it returns, the router fetches a snapshot)."""
         self._blocks.pop(instance, None)
 
     def __len__(self) -> int:
@@ -33,3 +34,7 @@ class PrefixIndex:
 
     def size(self, instance: str) -> int:
         return len(self._blocks.get(instance, ()))
+
+    def blocks(self, instance: str) -> frozenset[int]:
+        """Every block the instance is known to hold."""
+        return frozenset(self._blocks.get(instance, ()))

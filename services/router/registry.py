@@ -46,7 +46,10 @@ class Registry:
         return entry[0] if entry else None
 
     def loads(self, service: str) -> list[InstanceLoad]:
-        return [InstanceLoad(r.instance, r.running, r.waiting, r.free_blocks) for r in self.alive(service)]
+        """The instances that may be chosen for new work: alive and not leaving (a draining one
+        stays alive() until it exits, so the requests it still runs are not taken for lost)."""
+        return [InstanceLoad(r.instance, r.running, r.waiting, r.free_blocks) for r in self.alive(service)
+                if not r.draining]  # fmt: skip
 
     def _links_to(self, address: str) -> list[LinkReport]:
         return [link for r in self.alive(Role.PREFILL) for link in r.links if link.peer == address]

@@ -21,6 +21,8 @@ from shared.bus.messages import (
     Abort,
     AbortReason,
     KVEvents,
+    KVSnapshot,
+    KVSnapshotRequest,
     LoadReport,
     MainDecodeLost,
     MDTarget,
@@ -45,6 +47,7 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
 from .assignments import Assignments
+from .cache_view import CacheView
 from .errors import APIError
 from .merger import TokenMerger
 from .policy import (
@@ -79,6 +82,7 @@ class RouterCore:
         self.assignments = Assignments()
         self.weights = RouteWeights(settings.overlap_weight, settings.load_weight, settings.prefill_weight,
                                     settings.balance_factor)  # fmt: skip
+        self.caches = {Role.MAIN_DECODE: CacheView(self.index), Role.PREFILL: CacheView(self.prefill_index)}
         self.registry = Registry(stale_after_s=settings.lost_after_s)
         self.streams: dict[str, RequestStream] = {}  # by the client's request id
         self.attempts: dict[str, RequestStream] = {}  # by the backends' id of the current attempt
@@ -96,6 +100,7 @@ class RouterCore:
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
         self.life.every(HEARTBEAT_S, self._heartbeat)
         self.life.every(HEARTBEAT_S, self._watch_streams)
+        self.life.every(self.settings.kv_snapshot_every_s, self._resync_caches)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -121,7 +126,36 @@ class RouterCore:
         stream.queue.put_nowait(ev)
 
     async def _on_kv_events(self, ev: KVEvents, raw) -> None:
-        self.index.apply(ev.instance, ev.stored, ev.evicted, ev.reset)
+        """An instance's numbered cache changes; when its numbering breaks (first contact, a
+        restart, a lost message), fetch its whole cache."""
+        if subjects.kv_events_source(raw.subject) != (ev.role.value, ev.instance):
+            return  # the subject (which permissions vouch for) names someone else
+        view = self.caches.get(ev.role)
+        if view is not None and view.on_events(ev):
+            self.life.spawn(self._sync_cache(ev.role, ev.instance))
+
+    async def _sync_cache(self, role: Role, instance: str) -> None:
+        """Ask the instance for its cache until the view is whole again (one at a time: only
+        the call that started the sync runs this); stops if the instance is forgotten."""
+        view = self.caches[role]
+        subject = subjects.kv_snapshot(role.value, instance)
+        timeout = self.settings.kv_snapshot_timeout_s
+        while view.syncing(instance):
+            try:
+                snap = await request(self.nc, subject, KVSnapshotRequest(self.identity), KVSnapshot, timeout=timeout)
+                if (snap.role, snap.instance) != (role, instance):
+                    raise ValueError(f"the snapshot is {snap.role.value} {snap.instance}'s")
+            except Exception as e:  # gone, busy, or NATS trouble: ask again
+                log.info("no cache snapshot from %s %s: %s", role.value, instance, e or type(e).__name__)
+                await asyncio.sleep(timeout)
+                continue
+            view.on_snapshot(snap)
+
+    async def _resync_caches(self) -> None:
+        """The safety net: now and then every instance's whole cache, whatever its numbering says."""
+        for role, view in self.caches.items():
+            for instance in view.resync():
+                self.life.spawn(self._sync_cache(role, instance))
 
     async def _on_load(self, report: LoadReport, raw) -> None:
         """A heartbeat: the instance is alive, and holds the requests it lists."""
@@ -160,8 +194,9 @@ class RouterCore:
     def _prune(self, now: float) -> None:
         """Maps keyed by what the network told us stay bounded."""
         for service, instance in self.registry.prune(self.settings.forget_after_s):
+            if service in self.caches:
+                self.caches[Role(service)].forget(instance)
             if service == Role.MAIN_DECODE:
-                self.index.forget(instance)
                 metrics.forget_peer(instance)
         for rid in [r for r, t in self.stale_aborted.items() if now - t > STALE_ABORT_EVERY_S]:
             del self.stale_aborted[rid]

@@ -234,12 +234,36 @@ class MainDecodeLost(Message):
 
 @dataclass
 class KVEvents(Message):
-    """MD → router: blocks that entered or left MD's prefix cache."""
+    """P / MD → router: blocks that entered or left one instance's prefix cache. Each message
+    of a process (`epoch`, new at every start) has `seq` one more than the one before, so a
+    router that missed one knows it and asks for a KVSnapshot. A message may be empty (a tick
+    sent when nothing changed for a while): it still takes a seq, so a lost last change shows."""
 
+    role: Role
     instance: str
+    epoch: str
+    seq: int
+    stored: list[int] = field(default_factory=list)  # hashes whose last change was to enter the cache
+    evicted: list[int] = field(default_factory=list)  # hashes whose last change was to leave it
+
+
+@dataclass
+class KVSnapshotRequest(Message):
+    """router → P / MD (request/reply): send your whole prefix cache."""
+
+    router: str = ""
+
+
+@dataclass
+class KVSnapshot(Message):
+    """The whole prefix cache of one instance, as of its KVEvents message `seq` (the last one
+    it includes; 0: none was sent yet)."""
+
+    role: Role
+    instance: str
+    epoch: str
+    seq: int
     stored: list[int] = field(default_factory=list)
-    evicted: list[int] = field(default_factory=list)
-    reset: bool = False  # a full snapshot: forget what was known of this instance
 
 
 @dataclass
@@ -267,3 +291,4 @@ class LoadReport(Message):
     links: list[LinkReport] = field(default_factory=list)  # P only
     model_id: str = ""
     held: list[str] = field(default_factory=list)  # request ids this instance holds (heartbeat)
+    draining: bool = False  # leaving: it finishes what it holds and takes nothing new

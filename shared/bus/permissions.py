@@ -6,24 +6,26 @@ publish list is refused by the server (the client gets a permissions-violation e
 receives the message); a subscription outside its subscribe list never sees a message.
 
     service      publishes                                              subscribes
-    router       md prepare, prefill submit, md/relay resume            tokens, kv events, load,
-                 (requests), md_target, md_lost, abort.router,          its request inboxes
-                 load.router (its heartbeat)
-    prefill      tokens, handoff, abort.prefill, load.prefill           prefill submit, md_target,
-                                                                        md_lost, every abort,
-                                                                        router heartbeats
+    router       md prepare, prefill submit, md/relay resume,           tokens, kv events, load,
+                 kv snapshot (requests), md_target, md_lost,            its request inboxes
+                 abort.router, load.router (its heartbeat)
+    prefill      tokens, handoff, kv events.prefill, abort.prefill,     prefill submit, md_target,
+                 load.prefill                                           md_lost, kv snapshot.prefill,
+                                                                        every abort, router heartbeats
     relay        tokens, handoff, abort.relay, load.relay               kv_ready, handoff_ack,
                                                                         md_lost, relay resume,
                                                                         every abort, router heartbeats
-    main_decode  tokens, kv_ready, handoff_ack, kv events,              md prepare, md resume, handoff,
-                 abort.main_decode, load.main_decode                    every abort, router heartbeats
+    main_decode  tokens, kv_ready, handoff_ack, kv events.main_decode,  md prepare, md resume, handoff,
+                 abort.main_decode, load.main_decode                    kv snapshot.main_decode,
+                                                                        every abort, router heartbeats
 
-An abort's last subject token is its sender's role, and each role may publish only its own, so
-a receiver knows who gave up from the subject, never from a field a peer could forge.
+An abort's last subject token is its sender's role (a kv event's role token too), and each
+role may publish only its own, so a receiver knows who sent it from the subject, never from a
+field a peer could forge.
 
-Services that answer requests (prefill submit, md prepare, `nats.micro` discovery) may publish
-one reply to the reply subject of a request they received (`allow_responses`), nothing else
-under `_INBOX`. Every service but the router registers with `nats.micro`, hence `$SRV.>`.
+Services that answer requests (prefill submit, md prepare, kv snapshot, `nats.micro` discovery)
+may publish one reply to the reply subject of a request they received (`allow_responses`),
+nothing else under `_INBOX`. Every service but the router registers with `nats.micro`, hence `$SRV.>`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def own_load(service: str) -> str:
     return f"{PREFIX}.load.{service}.*"
 
 
+def kv_snapshots(service: str) -> str:
+    """The snapshot requests of one role's instances (named per role: a wildcard over the role
+    would also match a kv events subject of an instance called "snapshot")."""
+    return f"{PREFIX}.kv.{service}.*.snapshot"
+
+
 def own_abort(service: str) -> str:
     """The aborts a service may publish: signed with its own role (subjects.abort)."""
     return f"{PREFIX}.req.*.abort.{service}"
@@ -66,14 +74,14 @@ PERMISSIONS: dict[str, Permissions] = {
     "router": Permissions(
         publish=(ANY_MD_PREPARE, subjects.prefill_submit(), ANY_PREFILL_SUBMIT, ANY_MD_RESUME, ANY_RELAY_RESUME,
                  subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), own_abort("router"),
-                 own_load("router")),
+                 own_load("router"), kv_snapshots("prefill"), kv_snapshots("main_decode")),
         subscribe=(subjects.all_req(Req.TOKENS), subjects.all_kv_events(), subjects.all_load(), INBOX),
     ),
     "prefill": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("prefill"),
-                 own_load("prefill")),
+                 own_load("prefill"), subjects.all_kv_events("prefill")),
         subscribe=(subjects.prefill_submit(), ANY_PREFILL_SUBMIT, subjects.all_req(Req.MD_TARGET),
-                   subjects.all_req(Req.MD_LOST), ABORTS, ROUTER_HEARTBEATS, DISCOVERY),
+                   subjects.all_req(Req.MD_LOST), ABORTS, ROUTER_HEARTBEATS, DISCOVERY, kv_snapshots("prefill")),
         responds=True,
     ),
     "relay": Permissions(
@@ -85,9 +93,9 @@ PERMISSIONS: dict[str, Permissions] = {
     ),
     "main_decode": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
-                 subjects.all_kv_events(), own_abort("main_decode"), own_load("main_decode")),
+                 subjects.all_kv_events("main_decode"), own_abort("main_decode"), own_load("main_decode")),
         subscribe=(ANY_MD_PREPARE, ANY_MD_RESUME, subjects.all_req(Req.HANDOFF), ABORTS, ROUTER_HEARTBEATS,
-                   DISCOVERY),
+                   DISCOVERY, kv_snapshots("main_decode")),
         responds=True,
     ),
 }  # fmt: skip

@@ -70,12 +70,26 @@ def resume(role: str, inst: str) -> str:
     return f"{PREFIX}.{short}.{_tok(inst)}.resume"
 
 
-def kv_events(inst: str) -> str:
-    return f"{PREFIX}.kv.events.{_tok(inst)}"
+def kv_events(role: str, inst: str) -> str:
+    """`pdd.kv.events.<role>.<inst>`: one instance's prefix-cache events (instance ids repeat
+    across roles)."""
+    return f"{PREFIX}.kv.events.{_tok(role)}.{_tok(inst)}"
 
 
-def all_kv_events() -> str:
-    return f"{PREFIX}.kv.events.*"
+def all_kv_events(role: str = "*") -> str:
+    """Every instance's cache events (of one role, or of every role)."""
+    return f"{PREFIX}.kv.events.{role}.*"
+
+
+def kv_events_source(subject: str) -> tuple[str, str]:
+    """(role, instance) of a kv_events subject: who published it, as permissions vouch."""
+    role, inst = subject.rsplit(".", 2)[1:]
+    return role, inst
+
+
+def kv_snapshot(role: str, inst: str) -> str:
+    """`pdd.kv.<role>.<inst>.snapshot`: ask one instance for its whole prefix cache."""
+    return f"{PREFIX}.kv.{_tok(role)}.{_tok(inst)}.snapshot"
 
 
 def load(service: str, inst: str) -> str:
