@@ -42,7 +42,7 @@ WAIT_S = 30  # bound on every wait of the test
 
 
 def _md(nc, **kw) -> MainDecodeService:
-    return MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", **kw), nc, make_engine())
+    return MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0", **kw), nc, make_engine())
 
 
 async def _queue(nc, subject: str, cls) -> asyncio.Queue:
@@ -122,10 +122,10 @@ async def test_what_a_drain_still_holds_at_its_timeout_is_given_up(nats_server, 
 async def test_an_idle_instance_drains_at_once_then_refuses_work(nats_server, nats_security, tmp_path, role) -> None:
     nc = await nats_security.connect(nats_server, f"drain-{role.value}")
     if role is Role.PREFILL:
-        service = PrefillService(PrefillSettings(secret="s"), nc, make_engine())
+        service = PrefillService(PrefillSettings(secret="s", instance="0"), nc, make_engine())
         subject, msg, reply = subjects.prefill_submit_to("0"), PrefillSubmit("x", PROMPT, greedy(4), Pipeline.P_MD), SubmitReply
     else:
-        service = RelayService(RelaySettings(local_address=f"unix://{tmp_path}/r.sock", secret="s"), nc, make_engine())
+        service = RelayService(RelaySettings(local_address=f"unix://{tmp_path}/r.sock", secret="s", instance="0"), nc, make_engine())
         subject, msg, reply = subjects.resume("relay", "0"), ResumeRequest("x", PROMPT, [], greedy(4)), ResumeReply
     await service.start()
     try:
@@ -141,7 +141,7 @@ async def test_an_idle_instance_drains_at_once_then_refuses_work(nats_server, na
 async def test_sigterm_announces_the_drain_and_exits_zero(nats_server, nats_security, tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
     env.update(_credentials_env("main_decode", nats_security.creds.dir))
-    env.update({"PDD_MD_NATS_URL": nats_server.url, "PDD_MD_BULK_ADDRESS": "tcp://127.0.0.1:0",
+    env.update({"PDD_MD_NATS_URL": nats_server.url, "PDD_MD_INSTANCE": "0", "PDD_MD_BULK_ADDRESS": "tcp://127.0.0.1:0",
                 "PDD_MD_ENGINE__KV_MEMORY_MB": "1", "PDD_TRACE_DIR": str(tmp_path)})  # fmt: skip
     nc = await nats_security.connect(nats_server, "sigterm-test")
     reports = await _queue(nc, subjects.load("main_decode", "0"), LoadReport)

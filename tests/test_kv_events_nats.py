@@ -134,8 +134,8 @@ async def test_real_main_decode_and_prefill_keep_the_router_exact(nats_server, n
     core, router_nc = await _router(nats_server, nats_security)
     md_nc = await nats_security.connect(nats_server, "md", user="main_decode")
     p_nc = await nats_security.connect(nats_server, "prefill", user="prefill")
-    md = MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s"), md_nc, make_engine())
-    prefill = PrefillService(PrefillSettings(secret="s"), p_nc, make_engine())
+    md = MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0"), md_nc, make_engine())
+    prefill = PrefillService(PrefillSettings(secret="s", instance="0"), p_nc, make_engine())
     await md.start()
     await prefill.start()
     try:

@@ -107,7 +107,7 @@ async def instances(request: Request) -> dict:
         f"{role.value}/{r.instance}": {
             "running": r.running, "waiting": r.waiting, "used_blocks": r.used_blocks,
             "free_blocks": r.free_blocks, "num_blocks": r.num_blocks, "address": r.address,
-            "held": len(r.held),
+            "held": len(r.held), "draining": r.draining,
         }  # fmt: skip
         for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)
         for r in registry.alive(role)

@@ -91,6 +91,8 @@ class RouterCore:
         # Instance plus a per-process suffix: the requests of a router that restarted under the
         # same instance id belong to a router that is gone, and backends drop them.
         self.identity = f"{settings.instance}-{secrets.token_hex(4)}"
+        # Every router hears every request's token events; its own request ids start with this.
+        self.rid_prefix = f"cmpl-{self.identity}-"
         self.tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
@@ -114,6 +116,8 @@ class RouterCore:
     async def _on_tokens(self, ev: TokenEvent, raw) -> None:
         stream = self.attempts.get(ev.rid)
         if stream is None:
+            if not ev.rid.startswith(self.rid_prefix):
+                return  # another router's request
             metrics.UNKNOWN_REQUEST_MESSAGES.labels(service="router").inc()
             if not ev.finished:  # an abandoned attempt (its abort was lost?) still producing
                 await self._abort_stale(ev.rid)
@@ -275,7 +279,7 @@ class RouterCore:
         """Route and dispatch a request; `trace_context` is the caller's (W3C headers), if any."""
         if params.seed is None:  # every instance must sample a request the same way
             params.seed = secrets.randbits(63)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"{self.rid_prefix}{uuid.uuid4().hex}"
         span = self.tracer.start_span(
             "router.request",
             context=trace_context or Context(),
