@@ -154,14 +154,18 @@ class RouterSettings(CommonSettings):
     resume_timeout_s: float = 3.0  # an instance's answer to a resume request
     forget_after_s: float = 60.0  # an instance silent this long has left: its entries are dropped
     # Which instance serves a request: the lowest cost, in seconds (services/router/policy.py).
-    #   MD: overlap_weight × estimated WAN seconds to send the KV blocks that MD lacks (from the
-    #       measured link toward it and the KV already queued on it) + load_weight × load
-    #   P:  prefill_weight × prompt tokens that P has not cached + load_weight × load
+    #   MD: overlap_weight × WAN seconds to send the KV that MD lacks (at the bandwidth measured
+    #       toward it, behind the KV already queued on it) + load_weight × load × R_md
+    #   P:  prefill_weight × prompt tokens that P has not cached + load_weight × load × R_p
     # load is in requests (held or running, plus those sent since the instance's last report,
-    # plus the share of its KV pool in use). Raise load_weight to spread requests more, lower
-    # it (or raise overlap_weight) to keep sessions on the instance holding their prefix.
+    # plus the share of its KV pool in use); R_md is this request's whole KV over the WAN at
+    # default_bandwidth_bps, R_p its whole prefill. So load_weight is a fraction: with 0.05 a
+    # session's MD keeps its next turn (h: the share of the prompt only it holds) while it runs
+    # fewer than 20h more requests than another MD, whatever the model's KV size; the load
+    # bound (balance_factor) keeps that from growing a hot spot. Raise it to spread requests
+    # more; lower it (or raise overlap_weight) to keep sessions on the instance holding their prefix.
     overlap_weight: float = 1.0  # per second of WAN transfer
-    load_weight: float = 0.1  # seconds one request of load is worth
+    load_weight: float = 0.05  # one request of load, as a share of the request's own cost
     prefill_weight: float = 1e-4  # seconds per prompt token prefill computes (1e-4: 10k tokens/s)
     # Bounded load: an instance whose load with the request would exceed balance_factor × the
     # mean load of its role's live instances (+ 1 request) is not chosen while another is.

@@ -278,7 +278,9 @@ def wan_links(opts: UpOptions, hosts: Hosts | None = None) -> list[LinkSpec]:
         for node, listen in enumerate(plan.wan_gateway[dc]):
             target = f"{_nats_host(h, dc, node, n)}:{plan.gateway[dc][node]}"
             links.append(LinkSpec(direction if n == 1 else f"{direction}-{node}", listen, target))
-    ports = f"{min(plan.md_bulk)}-{max(plan.md_bulk)}" if h.md != "*" else str(opts.md_bulk_port)
+    # Every port an MD may take (MAX_COUNT of them), so an MD started later is reachable too.
+    lowest = opts.md_bulk_port + MD_BULK_STEP * (MAX_COUNT - 1)
+    ports = f"{lowest}-{opts.md_bulk_port}" if h.md != "*" else str(opts.md_bulk_port)
     links.append(LinkSpec("bulk", plan.wan_bulk, f"{h.md}:{ports}"))
     return links
 

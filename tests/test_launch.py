@@ -75,7 +75,7 @@ def test_topology() -> None:
     assert specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].startswith("unix:///")
 
     links = {link.name: link for link in wan_links(opts)}
-    assert (links["bulk"].listen_port, links["bulk"].target) == (opts.wan_bulk_port, "127.0.0.1:7400-7400")
+    assert (links["bulk"].listen_port, links["bulk"].target) == (opts.wan_bulk_port, "127.0.0.1:7393-7400")
     a, b = nats_specs(opts)  # a lone server per DC: no cluster block, as always
     assert (a.name, b.name, a.cluster, b.cluster, a.routes, b.routes) == ("nats-a", "nats-b", None, None, [], [])
     assert a.gateways == {"nats-b": f"nats://127.0.0.1:{links['gw-ab'].listen_port}"}
@@ -160,7 +160,10 @@ def test_kv_bulk_reaches_every_md_through_the_one_link() -> None:
     lo, hi = map(int, ports.split("-"))
     mds = [s.env["PDD_MD_BULK_ADDRESS"] for s in specs if s.service == "main_decode"]
     assert len(set(mds)) == 3 and all(a.startswith(f"tcp://{host}:") and lo <= int(a.rsplit(":", 1)[1]) <= hi for a in mds)
-    assert hi - lo + 1 == 3  # the pattern allows the MDs' ports and nothing else
+    # the pattern allows the ports MDs may take (also one started later) and no other port of the plan
+    assert hi - lo + 1 == MAX_COUNT
+    others = set(port_plan(opts).ports()) - {int(a.rsplit(":", 1)[1]) for a in mds}
+    assert not any(lo <= p <= hi for p in others)
     assert {s.env["PDD_PREFILL_BULK_VIA"] for s in specs if s.service == "prefill"} == {f"tcp://127.0.0.1:{bulk.listen_port}"}
     assert not any(k.endswith("ADVERTISE_ADDRESS") for s in specs for k in s.env)
 

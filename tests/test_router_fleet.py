@@ -29,7 +29,8 @@ async def test_instances_that_join_or_leave_are_used_or_dropped_and_sends_count_
         for role, instance in ((Role.PREFILL, "p0"), (Role.MAIN_DECODE, "m0"), (Role.MAIN_DECODE, "m1")):
             report(role, instance)
         decision, md, relay, prefill, hashes = core.route(PROMPT, None)
-        assert (md, relay, prefill, decision.pipeline) == ("m0", None, "p0", Pipeline.P_MD)  # idle: by name
+        assert (relay, prefill, decision.pipeline) == (None, "p0", Pipeline.P_MD)
+        assert md in ("m0", "m1") and core.route(PROMPT, None)[1] == md  # idle: the prompt picks, the same each time
         core.index.apply("m1", hashes, [])
         core.prefill_index.apply("p1", hashes, [])
         report(Role.PREFILL, "p1", running=1)  # joins, busier, holding the prompt
@@ -42,8 +43,9 @@ async def test_instances_that_join_or_leave_are_used_or_dropped_and_sends_count_
         now = time.monotonic()
         for _ in range(3):
             core.assignments.record((Role.MAIN_DECODE, "m2"), now)  # as a dispatch does
+        report(Role.MAIN_DECODE, "m1", running=1)
         assert {m.instance: m.pending for m in core._loads(Role.MAIN_DECODE)} == {"m0": 0, "m1": 0, "m2": 3}
-        assert core.route(PROMPT, None)[1] == "m1"  # m2 now has 3 requests in flight, m1 2
+        assert core.route(PROMPT, None)[1] == "m1"  # m2 now has 3 requests in flight, m1 1
         report(Role.MAIN_DECODE, "m2", running=3)  # its report shows them: no longer counted twice
         assert [m.pending for m in core._loads(Role.MAIN_DECODE)] == [0, 0, 0]
 

@@ -10,6 +10,7 @@ from services.router.policy import (
     choose_main_decode,
     choose_pipeline,
     choose_prefill,
+    comparable_bandwidths,
     estimate_wan_seconds,
     load_of,
     resume_candidates,
@@ -20,7 +21,7 @@ from shared.config import RouterSettings
 
 P_MD, P_RLD_MD = Pipeline.P_MD, Pipeline.P_RLD_MD
 S = RouterSettings()
-W = RouteWeights(S.overlap_weight, S.load_weight, S.prefill_weight, S.balance_factor)  # the defaults
+W = RouteWeights(overlap=1.0, load=0.1, prefill=1e-4, balance_factor=S.balance_factor)  # seconds per request
 
 
 def test_low_hit_long_prompt_takes_the_relay():
@@ -190,3 +191,24 @@ def test_an_md_over_the_bound_comes_last_among_the_mds():
     mds = [InstanceLoad("hot", running=9), InstanceLoad("cold")]
     order = resume_candidates(mds, [InstanceLoad("r")], {"hot": 0.0, "cold": 5.0}, W)
     assert order == [(Role.MAIN_DECODE, "cold"), (Role.MAIN_DECODE, "hot"), (Role.RELAY, "r")]
+
+
+def test_bandwidth_estimates_of_one_line_compare_as_equal_and_a_slow_link_stays_slow() -> None:
+    # Two MDs behind one line measured at 40 and 70 MB/s (short transfers scatter): equal. A
+    # third behind a line a quarter as fast keeps its own estimate.
+    bws = comparable_bandwidths({"a": 40e6, "b": 70e6, "far": 17e6})
+    assert bws == {"a": 70e6, "b": 70e6, "far": 17e6}
+    assert comparable_bandwidths({}) == {}
+
+
+def test_near_equal_mds_are_picked_by_the_prompt_so_simultaneous_new_sessions_spread():
+    idle = [InstanceLoad("a"), InstanceLoad("b", pending=1)]  # b: one request this router just sent
+    wan_s = {"a": 1.0, "b": 1.0}
+    picks = {choose_main_decode(idle, wan_s, W, spread_key=k) for k in range(8)}
+    assert picks == {"a", "b"}  # within one request of load: the prompt's hash decides
+    assert all(choose_main_decode(idle, wan_s, W, spread_key=k) == choose_main_decode(idle, wan_s, W, spread_key=k)
+               for k in range(8))  # fmt: skip
+    busier = [InstanceLoad("a"), InstanceLoad("b", pending=2)]
+    assert {choose_main_decode(busier, wan_s, W, spread_key=k) for k in range(8)} == {"a"}
+    holder = {"a": 0.1, "b": 1.0}  # a prefix: far more than one request of load
+    assert {choose_main_decode(idle, holder, W, spread_key=k) for k in range(8)} == {"a"}

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.router.assignments import Assignments
-from services.router.policy import InstanceLoad, RouteWeights, choose_main_decode, choose_pipeline
+from services.router.policy import (
+    InstanceLoad,
+    RouteWeights,
+    choose_main_decode,
+    choose_pipeline,
+    request_weights,
+    wan_cost_s,
+)
 from shared.config import RouterSettings
 from shared.engine import block_hashes
 
@@ -78,11 +85,14 @@ def replay(num_mds: int, sessions: list[list[list[int]]], seed: int) -> tuple[fl
             reported_at, reports = now, [InstanceLoad(m.name, running=m.running(now)) for m in mds]
         hashes = block_hashes(sessions[s][turn], BLOCK, "toy")
         cached = {m.name: m.prefix_blocks(hashes) for m in mds}
-        wan_s = {name: choose_pipeline(len(sessions[s][turn]), blocks * BLOCK, KV_BYTES_PER_TOKEN, BANDWIDTH, RTT,
-                                       S.wan_time_threshold_s, True).est_wan_s for name, blocks in cached.items()}
+        prompt = sessions[s][turn]
+        missing = {name: choose_pipeline(len(prompt), blocks * BLOCK, KV_BYTES_PER_TOKEN, BANDWIDTH, RTT,
+                                         S.wan_time_threshold_s, True).missing_bytes for name, blocks in cached.items()}
+        wan_s = {name: wan_cost_s(b, 0, BANDWIDTH) for name, b in missing.items()}
+        weights = request_weights(W, len(prompt) * KV_BYTES_PER_TOKEN / BANDWIDTH)  # as RouterCore weighs load
         loads = [InstanceLoad(r.instance, r.running, pending=sent.pending(("md", r.instance), reported_at))
                  for r in reports]  # fmt: skip
-        chosen = choose_main_decode(loads, wan_s, W)
+        chosen = choose_main_decode(loads, wan_s, weights)
         md = next(m for m in mds if m.name == chosen)
         if turn > 0:
             follow_ups += 1

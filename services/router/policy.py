@@ -14,7 +14,7 @@ one request of load is worth. The relay is the least loaded one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.bus.messages import Pipeline, Role
 from shared.kv.link_estimator import estimate_wan_seconds
@@ -108,15 +108,57 @@ def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], balance_fac
     return sorted(candidates, key=lambda c: (c.instance not in eligible, costs[c.instance], load_of(c), c.instance))
 
 
+def request_weights(w: RouteWeights, request_s: float) -> RouteWeights:
+    """The weights for one request. RouterSettings.load_weight is a fraction of the request's
+    own cost (`request_s`: its whole prompt's KV over the WAN for MD, its whole prefill for P),
+    so one request of load weighs the same against a prefix hit whatever the model's KV size:
+    with the tiny preset's 512 B/token a prefix saves microseconds of WAN, and so does a
+    request of load."""
+    return replace(w, load=w.load * request_s)
+
+
+def wan_cost_s(missing_bytes: int, backlog_bytes: int, bandwidth: float) -> float:
+    """The WAN seconds the choice of MD changes: what it lacks, behind what is already queued
+    toward it. Not the RTT: every MD that lacks a block pays one, and comparing measured RTTs
+    of MDs behind the same link would compare their noise."""
+    return (missing_bytes + (backlog_bytes if missing_bytes else 0)) / max(bandwidth, 1.0)
+
+
+# Estimates of one WAN line taken over different transfers scatter (a short transfer's is
+# mostly latency) by more than a few blocks are worth: links within this factor of the best
+# count as equally fast when MDs are compared.
+SAME_LINK_WITHIN = 2.0
+
+
+def comparable_bandwidths(bandwidths: dict[str, float]) -> dict[str, float]:
+    """Each MD's bandwidth for comparing costs: the best one for every MD whose estimate is
+    within SAME_LINK_WITHIN of it, its own only when its link is clearly slower."""
+    best = max(bandwidths.values(), default=0.0)
+    return {m: best if bw * SAME_LINK_WITHIN >= best else bw for m, bw in bandwidths.items()}
+
+
 def md_costs(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> dict[str, float]:
     """`wan_s`: each MD's estimated seconds to receive the blocks it lacks (choose_pipeline's est_wan_s)."""
     return {c.instance: w.overlap * wan_s[c.instance] + w.load * load_of(c) for c in candidates}
 
 
-def choose_main_decode(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> str | None:
-    """The cheapest MD within the load bound."""
-    ranked = _ranked(candidates, md_costs(candidates, wan_s, w), w.balance_factor)
-    return ranked[0].instance if ranked else None
+def choose_main_decode(
+    candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights, spread_key: int = 0
+) -> str | None:
+    """The cheapest MD within the load bound. MDs within one request of load of the cheapest
+    count as equally good, and `spread_key` (the prompt's first block hash) picks among them:
+    new sessions that reach different routers at once (each router sees only its own latest
+    choices) spread over the MDs instead of all taking the same one, and a session's retry
+    lands where it first did."""
+    costs = md_costs(candidates, wan_s, w)
+    ranked = _ranked(candidates, costs, w.balance_factor)
+    if not ranked:
+        return None
+    eligible = {c.instance for c in within_bound(candidates, w.balance_factor)}
+    best = ranked[0]
+    near = [c.instance for c in ranked if (c.instance in eligible) == (best.instance in eligible)
+            and costs[c.instance] - costs[best.instance] <= w.load * (1 + 1e-9)]  # fmt: skip
+    return near[spread_key % len(near)]
 
 
 def choose_prefill(

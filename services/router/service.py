@@ -58,7 +58,10 @@ from .policy import (
     choose_main_decode,
     choose_pipeline,
     choose_prefill,
+    comparable_bandwidths,
+    request_weights,
     resume_candidates,
+    wan_cost_s,
 )
 from .prefix_index import PrefixIndex
 from .registry import Registry
@@ -206,14 +209,22 @@ class RouterCore:
             del self.stale_aborted[rid]
 
     # ---- routing -----------------------------------------------------------------------
-    def _link_to_md(self, md: str) -> tuple[str | None, float, float]:
-        """(MD's bulk address, bandwidth B/s, RTT s): measured by prefill, else the prior."""
-        report = self.registry.get(Role.MAIN_DECODE, md)
-        address = report.address if report else None
-        link = self.registry.link_to(address) if address else None
-        bandwidth, rtt = link or (self.settings.default_bandwidth_bps, self.settings.default_rtt_s)
-        metrics.WAN_BANDWIDTH.labels(peer=md).set(bandwidth)
-        return address, bandwidth, rtt
+    def _links_to_mds(self, mds: list[str]) -> dict[str, tuple[str | None, float, float]]:
+        """Per MD: (its bulk address, bandwidth B/s, RTT s) as prefill measured them. An MD no
+        transfer went to yet gets the mean of the others' (MDs of one DC are usually behind one
+        line; the configured prior only when nothing was measured)."""
+        addresses = {md: (r.address if (r := self.registry.get(Role.MAIN_DECODE, md)) else None) for md in mds}
+        measured = {md: link for md, a in addresses.items() if a and (link := self.registry.link_to(a))}
+        if measured:
+            fallback = tuple(sum(x) / len(measured) for x in zip(*measured.values(), strict=True))
+        else:
+            fallback = (self.settings.default_bandwidth_bps, self.settings.default_rtt_s)
+        links = {}
+        for md, address in addresses.items():
+            bandwidth, rtt = measured.get(md, fallback)
+            metrics.WAN_BANDWIDTH.labels(peer=md).set(bandwidth)
+            links[md] = address, bandwidth, rtt
+        return links
 
     def _loads(self, role: Role) -> list[InstanceLoad]:
         """The live instances of a role, asked anew each time (instances that join or leave
@@ -229,14 +240,27 @@ class RouterCore:
             ))  # fmt: skip
         return loads
 
-    def _decide(self, prompt_ids: list[int], hashes: list[int], md: str, relay_available: bool) -> RouteDecision:
-        """The pipeline if the request went to this MD, with the WAN time it would take."""
-        address, bandwidth, rtt = self._link_to_md(md)
-        return choose_pipeline(
-            len(prompt_ids), self.index.cached_prefix_blocks(md, hashes) * self.block_size, self.kv_bytes_per_token,
-            bandwidth, rtt, self.settings.wan_time_threshold_s, relay_available,
-            backlog_bytes=self.registry.wan_backlog(address) if address else 0,
-        )  # fmt: skip
+    def _options(
+        self, prompt_ids: list[int], hashes: list[int], mds: list[str], relay_available: bool
+    ) -> dict[str, tuple[RouteDecision, float]]:
+        """Per MD: the pipeline if the request went there, and the WAN seconds its cost counts."""
+        links = self._links_to_mds(mds)
+        compared = comparable_bandwidths({md: bandwidth for md, (_, bandwidth, _) in links.items()})
+        options = {}
+        for md, (address, bandwidth, rtt) in links.items():
+            backlog = self.registry.wan_backlog(address) if address else 0
+            decision = choose_pipeline(
+                len(prompt_ids), self.index.cached_prefix_blocks(md, hashes) * self.block_size,
+                self.kv_bytes_per_token, bandwidth, rtt, self.settings.wan_time_threshold_s, relay_available,
+                backlog_bytes=backlog,
+            )  # fmt: skip
+            options[md] = decision, wan_cost_s(decision.missing_bytes, backlog, compared[md])
+        return options
+
+    def _md_weights(self, prompt_tokens: int) -> RouteWeights:
+        """Load weighed against this request's whole KV crossing the WAN (at the prior bandwidth)."""
+        request_s = prompt_tokens * self.kv_bytes_per_token / self.settings.default_bandwidth_bps
+        return request_weights(self.weights, request_s)
 
     def route(
         self, prompt_ids: list[int], forced: Pipeline | None
@@ -250,11 +274,12 @@ class RouterCore:
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self._loads(Role.MAIN_DECODE)
         relay = choose_least_loaded(self._loads(Role.RELAY))
-        decisions = {m.instance: self._decide(prompt_ids, hashes, m.instance, relay is not None) for m in mds}
-        md = choose_main_decode(mds, {m: d.est_wan_s for m, d in decisions.items()}, self.weights)
+        options = self._options(prompt_ids, hashes, [m.instance for m in mds], relay is not None)
+        wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
+        md = choose_main_decode(mds, wan_s, self._md_weights(len(prompt_ids)), hashes[0] if hashes else 0)
         if md is None:
             return RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, None, hashes
-        decision = decisions[md]
+        decision = options[md][0]
         # A forced pipeline is honoured when it can be: with no relay alive, P→RLD→MD runs as P→MD
         # (x-pdd-pipeline says which ran).
         if forced is not None and forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):
@@ -266,7 +291,9 @@ class RouterCore:
         prefills = self._loads(Role.PREFILL)
         cached = {p.instance: self.prefill_index.cached_prefix_blocks(p.instance, hashes) * self.block_size
                   for p in prefills}  # fmt: skip
-        return choose_prefill(prefills, len(prompt_ids), cached, self.weights)
+        # Load weighed against this request's whole prefill.
+        weights = request_weights(self.weights, self.settings.prefill_weight * len(prompt_ids))
+        return choose_prefill(prefills, len(prompt_ids), cached, weights)
 
     # ---- a request ---------------------------------------------------------------------
     async def open(
@@ -346,6 +373,10 @@ class RouterCore:
         target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
         await publish(self.nc, subjects.req(stream.rid, Req.MD_TARGET), target)
         stream.dispatched(reply.instance)
+        # MD keeps the prompt's blocks once they arrive: count them as its own now, as a
+        # session's next turn may come before MD's cache events say so (a snapshot or an
+        # eviction event corrects this view).
+        self.index.apply(stream.md_instance, stream.block_hashes, [])
 
     async def _start_elsewhere(self, stream: RequestStream, why: str) -> None:
         """The normal path is not available: start the request on a live MD or relay, which
@@ -436,9 +467,9 @@ class RouterCore:
     def _resume_candidates(self, stream: RequestStream, avoid: set[tuple[Role, str]]) -> list[tuple[Role, str]]:
         mds = [m for m in self._loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
         relays = [r for r in self._loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
-        wan_s = {m.instance: self._decide(stream.prompt_ids, stream.block_hashes, m.instance, False).est_wan_s
-                 for m in mds}  # fmt: skip
-        return resume_candidates(mds, relays, wan_s, self.weights)
+        options = self._options(stream.prompt_ids, stream.block_hashes, [m.instance for m in mds], False)
+        wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
+        return resume_candidates(mds, relays, wan_s, self._md_weights(len(stream.prompt_ids)))
 
     def _give_up(self, stream: RequestStream, why: str) -> bool:
         log.warning("request %s failed: %s", stream.rid, why)
