@@ -37,6 +37,7 @@ from bench.client import pct, random_tokens, service_env, start_systems, stop_al
 from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans
 from bench.report import pyplot, save_report
 from shared.engine.hashing import block_hashes
+from shared.model.presets import preset_config
 
 DEPLOYMENTS = {"1x1x1": 1, "2x2x2": 2}
 ROLES = ("prefill", "relay", "main_decode")
@@ -118,9 +119,12 @@ def _wave(args, d: str, routers: list[str], plans: list[list[Step]], sessions: l
                         oracle.served(where["main_decode"], prompt + t.token_ids)
                 if step.kind != "outlier":
                     sess.ctx = prompt + t.token_ids
+                wan_bytes = t.pdd.get("wan_bytes", 0)
                 row = {"deployment": d, "client": ci, "step": w * args.wave + j, "kind": step.kind, "new": new,
                        "prompt_tokens": len(prompt), "ok": t.ok, "error": t.error, "oracle_hit": best,
-                       "hit": t.pdd.get("prefix_hit_rate", math.nan), "wan_bytes": t.pdd.get("wan_bytes", 0),
+                       # what MD really held: the prompt's KV it did not have to receive
+                       "hit": 1 - wan_bytes / (len(prompt) * args.kv_bytes_per_token), "wan_bytes": wan_bytes,
+                       "router_hit": t.pdd.get("prefix_hit_rate", math.nan),
                        "pipeline": t.pdd.get("pipeline"), "ttft": t.ttft, "tpot": t.tpot, "n_tokens": t.n_tokens,
                        **{role: where.get(role) for role in ROLES}}
                 with lock:
@@ -216,7 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--bandwidth-mbps", type=float, default=100.0)
     _add_agentic_args(p.add_argument_group("agentic workload"))
     # A small run by default: the tiny model's contexts, more agents than instances.
-    p.set_defaults(requests=48, clients=6, wave=4, shared_prefix=256, new_min=128, new_max=384,
+    p.set_defaults(requests=96, clients=6, wave=4, shared_prefix=256, new_min=128, new_max=384,
                    context_max=1024, outlier_input=768, output_min=16, output_max=48, md_kv_mb=256)
     p.add_argument("--out", default="bench/out/scale.json")
     return p.parse_args(argv)
@@ -224,6 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.kv_bytes_per_token = preset_config(args.model_preset, 0).kv_bytes_per_token(4)  # float32, as served
     t0 = time.monotonic()
     res = run(args)
     res["wall_s"] = time.monotonic() - t0

@@ -85,18 +85,18 @@ def test_least_loaded_relay():
     assert choose_least_loaded([]) is None
 
 
-def test_the_bound_is_the_factor_times_the_mean_with_the_request_plus_one():
-    fleet = [InstanceLoad("a", running=5), InstanceLoad("b", running=1), InstanceLoad("c", running=0)]
-    # mean with the request: 7/3; bound 1.5 × 7/3 + 1 = 4.5: a (5 + 1) is over, b (2) and c (1) are not
+def test_the_bound_is_the_factor_times_the_mean_with_the_request_plus_two():
+    fleet = [InstanceLoad("a", running=6), InstanceLoad("b", running=1), InstanceLoad("c", running=0)]
+    # mean with the request: 8/3; bound 1.5 × 8/3 + 2 = 6: a (6 + 1) is over, b (2) and c (1) are not
     assert [c.instance for c in within_bound(fleet, 1.5)] == ["b", "c"]
-    assert [c.instance for c in within_bound(fleet, 3.0)] == ["a", "b", "c"]  # 3 × 7/3 + 1 = 8
-    assert BOUND_SLACK == 1.0
+    assert [c.instance for c in within_bound(fleet, 3.0)] == ["a", "b", "c"]  # 3 × 8/3 + 2 = 10
+    assert BOUND_SLACK == 2.0
 
 
 def test_an_idle_fleet_is_not_over_constrained():
     idle = [InstanceLoad(m) for m in ("a", "b", "c")]
     assert within_bound(idle, 1.5) == idle
-    # one request in flight: the MD serving it may take the session's next turn (2 ≤ 1.5 × 2/3 + 1)
+    # one request in flight: the MD serving it may take the session's next turn (2 ≤ 1.5 × 2/3 + 2)
     one = [InstanceLoad("a", running=1), InstanceLoad("b"), InstanceLoad("c")]
     assert within_bound(one, 1.5) == one
     assert choose_main_decode(one, {"a": 0.0, "b": 1.0, "c": 1.0}, W) == "a"
@@ -104,14 +104,14 @@ def test_an_idle_fleet_is_not_over_constrained():
 
 def test_the_md_holding_the_prefix_wins_within_the_bound_and_loses_over_it():
     wan_s = {"a": 0.015, "b": 2.0}  # a holds the prompt; b would need 2 s of transfer
-    within = [InstanceLoad("a", running=4), InstanceLoad("b", running=2)]  # bound 1.5 × 7/2 + 1 = 6.25
+    within = [InstanceLoad("a", running=4), InstanceLoad("b", running=2)]  # bound 1.5 × 7/2 + 2 = 7.25
     assert choose_main_decode(within, wan_s, W) == "a"
-    edge = [InstanceLoad("a", running=9), InstanceLoad("b", running=2)]  # bound 1.5 × 12/2 + 1 = 10: a at it
+    edge = [InstanceLoad("a", running=10), InstanceLoad("b", running=1)]  # bound 1.5 × 12/2 + 2 = 11: a at it
     assert choose_main_decode(edge, wan_s, W) == "a"
-    over = [InstanceLoad("a", running=10), InstanceLoad("b", running=2)]  # bound 1.5 × 13/2 + 1 = 10.75
+    over = [InstanceLoad("a", running=11), InstanceLoad("b", running=1)]  # bound 1.5 × 13/2 + 2 = 11.75
     assert choose_main_decode(over, wan_s, W) == "b"
     # requests sent since a's report count: they push it over the bound as well
-    assert choose_main_decode([InstanceLoad("a", running=4, pending=6), InstanceLoad("b", running=2)], wan_s, W) == "b"
+    assert choose_main_decode([InstanceLoad("a", running=4, pending=10), InstanceLoad("b", running=2)], wan_s, W) == "b"
 
 
 def test_one_candidate_is_chosen_however_loaded():
@@ -171,7 +171,7 @@ def test_prefill_by_its_cached_prefix_against_its_load():
     assert choose_prefill(ps, 4000, {"p0": 4000}, W) == "p0"
     assert choose_prefill(ps, 4000, {"p0": 512}, W) == "p1"  # 0.05 s saved: less than the load
     assert choose_prefill(ps, 4000, {}, W) == "p1"
-    busy = [InstanceLoad("p0", running=6), InstanceLoad("p1", running=0)]  # over the bound (1.5 × 7/2 + 1)
+    busy = [InstanceLoad("p0", running=8), InstanceLoad("p1", running=0)]  # over the bound (1.5 × 9/2 + 2)
     assert choose_prefill(busy, 100_000, {"p0": 100_000}, W) == "p1"
 
 
