@@ -23,6 +23,18 @@ def test_a_request_counts_from_when_it_is_sent_until_the_next_report():
     assert len(a) == 1  # only b still has one pending
 
 
+def test_a_request_that_ended_before_the_next_report_no_longer_counts():
+    a = Assignments()
+    for at in (1.0, 1.1, 1.2):  # three short requests, all done within one report interval
+        a.record((MD, "a"), at)
+    a.finished((MD, "a"), 1.1)
+    a.finished((MD, "a"), 1.0)
+    assert a.pending((MD, "a"), reported_at=0.5) == 1  # only the one still running
+    a.finished((MD, "a"), 1.0)  # already gone (or counted by a report): nothing happens
+    a.finished((MD, "b"), 1.0)
+    assert a.pending((MD, "a"), reported_at=0.5) == 1
+
+
 def test_an_instance_that_left_leaves_nothing_behind():
     a = Assignments()
     a.record((MD, "gone"), at=1.0)

@@ -13,6 +13,7 @@ from services.router.policy import (
     comparable_bandwidths,
     estimate_wan_seconds,
     load_of,
+    queued_ahead,
     resume_candidates,
     within_bound,
 )
@@ -212,3 +213,10 @@ def test_near_equal_mds_are_picked_by_the_prompt_so_simultaneous_new_sessions_sp
     assert {choose_main_decode(busier, wan_s, W, spread_key=k) for k in range(8)} == {"a"}
     holder = {"a": 0.1, "b": 1.0}  # a prefix: far more than one request of load
     assert {choose_main_decode(idle, holder, W, spread_key=k) for k in range(8)} == {"a"}
+
+
+def test_mds_behind_one_line_wait_behind_all_of_its_queue():
+    compared = comparable_bandwidths({"a": 30e6, "b": 28e6, "far": 5e6})
+    queued = queued_ahead(compared, {"a": 4096, "b": 0, "far": 100})
+    assert queued == {"a": 4096, "b": 4096, "far": 100}  # a's queue delays b's transfer just as much
+    assert queued_ahead({}, {}) == {}

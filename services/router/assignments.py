@@ -31,6 +31,13 @@ class Assignments:
             del self._sent[key]
         return len(sent)
 
+    def finished(self, key: Key, at: float) -> None:
+        """The request sent to `key` at `at` ended before a report counted it: it no longer
+        loads the instance (a burst of short requests would otherwise count many times over)."""
+        sent = self._sent.get(key)
+        if sent is not None and at in sent:
+            sent.remove(at)
+
     def expire(self, before: float) -> None:
         """Drop what was sent before `before` everywhere: an instance that reported since has
         counted it, and one that did not is no longer alive (so an instance that left leaves

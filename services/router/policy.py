@@ -138,6 +138,16 @@ def comparable_bandwidths(bandwidths: dict[str, float]) -> dict[str, float]:
     return {m: best if bw * SAME_LINK_WITHIN >= best else bw for m, bw in bandwidths.items()}
 
 
+def queued_ahead(compared: dict[str, float], backlogs: dict[str, int]) -> dict[str, int]:
+    """KV bytes a transfer to each MD waits behind. The MDs that compare as behind the fastest
+    line (comparable_bandwidths) share its queue, so each waits behind all of it: a per-MD
+    split of one line's queue would only be noise between them. An MD on a slower line waits
+    behind its own."""
+    best = max(compared.values(), default=0.0)
+    shared = sum(b for m, b in backlogs.items() if compared[m] == best)
+    return {m: shared if bw == best else backlogs[m] for m, bw in compared.items()}
+
+
 def md_costs(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> dict[str, float]:
     """`wan_s`: each MD's estimated seconds to receive the blocks it lacks (choose_pipeline's est_wan_s)."""
     return {c.instance: w.overlap * wan_s[c.instance] + w.load * load_of(c) for c in candidates}

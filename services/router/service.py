@@ -59,6 +59,7 @@ from .policy import (
     choose_pipeline,
     choose_prefill,
     comparable_bandwidths,
+    queued_ahead,
     request_weights,
     resume_candidates,
     wan_cost_s,
@@ -246,15 +247,16 @@ class RouterCore:
         """Per MD: the pipeline if the request went there, and the WAN seconds its cost counts."""
         links = self._links_to_mds(mds)
         compared = comparable_bandwidths({md: bandwidth for md, (_, bandwidth, _) in links.items()})
+        backlogs = {md: self.registry.wan_backlog(address) if address else 0 for md, (address, _, _) in links.items()}
+        queued = queued_ahead(compared, backlogs)
         options = {}
-        for md, (address, bandwidth, rtt) in links.items():
-            backlog = self.registry.wan_backlog(address) if address else 0
+        for md, (_, bandwidth, rtt) in links.items():
             decision = choose_pipeline(
                 len(prompt_ids), self.index.cached_prefix_blocks(md, hashes) * self.block_size,
                 self.kv_bytes_per_token, bandwidth, rtt, self.settings.wan_time_threshold_s, relay_available,
-                backlog_bytes=backlog,
+                backlog_bytes=backlogs[md],
             )  # fmt: skip
-            options[md] = decision, wan_cost_s(decision.missing_bytes, backlog, compared[md])
+            options[md] = decision, wan_cost_s(decision.missing_bytes, queued[md], compared[md])
         return options
 
     def _md_weights(self, prompt_tokens: int) -> RouteWeights:
@@ -354,8 +356,9 @@ class RouterCore:
         now = time.monotonic()
         for role, instance in ((Role.PREFILL, prefill), (Role.RELAY, stream.relay_instance),
                                (Role.MAIN_DECODE, stream.md_instance)):  # fmt: skip
-            if instance:  # its load counts it until it reports again
+            if instance:  # its load counts it until it reports again (or the request ends)
                 self.assignments.record((role, instance), now)
+                stream.assigned.append(((role, instance), now))
         try:
             prep, reply = await asyncio.gather(self._prepare_md(stream), self._submit(stream, prefill, catchup))
         except Exception as e:  # an instance vanished, or NATS trouble
@@ -524,6 +527,8 @@ class RouterCore:
         """The stream ended (finished, failed or abandoned): record it and free it everywhere."""
         self.streams.pop(stream.rid, None)
         self.attempts.pop(stream.attempt_rid, None)
+        for key, at in stream.assigned:
+            self.assignments.finished(key, at)
         stream.fail("client went away")  # no-op unless it is still running
         if stream.span:
             stream.span.set_attributes({
