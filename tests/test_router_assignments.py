@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from services.router.assignments import Assignments
+from services.router.assignments import RECENT_HALF_LIFE_S, Assignments
 from services.router.policy import InstanceLoad, RouteWeights, choose_main_decode
 
 MD = "main_decode"
@@ -33,6 +33,19 @@ def test_a_request_that_ended_before_the_next_report_no_longer_counts():
     a.finished((MD, "a"), 1.0)  # already gone (or counted by a report): nothing happens
     a.finished((MD, "b"), 1.0)
     assert a.pending((MD, "a"), reported_at=0.5) == 1
+
+
+def test_the_recent_count_halves_every_half_life_and_is_forgotten_when_quiet():
+    a = Assignments()
+    a.record((MD, "a"), at=0.0)
+    a.record((MD, "a"), at=0.0)
+    assert a.recent((MD, "a"), now=0.0) == 2.0
+    assert abs(a.recent((MD, "a"), now=RECENT_HALF_LIFE_S) - 1.0) < 1e-9
+    a.record((MD, "a"), at=RECENT_HALF_LIFE_S)  # decays first, then counts the new one
+    assert abs(a.recent((MD, "a"), now=RECENT_HALF_LIFE_S) - 2.0) < 1e-9
+    assert a.recent((MD, "b"), now=5.0) == 0.0
+    a.expire(before=100 * RECENT_HALF_LIFE_S)
+    assert a.recent((MD, "a"), now=100 * RECENT_HALF_LIFE_S) == 0.0 and not a._recent
 
 
 def test_an_instance_that_left_leaves_nothing_behind():

@@ -220,3 +220,13 @@ def test_mds_behind_one_line_wait_behind_all_of_its_queue():
     queued = queued_ahead(compared, {"a": 4096, "b": 0, "far": 100})
     assert queued == {"a": 4096, "b": 4096, "far": 100}  # a's queue delays b's transfer just as much
     assert queued_ahead({}, {}) == {}
+
+
+def test_sessions_that_settled_unevenly_are_caught_by_the_recent_count():
+    # Both idle at this moment (short requests), but a got 20 of the last 22 requests: over the
+    # bound by its recent share (1.5 × 23/2 + 2 = 19.25 < 21), so a session's next turn goes to b.
+    settled = [InstanceLoad("a", recent=20.0), InstanceLoad("b", recent=2.0)]
+    assert [c.instance for c in within_bound(settled, 1.5)] == ["b"]
+    assert choose_main_decode(settled, {"a": 0.0, "b": 1.0}, W) == "b"
+    even = [InstanceLoad("a", recent=12.0), InstanceLoad("b", recent=10.0)]  # 13 ≤ 1.5 × 23/2 + 2
+    assert choose_main_decode(even, {"a": 0.0, "b": 1.0}, W) == "a"

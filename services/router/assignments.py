@@ -12,12 +12,22 @@ from collections import deque
 Key = tuple[str, str]  # (role, instance)
 
 
+RECENT_HALF_LIFE_S = 20.0  # how long a send keeps weighing in an instance's recent count
+
+
 class Assignments:
     def __init__(self) -> None:
         self._sent: dict[Key, deque[float]] = {}  # send times, oldest first
+        self._recent: dict[Key, tuple[float, float]] = {}  # (decaying count, as of)
 
     def record(self, key: Key, at: float) -> None:
         self._sent.setdefault(key, deque()).append(at)
+        self._recent[key] = (self.recent(key, at) + 1.0, at)
+
+    def recent(self, key: Key, now: float) -> float:
+        """Requests sent to `key` lately, each weighing half as much every RECENT_HALF_LIFE_S."""
+        count, at = self._recent.get(key, (0.0, now))
+        return count * 0.5 ** (max(now - at, 0.0) / RECENT_HALF_LIFE_S)
 
     def pending(self, key: Key, reported_at: float) -> int:
         """Requests sent to `key` after its last report (received at reported_at); those sent
@@ -44,6 +54,8 @@ class Assignments:
         nothing behind)."""
         for key in list(self._sent):
             self.pending(key, before)
+        for key in [k for k in self._recent if self.recent(k, before) < 0.01]:
+            del self._recent[key]  # long quiet (or gone): nothing left to weigh
 
     def __len__(self) -> int:
         return len(self._sent)

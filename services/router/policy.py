@@ -63,6 +63,7 @@ class InstanceLoad:
     num_blocks: int = 0  # the KV pool's size (0: not known)
     held: int = 0  # requests the instance holds (MD: also those whose KV is still arriving)
     pending: int = 0  # requests this router sent it that its last report could not show yet
+    recent: float = 0.0  # requests this router sent it lately (a decaying count: its share over time)
 
 
 @dataclass(frozen=True)
@@ -92,15 +93,23 @@ def load_of(c: InstanceLoad) -> float:
     return max(c.running + c.waiting, c.held) + c.pending + used
 
 
+def _fits(values: list[float], balance_factor: float) -> list[bool]:
+    """Whether each value plus one stays within balance_factor × the mean (the one included)
+    + BOUND_SLACK."""
+    bound = balance_factor * (sum(values) + 1) / len(values) + BOUND_SLACK
+    return [v + 1 <= bound for v in values]
+
+
 def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[InstanceLoad]:
-    """The candidates whose load with one more request stays within balance_factor × the
-    mean load (this request included) + BOUND_SLACK; all of them if none does (balance alone
-    never refuses a request)."""
+    """The candidates within the bound both by the load of this moment and by the requests
+    sent to them lately; all of them if none is (balance alone never refuses a request).
+    The load of a moment catches a hot spot; the recent count catches sessions that settled
+    unevenly while short requests left every moment nearly idle."""
     if not candidates:
         return []
-    loads = [load_of(c) for c in candidates]
-    bound = balance_factor * (sum(loads) + 1) / len(candidates) + BOUND_SLACK
-    return [c for c, load in zip(candidates, loads, strict=True) if load + 1 <= bound] or candidates
+    now = _fits([load_of(c) for c in candidates], balance_factor)
+    lately = _fits([c.recent for c in candidates], balance_factor)
+    return [c for c, a, b in zip(candidates, now, lately, strict=True) if a and b] or candidates
 
 
 def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], balance_factor: float) -> list[InstanceLoad]:

@@ -238,6 +238,7 @@ class RouterCore:
             loads.append(replace(
                 load, num_blocks=report.num_blocks if report else 0, held=len(report.held) if report else 0,
                 pending=self.assignments.pending((role, load.instance), reported_at),
+                recent=self.assignments.recent((role, load.instance), now),
             ))  # fmt: skip
         return loads
 
