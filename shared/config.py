@@ -168,5 +168,6 @@ class RouterSettings(CommonSettings):
     load_weight: float = 0.05  # one request of load, as a share of the request's own cost
     prefill_weight: float = 1e-4  # seconds per prompt token prefill computes (1e-4: 10k tokens/s)
     # Bounded load: an instance whose load with the request would exceed balance_factor × the
-    # mean load of its role's live instances (+ 2 requests) is not chosen while another is.
+    # mean load of its role's live instances (+ 2 requests), now or by its recent share of this
+    # router's requests (a count halving every 20 s), is not chosen while another is.
     balance_factor: float = 1.5
