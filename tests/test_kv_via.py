@@ -4,6 +4,7 @@ the main_decode identity its certificate names rather than by the address it was
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -85,12 +86,15 @@ async def test_identity_not_address_is_what_is_checked(pki) -> None:
 
 
 async def test_unix_peers_never_go_via(tmp_path) -> None:
-    server = await start_kv_server(f"unix://{tmp_path}/relay.sock", SECRET, MemorySink())
+    sink = MemorySink()
+    server = await start_kv_server(f"unix://{tmp_path}/relay.sock", SECRET, sink)
     pool = KVClientPool(SECRET, via="tcp://127.0.0.1:1", server_name=MD)  # nobody listens there
     try:
-        client = await pool.acquire(server.address)
+        client = await pool.acquire(server.address)  # dialing the via address would fail here
         await client.send_blocks("u", [1], blocks(1))
         await client.finish("u")
+        await asyncio.wait_for(sink.got_blocks.wait(), 10)
+        assert [hashes for hashes, _ in sink.held["u"]] == [[1]]
     finally:
         await pool.close()
         await server.close()
