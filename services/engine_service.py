@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.connection import publish, respond
+from shared.bus.connection import publish, respond, respond_error
 from shared.bus.messages import (
     Abort,
     AbortReason,
@@ -139,7 +139,8 @@ class EngineService:
 
     async def _admit(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
         if self.draining:
-            await refuse(raw, f"{self.role.value} {self.settings.instance} is leaving")
+            # A service error: the router's request raises and it takes the request elsewhere.
+            await respond_error(raw, "503", f"{self.role.value} {self.settings.instance} is leaving")
             return
         self._admitting += 1
         try:
@@ -309,10 +310,3 @@ def outcome_of(reason: FinishReason | None) -> Outcome:
     if reason is FinishReason.LENGTH:
         return Outcome.LENGTH
     return Outcome.ERROR
-
-
-async def refuse(raw: Any, why: str) -> None:
-    """Answer a request with a `nats.micro` service error (503, `why`): the router's request
-    raises, and it takes the request elsewhere, as when an instance does not answer."""
-    headers = {"Nats-Service-Error-Code": "503", "Nats-Service-Error": why}
-    await raw._client.publish(raw.reply, b"", headers=headers)

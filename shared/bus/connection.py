@@ -164,3 +164,11 @@ async def respond(msg: Msg, reply: Message) -> None:
         raise ValueError(f"message on {msg.subject} has no reply subject")
     # Msg.respond would echo the request's headers; publish our own trace context instead.
     await msg._client.publish(msg.reply, encode(reply), headers=_trace_headers(None))
+
+
+async def respond_error(msg: Msg, code: str, description: str) -> None:
+    """Answer with a `nats.micro` service error: the asker's `request` raises RequestError."""
+    if not msg.reply:
+        raise ValueError(f"message on {msg.subject} has no reply subject")
+    headers = {"Nats-Service-Error-Code": code, "Nats-Service-Error": description}
+    await msg._client.publish(msg.reply, b"", headers=headers)
