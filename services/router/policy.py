@@ -112,10 +112,17 @@ def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[
     return [c for c, a, b in zip(candidates, now, lately, strict=True) if a and b] or candidates
 
 
-def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], balance_factor: float) -> list[InstanceLoad]:
-    """Those within the load bound, then the rest; each by cost, then load, then name."""
-    eligible = {c.instance for c in within_bound(candidates, balance_factor)}
+def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], eligible: set[str]) -> list[InstanceLoad]:
+    """Those within the load bound (`eligible`), then the rest; each by cost, then load, then name."""
     return sorted(candidates, key=lambda c: (c.instance not in eligible, costs[c.instance], load_of(c), c.instance))
+
+
+def _eligible(candidates: list[InstanceLoad], balance_factor: float) -> set[str]:
+    return {c.instance for c in within_bound(candidates, balance_factor)}
+
+
+def _by_load(c: InstanceLoad) -> tuple:
+    return load_of(c), -c.free_blocks, c.instance
 
 
 def request_weights(w: RouteWeights, request_s: float) -> RouteWeights:
@@ -158,7 +165,7 @@ def queued_ahead(compared: dict[str, float], backlogs: dict[str, int]) -> dict[s
 
 
 def md_costs(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> dict[str, float]:
-    """`wan_s`: each MD's estimated seconds to receive the blocks it lacks (choose_pipeline's est_wan_s)."""
+    """`wan_s`: each MD's WAN seconds for the blocks it lacks (wan_cost_s)."""
     return {c.instance: w.overlap * wan_s[c.instance] + w.load * load_of(c) for c in candidates}
 
 
@@ -170,11 +177,10 @@ def choose_main_decode(
     new sessions that reach different routers at once (each router sees only its own latest
     choices) spread over the MDs instead of all taking the same one, and a session's retry
     lands where it first did."""
-    costs = md_costs(candidates, wan_s, w)
-    ranked = _ranked(candidates, costs, w.balance_factor)
+    costs, eligible = md_costs(candidates, wan_s, w), _eligible(candidates, w.balance_factor)
+    ranked = _ranked(candidates, costs, eligible)
     if not ranked:
         return None
-    eligible = {c.instance for c in within_bound(candidates, w.balance_factor)}
     best = ranked[0]
     near = [c.instance for c in ranked if (c.instance in eligible) == (best.instance in eligible)
             and costs[c.instance] - costs[best.instance] <= w.load * (1 + 1e-9)]  # fmt: skip
@@ -189,14 +195,14 @@ def choose_prefill(
         c.instance: w.prefill * max(prompt_tokens - cached_tokens.get(c.instance, 0), 0) + w.load * load_of(c)
         for c in candidates
     }
-    ranked = _ranked(candidates, costs, w.balance_factor)
+    ranked = _ranked(candidates, costs, _eligible(candidates, w.balance_factor))
     return ranked[0].instance if ranked else None
 
 
 def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:
     if not candidates:
         return None
-    return min(candidates, key=lambda c: (load_of(c), -c.free_blocks, c.instance)).instance
+    return min(candidates, key=_by_load).instance
 
 
 def resume_candidates(
@@ -205,6 +211,6 @@ def resume_candidates(
     """Where a request whose instance was lost may continue, best first: the MDs (decode is
     their job) by the MD cost, those within the load bound first; then the relays by load
     (an RLD-only finish, the fault fallback)."""
-    by_md = _ranked(mds, md_costs(mds, wan_s, w), w.balance_factor)
-    by_relay = sorted(relays, key=lambda c: (load_of(c), -c.free_blocks, c.instance))
+    by_md = _ranked(mds, md_costs(mds, wan_s, w), _eligible(mds, w.balance_factor))
+    by_relay = sorted(relays, key=_by_load)
     return [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]
