@@ -17,13 +17,15 @@ def setup_logging(service: str) -> None:
     )
 
 
-async def wait_for_shutdown() -> signal.Signals:
-    """The first SIGINT or SIGTERM received (later ones are ignored)."""
+def shutdown_signal() -> asyncio.Future[signal.Signals]:
+    """Resolves to the first SIGINT or SIGTERM received (later ones are ignored). Installed
+    before the service starts: a signal that arrives while it starts must not kill the
+    process with the default action (no drain, exit -15)."""
     loop = asyncio.get_running_loop()
     got: asyncio.Future[signal.Signals] = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda s=sig: got.done() or got.set_result(s))
-    return await got
+    return got
 
 
 async def every(interval_s: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -96,6 +98,7 @@ async def serve_service(name: str, settings, factory) -> None:
     from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
     require_credentials(settings, name, ENV_PREFIX[name])
+    shutdown = shutdown_signal()
     setup_tracing(name, settings.instance, settings.datacenter)
     if settings.torch_threads > 0:
         import torch
@@ -112,7 +115,7 @@ async def serve_service(name: str, settings, factory) -> None:
     )
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
     try:
-        if await wait_for_shutdown() == signal.SIGTERM and hasattr(service, "drain"):
+        if await shutdown == signal.SIGTERM and hasattr(service, "drain"):
             await service.drain(settings.drain_timeout_s)
     finally:
         await micro.stop()
