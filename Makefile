@@ -2,7 +2,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test lint bench clean
+.PHONY: install up test lint bench clean compose-image compose-test
 
 # CPU torch first, so the project's torch requirement is already met and no CUDA build is pulled.
 $(STAMP): pyproject.toml
@@ -22,6 +22,14 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest
+
+# The image compose runs, online or offline (deploy/build-image.sh says how it chooses).
+compose-image: $(STAMP)
+	deploy/build-image.sh
+
+# compose.yaml under a real Docker engine, checked from the host, then taken down.
+compose-test: $(STAMP)
+	deploy/compose-test.sh
 
 bench: $(STAMP)
 	$(VENV)/bin/pdd bench engine

@@ -186,7 +186,7 @@ class Hosts:
     md: str = "*"  # host the bulk link may dial ("*": any, MD replicas' addresses are not known ahead)
     socket_dir: str | None = None  # relay's unix socket directory; None = the workdir
     secrets_dir: str | None = None  # credentials (shared/security/credentials.py); None = <workdir>/secrets
-    local_traces: bool = True  # set PDD_TRACE_DIR (compose exports OTLP to Jaeger instead)
+    trace_dir: str | None = None  # the local span store; None = <workdir>/traces
     instance_ids: bool = True  # set PDD_<ROLE>_INSTANCE; compose leaves it to the container
 
     @classmethod
@@ -201,7 +201,7 @@ COMPOSE_HOSTS = Hosts(
     wan="wan",
     socket_dir="/run/pdd",
     secrets_dir=f"{COMPOSE_WORKDIR}/secrets",
-    local_traces=False,
+    trace_dir="/traces",  # a volume every service writes; compose also exports OTLP to Jaeger
     instance_ids=False,
 )
 
@@ -344,8 +344,7 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
     if name != "router":  # the router serves /metrics on its HTTP port
         env[f"{p}METRICS_PORT"] = str(port_plan(opts).metrics[name][instance])
         env[f"{p}METRICS_HOST"] = h.bind  # like the service: loopback under `pdd up`
-    if h.local_traces:
-        env["PDD_TRACE_DIR"] = str(opts.workdir.resolve() / "traces")
+    env["PDD_TRACE_DIR"] = h.trace_dir or str(opts.workdir.resolve() / "traces")
     return env
 
 

