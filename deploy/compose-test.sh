@@ -31,33 +31,37 @@ COMPOSE="$VENV/bin/docker-compose"
 
 if ! docker info >/dev/null 2>&1; then
     export DOCKER_HOST=unix://$PRIVATE_RUN/docker.sock
-    echo "no Docker engine reachable: starting a private dockerd ($DOCKER_HOST, data in $PRIVATE)"
-    $SUDO mkdir -p "$PRIVATE" "$PRIVATE_RUN"
-    $SUDO dockerd --host "$DOCKER_HOST" --data-root "$PRIVATE/data" --exec-root "$PRIVATE_RUN/exec" \
-        --pidfile "$PRIVATE_RUN/docker.pid" --iptables=false --ip6tables=false --bridge=none \
-        >"$PRIVATE_RUN/dockerd.log" 2>&1 &
-    dockerd_pid=$!
     stop_dockerd() {
-        $SUDO kill "$dockerd_pid" 2>/dev/null || true
+        local pid
+        pid=$($SUDO cat "$PRIVATE_RUN/docker.pid" 2>/dev/null) || return 0
+        $SUDO kill "$pid" 2>/dev/null || true
         for _ in $(seq 60); do
-            if ! kill -0 "$dockerd_pid" 2>/dev/null; then echo "private dockerd stopped"; return 0; fi
+            if ! kill -0 "$pid" 2>/dev/null; then echo "private dockerd stopped"; return 0; fi
             sleep 0.5
         done
         echo "private dockerd did not stop in 30 s" >&2
         exit 1
     }
     trap stop_dockerd EXIT
-    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
-    docker info >/dev/null 2>&1 || { tail -n 20 "$PRIVATE_RUN/dockerd.log" >&2; exit 1; }
+    if docker info >/dev/null 2>&1; then
+        echo "reusing the private dockerd an earlier run left ($DOCKER_HOST)"
+    else
+        echo "no Docker engine reachable: starting a private dockerd ($DOCKER_HOST, data in $PRIVATE)"
+        $SUDO mkdir -p "$PRIVATE" "$PRIVATE_RUN"
+        $SUDO dockerd --host "$DOCKER_HOST" --data-root "$PRIVATE/data" --exec-root "$PRIVATE_RUN/exec" \
+            --pidfile "$PRIVATE_RUN/docker.pid" --iptables=false --ip6tables=false --bridge=none \
+            >"$PRIVATE_RUN/dockerd.log" 2>&1 &
+        for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+        docker info >/dev/null 2>&1 || { tail -n 20 "$PRIVATE_RUN/dockerd.log" >&2; exit 1; }
+    fi
     echo "private dockerd up (storage driver: $(docker info -f '{{.Driver}}'))"
 fi
 
 PYTHON=$PY deploy/build-image.sh
 
-export PDD_JAEGER=0
 if docker image inspect jaegertracing/all-in-one:1.62.0 >/dev/null 2>&1 \
     || docker pull -q jaegertracing/all-in-one:1.62.0 >/dev/null 2>&1; then
-    export COMPOSE_PROFILES=jaeger PDD_JAEGER=1
+    export COMPOSE_PROFILES=jaeger
 else
     echo "Jaeger image unavailable: spans go to the local span store only (volume pdd-traces, /v1/traces/{id})"
     export COMPOSE_PROFILES= PDD_OTLP_ENDPOINT=
