@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from shared.engine import SamplingParams
+from shared.model.chat_template import ChatTemplateError
 
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -42,9 +43,21 @@ class ParsedRequest:
 
 
 def chat_prompt(messages) -> str:
-    """A plain, model-agnostic chat layout (checkpoint chat templates are not applied)."""
+    """A plain, model-agnostic chat layout, for a model without a chat template (the presets)."""
     lines = [f"<|{m.role}|>\n{m.content}\n" for m in messages]
     return "".join(lines) + "<|assistant|>\n"
+
+
+def chat_prompt_ids(messages, tokenizer) -> list[int]:
+    template = tokenizer.chat_template
+    if template is None:
+        return tokenizer.encode(chat_prompt(messages))
+    try:
+        text = template.render([m.model_dump(exclude_none=True) for m in messages])
+    except ChatTemplateError as e:
+        raise _bad(str(e), param="messages") from None
+    # The template writes the BOS itself: no second one from the tokenizer (vLLM's default too).
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def describe(errors) -> str:
@@ -83,7 +96,7 @@ def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequ
 
 def prompt_ids_of(body: CompletionRequest | ChatCompletionRequest, tokenizer) -> list[int]:
     if isinstance(body, ChatCompletionRequest):
-        ids = tokenizer.encode(chat_prompt(body.messages))
+        ids = chat_prompt_ids(body.messages, tokenizer)
     elif isinstance(body.prompt, str):
         ids = tokenizer.encode(body.prompt)
     else:

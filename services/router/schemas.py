@@ -64,9 +64,26 @@ class CompletionRequest(_Sampling):
         return v
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[TextPart]  # parts are joined into one string, as vLLM does
+    name: str | None = None
+    tool_call_id: str | None = None  # on a "tool" message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        texts = [p.get("text") for p in v if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(v) or not all(isinstance(t, str) for t in texts):
+            raise ValueError('content parts must be {"type": "text", "text": "..."} (only text is supported)')
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -35,6 +35,7 @@ def describe_model(settings: ModelSettings) -> ModelInfo:
     dtype_bytes = resolve_dtype(settings.dtype).itemsize
     if settings.path:
         config = config_from_hf(Path(settings.path))
-        return ModelInfo(config, load_tokenizer(Path(settings.path), config.eos_token_id), dtype_bytes)
+        tokenizer = load_tokenizer(Path(settings.path), config.eos_token_id, with_chat_template=True)
+        return ModelInfo(config, tokenizer, dtype_bytes)
     config = preset_config(settings.preset, settings.seed)
     return ModelInfo(config, load_tokenizer(None, config.eos_token_id), dtype_bytes)
