@@ -4,17 +4,25 @@ described by the first line of its docstring (read from the source: importing so
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+HERE = Path(__file__).parent
+MAIN = re.compile(r"^def main\(", re.MULTILINE)
+
+
+def bench_names() -> list[str]:
+    """Names of the modules with a top-level main(), sorted (a text search: `pdd` runs it for every command)."""
+    return [path.stem for path in sorted(HERE.glob("*.py")) if MAIN.search(path.read_text())]
 
 
 def benches() -> dict[str, str]:
     """{name: one-line description}, by name."""
-    found = {}
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
-            found[path.stem] = (ast.get_docstring(tree) or "").split("\n")[0]
-    return found
+    return {name: _summary(HERE / f"{name}.py") for name in bench_names()}
+
+
+def _summary(path: Path) -> str:
+    return (ast.get_docstring(ast.parse(path.read_text(), str(path))) or "").split("\n")[0]
 
 
 def listing(known: dict[str, str]) -> str:

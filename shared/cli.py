@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.catalog import benches, listing
+from bench.catalog import bench_names, benches, listing
 from shared.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
 FORWARDING = ("wan", "bench", "chaos")  # subcommands whose extra arguments belong to another main()
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark (`pdd bench --help` lists them); extra arguments go to it",
                            add_help=False)  # fmt: skip
-    bench.add_argument("name", nargs="?", choices=benches(), metavar="NAME")  # --help: the bench's own
+    bench.add_argument("name", nargs="?", choices=bench_names(), metavar="NAME")  # --help: the bench's own
 
     sub.add_parser("chaos", help="start a system and inject faults into it under load (= pdd bench chaos)",
                    add_help=False)  # fmt: skip
