@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
+from bench.progress import Advance, add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.system import RunningSystem, start_system
 
@@ -53,18 +54,19 @@ def hit_mix(rng: random.Random, mean: float, n: int, spread: float) -> list[floa
     return hits
 
 
-def _full_transfer(client: httpx.Client, args: argparse.Namespace, L: int) -> list[int]:
+def _full_transfer(client: httpx.Client, args: argparse.Namespace, L: int, advance: Advance) -> list[int]:
     """WAN bytes of requests MD holds nothing of: what a prefix-unaware PD system sends."""
     full = []
     for i in range(args.full_requests):
         t = stream_completion(client, random_tokens(random.Random(f"full-{i}"), L), args.max_tokens, pipeline="p-md")
         if t.ok:
             full.append(t.pdd.get("wan_bytes", 0))
+        advance()
     return full
 
 
 def _hit_point(system: RunningSystem, client: httpx.Client, args: argparse.Namespace, rng: random.Random,
-               h: float, L: int, full_bytes: float) -> dict:
+               h: float, L: int, full_bytes: float, advance: Advance) -> dict:
     """Requests whose hit rates average h, each reusing a prefix of one document MD holds."""
     doc = random_tokens(random.Random(f"doc-{h}-{args.seed}"), L)
     seed = stream_completion(client, doc, 2, pipeline="p-md")  # MD now holds doc's blocks
@@ -80,6 +82,7 @@ def _hit_point(system: RunningSystem, client: httpx.Client, args: argparse.Names
         rows.append({"target": target, "cached_tokens": k, "ok": t.ok, "error": t.error,
                      "hit": t.pdd.get("prefix_hit_rate"), "wan_bytes": t.pdd.get("wan_bytes", 0),
                      "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN})
+        advance()
     time.sleep(0.2)
     link = (wan_counters(system)["bulk"]["bytes_up"] - before) / len(rows)
     ok = [r for r in rows if r["ok"]]
@@ -107,20 +110,22 @@ def _targets(points: list[dict]) -> list[dict]:
 def run(args: argparse.Namespace) -> dict:
     env = service_env(args.torch_threads, md_kv_mb=512, prefill_kv_mb=512, relay_kv_mb=128)
     workdir = Path(tempfile.mkdtemp(prefix="pdd-bench-bandwidth-"))
-    system = start_system(workdir, env, delay_ms=0, jitter_ms=0, bandwidth_mbps=1000, model_preset="small",
-                          timeout_s=300)
+    with progress("starting pdd up"):
+        system = start_system(workdir, env, delay_ms=0, jitter_ms=0, bandwidth_mbps=1000, model_preset="small",
+                              timeout_s=300)
     # Bytes do not depend on the link's speed: no cap, so the run is quick.
     set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
     L = args.prompt_tokens // BLOCK * BLOCK
     rng = random.Random(args.seed)
     points = []
+    n_requests = args.full_requests + len(args.hits) * args.requests
     try:
-        with httpx.Client(base_url=system.router_url) as client:
+        with httpx.Client(base_url=system.router_url) as client, progress("bandwidth", total=n_requests) as advance:
             stream_completion(client, random_tokens(random.Random(99), L), 2, pipeline="p-md")  # warm up
-            full = _full_transfer(client, args, L)
+            full = _full_transfer(client, args, L, advance)
             full_bytes = statistics.fmean(full)
             for h in args.hits:
-                point = _hit_point(system, client, args, rng, h, L, full_bytes)
+                point = _hit_point(system, client, args, rng, h, L, full_bytes, advance)
                 points.append(point)
                 print(f"  mean hit {point['mean_hit']:6.1%}: {point['aware_bytes'] / 2**20:7.2f} MiB/request (model "
                       f"{point['model_aware_bytes'] / 2**20:.2f}), full {full_bytes / 2**20:.2f} MiB -> "
@@ -176,6 +181,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/bandwidth.json")
+    add_quiet_option(p)
     args = p.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 4)

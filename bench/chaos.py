@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import Timed, pct, random_tokens, stream_completion
+from bench.progress import add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.supervisor import read_pid
 from shared.system import RunningSystem, start_system
@@ -92,7 +93,7 @@ NO_FAILURE_EXPECTED = ("restart-nats-a", "restart-nats-b", "cut-gateway-5s", "cu
 
 
 # ---- load -----------------------------------------------------------------------------
-def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], n: int,
+def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], n: int, name: str,
               fault: Callable[[RunningSystem], None] | None) -> tuple[list[tuple[int, Timed]], float | None]:
     """n streams (prompt index, result); the fault runs `fault_at` s in, while a probe measures
     how long until a fresh request succeeds again (None without a fault)."""
@@ -108,13 +109,14 @@ def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[lis
     def one(i: int) -> tuple[int, Timed]:
         k = i % len(prompts)
         with httpx.Client(base_url=system.router_url) as client:
-            return k, stream_completion(client, prompts[k], args.max_tokens, pipeline=pipeline_of(k),
-                                        timeout=args.hang_s)  # fmt: skip
+            t = stream_completion(client, prompts[k], args.max_tokens, pipeline=pipeline_of(k), timeout=args.hang_s)
+        advance()
+        return k, t
 
     injector = threading.Thread(target=inject) if fault else None
     if injector:
         injector.start()
-    with ThreadPoolExecutor(args.concurrency) as pool:
+    with progress(name, total=n) as advance, ThreadPoolExecutor(args.concurrency) as pool:
         results = list(pool.map(one, range(n)))
     if injector:
         injector.join()
@@ -187,10 +189,11 @@ def _score(results: list[tuple[int, Timed]], reference: dict[int, list[int]], ha
 def _phase(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], name: str,
            reference: dict[int, list[int]]) -> dict:
     print(f"[{name}] {args.requests} streams, {args.concurrency} at a time ...", flush=True)
-    results, recovery = _run_load(system, args, prompts, args.requests, FAULTS[name])
+    results, recovery = _run_load(system, args, prompts, args.requests, f"[{name}]", FAULTS[name])
     row = _score(results, reference, args.hang_s)
     row["recovery_s"] = recovery
-    row["left_after_settling"] = _settle(system)
+    with progress(f"[{name}] settling"):
+        row["left_after_settling"] = _settle(system)
     print(f"[{name}] completed {row['completed']} (migrated {row['migrated']}), failed {row['failed_clear']}, "
           f"hung {row['hung']}, broken {row['broken_streams']}, mismatched {row['mismatched']}, "
           f"recovery {row['recovery_s']}", flush=True)  # fmt: skip
@@ -202,10 +205,11 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [random_tokens(rng, rng.randrange(64, 400)) for _ in range(args.prompts)]
     workdir = Path(tempfile.mkdtemp(prefix="pdd-chaos-"))
     t0 = time.monotonic()
-    system = start_system(workdir, {"PDD_ROUTER_TOKEN_TIMEOUT_S": "60"}, model_preset=args.preset,
-                          delay_ms=args.delay_ms, bandwidth_mbps=args.bandwidth_mbps, timeout_s=300)  # fmt: skip
+    with progress("starting pdd up"):
+        system = start_system(workdir, {"PDD_ROUTER_TOKEN_TIMEOUT_S": "60"}, model_preset=args.preset,
+                              delay_ms=args.delay_ms, bandwidth_mbps=args.bandwidth_mbps, timeout_s=300)  # fmt: skip
     try:
-        base, _ = _run_load(system, args, prompts, 2 * len(prompts), None)
+        base, _ = _run_load(system, args, prompts, 2 * len(prompts), "[none] reference", None)
         reference = {k: t.token_ids for k, t in base if t.ok}
         if len(reference) < len(prompts):
             raise RuntimeError(f"the undisturbed run failed: {[t.error for _, t in base if not t.ok][:3]}")
@@ -292,6 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mbps", type=float, default=200.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/chaos.json")
+    add_quiet_option(p)
     args = p.parse_args(argv)
     unknown = set(args.faults.split(",")) - set(FAULTS)
     if unknown:

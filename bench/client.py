@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.progress import progress
 from shared.bus.nats_server import free_port
 from shared.system import RunningSystem, start_system
 from shared.wan import WanControl
@@ -182,7 +183,7 @@ def start_systems(specs: dict[str, dict]) -> dict[str, RunningSystem]:
         return name, start_system(workdir, model_preset=kw.pop("model_preset", "small"), timeout_s=300, **kw)
 
     started: dict[str, RunningSystem] = {}
-    with ThreadPoolExecutor(len(specs)) as pool:
+    with progress(f"starting {' '.join(specs)}"), ThreadPoolExecutor(len(specs)) as pool:
         futures = [pool.submit(one, (n, dict(kw))) for n, kw in specs.items()]
         errors = []
         for f in futures:

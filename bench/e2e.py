@@ -47,6 +47,7 @@ from bench.client import (
     stream_completion,
     wan_counters,
 )
+from bench.progress import Advance, add_quiet_option, progress
 from bench.report import pyplot, save_report
 
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
@@ -98,15 +99,17 @@ def run_single(args: argparse.Namespace) -> dict:
             for i, pipeline in enumerate(("p-md", "p-rld-md")):  # warm both paths (torch, connections)
                 stream_completion(client, random_tokens(random.Random(10_000 + i), args.prompt_tokens), 48,
                                   pipeline=pipeline)
-            for r in range(args.rounds):
-                for v in _rotate(variants, r):
-                    row = _single_row(v, r, _single_request(args, system, client, v, r))
-                    rows.append(row)
-                    print(f"  round {r} {v:18s} ttft {_ms(row['ttft'])} ms  2nd token {_ms(row['tt2t'])} ms  "
-                          f"max gap {_ms(row['max_gap'])} ms  rld {row['rld_tokens']}/{row['n_tokens']}  "
-                          f"{row['pipeline']} {row['handoff_mode'] or ''}{' ERROR ' + str(row['error']) if row['error'] else ''}",
-                          flush=True)
-                    time.sleep(1.0)  # let the relay and MD settle (load reports, cache events)
+            with progress("single", total=args.rounds * len(variants)) as advance:
+                for r in range(args.rounds):
+                    for v in _rotate(variants, r):
+                        row = _single_row(v, r, _single_request(args, system, client, v, r))
+                        rows.append(row)
+                        advance()
+                        print(f"  round {r} {v:18s} ttft {_ms(row['ttft'])} ms  2nd token {_ms(row['tt2t'])} ms  "
+                              f"max gap {_ms(row['max_gap'])} ms  rld {row['rld_tokens']}/{row['n_tokens']}  "
+                              f"{row['pipeline']} {row['handoff_mode'] or ''}{' ERROR ' + str(row['error']) if row['error'] else ''}",
+                              flush=True)
+                        time.sleep(1.0)  # let the relay and MD settle (load reports, cache events)
     finally:
         system.stop()
     summary = _single_summary(rows, variants)
@@ -309,15 +312,16 @@ def run_agentic(args: argparse.Namespace) -> dict:
         time.sleep(1.0)
         sessions = {d: [Session() for _ in range(args.clients)] for d in deps}
         n_waves = math.ceil(max(len(p) for p in plans) / args.wave)
-        for w in range(n_waves):
-            for d in _rotate(deps, w):
-                t0 = time.monotonic()
-                results += _run_wave(args, d, systems[d], plans, sessions[d], shared, w)
-                busy[d] += time.monotonic() - t0
-                time.sleep(0.5)
-            done = sum(1 for r in results if r.deployment == deps[0])
-            print(f"  wave {w + 1}/{n_waves}: {done} requests per deployment; busy "
-                  + ", ".join(f"{d} {busy[d]:.0f} s" for d in deps), flush=True)
+        with progress(f"agentic {' '.join(deps)}", total=args.requests * len(deps)) as advance:
+            for w in range(n_waves):
+                for d in _rotate(deps, w):
+                    t0 = time.monotonic()
+                    results += _run_wave(args, d, systems[d], plans, sessions[d], shared, w, advance)
+                    busy[d] += time.monotonic() - t0
+                    time.sleep(0.5)
+                done = sum(1 for r in results if r.deployment == deps[0])
+                print(f"  wave {w + 1}/{n_waves}: {done} requests per deployment; busy "
+                      + ", ".join(f"{d} {busy[d]:.0f} s" for d in deps), flush=True)
         link_bytes = {d: _bytes_since(s, counters0[d]) for d, s in systems.items()}
     finally:
         stop_all(systems)
@@ -355,7 +359,7 @@ def _bytes_since(system, before: dict) -> dict:
 
 
 def _run_wave(args, d: str, system, plans: list[list[Step]], sessions: list[Session], shared: list[int],
-              w: int) -> list[Result]:
+              w: int, advance: Advance) -> list[Result]:
     out: list[Result] = []
     lock = threading.Lock()
     pipeline = None if d == "pdd" else "p-md"
@@ -380,6 +384,7 @@ def _run_wave(args, d: str, system, plans: list[list[Step]], sessions: list[Sess
                 )
                 with lock:
                     out.append(r)
+                advance()
                 if args.think_s > 0:
                     time.sleep(args.think_s)
 
@@ -614,6 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--variants", default=DEFAULT_SINGLE, help=f"comma list from {', '.join(SINGLE_VARIANTS)}")
     _add_agentic_args(p.add_argument_group("agentic workload"))
     p.add_argument("--out", default=None, help="default bench/out/e2e_<scenario>.json")
+    add_quiet_option(p)
     args = p.parse_args(argv)
     if args.quick:
         if args.scenario == "single":

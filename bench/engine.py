@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from bench.progress import add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, Mode, SamplingParams
@@ -41,6 +42,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=2, help="alternate ours/HF this many times, keep the best")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/out/engine.json")
+    add_quiet_option(ap)
     return ap.parse_args(argv)
 
 
@@ -200,11 +202,14 @@ def mixed_workload(engine: LLMEngine, hf, args, reqs: list[tuple[list[int], int]
                    output_range: tuple) -> dict:
     # The machine may be shared: alternate the two and keep each side's best time.
     t_ours = t_hf = float("inf")
-    for _ in range(max(1, args.repeat)):
-        t, ours = run_ours_mixed(engine, reqs, args.device)
-        t_ours = min(t_ours, t)
-        t, theirs = run_hf_mixed(hf, reqs, args.hf_batch, args.device)
-        t_hf = min(t_hf, t)
+    with progress("mixed workload, ours and HF", total=2 * max(1, args.repeat)) as advance:
+        for _ in range(max(1, args.repeat)):
+            t, ours = run_ours_mixed(engine, reqs, args.device)
+            t_ours = min(t_ours, t)
+            advance()
+            t, theirs = run_hf_mixed(hf, reqs, args.hf_batch, args.device)
+            t_hf = min(t_hf, t)
+            advance()
     useful = sum(len(p) + n for p, n in reqs)
     return {
         "requests": len(reqs), "prompt_range": prompt_range, "output_range": output_range, "repeat": args.repeat,
@@ -222,11 +227,14 @@ def batch_sweep(engine: LLMEngine, hf, args, batches: list[int], prompt_len: int
     sweep = []
     for b in batches:
         op = od = hp = hd = 0.0
-        for _ in range(max(1, args.repeat)):
-            p, d = sweep_ours(engine, b, prompt_len, steps, args.device)
-            op, od = max(op, p), max(od, d)
-            p, d = sweep_hf(hf, b, prompt_len, steps, args.device)
-            hp, hd = max(hp, p), max(hd, d)
+        with progress(f"batch {b}, ours and HF", total=2 * max(1, args.repeat)) as advance:
+            for _ in range(max(1, args.repeat)):
+                p, d = sweep_ours(engine, b, prompt_len, steps, args.device)
+                op, od = max(op, p), max(od, d)
+                advance()
+                p, d = sweep_hf(hf, b, prompt_len, steps, args.device)
+                hp, hd = max(hp, p), max(hd, d)
+                advance()
         sweep.append({"batch": b, "ours_prefill_tps": op, "hf_prefill_tps": hp, "prefill_ratio": op / hp,
                       "ours_decode_tps": od, "hf_decode_tps": hd, "decode_ratio": od / hd})  # fmt: skip
     return sweep
@@ -241,8 +249,9 @@ def run(args) -> dict:
     engine = _engine(args, kv_tokens, max_batched=2048)
     print(f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads", flush=True)
     kv = kv_accounting(engine)
-    hf = _hf_model(engine, args.device)
-    _warm_up(engine, hf, args.device)
+    with progress("loading the HF model, warming up"):
+        hf = _hf_model(engine, args.device)
+        _warm_up(engine, hf, args.device)
     return {
         "model": engine.model_id, "dtype": args.dtype, "device": args.device, "quick": args.quick,
         "threads": torch.get_num_threads(), "kv": kv,

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from bench.client import start_wan
+from bench.progress import add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.bus import decode, encode, flushed
 from shared.bus.messages import HandoffBatch, HandoffMode
@@ -365,15 +366,17 @@ class Bench:
         kv, tok = [], []
         rng = random.Random(a.seed)
         try:
-            for i in range(a.warmup + a.reps):
-                order = [("kv", self.kv_once), ("tok", self.token_once)]
-                if i % 2:
-                    order.reverse()
-                for path, fn in order:
-                    r = await fn(f"{name}-{path}-{i}")
-                    if i >= a.warmup:
-                        (kv if path == "kv" else tok).append(r)
-                    await asyncio.sleep(rng.uniform(0.02, 0.08))  # desynchronise from the cross traffic
+            with progress(name, total=a.warmup + a.reps) as advance:
+                for i in range(a.warmup + a.reps):
+                    order = [("kv", self.kv_once), ("tok", self.token_once)]
+                    if i % 2:
+                        order.reverse()
+                    for path, fn in order:
+                        r = await fn(f"{name}-{path}-{i}")
+                        if i >= a.warmup:
+                            (kv if path == "kv" else tok).append(r)
+                        await asyncio.sleep(rng.uniform(0.02, 0.08))  # desynchronise from the cross traffic
+                    advance()
         finally:
             if stop is not None and cross is not None:
                 stop.set()
@@ -477,6 +480,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="torch threads of MD (2 on this 2-core host collapses under any competing load)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/handoff.json")
+    add_quiet_option(p)
     args = p.parse_args(argv)
     if args.quick:
         args.reps = 50
@@ -513,7 +517,8 @@ def _targets(payload: dict, conds: dict) -> list[dict]:
 
 async def run(args: argparse.Namespace) -> dict:
     b = Bench(args)
-    await b.setup()
+    with progress("starting NATS, WAN emulator, MD"):
+        await b.setup()
     try:
         wire = await b.wire_bytes()
         conds: dict[str, Any] = {}

@@ -1,5 +1,6 @@
-"""Scale-out benchmark: the agentic workload on one instance per role and on two per role, side
-by side in one run (tiny preset, emulated WAN).
+"""Scale-out benchmark: the agentic workload on one instance per role vs two per role (tiny preset).
+
+Both deployments run side by side in one run, over an emulated WAN:
 
   1x1x1  one prefill, one relay, one main decoder, one router
   2x2x2  two of each, two routers (each agent talks to one of them)
@@ -35,6 +36,7 @@ import httpx
 
 from bench.client import pct, random_tokens, service_env, start_systems, stop_all, stream_completion
 from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans
+from bench.progress import Advance, add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.engine.hashing import block_hashes
 from shared.model.presets import preset_config
@@ -88,12 +90,13 @@ def run(args: argparse.Namespace) -> dict:
     sessions = {d: [Session() for _ in range(args.clients)] for d in DEPLOYMENTS}
     try:
         n_waves = math.ceil(max(len(p) for p in plans) / args.wave)
-        for w in range(n_waves):
-            for d in _rotate(list(DEPLOYMENTS), w):
-                t = time.monotonic()
-                rows += _wave(args, d, systems[d].router_urls, plans, sessions[d], shared, oracles[d], w)
-                busy[d] += time.monotonic() - t
-            print(f"  wave {w + 1}/{n_waves} done", flush=True)
+        with progress(f"scale {' '.join(DEPLOYMENTS)}", total=args.requests * len(DEPLOYMENTS)) as advance:
+            for w in range(n_waves):
+                for d in _rotate(list(DEPLOYMENTS), w):
+                    t = time.monotonic()
+                    rows += _wave(args, d, systems[d].router_urls, plans, sessions[d], shared, oracles[d], w, advance)
+                    busy[d] += time.monotonic() - t
+                print(f"  wave {w + 1}/{n_waves} done", flush=True)
     finally:
         stop_all(systems)
     summary = {d: _summarize(args, [r for r in rows if r["deployment"] == d], busy[d]) for d in DEPLOYMENTS}
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _wave(args, d: str, routers: list[str], plans: list[list[Step]], sessions: list[Session], shared: list[int],
-          oracle: Oracle, w: int) -> list[dict]:
+          oracle: Oracle, w: int, advance: Advance) -> list[dict]:
     out: list[dict] = []
     lock = threading.Lock()
 
@@ -129,6 +132,7 @@ def _wave(args, d: str, routers: list[str], plans: list[list[Step]], sessions: l
                        **{role: where.get(role) for role in ROLES}}
                 with lock:
                     out.append(row)
+                advance()
 
     threads = [threading.Thread(target=agent, args=(ci,)) for ci in range(args.clients)]
     for th in threads:
@@ -223,6 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.set_defaults(requests=96, clients=6, wave=4, shared_prefix=256, new_min=128, new_max=384,
                    context_max=1024, outlier_input=768, output_min=16, output_max=48, md_kv_mb=256)
     p.add_argument("--out", default="bench/out/scale.json")
+    add_quiet_option(p)
     return p.parse_args(argv)
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from bench.client import start_wan
+from bench.progress import Advance, add_quiet_option, progress
 from bench.report import save_report
 from shared.bus import NatsServer, flushed
 from shared.bus.nats_server import free_port
@@ -206,16 +207,18 @@ async def bench_bulk(size: int, repeats: int, parallel: int = 4) -> dict:
         rows: dict[str, list[dict]] = {"raw_tcp": [], **{k: [] for k in variants}}
         try:
             # Interleaved, so background load hits raw and bulk alike; ratios are per adjacent pair.
-            for r in range(repeats + 1):
-                with _Cpu(proc.pid) as cpu:
-                    raw_t = await asyncio.to_thread(
-                        _raw_round, raw, memoryview(one.reshape(-1).view(torch.uint8).numpy())
-                    )
-                rows["raw_tcp"].append({"t": raw_t, "bytes": size, "cpu": cpu, "ratio": 1.0})
-                for name, (_, blocks, _, _, n) in variants.items():
+            with progress("bulk rounds", total=repeats + 1) as advance:
+                for r in range(repeats + 1):
                     with _Cpu(proc.pid) as cpu:
-                        t = await _bulk_round(clients[name], blocks, f"bench-{r}")
-                    rows[name].append({"t": t, "bytes": n * size, "cpu": cpu, "ratio": raw_t / (t / n)})
+                        raw_t = await asyncio.to_thread(
+                            _raw_round, raw, memoryview(one.reshape(-1).view(torch.uint8).numpy())
+                        )
+                    rows["raw_tcp"].append({"t": raw_t, "bytes": size, "cpu": cpu, "ratio": 1.0})
+                    for name, (_, blocks, _, _, n) in variants.items():
+                        with _Cpu(proc.pid) as cpu:
+                            t = await _bulk_round(clients[name], blocks, f"bench-{r}")
+                        rows[name].append({"t": t, "bytes": n * size, "cpu": cpu, "ratio": raw_t / (t / n)})
+                    advance()
         finally:
             raw.close()
             for cs in clients.values():
@@ -310,34 +313,8 @@ async def bench_wan(quick: bool) -> dict:
     )
     seconds = 0.6 if quick else 1.5
     try:
-        rows = []
-        for mbps in (10, 100, 1000):
-            await ctl.set("tput", bandwidth_mbps=mbps, delay_ms=0, jitter_ms=0)
-            bps = await asyncio.to_thread(_measure_throughput, lt, sink, int(mbps * 1e6 / 8 * seconds))
-            rows.append(
-                {
-                    "set_mbps": mbps,
-                    "measured_mbps": bps * 8 / 1e6,
-                    "error_pct": (bps * 8 / 1e6 / mbps - 1) * 100,
-                }
-            )
-        direct = statistics.median(await asyncio.to_thread(_ping, echo.getsockname()[1], 50))
-        rtts = []
-        for delay_ms, jitter_ms in ((5, 0), (15, 0), (15, 2)):
-            await ctl.set("echo", delay_ms=delay_ms, jitter_ms=jitter_ms)
-            samples = await asyncio.to_thread(_ping, le, 20 if quick else 40)
-            med = statistics.median(samples)
-            rtts.append(
-                {
-                    "delay_ms": delay_ms,
-                    "jitter_ms": jitter_ms,
-                    "set_rtt_ms": 2 * delay_ms,
-                    "added_rtt_ms_p50": (med - direct) * 1000,
-                    "error_ms": (med - direct) * 1000 - 2 * delay_ms,
-                    "rtt_ms_max": max(samples) * 1000,
-                }
-            )
-        return {"bandwidth": rows, "rtt": rtts, "direct_rtt_ms": direct * 1000}
+        with progress("WAN emulator", total=6) as advance:
+            return await _wan_rounds(ctl, lt, le, sink, echo, seconds, quick, advance)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -345,10 +322,45 @@ async def bench_wan(quick: bool) -> dict:
         echo.close()
 
 
+async def _wan_rounds(ctl: Any, lt: int, le: int, sink: socket.socket, echo: socket.socket, seconds: float,
+                      quick: bool, advance: Advance) -> dict:
+    """Three bandwidth caps, then three delays (with and without jitter)."""
+    rows = []
+    for mbps in (10, 100, 1000):
+        await ctl.set("tput", bandwidth_mbps=mbps, delay_ms=0, jitter_ms=0)
+        bps = await asyncio.to_thread(_measure_throughput, lt, sink, int(mbps * 1e6 / 8 * seconds))
+        rows.append(
+            {
+                "set_mbps": mbps,
+                "measured_mbps": bps * 8 / 1e6,
+                "error_pct": (bps * 8 / 1e6 / mbps - 1) * 100,
+            }
+        )
+        advance()
+    direct = statistics.median(await asyncio.to_thread(_ping, echo.getsockname()[1], 50))
+    rtts = []
+    for delay_ms, jitter_ms in ((5, 0), (15, 0), (15, 2)):
+        await ctl.set("echo", delay_ms=delay_ms, jitter_ms=jitter_ms)
+        samples = await asyncio.to_thread(_ping, le, 20 if quick else 40)
+        med = statistics.median(samples)
+        rtts.append(
+            {
+                "delay_ms": delay_ms,
+                "jitter_ms": jitter_ms,
+                "set_rtt_ms": 2 * delay_ms,
+                "added_rtt_ms_p50": (med - direct) * 1000,
+                "error_ms": (med - direct) * 1000 - 2 * delay_ms,
+                "rtt_ms_max": max(samples) * 1000,
+            }
+        )
+        advance()
+    return {"bandwidth": rows, "rtt": rtts, "direct_rtt_ms": direct * 1000}
+
+
 # ---------------------------------------------------------------- NATS request/reply
 
 
-async def _nats_latency(sec: NatsSecurity, req: NatsServer, rep: NatsServer, count: int) -> dict:
+async def _nats_latency(sec: NatsSecurity, req: NatsServer, rep: NatsServer, count: int, name: str) -> dict:
     """Request/reply latency over mutual TLS, logged in as the lab user (any subject)."""
     nc_rep = await sec.connect(rep, "bench-rep")
     nc_req = await sec.connect(req, "bench-req")
@@ -367,10 +379,12 @@ async def _nats_latency(sec: NatsSecurity, req: NatsServer, rep: NatsServer, cou
                 await asyncio.sleep(0.05)
         lat = []
         payload = b"x" * 256
-        for _ in range(count):
-            t0 = time.perf_counter()
-            await nc_req.request("bench.ping", payload, timeout=2)
-            lat.append((time.perf_counter() - t0) * 1000)
+        with progress(f"NATS {name}", total=count) as advance:
+            for _ in range(count):
+                t0 = time.perf_counter()
+                await nc_req.request("bench.ping", payload, timeout=2)
+                lat.append((time.perf_counter() - t0) * 1000)
+                advance()
         p50, p99 = np.percentile(lat, [50, 99])  # same definition as the other benches
         return {"p50_ms": float(p50), "p99_ms": float(p99), "count": count}
     finally:
@@ -389,8 +403,8 @@ async def bench_nats(quick: bool) -> dict:
         await a.wait_gateways(15)
         await b.wait_gateways(15, names=["bench-a"])
         return {
-            "one_server": await _nats_latency(sec, a, a, count),
-            "across_gateway": await _nats_latency(sec, a, b, count),
+            "one_server": await _nats_latency(sec, a, a, count, "one server"),
+            "across_gateway": await _nats_latency(sec, a, b, count, "across gateway"),
         }
     finally:
         await a.stop()
@@ -440,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter WAN and NATS runs")
     p.add_argument("--only", choices=["bulk", "wan", "nats"], action="append")
     p.add_argument("--out", default="bench/out/transport.json")
+    add_quiet_option(p)
     args = p.parse_args(argv)
     only = set(args.only or ["bulk", "wan", "nats"])
 

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.catalog import bench_names, benches, listing
 from shared.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
-BENCHES = ("engine", "transport", "e2e", "handoff", "bandwidth", "chaos", "scale")
 FORWARDING = ("wan", "bench", "chaos")  # subcommands whose extra arguments belong to another main()
 COUNT_HELP = {
     "prefill": f"prefill instances (1..{MAX_COUNT}); ",
@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)
 
-    bench = sub.add_parser("bench", help="run a benchmark; extra arguments go to it")
-    bench.add_argument("name", choices=BENCHES)
+    bench = sub.add_parser("bench", help="run a benchmark (`pdd bench --help` lists them); extra arguments go to it",
+                           add_help=False)  # fmt: skip
+    bench.add_argument("name", nargs="?", choices=bench_names(), metavar="NAME")  # --help: the bench's own
 
     sub.add_parser("chaos", help="start a system and inject faults into it under load (= pdd bench chaos)",
                    add_help=False)  # fmt: skip
@@ -150,9 +151,14 @@ def cmd_wan(extra: list[str]) -> int:
     return wan_main(extra)
 
 
-def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
-    module = importlib.import_module(f"bench.{args.name}")
-    return int(module.main(extra) or 0)
+def cmd_bench(name: str | None, extra: list[str]) -> int:
+    """Run bench `name` with `extra` as its arguments (its --help too); no name: list the benches."""
+    if name is not None:
+        module = importlib.import_module(f"bench.{name}")
+        return int(module.main(extra) or 0)
+    asked = "-h" in extra or "--help" in extra
+    print(listing(benches()), end="", file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else 2
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -191,11 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "wan":
         return cmd_wan(extra)
     if args.command == "bench":
-        return cmd_bench(args, extra)
+        return cmd_bench(args.name, extra)
     if args.command == "chaos":
-        from bench.chaos import main as chaos_main
-
-        return int(chaos_main(extra) or 0)
+        return cmd_bench("chaos", extra)
     return cmd_trace(args)
 
 
