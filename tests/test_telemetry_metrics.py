@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shared.bus.messages import AbortReason
 from shared.telemetry import metrics
+from shared.telemetry.token_latency import TokenLatency, token_latency
 from tests.prometheus_samples import parse_samples
 
 
@@ -52,3 +53,27 @@ def test_a_forgotten_peer_loses_its_series() -> None:
     metrics.forget_peers_except(labelled, known=["tcp://c:1"])
     assert labelled == {"tcp://c:1"}
     assert _sample(name, peer="tcp://b:1") is None and _sample(name, peer="tcp://c:1") == 2e6
+
+
+def test_a_forgotten_md_loses_its_wan_bytes() -> None:
+    metrics.MD_WAN_BYTES.labels(md="md-x").inc(100)
+    metrics.MD_WAN_BYTES.labels(md="md-y").inc(5)
+    metrics.forget_peer("md-x")
+    assert _sample("pdd_md_wan_bytes_total", md="md-x") is None
+    assert _sample("pdd_md_wan_bytes_total", md="md-y") == 5
+
+
+def test_second_token_is_the_delivery_that_crosses_it() -> None:
+    # arrival at 10 s; first token at 10.5 s (one token), then two at once at 11 s, then one
+    assert token_latency(10.0, 10.5, 10.5, 0, 1, False) == TokenLatency()
+    assert token_latency(10.0, 10.5, 11.0, 1, 3, False) == TokenLatency(second_token_s=1.0)
+    assert token_latency(10.0, 10.5, 11.2, 3, 4, False) == TokenLatency()
+    # a first delivery of several tokens is also the 2nd token's
+    assert token_latency(10.0, 10.5, 10.5, 0, 4, False).second_token_s == 0.5
+
+
+def test_tpot_is_per_token_after_the_first_when_the_request_ends() -> None:
+    assert token_latency(0.0, 0.5, 2.5, 4, 5, True) == TokenLatency(tpot_s=(2.5 - 0.5) / 4)
+    assert token_latency(0.0, 0.5, 0.5, 0, 1, True) == TokenLatency()  # one token: no TPOT
+    assert token_latency(0.0, 0.5, 0.5, 0, 2, True) == TokenLatency(second_token_s=0.5, tpot_s=0.0)
+    assert token_latency(0.0, None, 1.0, 0, 0, True) == TokenLatency()  # ended without a token

@@ -44,6 +44,7 @@ from shared.liveness import HEARTBEAT_S, ConnectionWatch
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.token_latency import token_latency
 from shared.telemetry.tracing import get_tracer
 
 from .assignments import Assignments
@@ -130,6 +131,8 @@ class RouterCore:
             # The instance failed the request (a lost peer, a cut transfer): continue elsewhere.
             self.life.spawn(self._migrate(stream, f"{ev.source.value} failed it: {ev.error}", "error"))
             return
+        if ev.decode is not None and ev.decode != stream.decode:  # once per MD report, not per redelivery
+            metrics.MD_WAN_BYTES.labels(md=ev.decode.md_instance).inc(ev.decode.wan_bytes)
         stream.observe(ev)
         stream.queue.put_nowait(ev)
 
@@ -520,9 +523,22 @@ class RouterCore:
             metrics.TTFT.labels(pipeline=stream.decision.pipeline.value).observe(stream.first_token_at - stream.created)
         if merged.finished:
             stream.finish()
+        if merged.tokens or merged.finished:
+            self._observe_latency(stream, len(merged.tokens))
         if not (merged.tokens or merged.finished):
             return None
         return Delta(merged.tokens, merged.finished, stream.merger.finish_reason if merged.finished else None)
+
+    def _observe_latency(self, stream: RequestStream, delivered: int) -> None:
+        """Time to the 2nd token and TPOT, as the client sees them (after the merge)."""
+        after = stream.merger.next_index
+        lat = token_latency(stream.created, stream.first_token_at, time.monotonic(), after - delivered, after,
+                            stream.done)  # fmt: skip
+        pipeline = stream.decision.pipeline.value
+        if lat.second_token_s is not None:
+            metrics.SECOND_TOKEN.labels(pipeline=pipeline).observe(lat.second_token_s)
+        if lat.tpot_s is not None:
+            metrics.TPOT.labels(pipeline=pipeline).observe(lat.tpot_s)
 
     def _close(self, stream: RequestStream) -> None:
         """The stream ended (finished, failed or abandoned): record it and free it everywhere."""
