@@ -131,8 +131,7 @@ class RouterCore:
             # The instance failed the request (a lost peer, a cut transfer): continue elsewhere.
             self.life.spawn(self._migrate(stream, f"{ev.source.value} failed it: {ev.error}", "error"))
             return
-        if ev.decode is not None and ev.decode != stream.decode:  # once per MD report, not per redelivery
-            metrics.MD_WAN_BYTES.labels(md=ev.decode.md_instance).inc(ev.decode.wan_bytes)
+        _count_reports(stream, ev)
         stream.observe(ev)
         stream.queue.put_nowait(ev)
 
@@ -596,3 +595,15 @@ def md_refusal(prep: PrepareReply) -> APIError:
     if prep.busy:
         return APIError(f"main decode is busy ({prep.error}): try again later", 503)
     return APIError(f"main decode refused the request: {prep.error}", 400, "invalid_request_error")
+
+
+def _count_reports(stream: RequestStream, ev: TokenEvent) -> None:
+    """The router's own count of the reports instances send with a request's last tokens
+    (each once: a redelivered one equals what the stream holds already)."""
+    if ev.decode is not None and ev.decode != stream.decode:
+        metrics.ROUTER_WAN_BYTES.labels(md=ev.decode.md_instance).inc(ev.decode.wan_bytes)
+        metrics.ROUTER_OUTPUT_TOKENS.labels(role=Role.MAIN_DECODE.value).inc(ev.decode.md_tokens)
+    if ev.relay is not None and ev.relay != stream.relay:
+        metrics.ROUTER_OUTPUT_TOKENS.labels(role=Role.RELAY.value).inc(ev.relay.rld_tokens)
+        if ev.relay.handed_over and ev.relay.handoff_mode is not None:
+            metrics.ROUTER_HANDOFFS.labels(mode=ev.relay.handoff_mode.value).inc()

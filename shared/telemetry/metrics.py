@@ -53,9 +53,13 @@ PREFIX_HIT_RATE = Histogram(
 )
 RELAY_RUNNING = Gauge("pdd_relay_running", "Requests running on the relay decoder")
 WAN_BANDWIDTH = Gauge("pdd_wan_bandwidth_bytes_per_second", "Router's live WAN bandwidth estimate", ["peer"])
-# The router's own count of the KV each MD received, so its /metrics alone shows the WAN per link
-# (`pdd top`); counted when MD's final report arrives. pdd_kv_bytes is prefill's, counted as sent.
-MD_WAN_BYTES = Counter("pdd_md_wan_bytes", "KV bytes MD received over the WAN, by MD (router)", ["md"])
+# The router's own count of what instances report with a request's last tokens, so that its
+# /metrics alone (`pdd top`, compose publishes nothing else) shows the WAN per MD link, the RLD
+# share and the handoffs. pdd_kv_bytes / pdd_output_tokens / pdd_handoff_batches are the
+# instances' own, counted as they happen.
+ROUTER_WAN_BYTES = Counter("pdd_router_wan_bytes", "KV bytes each MD received over the WAN (reported)", ["md"])
+ROUTER_OUTPUT_TOKENS = Counter("pdd_router_output_tokens", "Output tokens by producing role (reported)", ["role"])
+ROUTER_HANDOFFS = Counter("pdd_router_handoffs", "Completed RLD->MD handoffs by mode (reported)", ["mode"])
 KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks in use", ["service", "instance"])
 # Beyond the brief: the RLD/MD token split (paper: RLD 6.2%, MD 93.8%) and aborted WAN transfers.
 OUTPUT_TOKENS = Counter("pdd_output_tokens", "Output tokens by producing role", ["role"])
@@ -104,7 +108,7 @@ def abort_reason(reason: str) -> str:
 
 def forget_peer(peer: str) -> None:
     """Drop a peer's per-peer series (the link estimator no longer knows it, or the MD left)."""
-    for family in (WAN_BANDWIDTH, MD_WAN_BYTES):
+    for family in (WAN_BANDWIDTH, ROUTER_WAN_BYTES):
         try:
             family.remove(peer)
         except KeyError:
