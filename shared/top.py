@@ -190,12 +190,12 @@ def _wan_table(wan: dict[str, tuple[float, float | None]]) -> Table | Text:
 
 def render(view: View, url: str) -> Group:
     """One frame."""
-    window = f"over {view.window_s:.1f} s" if view.window_s > 0 else "(rates after the next scrape)"
+    window = f" over {view.window_s:.1f} s" if view.window_s > 0 else ": after the next scrape"
     rps = view.requests_per_s
     per_pipeline = "  ".join(f"{p} {rps.get(p, 0.0):.2f}" for p in (*PIPELINES, *sorted(set(rps) - set(PIPELINES))))
     handoffs = "  ".join(f"{mode} {per_s:.2f}/s ({n:.0f} in all)" for mode, (per_s, n) in view.handoffs.items())
     lines = [
-        Text(f"pdd top  {url}  {time.strftime('%H:%M:%S')}  rates {window}", style="bold"),
+        Text(f"pdd top  {url}  {time.strftime('%H:%M:%S')}  rates{window}", style="bold"),
         _instances_table(view.instances),
         Text(f"requests/s  {per_pipeline}  total {sum(rps.values()):.2f}"),
         _wan_table(view.wan),

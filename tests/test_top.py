@@ -84,7 +84,8 @@ def test_view_of_two_scrapes() -> None:
     assert first.requests_per_s == {} and first.rld_share is None and first.window_s == 0
     console = Console(record=True, width=100)
     console.print(render(build_view(None, Scrape(0.0, {}, {})), "http://router:8000"))
-    assert "rates after the next scrape" in console.export_text() and "no KV link used yet" in console.export_text()
+    text = console.export_text()
+    assert "rates: after the next scrape" in text and "no KV link used yet" in text
 
 
 def test_instances_by_datacenter_then_role() -> None:
