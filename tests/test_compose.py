@@ -170,6 +170,7 @@ def test_monitoring_profile(compose: dict[str, Any]) -> None:
     assert _bind_mounts(prometheus)["/etc/prometheus/prometheus.yml"] == ROOT / "deploy/prometheus/prometheus.yml"
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and env["GF_AUTH_BASIC_ENABLED"] == "false"  # no admin/admin
     # provisioning: the datasource points at the prometheus service, the dashboards folder is mounted
     grafana_mounts = _bind_mounts(grafana)
     provisioning = grafana_mounts["/etc/grafana/provisioning"]
@@ -182,6 +183,10 @@ def test_monitoring_profile(compose: dict[str, Any]) -> None:
     dashboard = json.loads((dashboards / "pdd.json").read_text())
     uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids == {source["uid"]}
+    # what `make compose-test` asks of them (deploy/compose_check.py, profile on)
+    checker = (ROOT / "deploy/compose_check.py").read_text()
+    assert f'DASHBOARD_UID = "{dashboard["uid"]}"' in checker and f'"uid": "{source["uid"]}"' in checker
+    assert 'PROMETHEUS = "http://127.0.0.1:9090"' in checker and 'GRAFANA = "http://127.0.0.1:3000"' in checker
 
 
 def test_prometheus_scrapes_every_replica_of_every_service(compose: dict[str, Any], specs: dict[str, Any]) -> None:
