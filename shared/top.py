@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -165,21 +166,29 @@ def _percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _instances_table(rows: list[InstanceRow]) -> Table:
-    table = Table(title="instances", title_justify="left", expand=False)
-    for column in ("dc", "instance", "running", "waiting", "KV blocks", "KV used", "held", "state"):
-        table.add_column(column, justify="left" if column in ("dc", "instance", "state") else "right")
-    for r in rows:
-        table.add_row(r.dc, f"{r.role}/{r.instance}", str(r.running), str(r.waiting), f"{r.used_blocks}/{r.num_blocks}",
-                      _percent(share(r.used_blocks, r.num_blocks)), str(r.held),
-                      "draining" if r.draining else "serving")  # fmt: skip
-    return table
+def _instances_tables(rows: list[InstanceRow]) -> list[Table]:
+    """One table per datacenter; instance names stay whole, narrow terminals squeeze the rest."""
+    tables = []
+    for dc in sorted({r.dc for r in rows}):
+        mine = [r for r in rows if r.dc == dc]
+        names = [f"{r.role}/{r.instance}" for r in mine]
+        table = Table(title=f"{dc} instances", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        table.add_column("instance", min_width=max(map(len, names)), no_wrap=True)
+        for column in ("run", "wait", "KV blocks", "KV %", "held"):
+            table.add_column(column, justify="right")
+        table.add_column("state")
+        for r, name in zip(mine, names, strict=True):
+            table.add_row(name, str(r.running), str(r.waiting), f"{r.used_blocks}/{r.num_blocks}",
+                          _percent(share(r.used_blocks, r.num_blocks)), str(r.held),
+                          "draining" if r.draining else "serving")  # fmt: skip
+        tables.append(table)
+    return tables
 
 
 def _wan_table(wan: dict[str, tuple[float, float | None]]) -> Table | Text:
     if not wan:
         return Text("WAN  no KV link used yet")
-    table = Table(title="WAN: KV into each MD, counted at request end", title_justify="left")
+    table = Table(title="WAN: KV into each MD, counted at request end", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("link", "received/s", "bandwidth estimate"):
         table.add_column(column, justify="left" if column == "link" else "right")
     for md, (received, bandwidth) in wan.items():
@@ -196,7 +205,7 @@ def render(view: View, url: str) -> Group:
     handoffs = "  ".join(f"{mode} {per_s:.2f}/s ({n:.0f} in all)" for mode, (per_s, n) in view.handoffs.items())
     lines = [
         Text(f"pdd top  {url}  {time.strftime('%H:%M:%S')}  rates{window}", style="bold"),
-        _instances_table(view.instances),
+        *(_instances_tables(view.instances) or [Text("no live instances")]),
         Text(f"requests/s  {per_pipeline}  total {sum(rps.values()):.2f}"),
         _wan_table(view.wan),
         Text(f"RLD share of output tokens  {_percent(view.rld_share)} now, {_percent(view.rld_share_total)} in all"),

@@ -167,7 +167,7 @@ def test_dashboard_queries_name_what_the_system_exports(system):
 def test_pdd_top_once_shows_every_instance_and_the_request_rate(system):
     out = subprocess.run(
         [sys.executable, "-m", "shared.cli", "top", "--url", system.router_url, "--once", "--interval", "0.5"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"},
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     instances = system.instances()

@@ -44,7 +44,7 @@ pdd_wan_bandwidth_bytes_per_second{peer="0"} 1.25e+07
 pdd_wan_bandwidth_bytes_per_second{peer="1"} 2.5e+06
 """
 INSTANCES = {
-    "main_decode/1": dict(running=1, waiting=0, used_blocks=30, free_blocks=70, num_blocks=100, held=1, draining=True),
+    "main_decode/3f2a9c1b7d4e": dict(running=1, waiting=0, used_blocks=30, free_blocks=70, num_blocks=100, held=1, draining=True),
     "prefill/0": dict(running=2, waiting=1, used_blocks=5, free_blocks=95, num_blocks=100, held=2, draining=False),
     "main_decode/0": dict(running=3, waiting=0, used_blocks=50, free_blocks=50, num_blocks=100, held=3, draining=False),
     "relay/0": dict(running=1, waiting=0, used_blocks=20, free_blocks=80, num_blocks=100, held=1, draining=False),
@@ -91,12 +91,12 @@ def test_view_of_two_scrapes() -> None:
 def test_instances_by_datacenter_then_role() -> None:
     rows = instance_rows(INSTANCES)
     assert [(r.dc, r.role, r.instance) for r in rows] == [
-        ("dc-a", "prefill", "0"), ("dc-a", "relay", "0"), ("dc-b", "main_decode", "0"), ("dc-b", "main_decode", "1")]  # fmt: skip
+        ("dc-a", "prefill", "0"), ("dc-a", "relay", "0"), ("dc-b", "main_decode", "0"), ("dc-b", "main_decode", "3f2a9c1b7d4e")]  # fmt: skip
     assert rows[-1].draining and rows[-1].used_blocks == 30
 
 
 def test_one_frame_shows_every_instance_and_the_rates() -> None:
-    console = Console(record=True, width=100)
+    console = Console(record=True, width=80)
     console.print(render(build_view(*_scrapes()), "http://router:8000"))
     text = console.export_text()
     for key in INSTANCES:
