@@ -522,10 +522,9 @@ class RouterCore:
             metrics.TTFT.labels(pipeline=stream.decision.pipeline.value).observe(stream.first_token_at - stream.created)
         if merged.finished:
             stream.finish()
-        if merged.tokens or merged.finished:
-            self._observe_latency(stream, len(merged.tokens))
         if not (merged.tokens or merged.finished):
             return None
+        self._observe_latency(stream, len(merged.tokens))
         return Delta(merged.tokens, merged.finished, stream.merger.finish_reason if merged.finished else None)
 
     def _observe_latency(self, stream: RequestStream, delivered: int) -> None:
