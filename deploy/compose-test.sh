@@ -7,7 +7,8 @@
 #   (own socket, data/exec roots and pidfile; no iptables, no default bridge) and stops it at
 #   the end; its data root persists, so image layers are cached between runs;
 # - builds pdd:latest (deploy/build-image.sh); Jaeger runs when its image is here or can be
-#   pulled, else the services keep only the local span store (the router's /v1/traces).
+#   pulled, else the services keep only the local span store (the router's /v1/traces); the
+#   profile `monitoring` (Prometheus, Grafana) likewise runs only when both images are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,13 +60,26 @@ fi
 
 PYTHON=$PY deploy/build-image.sh
 
-if docker image inspect jaegertracing/all-in-one:1.62.0 >/dev/null 2>&1 \
-    || docker pull -q jaegertracing/all-in-one:1.62.0 >/dev/null 2>&1; then
-    export COMPOSE_PROFILES=jaeger
+available() {  # every image given is here, or can be pulled now
+    local image
+    for image in "$@"; do
+        docker image inspect "$image" >/dev/null 2>&1 || docker pull -q "$image" >/dev/null 2>&1 || return 1
+    done
+}
+profiles=()
+if available jaegertracing/all-in-one:1.62.0; then
+    profiles+=(jaeger)
 else
     echo "Jaeger image unavailable: spans go to the local span store only (volume pdd-traces, /v1/traces/{id})"
-    export COMPOSE_PROFILES= PDD_OTLP_ENDPOINT=
+    export PDD_OTLP_ENDPOINT=
 fi
+if available prom/prometheus:v2.55.1 grafana/grafana:11.3.0; then
+    profiles+=(monitoring)
+else
+    echo "Prometheus or Grafana image unavailable: profile monitoring off (no dashboards; /metrics still answer)"
+fi
+COMPOSE_PROFILES=$(IFS=,; echo "${profiles[*]}")
+export COMPOSE_PROFILES
 
 "$PY" deploy/compose_check.py --compose "$COMPOSE"
 echo "compose test passed in $(( $(date +%s) - started )) s"

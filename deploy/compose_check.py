@@ -6,7 +6,8 @@ step of `make compose-test`, deploy/compose-test.sh):
    main decode and router come up healthy; then /health, completions equal to `pdd up`'s,
    a streamed chat equal to `pdd up`'s, the `x-pdd-pipeline` header of both pipelines, one
    request's spans from both datacenters (/v1/traces/{id}), the router's /metrics;
-3. `--scale main_decode=2`: the second MD joins and both serve requests, still exact;
+3. `--scale main_decode=2`: the second MD joins and both serve requests, still exact; with the
+   profile `monitoring` on, Prometheus scrapes every replica and Grafana serves the dashboard;
 4. `docker compose down -v`: no container, network or volume of the project is left.
 
 Every wait is bounded. On a failure the containers' last log lines are printed.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,10 @@ sys.path.insert(0, str(ROOT))
 from shared.system import start_system  # noqa: E402
 
 PROJECT = "pdd"  # compose.yaml's `name`
-URL = "http://127.0.0.1:8000"  # the one published port
+URL = "http://127.0.0.1:8000"  # the router's published port
+PROMETHEUS = "http://127.0.0.1:9090"  # profile `monitoring`
+GRAFANA = "http://127.0.0.1:3000"
+DASHBOARD_UID = "pdd-overview"  # deploy/grafana/dashboards/pdd.json
 PRESET = "tiny"  # compose's default PDD_MODEL_PRESET
 UP_TIMEOUT_S = 300
 HTTP_TIMEOUT_S = 120
@@ -187,6 +192,31 @@ def check_scaled(compose: Compose, want: dict[str, Any]) -> None:
     check(len(served) == 2, f"both main decoders served, tokens equal to `pdd up`'s: {served}")
 
 
+def check_monitoring() -> None:
+    """Profile `monitoring`: Prometheus scrapes every replica (both MDs after the scale-up, found
+    through Docker's DNS), Grafana shows the provisioned dashboard and queries Prometheus."""
+    replicas = {"prefill": 1, "relay": 1, "main_decode": 2, "router": 1}
+
+    def targets_up() -> bool:
+        active = httpx.get(f"{PROMETHEUS}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+        up = [t["labels"]["job"] for t in active if t["health"] == "up"]
+        return all(up.count(job) == n for job, n in replicas.items())
+
+    wait_for("Prometheus scraping every replica", targets_up, 90)
+    check(True, f"Prometheus: every replica scraped {replicas}")
+    board = httpx.get(f"{GRAFANA}/api/dashboards/uid/{DASHBOARD_UID}", timeout=10)  # anonymous viewer
+    check(board.status_code == 200 and bool(board.json()["dashboard"]["panels"]), "Grafana: the pdd dashboard")
+
+    def grafana_query() -> bool:
+        query = {"refId": "A", "datasource": {"type": "prometheus", "uid": "pdd-prometheus"},
+                 "expr": "sum(pdd_requests_total)", "instant": True, "range": False}  # fmt: skip
+        r = httpx.post(f"{GRAFANA}/api/ds/query", json={"queries": [query], "from": "now-5m", "to": "now"}, timeout=10)
+        return r.status_code == 200 and bool(r.json()["results"]["A"].get("frames"))
+
+    wait_for("Grafana querying Prometheus", grafana_query, 60)
+    check(True, "Grafana: its datasource answers a dashboard query")
+
+
 def leftovers() -> list[str]:
     """The project's containers, networks and volumes still on the engine."""
     label = f"label=com.docker.compose.project={PROJECT}"
@@ -209,6 +239,8 @@ def main() -> int:
         compose.up()
         check_single(want)
         check_scaled(compose, want)
+        if "monitoring" in os.environ.get("COMPOSE_PROFILES", "").split(","):
+            check_monitoring()
     except (CheckFailed, subprocess.TimeoutExpired) as e:
         failed = e
         print(compose("logs", "--no-color", "--tail", "40", check=False), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, trace."""
+"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, trace, top."""
 
 from __future__ import annotations
 
@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dir", type=Path, default=None, help="span store (default: $PDD_TRACE_DIR or .pdd/traces)"
     )
     trace.add_argument("--json", action="store_true", help="print JSON instead of the waterfall")
+
+    top = sub.add_parser("top", help="live view of a running system, from its router's /v1/instances and /metrics")
+    top.add_argument("--url", default=None, help="the router (default: the first router of `pdd up`, "
+                     f"http://127.0.0.1:{UpOptions().router_port})")  # fmt: skip
+    top.add_argument("--api-key", default=None, help="when the router requires one (`pdd up --api-key`)")
+    top.add_argument("--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes; default: 1")
+    top.add_argument("--window", type=float, default=5.0, help="rates over the last N seconds; default: 5")
     return parser
 
 
@@ -184,12 +192,22 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from shared.launch import router_urls
+    from shared.top import run_top
+
+    url = args.url or router_urls(UpOptions())[0]
+    return run_top(url.rstrip("/"), args.api_key, once=args.once, interval_s=args.interval, window_s=args.window)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pdd %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     if args.command == "up":
         return cmd_up(args)
+    if args.command == "top":
+        return cmd_top(args)
     if args.command == "certs":
         return cmd_certs(args)
     if args.command == "serve":

@@ -384,9 +384,14 @@ def _role_settings(name: str, instance: int, opts: UpOptions, h: Hosts) -> dict[
     }
 
 
+def datacenter(service: str) -> str:
+    """Where a role runs: main decode in dc-b, everything else in dc-a."""
+    return DC_B if service == "main_decode" else DC_A
+
+
 def service_spec(name: str, instance: int, opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
     h = hosts or Hosts.local(opts.host)
-    dc = DC_B if name == "main_decode" else DC_A
+    dc = datacenter(name)
     env = _service_env(name, instance, opts, h, dc)
     env.update({ENV_PREFIX[name] + k.upper(): v for k, v in _role_settings(name, instance, opts, h).items()})
     argv = [sys.executable, "-m", f"services.{name}"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from shared.system import RunningSystem
+from shared.top import Samples, parse_metrics
 
-Samples = dict[tuple[str, frozenset], float]
 Entries = dict[tuple[str, str], float]
 # Maps keyed by instance, not by request: they stay filled while the system is up.
 # Maps keyed by instance (bounded by the fleet, pruned when one leaves) or with a TTL: not per request.
@@ -20,13 +19,7 @@ PER_INSTANCE = frozenset({
 })  # fmt: skip
 
 
-def parse_samples(text: str) -> Samples:
-    """{(sample name, its labels): value} of every sample in the text."""
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+parse_samples = parse_metrics  # {(sample name, its labels): value} of every sample in the text
 
 
 def scrape(url: str, headers: dict[str, str] | None = None) -> Samples:

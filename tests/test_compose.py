@@ -29,6 +29,7 @@ from shared.bus.nats_server import nats_server_binary
 from shared.launch import (
     COMPOSE_HOSTS,
     COMPOSE_WORKDIR,
+    ENV_PREFIX,
     SERVICES,
     UpOptions,
     certs_spec,
@@ -38,6 +39,7 @@ from shared.launch import (
 
 ROOT = Path(__file__).resolve().parents[1]
 OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}
+MONITORING = ("prometheus", "grafana")  # the profile `monitoring`
 
 
 def _defaults(value: Any) -> Any:
@@ -62,7 +64,7 @@ def specs() -> dict[str, Any]:
 
 
 def test_services_present(compose: dict[str, Any]) -> None:
-    expected = {"certs", "nats-a", "nats-b", "wan", *SERVICES, "jaeger"}
+    expected = {"certs", "nats-a", "nats-b", "wan", *SERVICES, "jaeger", *MONITORING}
     assert set(compose["services"]) == expected
 
 
@@ -126,6 +128,8 @@ def test_depends_on(compose: dict[str, Any], specs: dict[str, Any]) -> None:
         )
         assert deps[nats_host.group(1)]["condition"] == "service_healthy"
         assert "jaeger" not in deps  # optional (a profile): spans also go to the local store
+        assert not set(MONITORING) & set(deps)  # optional too: it watches, nothing waits for it
+    assert services["grafana"]["depends_on"] == ["prometheus"]
     assert {
         k for k, v in services["router"]["depends_on"].items() if v["condition"] == "service_healthy"
     } >= {
@@ -141,13 +145,71 @@ def test_ports_and_jaeger(compose: dict[str, Any]) -> None:
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
     # Only the API and the trace UI reach the host; everything else talks on the compose network.
     router = UpOptions().router_port
-    assert published == {"router": [f"{router}:{router}"], "jaeger": ["16686:16686"]}
+    assert published == {"router": [f"{router}:{router}"], "jaeger": ["16686:16686"],
+                         "prometheus": ["127.0.0.1:9090:9090"], "grafana": ["127.0.0.1:3000:3000"]}  # fmt: skip
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
     assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
     # On by default (compose reads .env next to the file); off where its image is unavailable.
     assert jaeger["profiles"] == ["jaeger"]
-    assert "COMPOSE_PROFILES=jaeger" in (ROOT / ".env").read_text().splitlines()
+    assert "COMPOSE_PROFILES=jaeger,monitoring" in (ROOT / ".env").read_text().splitlines()
+
+
+def _bind_mounts(svc: dict[str, Any]) -> dict[str, Path]:
+    """container path -> the repository path a `./...` bind mount takes it from"""
+    mounts = [m.split(":") for m in svc.get("volumes", []) if m.startswith("./")]
+    return {m[1]: ROOT / m[0] for m in mounts}
+
+
+def test_monitoring_profile(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["image"].startswith("prom/prometheus:") and grafana["image"].startswith("grafana/grafana:")
+    assert prometheus["profiles"] == grafana["profiles"] == ["monitoring"]  # on through .env
+    assert all(path.exists() for svc in (prometheus, grafana) for path in _bind_mounts(svc).values())
+    assert _bind_mounts(prometheus)["/etc/prometheus/prometheus.yml"] == ROOT / "deploy/prometheus/prometheus.yml"
+    env = grafana["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and env["GF_AUTH_BASIC_ENABLED"] == "false"  # no admin/admin
+    # provisioning: the datasource points at the prometheus service, the dashboards folder is mounted
+    grafana_mounts = _bind_mounts(grafana)
+    provisioning = grafana_mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((provisioning / "dashboards/pdd.yml").read_text())["providers"]
+    dashboards = grafana_mounts[provider["options"]["path"]]
+    assert (dashboards / "pdd.json").exists()
+    assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{provider['options']['path']}/pdd.json"
+    dashboard = json.loads((dashboards / "pdd.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {source["uid"]}
+    # what `make compose-test` asks of them (deploy/compose_check.py, profile on)
+    checker = (ROOT / "deploy/compose_check.py").read_text()
+    assert f'DASHBOARD_UID = "{dashboard["uid"]}"' in checker and f'"uid": "{source["uid"]}"' in checker
+    assert 'PROMETHEUS = "http://127.0.0.1:9090"' in checker and 'GRAFANA = "http://127.0.0.1:3000"' in checker
+
+
+def test_prometheus_scrapes_every_replica_of_every_service(compose: dict[str, Any], specs: dict[str, Any]) -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == set(SERVICES)
+    for name in SERVICES:
+        env = specs[name].env
+        port = int(env.get(f"{ENV_PREFIX[name]}METRICS_PORT") or env["PDD_ROUTER_PORT"])  # the router: its HTTP port
+        # Docker's DNS gives one A record per replica of the compose service (`--scale`)
+        assert jobs[name]["dns_sd_configs"] == [{"names": [name], "type": "A", "port": port, "refresh_interval": "5s"}]
+        assert name in compose["services"] and jobs[name].get("metrics_path", "/metrics") == "/metrics"
+        assert env.get(f"{ENV_PREFIX[name]}METRICS_HOST", "0.0.0.0") == "0.0.0.0"  # reachable from prometheus
+        assert jobs[name]["honor_labels"] is True  # pdd_kv_blocks_used's `instance` is pdd's
+
+
+def test_compose_test_knows_every_profile_image(compose: dict[str, Any]) -> None:
+    # deploy/compose-test.sh turns a profile off when its images are neither here nor pullable.
+    script = (ROOT / "deploy/compose-test.sh").read_text()
+    checked = {image for line in script.splitlines() if "if available " in line
+               for image in line.split("if available ")[1].split(";")[0].split()}  # fmt: skip
+    profiled = {svc["image"] for svc in compose["services"].values() if svc.get("profiles")}
+    assert checked == profiled
 
 
 def test_every_service_writes_the_shared_span_store(compose: dict[str, Any], specs: dict[str, Any]) -> None:
@@ -381,7 +443,8 @@ def test_docker_compose_accepts_the_files(files: list[str]) -> None:
 
 
 def test_jaeger_runs_by_default_and_can_be_left_out() -> None:
-    assert "jaeger" in _compose_config("config", "--services").split()
+    assert {"jaeger", *MONITORING} <= set(_compose_config("config", "--services").split())
+    assert not set(MONITORING) & set(_compose_config("config", "--services", env={"COMPOSE_PROFILES": "jaeger"}).split())
     assert "jaeger" not in _compose_config("config", "--services", env={"COMPOSE_PROFILES": ""}).split()
     # with Jaeger left out, the services export no OTLP (the span store keeps the traces)
     config = yaml.safe_load(_compose_config("config", env={"COMPOSE_PROFILES": "", "PDD_OTLP_ENDPOINT": ""}))

@@ -1,8 +1,10 @@
-"""One P→RLD→MD request is one trace across both datacenters; metrics after traffic."""
+"""One P→RLD→MD request is one trace across both datacenters; metrics after traffic; the
+Grafana dashboard's queries name what the system exports; `pdd top` against it."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +14,8 @@ import httpx
 import pytest
 
 from shared.system import RunningSystem, start_system
-from tests.prometheus_samples import moved, scrape
+from tests.prometheus_samples import Samples, moved, scrape
+from tests.promql import Selector, dashboard_exprs, selectors
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,53 @@ def test_metrics_after_traffic(system):
     assert moved(before_md, after_md, "pdd_output_tokens_total", role="main_decode") == summary["md_tokens"] == 11
     inst = httpx.get(f"{system.router_url}/v1/instances", timeout=10).json()
     assert set(inst) == {"prefill/0", "relay/0", "main_decode/0"}
+
+
+TARGET_LABELS = frozenset({"job"})  # Prometheus adds them at scrape time: not in /metrics
+
+
+def _unexported(scrapes: list[Samples], wanted: list[Selector]) -> list[Selector]:
+    """The selectors no scraped sample matches (by name, and each label="value" matcher)."""
+    have = {(name, frozenset(labels)) for samples in scrapes for name, labels in samples}
+
+    def found(s: Selector) -> bool:
+        equal = {(k, v) for k, v in s.equal.items() if k not in TARGET_LABELS}
+        return any(name == s.name and equal <= labels for name, labels in have)
+
+    return [s for s in wanted if not found(s)]
+
+
+def test_dashboard_queries_name_what_the_system_exports(system):
+    # Both pipelines with a handoff, and the anomalous-traffic filter (the relay ends the request
+    # before MD has the KV: the WAN transfer is aborted), so the labelled series exist.
+    _, summary = _stream(system, {"prompt": "dashboards for two datacenters", "max_tokens": 12,
+                                  "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}})
+    assert summary["pipeline"] == "p-md"
+    prompt = [(i * 13 + 7) % 250 for i in range(300)]
+    _, summary = _stream(system, {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                                  "pdd": {"pipeline": "p-rld-md"}})
+    assert summary["pipeline"] == "p-rld-md" and summary["handoff_mode"], summary
+    with system.shaped("bulk", bandwidth_mbps=1.0):
+        _, summary = _stream(system, {"prompt": prompt[:200] + [1] * 400, "max_tokens": 3, "temperature": 0,
+                                      "ignore_eos": True, "pdd": {"pipeline": "p-rld-md"}})
+    assert summary["pipeline"] == "rld-only", summary
+
+    wanted = [s for _, expr in dashboard_exprs() for s in selectors(expr)]
+    deadline = time.monotonic() + 20  # counters of other processes land a moment after the response
+    while True:
+        missing = _unexported([scrape(url) for url in system.metrics_urls().values()], wanted)
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing, f"dashboard queries name series no service exports: {missing}"
+
+
+def test_pdd_top_once_shows_every_instance_and_the_request_rate(system):
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "top", "--url", system.router_url, "--once", "--interval", "0.5"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    instances = system.instances()
+    assert instances and all(key in out.stdout for key in instances), out.stdout
+    assert re.search(r"^requests/s  p-md \d+\.\d\d  p-rld-md \d+\.\d\d .* total \d+\.\d\d$", out.stdout, re.M), out.stdout

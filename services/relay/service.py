@@ -82,6 +82,7 @@ class RelayJob:
     handed: int = 0  # output tokens already sent to MD
     seq: int = 0  # next handoff batch number (= catch-up rounds done, before the final one)
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
+    handoff_at: float | None = None  # when MD's kv_ready started the handoff
     created: float = field(default_factory=time.monotonic)
     timers: list[asyncio.Task] = field(default_factory=list)
     span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
@@ -216,6 +217,7 @@ class RelayService(EngineService):
             self.life.spawn(self._start_handoff(job))
 
     async def _start_handoff(self, job: RelayJob) -> None:
+        job.handoff_at = time.monotonic()
         tokens = await self.engine_loop.call(self._snapshot, job.rid, False)
         if tokens is None:
             return  # finished in the meantime: the output path handles it
@@ -258,6 +260,8 @@ class RelayService(EngineService):
         job.state.to(RelayState.HANDED)
         mode = job.mode or HandoffMode.ONE_SHOT
         await self._publish_batch(job, HandoffBatch(job.rid, job.seq, job.handed, tokens[job.handed :], True, mode))
+        if job.handoff_at is not None:
+            metrics.HANDOFF_SECONDS.labels(mode=mode.value).observe(time.monotonic() - job.handoff_at)
         report = RelayReport(handed_over=True, rld_tokens=max(len(tokens) - 1, 0), handoff_mode=mode,
                              handoff_batches=job.seq + 1)  # fmt: skip
         await self.send_tokens(TokenEvent(job.rid, self.role, len(tokens), [], relay=report))

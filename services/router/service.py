@@ -44,6 +44,7 @@ from shared.liveness import HEARTBEAT_S, ConnectionWatch
 from shared.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.token_latency import token_latency
 from shared.telemetry.tracing import get_tracer
 
 from .assignments import Assignments
@@ -130,6 +131,7 @@ class RouterCore:
             # The instance failed the request (a lost peer, a cut transfer): continue elsewhere.
             self.life.spawn(self._migrate(stream, f"{ev.source.value} failed it: {ev.error}", "error"))
             return
+        _count_reports(stream, ev)
         stream.observe(ev)
         stream.queue.put_nowait(ev)
 
@@ -522,7 +524,19 @@ class RouterCore:
             stream.finish()
         if not (merged.tokens or merged.finished):
             return None
+        self._observe_latency(stream, len(merged.tokens))
         return Delta(merged.tokens, merged.finished, stream.merger.finish_reason if merged.finished else None)
+
+    def _observe_latency(self, stream: RequestStream, delivered: int) -> None:
+        """Time to the 2nd token and TPOT, as the client sees them (after the merge)."""
+        after = stream.merger.next_index
+        lat = token_latency(stream.created, stream.first_token_at, time.monotonic(), after - delivered, after,
+                            stream.done)  # fmt: skip
+        pipeline = stream.decision.pipeline.value
+        if lat.second_token_s is not None:
+            metrics.SECOND_TOKEN.labels(pipeline=pipeline).observe(lat.second_token_s)
+        if lat.tpot_s is not None:
+            metrics.TPOT.labels(pipeline=pipeline).observe(lat.tpot_s)
 
     def _close(self, stream: RequestStream) -> None:
         """The stream ended (finished, failed or abandoned): record it and free it everywhere."""
@@ -580,3 +594,15 @@ def md_refusal(prep: PrepareReply) -> APIError:
     if prep.busy:
         return APIError(f"main decode is busy ({prep.error}): try again later", 503)
     return APIError(f"main decode refused the request: {prep.error}", 400, "invalid_request_error")
+
+
+def _count_reports(stream: RequestStream, ev: TokenEvent) -> None:
+    """The router's own count of the reports instances send with a request's last tokens
+    (each once: a redelivered one equals what the stream holds already)."""
+    if ev.decode is not None and ev.decode != stream.decode:
+        metrics.ROUTER_WAN_BYTES.labels(md=ev.decode.md_instance).inc(ev.decode.wan_bytes)
+        metrics.ROUTER_OUTPUT_TOKENS.labels(role=Role.MAIN_DECODE.value).inc(ev.decode.md_tokens)
+    if ev.relay is not None and ev.relay != stream.relay:
+        metrics.ROUTER_OUTPUT_TOKENS.labels(role=Role.RELAY.value).inc(ev.relay.rld_tokens)
+        if ev.relay.handed_over and ev.relay.handoff_mode is not None:
+            metrics.ROUTER_HANDOFFS.labels(mode=ev.relay.handoff_mode.value).inc()

@@ -36,13 +36,30 @@ HIT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97
 REQUESTS = Counter("pdd_requests", "Finished requests by pipeline and outcome", ["pipeline", "outcome"])
 TTFT = Histogram("pdd_ttft_seconds", "Time to first token", ["pipeline"], buckets=TTFT_BUCKETS)
 ITL = Histogram("pdd_itl_seconds", "Inter-token latency", ["pipeline"], buckets=ITL_BUCKETS)
+# P→MD's wait for the KV shows in the 2nd token, not in TTFT (P samples the first token itself).
+SECOND_TOKEN = Histogram(
+    "pdd_second_token_seconds", "Time to the second output token", ["pipeline"], buckets=TTFT_BUCKETS
+)
+TPOT = Histogram(
+    "pdd_tpot_seconds", "Time per output token after the first, per request", ["pipeline"], buckets=ITL_BUCKETS
+)
 KV_BYTES = Counter("pdd_kv_bytes", "KV bytes sent, by path", ["path"])
 HANDOFF_BATCHES = Counter("pdd_handoff_batches", "RLD->MD handoff batches by mode", ["mode"])
+HANDOFF_SECONDS = Histogram(  # relay: from MD's kv_ready to the final batch sent
+    "pdd_handoff_seconds", "RLD->MD handoff duration by mode", ["mode"], buckets=ITL_BUCKETS
+)
 PREFIX_HIT_RATE = Histogram(
     "pdd_prefix_hit_rate", "Fraction of prompt tokens MD already holds", buckets=HIT_RATE_BUCKETS
 )
 RELAY_RUNNING = Gauge("pdd_relay_running", "Requests running on the relay decoder")
 WAN_BANDWIDTH = Gauge("pdd_wan_bandwidth_bytes_per_second", "Router's live WAN bandwidth estimate", ["peer"])
+# The router's own count of what instances report with a request's last tokens, so that its
+# /metrics alone (`pdd top`, compose publishes nothing else) shows the WAN per MD link, the RLD
+# share and the handoffs. pdd_kv_bytes / pdd_output_tokens / pdd_handoff_batches are the
+# instances' own, counted as they happen.
+ROUTER_WAN_BYTES = Counter("pdd_router_wan_bytes", "KV bytes each MD received over the WAN (reported)", ["md"])
+ROUTER_OUTPUT_TOKENS = Counter("pdd_router_output_tokens", "Output tokens by producing role (reported)", ["role"])
+ROUTER_HANDOFFS = Counter("pdd_router_handoffs", "Completed RLD->MD handoffs by mode (reported)", ["mode"])
 KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks in use", ["service", "instance"])
 # Beyond the brief: the RLD/MD token split (paper: RLD 6.2%, MD 93.8%) and aborted WAN transfers.
 OUTPUT_TOKENS = Counter("pdd_output_tokens", "Output tokens by producing role", ["role"])
@@ -90,11 +107,12 @@ def abort_reason(reason: str) -> str:
 
 
 def forget_peer(peer: str) -> None:
-    """Drop a peer's per-peer series (the link estimator no longer knows it)."""
-    try:
-        WAN_BANDWIDTH.remove(peer)
-    except KeyError:
-        pass  # never labelled, or already forgotten
+    """Drop a peer's per-peer series (the link estimator no longer knows it, or the MD left)."""
+    for family in (WAN_BANDWIDTH, ROUTER_WAN_BYTES):
+        try:
+            family.remove(peer)
+        except KeyError:
+            pass  # never labelled, or already forgotten
 
 
 def forget_peers_except(labelled: set[str], known: Iterable[str]) -> None:
