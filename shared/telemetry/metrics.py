@@ -61,7 +61,7 @@ ROUTER_WAN_BYTES = Counter("pdd_router_wan_bytes", "KV bytes each MD received ov
 ROUTER_OUTPUT_TOKENS = Counter("pdd_router_output_tokens", "Output tokens by producing role (reported)", ["role"])
 ROUTER_HANDOFFS = Counter("pdd_router_handoffs", "Completed RLD->MD handoffs by mode (reported)", ["mode"])
 KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks in use", ["service", "instance"])
-# Beyond the brief: the RLD/MD token split (paper: RLD 6.2%, MD 93.8%) and aborted WAN transfers.
+# The RLD/MD token split (paper: RLD 6.2%, MD 93.8%) and aborted WAN transfers.
 OUTPUT_TOKENS = Counter("pdd_output_tokens", "Output tokens by producing role", ["role"])
 UNKNOWN_REQUEST_MESSAGES = Counter(
     "pdd_unknown_request_messages", "Messages naming a request id this instance does not hold (dropped)", ["service"]
