@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.engine.logprobs import MAX_LOGPROBS
+
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_INT32 = 2**31 - 1  # bound for counts that travel on the wire (msgpack has no big ints)
@@ -60,7 +62,8 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None  # top alternatives per token, with the chosen token's logprob
+    # Top alternatives per token, with the chosen token's logprob.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt before the output (with its logprobs, if asked)
 
     @field_validator("prompt")
@@ -81,4 +84,4 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None  # alternatives per token (needs logprobs: true)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (needs logprobs: true)
