@@ -69,14 +69,19 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, ctx)
-        # Apart from the last rows, so a request's sampling logits never depend on another's
-        # asking for every row (the same rows go through the same head call either way).
-        every = {
-            j: self.model.compute_logits(hidden[last_row[j] - batch[j].num_new + 1 : last_row[j] + 1]).float()
-            for j in range(len(batch))
-            if every_row and every_row[j]
-        }
+        every = self._every_row_logits(hidden, batch, last_row, every_row or [])
         rows = [last_row[j] for j in range(len(batch)) if want_logits[j]]
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), every
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float(), every
+
+    def _every_row_logits(
+        self, hidden: torch.Tensor, batch: list[ScheduledSeq], last_row: dict[int, int], every_row: list[bool]
+    ) -> dict[int, torch.Tensor]:
+        """Apart from the last rows, so a request's sampling logits never depend on another's
+        asking for every row (the same rows go through the same head call either way)."""
+        return {
+            j: self.model.compute_logits(hidden[last_row[j] - batch[j].num_new + 1 : last_row[j] + 1]).float()
+            for j, wanted in enumerate(every_row)
+            if wanted
+        }
