@@ -364,3 +364,20 @@ def assert_same_logprobs(got: dict, expected: dict, first_output: int) -> None:
         ):
             bad.append((i - first_output, pairs[0]))
     assert not bad, f"logprobs differ at output positions (negative: prompt) {bad[:5]} ({len(bad)} in all)"
+
+
+def test_openai_client_chat_stream_logprobs(system):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key="none", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True,
+        logprobs=True, top_logprobs=3, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    entries = [e for c in chunks[:-1] for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert len(entries) == 6
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0] <= 0
+        assert e.bytes == list(e.token.encode())
