@@ -54,6 +54,7 @@ def test_the_requested_counts_reach_the_sampling_params(chat, body, counts):
     (True, {"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
     (True, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
     (True, {"logprobs": 3}, "logprobs"),
+    (True, {"logprobs": 1}, "logprobs"),  # (1 == True, yet not a boolean)
     (True, {"echo": True}, "echo"),  # a completions field
     (False, {"top_logprobs": 3}, "top_logprobs"),  # a chat field
     (False, {"logprobs": 2, "n": 2}, "n"),

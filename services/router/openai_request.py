@@ -81,7 +81,7 @@ def _logprob_count(payload: dict, name: str) -> None:
 def check_logprob_options(payload: dict, chat: bool) -> None:
     """Logprob and stream options: a 400 naming the field for what is out of range."""
     if chat:
-        if payload.get("logprobs") not in (None, True, False):
+        if not isinstance(payload.get("logprobs"), bool | None):
             raise _bad(f"'logprobs' must be a boolean, got {payload['logprobs']!r}", param="logprobs")
         _logprob_count(payload, "top_logprobs")
         if payload.get("top_logprobs") and not payload.get("logprobs"):
