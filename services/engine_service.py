@@ -303,6 +303,17 @@ class EngineService:
         metrics.UNKNOWN_REQUEST_MESSAGES.labels(service=self.role.value).inc()
 
 
+def token_event(rid: str, source: Role, index: int, outs: list[StepOutput]) -> TokenEvent:
+    """The tokens of one step's outputs for the router, with their logprobs when asked for."""
+    sampled = [o for o in outs if o.token_id is not None]
+    lps = [o.logprobs for o in sampled]
+    prompt_lps = next((o.prompt_logprobs for o in sampled if o.prompt_logprobs is not None), None)
+    return TokenEvent(
+        rid, source, index, [o.token_id for o in sampled],  # type: ignore[misc]
+        logprobs=lps if sampled and None not in lps else None, prompt_logprobs=prompt_lps,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 def outcome_of(reason: FinishReason | None) -> Outcome:
     """The wire outcome of an engine's finish reason."""
     if reason is FinishReason.STOP:

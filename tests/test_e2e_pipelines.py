@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import time
 
 import httpx
@@ -271,3 +272,112 @@ def test_bulk_link_dropped_mid_transfer_is_resent_unseen_by_the_client(system, r
     assert r.json()["pdd"]["pipeline"] == "p-md"
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, **params)
     assert f"kv transfer of {r.headers['x-request-id']}" in system.log("prefill")  # the drop hit it
+
+
+def ref_logprobs(engine: LLMEngine, prompt: list[int], **params) -> tuple[list[int], list, list]:
+    """The single-process engine's tokens, their logprobs and the prompt's (when asked)."""
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(**params))
+    toks, lps, prompt_lps = [], [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.rid == rid and o.token_id is not None:
+                toks.append(o.token_id)
+                lps.append(o.logprobs)
+                prompt_lps = o.prompt_logprobs or prompt_lps
+    return toks, lps, prompt_lps
+
+
+def openai_completion(client, prompt: list[int], pipeline: str, *, catchup: int, **kw) -> tuple[dict, dict]:
+    """(choice, pdd summary) through the openai client, streamed or not."""
+    extra = {"ignore_eos": True, "pdd": {"pipeline": pipeline, "catchup_threshold": catchup}}
+    if not kw.get("stream"):
+        r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=extra, **kw)
+        return r.choices[0].model_dump(), r.model_extra["pdd"]
+    choice: dict = {"text": "", "token_ids": [], "logprobs": {k: [] for k in LEGACY_LOGPROB_KEYS}}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=extra, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == kw["max_tokens"]  # include_usage
+    for chunk in chunks[:-1]:
+        (c,) = chunk.choices
+        choice["text"] += c.text
+        choice["token_ids"] += c.model_extra["token_ids"]
+        for k in LEGACY_LOGPROB_KEYS:
+            choice["logprobs"][k] += getattr(c.logprobs, k) if c.logprobs else []
+    return choice, chunks[-2].model_extra["pdd"]
+
+
+LEGACY_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+MODEL = describe_model(ModelSettings(preset=PRESET)).model_id
+
+
+@pytest.mark.parametrize("salt, pipeline, expect, catchup, bandwidth, kw", [
+    (60, "p-md", "p-md", 10_000, 1000.0, dict(max_tokens=16, logprobs=5, echo=True)),
+    # The relay decodes while the prompt's KV crosses (200 tokens ≈ 3.3 MB: ≈ 0.3 s at 80 Mbit/s)
+    # and must not finish first: it decodes well under 120 tokens in that time.
+    (61, "p-rld-md", "p-rld-md", 10_000, SLOW_MBPS, dict(max_tokens=120, logprobs=3)),  # one-shot
+    (62, "p-rld-md", "p-rld-md", 1, SLOW_MBPS, dict(max_tokens=120, logprobs=2, echo=True)),  # catch-up
+    (63, "p-rld-md", "rld-only", 10_000, SLOW_MBPS / 3, dict(max_tokens=5, logprobs=4, stream=True,
+                                                           stream_options={"include_usage": True})),
+])  # fmt: skip
+def test_openai_client_logprobs_match_single_engine(system, reference, salt, pipeline, expect, catchup, bandwidth, kw):
+    import openai
+
+    from services.router.logprobs_format import LogprobsFormatter, prompt_entries
+
+    client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key="none", max_retries=0, timeout=60)
+    prompt = prompt_of(200, salt=salt)
+    with system.shaped("bulk", bandwidth_mbps=bandwidth):
+        choice, pdd = openai_completion(client, prompt, pipeline, catchup=catchup, **kw)
+    assert pdd["pipeline"] == expect
+    if expect == "p-rld-md":
+        assert pdd["handoff_mode"] == ("catch-up" if catchup == 1 else "one-shot") and pdd["rld_tokens"] > 0
+    echo, top = kw.get("echo", False), kw["logprobs"]
+    toks, lps, prompt_lps = ref_logprobs(reference, prompt, max_tokens=kw["max_tokens"], ignore_eos=True,
+                                         logprobs=top, prompt_logprobs=top if echo else None)  # fmt: skip
+    assert choice["token_ids"] == toks
+    tokenizer = describe_model(ModelSettings(preset=PRESET)).tokenizer
+    ids, entries = (prompt + toks, prompt_entries(len(prompt), prompt_lps) + lps) if echo else (toks, lps)
+    expected = LogprobsFormatter(tokenizer, chat=False)(ids, entries)
+    assert_same_logprobs(choice["logprobs"], expected, first_output=len(prompt) if echo else 0)
+    assert choice["text"] == (tokenizer.decode(prompt) if echo else "") + tokenizer.decode(toks)
+
+
+
+# Logprobs agree to this, not bit for bit: an instance that takes a request over recomputes the
+# prompt's last partial block and the tokens handed to it as one multi-token pass, where the
+# single engine computed them as part of the whole prompt and as one-token steps; CPU fp32 GEMM
+# is not batch-invariant (the same row differs in its last bits with the number of rows), so
+# values of magnitude ~20 move by up to ~10 fp32 ulps. Tokens, prompt logprobs and the first
+# token's are exact.
+LOGPROB_TOL = dict(rel_tol=0.0, abs_tol=1e-4)
+
+
+def assert_same_logprobs(got: dict, expected: dict, first_output: int) -> None:
+    """Same tokens and offsets; logprobs within LOGPROB_TOL (else where and by how much)."""
+    assert (got["tokens"], got["text_offset"]) == (expected["tokens"], expected["text_offset"])
+    bad = []
+    for i, (g, e) in enumerate(zip(got["token_logprobs"], expected["token_logprobs"], strict=True)):
+        g_top, e_top = got["top_logprobs"][i] or {}, expected["top_logprobs"][i] or {}
+        pairs = [(g, e)] + [(g_top.get(k), v) for k, v in e_top.items()]
+        if g_top.keys() != e_top.keys() or not all(
+            a == b or (a is not None and b is not None and math.isclose(a, b, **LOGPROB_TOL)) for a, b in pairs
+        ):
+            bad.append((i - first_output, pairs[0]))
+    assert not bad, f"logprobs differ at output positions (negative: prompt) {bad[:5]} ({len(bad)} in all)"
+
+
+def test_openai_client_chat_stream_logprobs(system):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key="none", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True,
+        logprobs=True, top_logprobs=3, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    entries = [e for c in chunks[:-1] for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert len(entries) == 6
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0] <= 0
+        assert e.bytes == list(e.token.encode())

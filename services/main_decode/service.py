@@ -43,7 +43,7 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from ..engine_service import EngineService, outcome_of
+from ..engine_service import EngineService, outcome_of, token_event
 from .kv_admission import KVAdmissionQueue, KVBusy
 
 log = logging.getLogger(__name__)
@@ -283,14 +283,13 @@ class MainDecodeService(EngineService):
         if any(o.computed for o in outs):  # a catch-up batch is in: ask for the next one
             ack = HandoffAck(job.rid, job.next_seq - 1)
             await publish(self.nc, subjects.req(job.rid, Req.HANDOFF_ACK), ack)
-        toks = [o.token_id for o in outs if o.token_id is not None]
-        last = outs[-1]
-        if not toks and not last.finished:
-            return
-        job.md_tokens += len(toks)
-        metrics.OUTPUT_TOKENS.labels(role=self.role.value).inc(len(toks))
         first = next((o.index for o in outs if o.index is not None), job.next_index)
-        event = TokenEvent(job.rid, self.role, first, toks)
+        event = token_event(job.rid, self.role, first, outs)
+        last = outs[-1]
+        if not event.tokens and not last.finished:
+            return
+        job.md_tokens += len(event.tokens)
+        metrics.OUTPUT_TOKENS.labels(role=self.role.value).inc(len(event.tokens))
         if last.finished:
             event.outcome = outcome_of(last.finish_reason)
             event.error = last.error

@@ -45,7 +45,7 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import traceparent
 
-from ..engine_service import EngineService, outcome_of
+from ..engine_service import EngineService, outcome_of, token_event
 from .exporter import BlockExport, BlockExporter
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,9 @@ class PrefillService(EngineService):
         if starts_draining and job.state.is_in(PrefillState.DRAINING):
             await self._on_draining(job)
 
-    async def _first_token(self, job: PrefillJob, token: int) -> None:
+    async def _first_token(self, job: PrefillJob, out: StepOutput) -> None:
+        token = out.token_id
+        assert token is not None
         job.first_token = token
         if job.compute_span:
             job.compute_span.end()
@@ -188,11 +190,13 @@ class PrefillService(EngineService):
             return  # dropped meanwhile (abort, failed transfer)
         if reason is not None:
             # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
-            await self.send_tokens(TokenEvent(job.rid, self.role, 0, [token], outcome=outcome_of(reason)))
+            event = token_event(job.rid, self.role, 0, [out])
+            event.outcome = outcome_of(reason)
+            await self.send_tokens(event)
             await self.send_abort(job.rid, AbortReason.FINISHED_AT_PREFILL)
             await self._drop(job, AbortReason.FINISHED_AT_PREFILL)
             return
-        await self.send_tokens(TokenEvent(job.rid, self.role, 0, [token]))
+        await self.send_tokens(token_event(job.rid, self.role, 0, [out]))
         if job.local_queue is not None:
             job.local_queue.put_nowait(_END)  # the relay's stream ends with the first token
         if job.state.is_in(PrefillState.PREFILLING):
@@ -220,7 +224,7 @@ class PrefillService(EngineService):
             if job is None:
                 continue
             if out.token_id is not None:
-                await self._first_token(job, out.token_id)
+                await self._first_token(job, out)
             elif out.finished:  # error or abort inside the engine
                 await self._fail(job, out.error or "prefill failed")
 

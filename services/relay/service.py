@@ -45,7 +45,7 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from ..engine_service import EngineService, outcome_of
+from ..engine_service import EngineService, outcome_of, token_event
 from .handoff_policy import catchup_is_final, choose_handoff_mode
 
 log = logging.getLogger(__name__)
@@ -185,13 +185,12 @@ class RelayService(EngineService):
     async def request_outputs(self, job: RelayJob, outs: list[StepOutput]) -> None:
         if job.produced == 0:
             await self.unpin(job.rid)  # the sequence holds its blocks now
-        toks = [o.token_id for o in outs if o.token_id is not None]
+        event = token_event(job.rid, self.role, outs[0].index if outs[0].index is not None else 0, outs)
         last = outs[-1]
-        job.produced += len(toks)
-        metrics.OUTPUT_TOKENS.labels(role=self.role.value).inc(len(toks))
-        event = TokenEvent(job.rid, self.role, outs[0].index if outs[0].index is not None else 0, toks)
+        job.produced += len(event.tokens)
+        metrics.OUTPUT_TOKENS.labels(role=self.role.value).inc(len(event.tokens))
         if not last.finished:
-            if toks:
+            if event.tokens:
                 await self.send_tokens(event)
             return
         event.outcome = outcome_of(last.finish_reason)

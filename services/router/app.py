@@ -27,7 +27,7 @@ from .http_settings import HttpSettings
 from .openai_request import describe, parse_request
 from .openapi import completion_docs, install_openapi
 from .response_schemas import ChatCompletionResponse, CompletionResponse
-from .responses import SSEResponse, complete
+from .responses import SSEResponse, complete, output_options
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .service import RouterCore
 
@@ -160,9 +160,10 @@ async def _serve(request: Request, chat: bool) -> Response:
         if stream.traceparent:
             headers["traceparent"] = stream.traceparent
         detok = Detokenizer(tokenizer, parsed.params.stop)
+        opts = output_options(parsed, tokenizer)
         if parsed.body.stream:
-            return SSEResponse(core, stream, detok, chat, headers)  # it releases the stream
-        return await complete(request, core, stream, detok, chat, headers)  # so does complete
+            return SSEResponse(core, stream, detok, opts, headers)  # it releases the stream
+        return await complete(request, core, stream, detok, opts, headers)  # so does complete
     except BaseException:
         core.release(stream)  # failed before either took the stream over
         raise

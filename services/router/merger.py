@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.engine.logprobs import TokenLogprobs
+
 
 @dataclass
 class MergeResult:
     tokens: list[int] = field(default_factory=list)  # newly released, in index order
     finished: bool = False
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # with tokens (None: not carried)
 
 
 class TokenMerger:
@@ -22,7 +25,7 @@ class TokenMerger:
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._pending: dict[int, int] = {}
+        self._pending: dict[int, tuple[int, TokenLogprobs | None]] = {}  # index -> token, its logprobs
         self.next_index = 0  # first index not yet released
         self.released: list[int] = []  # every token released so far, in order
         self.end_index: int | None = None  # one past the last token, once known
@@ -30,8 +33,10 @@ class TokenMerger:
         self.duplicates = 0
 
     def add(
-        self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None
-    ) -> MergeResult:
+        self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> MergeResult:  # fmt: skip
+        """`logprobs[i]` (if given) goes with tokens[i], and is released with it."""
         for i, tok in enumerate(tokens[: max(0, self.max_tokens - index)]):
             idx = index + i
             if idx < self.next_index or idx in self._pending:
@@ -39,7 +44,7 @@ class TokenMerger:
                 continue
             if self.end_index is not None and idx >= self.end_index:
                 continue  # past a finish already seen: a late producer's extra token
-            self._pending[idx] = tok
+            self._pending[idx] = (tok, logprobs[i] if logprobs and i < len(logprobs) else None)
         if finished:
             end = min(index + len(tokens), self.max_tokens)
             if self.end_index is None or end < self.end_index:
@@ -49,7 +54,9 @@ class TokenMerger:
                     del self._pending[idx]
         out = MergeResult()
         while self.next_index in self._pending:
-            out.tokens.append(self._pending.pop(self.next_index))
+            tok, lp = self._pending.pop(self.next_index)
+            out.tokens.append(tok)
+            out.logprobs.append(lp)
             self.next_index += 1
         self.released.extend(out.tokens)
         out.finished = self.end_index is not None and self.next_index >= self.end_index

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from shared.engine import SamplingParams
+from shared.engine.logprobs import MAX_LOGPROBS
 from shared.model.chat_template import ChatTemplateError
 
 from .errors import APIError
@@ -18,9 +19,6 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 # OpenAI fields this server does not implement, and the values that ask for nothing
 # (the same as leaving the field out). Anything else is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "best_of": (None, 1),
     "n": (None, 1),
     "logit_bias": (None, {}),
@@ -73,11 +71,38 @@ def _bad(message: str, param: str | None = None, status: int = 400, code: str | 
     return APIError(message, status, "invalid_request_error", param=param, code=code)
 
 
-def reject_unsupported(payload: dict) -> None:
-    for name, neutral in UNSUPPORTED.items():
+# Fields of the other endpoint's logprob options, and their neutral values.
+OTHER_ENDPOINT: dict[bool, dict[str, tuple[Any, ...]]] = {
+    False: {"top_logprobs": (None, 0)},  # completions: `logprobs` is the count
+    True: {"echo": (None, False)},  # chat
+}
+
+
+def reject_unsupported(payload: dict, chat: bool = False) -> None:
+    for name, neutral in (UNSUPPORTED | OTHER_ENDPOINT[chat]).items():
         value = payload.get(name)
         if value is True or value not in neutral:  # (True == 1, yet asks for something)
             raise _bad(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def _logprob_count(payload: dict, name: str) -> None:
+    n = payload.get(name)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+        raise _bad(f"'{name}' must be an integer from 0 to {MAX_LOGPROBS}, got {n!r}", param=name)
+
+
+def check_logprob_options(payload: dict, chat: bool) -> None:
+    """Logprob and stream options: a 400 naming the field for what is out of range."""
+    if chat:
+        if not isinstance(payload.get("logprobs"), bool | None):
+            raise _bad(f"'logprobs' must be a boolean, got {payload['logprobs']!r}", param="logprobs")
+        _logprob_count(payload, "top_logprobs")
+        if payload.get("top_logprobs") and not payload.get("logprobs"):
+            raise _bad("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:
+        _logprob_count(payload, "logprobs")
+    if payload.get("stream_options") is not None and not payload.get("stream"):
+        raise _bad("'stream_options' is only allowed with 'stream': true", param="stream_options")
 
 
 def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
@@ -87,7 +112,8 @@ def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequ
         raise _bad(f"request body is not valid JSON: {e}") from None
     if not isinstance(payload, dict):
         raise _bad("request body must be a JSON object")
-    reject_unsupported(payload)
+    reject_unsupported(payload, chat)
+    check_logprob_options(payload, chat)
     try:
         return (ChatCompletionRequest if chat else CompletionRequest).model_validate(payload)
     except ValidationError as e:
@@ -128,4 +154,12 @@ def parse_request(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
         stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos,
     )  # fmt: skip
+    params.logprobs, params.prompt_logprobs = logprob_counts(body)
     return ParsedRequest(body, prompt_ids, params)
+
+
+def logprob_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """(top alternatives per generated token, per prompt token); None: not asked."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None, None
+    return body.logprobs, body.logprobs if body.echo else None

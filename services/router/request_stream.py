@@ -16,6 +16,7 @@ from opentelemetry.trace import Span, format_trace_id
 
 from shared.bus.messages import DecodeReport, Pipeline, RelayReport, Role, TokenEvent
 from shared.engine import SamplingParams
+from shared.engine.logprobs import TokenLogprobs
 from shared.state_machine import StateMachine, table_of
 
 from .merger import TokenMerger
@@ -53,6 +54,7 @@ class Delta:
     tokens: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # with tokens, when asked for
 
 
 @dataclass
@@ -82,6 +84,7 @@ class RequestStream:
     last_token_at: float | None = None  # when this attempt last produced a token (None: none yet)
     attempt: int = 0  # 0: the first dispatch; n: the n-th migration
     gap_since: float | None = None  # tokens after a missing one arrived at this time
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with output 0, when asked for (echo)
 
     # ---- transitions -----------------------------------------------------------------
     def dispatched(self, prefill: str) -> None:

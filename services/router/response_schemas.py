@@ -46,12 +46,21 @@ class PddSummary(_Strict):
     instances: PddInstances
 
 
+class CompletionLogprobs(_Strict):
+    """The legacy completions format: one entry per token (with echo, the prompt's first)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None]  # the top alternatives and the chosen token
+    text_offset: list[int]
+
+
 class CompletionChoice(_Strict):
     index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
-    logprobs: None
+    logprobs: CompletionLogprobs | None
 
 
 class CompletionResponse(_Strict):
@@ -69,11 +78,25 @@ class AssistantMessage(_Strict):
     content: str
 
 
+class TopLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Strict):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(_Strict):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class ChatCompletionResponse(_Strict):

@@ -8,17 +8,47 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.telemetry import metrics
 
 from .detokenizer import Detokenizer
 from .errors import APIError
-from .request_stream import RequestStream
+from .logprobs_format import LogprobsFormatter, prompt_entries
+from .openai_request import ParsedRequest
+from .request_stream import Delta, RequestStream
+from .schemas import ChatCompletionRequest
 from .service import RouterCore
+
+Logprobs = list[TokenLogprobs | None]
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the client asked to get back beyond the text."""
+
+    chat: bool
+    logprobs: bool = False
+    echo: str | None = None  # completions with echo: the prompt's text, put before the output
+    include_usage: bool = False  # streams: a last chunk with `choices: []` and the usage
+
+
+def output_options(parsed: ParsedRequest, tokenizer) -> OutputOptions:
+    body, chat = parsed.body, isinstance(parsed.body, ChatCompletionRequest)
+    echo = None
+    if not isinstance(body, ChatCompletionRequest) and body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(parsed.prompt_ids)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return OutputOptions(chat, parsed.params.logprobs is not None, echo, include_usage)
+
+
+def echo_logprobs(stream: RequestStream) -> Logprobs:
+    return prompt_entries(len(stream.prompt_ids), stream.prompt_logprobs)
 
 
 def count(stream: RequestStream, outcome: str) -> None:
@@ -34,12 +64,13 @@ def usage(stream: RequestStream, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
-async def _collect(core: RouterCore, stream: RequestStream, detok: Detokenizer) -> str | None:
-    """Every token of the request into `detok`; the finish reason."""
+async def _collect(core: RouterCore, stream: RequestStream, detok: Detokenizer, lps: Logprobs) -> str | None:
+    """Every token of the request into `detok` (their logprobs into `lps`); the finish reason."""
     reason = None
     async with aclosing(core.deltas(stream)) as deltas:
         async for delta in deltas:
             detok.add(delta.tokens)
+            lps += delta.logprobs
             if detok.stopped:
                 return "stop"
             if delta.finished:
@@ -61,9 +92,10 @@ async def _until_done_or_gone(request: Request, task: asyncio.Task) -> bool:
 
 
 async def complete(
-    request: Request, core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool, headers: dict
+    request: Request, core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions, headers: dict
 ) -> Response:
-    task = asyncio.create_task(_collect(core, stream, detok))
+    lps: Logprobs = []
+    task = asyncio.create_task(_collect(core, stream, detok, lps))
     try:
         if not await _until_done_or_gone(request, task):
             return Response(status_code=499)
@@ -79,51 +111,76 @@ async def complete(
     detok.flush()
     count(stream, "ok")
     headers["x-pdd-pipeline"] = stream.pipeline.value
-    choice: dict = {"index": 0, "finish_reason": openai_reason(finish_reason), "logprobs": None}
-    if chat:
+    choice: dict = {"index": 0, "finish_reason": openai_reason(finish_reason),
+                    "logprobs": _body_logprobs(stream, detok, lps, opts)}  # fmt: skip
+    if opts.chat:
         choice["message"] = {"role": "assistant", "content": detok.emitted}
     else:
-        choice["text"] = detok.emitted
+        choice["text"] = (opts.echo or "") + detok.emitted
         choice["token_ids"] = detok.tokens
     body = {
-        "id": stream.rid, "object": "chat.completion" if chat else "text_completion",
+        "id": stream.rid, "object": "chat.completion" if opts.chat else "text_completion",
         "created": int(time.time()), "model": core.model_id, "choices": [choice],
         "usage": usage(stream, len(detok.tokens)), "pdd": stream.summary(),
     }  # fmt: skip
     return JSONResponse(body, headers=headers)
 
 
+def _body_logprobs(stream: RequestStream, detok: Detokenizer, lps: Logprobs, opts: OutputOptions) -> dict | None:
+    if not opts.logprobs:
+        return None
+    fmt = LogprobsFormatter(detok.tokenizer, opts.chat)
+    if opts.echo is None:
+        return fmt(detok.tokens, lps)
+    return fmt(stream.prompt_ids + detok.tokens, echo_logprobs(stream) + lps)
+
+
 class SSEChunks:
     """Formats one stream's SSE chunks (completion or chat)."""
 
-    def __init__(self, stream: RequestStream, chat: bool, model: str):
-        self.stream, self.chat, self.model = stream, chat, model
+    def __init__(self, stream: RequestStream, opts: OutputOptions, model: str, tokenizer):
+        self.stream, self.chat, self.model = stream, opts.chat, model
         self.created = int(time.time())
-        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.object = "chat.completion.chunk" if opts.chat else "text_completion"
+        self.logprobs = LogprobsFormatter(tokenizer, opts.chat) if opts.logprobs else None
 
-    def _data(self, choice: dict, extra: dict | None = None) -> bytes:
+    def _data(self, choices: list[dict], extra: dict | None = None) -> bytes:
         data = {"id": self.stream.rid, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], **(extra or {})}  # fmt: skip
+                "choices": choices, **(extra or {})}  # fmt: skip
         return f"data: {json.dumps(data)}\n\n".encode()
 
     def role(self) -> bytes:
-        return self._data({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
+        return self._data([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
 
-    def tokens(self, text: str, tokens: list[int], reason: str | None = None, extra: dict | None = None) -> bytes:
-        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+    def tokens(
+        self, text: str, tokens: list[int], lps: Logprobs | None = None, reason: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:  # fmt: skip
+        """A chunk of new text and the tokens (with their logprobs, when asked for) behind it."""
+        logprobs = self.logprobs(tokens, lps or [None] * len(tokens)) if self.logprobs and tokens else None
+        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = {"content": text} if text or reason is None else {}
         else:
             choice["text"], choice["token_ids"] = text, tokens
-        return self._data(choice, extra)
+        return self._data([choice], extra)
+
+    def echo(self, text: str) -> bytes:
+        """Completions with echo: the prompt's text (and its tokens' logprobs) comes first."""
+        logprobs = self.logprobs(self.stream.prompt_ids, echo_logprobs(self.stream)) if self.logprobs else None
+        return self._data([{"index": 0, "finish_reason": None, "logprobs": logprobs, "text": text, "token_ids": []}])
+
+    def usage(self, usage: dict) -> bytes:
+        """stream_options.include_usage: OpenAI's last chunk, no choices."""
+        return self._data([], {"usage": usage})
 
 
 class SSEResponse(StreamingResponse):
     """The SSE response of one stream, which it releases however the response ends: also when
     the client left before the body was ever iterated (then deltas() never ran)."""
 
-    def __init__(self, core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool, headers: dict):
-        super().__init__(sse(core, stream, detok, chat), media_type="text/event-stream", headers=headers)
+    def __init__(self, core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions, headers: dict):
+        super().__init__(sse(core, stream, detok, opts), media_type="text/event-stream", headers=headers)
         self.core, self.stream = core, stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -134,31 +191,34 @@ class SSEResponse(StreamingResponse):
             self.core.release(self.stream)  # ...an unstarted one is freed here
 
 
-async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, chat: bool) -> AsyncIterator[bytes]:
-    chunks = SSEChunks(stream, chat, core.model_id)
+async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions) -> AsyncIterator[bytes]:
+    chunks = SSEChunks(stream, opts, core.model_id, detok.tokenizer)
     try:
-        if chat:
+        if opts.chat:
             yield chunks.role()
-        reason = None
+        reason, echo = None, opts.echo
         async with aclosing(_texts(core, stream, detok)) as texts:  # closing this closes deltas()
-            async for text, tokens, finish in texts:
+            async for text, delta, finish in texts:
                 reason = finish
-                if text or tokens:
-                    yield chunks.tokens(text, tokens)
+                if echo is not None:  # with the first tokens: the prompt's logprobs came with them
+                    yield chunks.echo(echo)
+                    echo = None
+                if text or delta.tokens:
+                    yield chunks.tokens(text, delta.tokens, delta.logprobs)
         tail = detok.flush()
         count(stream, "ok")
-        extra = {"pdd": stream.summary(), "usage": usage(stream, len(detok.tokens))}
-        yield chunks.tokens(tail, [], openai_reason(reason), extra)
+        done_usage = usage(stream, len(detok.tokens))
+        yield chunks.tokens(tail, [], None, openai_reason(reason), {"pdd": stream.summary(), "usage": done_usage})
+        if opts.include_usage:
+            yield chunks.usage(done_usage)
     except APIError as e:
         count(stream, "error")
         yield f"data: {json.dumps(e.body())}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
-async def _texts(
-    core: RouterCore, stream: RequestStream, detok: Detokenizer
-) -> AsyncIterator[tuple[str, list[int], str | None]]:
-    """(new text, new tokens, finish reason so far) per delta; stops at a stop string."""
+async def _texts(core: RouterCore, stream: RequestStream, detok: Detokenizer) -> AsyncIterator[tuple[str, Delta, str | None]]:
+    """(new text, the delta, finish reason so far) per delta; stops at a stop string."""
     last = time.monotonic()
     async with aclosing(core.deltas(stream)) as deltas:
         async for delta in deltas:
@@ -168,6 +228,6 @@ async def _texts(
             last = now
             text = detok.add(delta.tokens)
             if detok.stopped:
-                yield text, delta.tokens, "stop"
+                yield text, delta, "stop"
                 return
-            yield text, delta.tokens, delta.finish_reason if delta.finished else None
+            yield text, delta, delta.finish_reason if delta.finished else None

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.engine.logprobs import MAX_LOGPROBS
+
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_INT32 = 2**31 - 1  # bound for counts that travel on the wire (msgpack has no big ints)
@@ -21,6 +23,12 @@ class PddOptions(BaseModel):
     catchup_threshold: int | None = Field(default=None, ge=1, le=MAX_INT32)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False  # a last chunk with `choices: []` and the usage
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -34,6 +42,7 @@ class _Sampling(BaseModel):
     )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
     pdd: PddOptions | None = None
@@ -53,6 +62,9 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
+    # Top alternatives per token, with the chosen token's logprob.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt before the output (with its logprobs, if asked)
 
     @field_validator("prompt")
     @classmethod
@@ -88,3 +100,5 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (needs logprobs: true)

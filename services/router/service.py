@@ -516,7 +516,11 @@ class RouterCore:
     def _merge(self, stream: RequestStream, ev: TokenEvent) -> Delta | None:
         if ev.rid != stream.attempt_rid:
             return None  # queued before the request moved: the new attempt resends what counts
-        merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None)
+        merged = stream.merger.add(
+            ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None, ev.logprobs
+        )
+        if ev.prompt_logprobs is not None and stream.prompt_logprobs is None:
+            stream.prompt_logprobs = ev.prompt_logprobs
         if merged.tokens and stream.first_token_at is None:
             stream.first_token_at = time.monotonic()
             metrics.TTFT.labels(pipeline=stream.decision.pipeline.value).observe(stream.first_token_at - stream.created)
@@ -525,7 +529,8 @@ class RouterCore:
         if not (merged.tokens or merged.finished):
             return None
         self._observe_latency(stream, len(merged.tokens))
-        return Delta(merged.tokens, merged.finished, stream.merger.finish_reason if merged.finished else None)
+        reason = stream.merger.finish_reason if merged.finished else None
+        return Delta(merged.tokens, merged.finished, reason, merged.logprobs)
 
     def _observe_latency(self, stream: RequestStream, delivered: int) -> None:
         """Time to the 2nd token and TPOT, as the client sees them (after the merge)."""

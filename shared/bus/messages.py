@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from shared.bus.codec import Message
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -166,7 +167,9 @@ class DecodeReport(Message):
 class TokenEvent(Message):
     """P / RLD / MD → router: tokens[i] has output index `index + i`.
 
-    `outcome` set means no token follows the last one carried here.
+    `outcome` set means no token follows the last one carried here. `logprobs[i]` goes with
+    tokens[i] when the request asked for logprobs (else None: nothing extra on the wire);
+    `prompt_logprobs` (prompt tokens 1.., the first has none) comes with output index 0.
     """
 
     rid: str
@@ -177,6 +180,8 @@ class TokenEvent(Message):
     error: str | None = None
     relay: RelayReport | None = None
     decode: DecodeReport | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

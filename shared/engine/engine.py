@@ -19,6 +19,7 @@ from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
 from shared.engine.intake import RequestIntake
 from shared.engine.kv_memory import available_bytes, kv_pool_bytes
+from shared.engine.logprobs import logprobs_of, sampled_logprobs
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import EngineStats, FinishReason, StepOutput
 from shared.engine.sampler import Sampler
@@ -152,11 +153,14 @@ class LLMEngine:
     def _forward(self, batch: list[ScheduledSeq]) -> list[StepOutput]:
         """One forward over the batch; sequences with all their KV computed sample (or hold)."""
         want = [b.seq.num_computed_tokens + b.num_new == b.seq.num_tokens for b in batch]
+        every = [b.seq.prompt_logprobs is not None for b in batch]
         try:
-            logits = self.runner.run(batch, want)
+            logits, chunk_logits = self.runner.run(batch, want, every)
         except Exception as e:  # a failed forward ends its requests, never the engine
             log.exception("forward failed")
             return [self._fail(b.seq, f"forward failed: {type(e).__name__}: {e}") for b in batch]
+        for j, rows in chunk_logits.items():
+            self._collect_prompt_logprobs(batch[j], rows)
         for b in batch:
             self.scheduler.commit(b)
         done = [b.seq for b, w in zip(batch, want, strict=True) if w]  # one logits row each
@@ -171,17 +175,26 @@ class LLMEngine:
             outputs += self._sample([done[i] for i in rows], logits[rows])
         return outputs
 
+    def _collect_prompt_logprobs(self, item: ScheduledSeq, rows: torch.Tensor) -> None:
+        """Row i of this step's logits (position c + i) gives the logprobs of prompt token c + i + 1."""
+        seq, c = item.seq, item.seq.num_computed_tokens
+        m = min(item.num_new, seq.num_prompt_tokens - 1 - c)
+        if m > 0 and seq.prompt_logprobs is not None:
+            targets = seq.token_ids[c + 1 : c + 1 + m]
+            seq.prompt_logprobs += logprobs_of(rows[:m], targets, seq.params.prompt_logprobs or 0)
+
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         positions = [s.num_tokens for s in seqs]
         tokens = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
+        lps = sampled_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
         outputs = []
-        for seq, tok in zip(seqs, tokens, strict=True):
+        for seq, tok, lp in zip(seqs, tokens, lps, strict=True):
             seq.token_ids.append(tok)
             reason = FinishReason.PREFILLED if seq.mode is Mode.PREFILL else self._finish_reason(seq)
             index = seq.num_generated - 1
-            outputs.append(
-                StepOutput(rid=seq.rid, token_id=tok, index=index, finished=reason is not None, finish_reason=reason)
-            )
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # they go with output 0
+            outputs.append(StepOutput(rid=seq.rid, token_id=tok, index=index, finished=reason is not None,
+                                      finish_reason=reason, logprobs=lp, prompt_logprobs=prompt_lps))  # fmt: skip
             if reason is FinishReason.PREFILLED:
                 self.scheduler.park_prefilled(seq)
             elif reason is not None:

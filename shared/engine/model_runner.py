@@ -22,9 +22,12 @@ class ModelRunner:
         self.device = kv_cache.device
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], want_logits: list[bool]) -> torch.Tensor:
+    def run(
+        self, batch: list[ScheduledSeq], want_logits: list[bool], every_row: list[bool] | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Compute KV for every scheduled token; return fp32 logits of the last token of
-        each sequence with want_logits set, in batch order ([N, vocab])."""
+        each sequence with want_logits set, in batch order ([N, vocab]), and for each batch
+        index with every_row set the fp32 logits of all its tokens of this step ([num_new, vocab])."""
         bs = self.block_size
         order = sorted(range(len(batch)), key=lambda j: batch[j].num_new > 1)  # decodes first, stable
         ids: list[int] = []
@@ -66,7 +69,19 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, ctx)
+        every = self._every_row_logits(hidden, batch, last_row, every_row or [])
         rows = [last_row[j] for j in range(len(batch)) if want_logits[j]]
         if not rows:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+            return torch.empty(0, self.model.config.vocab_size, device=self.device), every
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float(), every
+
+    def _every_row_logits(
+        self, hidden: torch.Tensor, batch: list[ScheduledSeq], last_row: dict[int, int], every_row: list[bool]
+    ) -> dict[int, torch.Tensor]:
+        """Apart from the last rows, so a request's sampling logits never depend on another's
+        asking for every row (the same rows go through the same head call either way)."""
+        return {
+            j: self.model.compute_logits(hidden[last_row[j] - batch[j].num_new + 1 : last_row[j] + 1]).float()
+            for j, wanted in enumerate(every_row)
+            if wanted
+        }

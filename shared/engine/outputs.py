@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from shared.engine.logprobs import TokenLogprobs
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # an EOS id or a stop string
@@ -23,6 +25,9 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     computed: bool = False  # a HOLD sequence has KV for all its tokens
+    logprobs: TokenLogprobs | None = None  # of token_id, when the request asked
+    # Prompt tokens 1.. (the first has none), with output 0, when the request asked for them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

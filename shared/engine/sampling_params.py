@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from shared.engine.errors import InvalidRequestError
+from shared.engine.logprobs import MAX_LOGPROBS
 
 
 @dataclass
@@ -18,6 +19,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # None: the engine picks one at add_request
     ignore_eos: bool = False
+    # Top alternatives to report with each generated token's logprob (None: no logprobs).
+    logprobs: int | None = None
+    # The same for the prompt's tokens (echo); computed by whichever instance samples output 0.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -58,3 +63,7 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad(f"seed must be an integer or null, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {n!r}")

@@ -115,6 +115,10 @@ class Scheduler:
         # Reuse the longest cached run of full blocks, but always compute >= 1 token:
         # the last token's logits are needed (to sample, or to keep for a held sequence).
         hit = self.pool.lookup(seq.hashes)[: (seq.num_tokens - 1) // bs]
+        if seq.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: the prefix cache
+            # keeps KV, not logits, so this request computes its whole prompt.
+            hit, seq.prompt_logprobs = [], []
         num_cached = len(hit) * bs
         n = min(seq.num_tokens - num_cached, budget)
         new = blocks_for(num_cached + n, bs) - len(hit)

@@ -6,6 +6,7 @@ from enum import Enum, StrEnum, auto
 
 import torch
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.last_logits: torch.Tensor | None = None  # held seqs: logits of the last token
+        # Collected chunk by chunk when the request asked for them and samples output 0 here.
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+        if params.prompt_logprobs is not None and len(token_ids) == num_prompt_tokens:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:
