@@ -449,3 +449,14 @@ def test_jaeger_runs_by_default_and_can_be_left_out() -> None:
     # with Jaeger left out, the services export no OTLP (the span store keeps the traces)
     config = yaml.safe_load(_compose_config("config", env={"COMPOSE_PROFILES": "", "PDD_OTLP_ENDPOINT": ""}))
     assert all(not config["services"][n]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for n in SERVICES)
+
+
+def test_a_stopped_engine_service_may_finish_its_drain(compose: dict[str, Any]) -> None:
+    # `docker compose up --scale main_decode=1` SIGTERMs a replica: it drains for up to
+    # drain_timeout_s; a shorter grace period would SIGKILL it with requests still held.
+    from shared.config import CommonSettings
+
+    drain_s = CommonSettings.model_fields["drain_timeout_s"].default
+    for name in SERVICES:
+        grace = compose["services"][name]["stop_grace_period"]
+        assert grace.endswith("s") and float(grace[:-1]) > drain_s, name
