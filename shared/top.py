@@ -155,11 +155,11 @@ def scrape(client: httpx.Client) -> Scrape:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # not reached
+    return f"{n:.1f} GiB"
 
 
 def _percent(x: float | None) -> str:
