@@ -15,9 +15,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 TORCH=$(sed -n 's/^\s*"\(torch==[^"]*\)".*/\1/p' Dockerfile)  # the Dockerfile's pin, e.g. torch==2.13.0+cpu
 UPSTREAM_BASE=python:3.11-slim
 
-available() {  # an image that is here, or that a pull brings
-    $DOCKER image inspect "$1" >/dev/null 2>&1 || $DOCKER pull -q "$1" >/dev/null 2>&1
-}
+. deploy/images.sh
 
 BASE=${PDD_BASE_IMAGE:-}
 if [ -z "$BASE" ]; then

@@ -60,12 +60,7 @@ fi
 
 PYTHON=$PY deploy/build-image.sh
 
-available() {  # every image given is here, or can be pulled now
-    local image
-    for image in "$@"; do
-        docker image inspect "$image" >/dev/null 2>&1 || docker pull -q "$image" >/dev/null 2>&1 || return 1
-    done
-}
+. deploy/images.sh
 profiles=()
 if available jaegertracing/all-in-one:1.62.0; then
     profiles+=(jaeger)
