@@ -53,13 +53,9 @@ def complete(url: str, prompt: list[int], max_tokens: int = 16, **pdd) -> dict:
 
 def test_two_of_everything_came_up(system: RunningSystem) -> None:
     assert len(system.router_urls) == 2
-    deadline = time.monotonic() + 20
-    while True:
-        roles = Counter(key.split("/")[0] for key in system.instances())
-        if roles == {"prefill": 2, "relay": 2, "main_decode": 2} or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert roles == {"prefill": 2, "relay": 2, "main_decode": 2}
+    want = {"prefill": 2, "relay": 2, "main_decode": 2}
+    wait_for(lambda: Counter(key.split("/")[0] for key in system.instances()) == want, 20)
+    assert Counter(key.split("/")[0] for key in system.instances()) == want
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
