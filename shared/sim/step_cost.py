@@ -1,0 +1,113 @@
+"""Seconds of one engine step, from what the step computes.
+
+A step's cost is an overhead plus the larger of a compute term and a memory term, each
+linear in the step's load (a roofline): a roofline profile derives both from a chip's peak
+FLOP/s and memory bandwidth, a calibrated profile fits one of them to measured steps and
+leaves the other at zero.
+
+A run of pure decode steps (n sequences, each adding one token per step) grows the context
+by n per step, so each term grows linearly with the step index: its total time is exact in
+closed form, which lets the simulator jump over thousands of decode steps in one event.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    tokens: int  # tokens computed: prefill/extend chunk tokens + one per decoding sequence
+    attn: int  # query-key pairs: over the computed tokens, the positions each attends to (itself included)
+    kv_read: int  # KV tokens read: over the step's sequences, the context each already had
+    seqs: int  # sequences in the step
+
+
+def chunk_load(new_tokens: int, context: int) -> StepLoad:
+    """One sequence computing `new_tokens` tokens after `context` cached ones (prefill or extend)."""
+    attn = new_tokens * context + new_tokens * (new_tokens + 1) // 2
+    return StepLoad(tokens=new_tokens, attn=attn, kv_read=context, seqs=1)
+
+
+def decode_load(seqs: int, context_sum: int) -> StepLoad:
+    """`seqs` sequences decoding one token each, their contexts summing to context_sum."""
+    return StepLoad(tokens=seqs, attn=context_sum + seqs, kv_read=context_sum, seqs=seqs)
+
+
+def combine(*loads: StepLoad) -> StepLoad:
+    """The load of one step that batches several sequences' work."""
+    return StepLoad(sum(x.tokens for x in loads), sum(x.attn for x in loads),
+                    sum(x.kv_read for x in loads), sum(x.seqs for x in loads))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Linear:
+    """const + Σ coefficient × load field (seconds)."""
+
+    const: float = 0.0
+    per_token: float = 0.0
+    per_attn: float = 0.0
+    per_kv_read: float = 0.0
+    per_seq: float = 0.0
+
+    def __call__(self, x: StepLoad) -> float:
+        return (self.const + self.per_token * x.tokens + self.per_attn * x.attn
+                + self.per_kv_read * x.kv_read + self.per_seq * x.seqs)  # fmt: skip
+
+    def decode_line(self, seqs: int, context_sum: int) -> tuple[float, float]:
+        """(a, b): this term for decode step i of a run is a + b·i."""
+        a = self(decode_load(seqs, context_sum))
+        b = (self.per_attn + self.per_kv_read) * seqs
+        return a, b
+
+
+def _sum_line(a: float, b: float, i0: int, i1: int) -> float:
+    """Σ_{i0 <= i < i1} (a + b·i)."""
+    n = i1 - i0
+    return n * a + b * n * (i0 + i1 - 1) / 2 if n > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    overhead_s: float
+    compute: Linear
+    memory: Linear
+
+    def step_s(self, load: StepLoad) -> float:
+        return self.overhead_s + max(self.compute(load), self.memory(load))
+
+    def decode_step_s(self, seqs: int, context_sum: int, i: int = 0) -> float:
+        """Step i (from 0) of a decode run starting at context_sum."""
+        return self.step_s(decode_load(seqs, context_sum + i * seqs))
+
+    def decode_run_s(self, seqs: int, context_sum: int, steps: int) -> float:
+        """Exact seconds of `steps` decode steps of `seqs` sequences starting at context_sum."""
+        if steps <= 0 or seqs <= 0:
+            return 0.0
+        ac, bc = self.compute.decode_line(seqs, context_sum)
+        am, bm = self.memory.decode_line(seqs, context_sum)
+        # compute - memory = (ac - am) + (bc - bm)·i changes sign at most once: split there.
+        da, db = ac - am, bc - bm
+        if db == 0:
+            cut, first_is_compute = (0 if da < 0 else steps), True  # compute wins on [0, cut)
+        else:  # the first branch wins for i below the crossing index -da/db
+            cut, first_is_compute = min(max(math.ceil(-da / db), 0), steps), db < 0
+        first, second = ((ac, bc), (am, bm)) if first_is_compute else ((am, bm), (ac, bc))
+        return steps * self.overhead_s + _sum_line(*first, 0, cut) + _sum_line(*second, cut, steps)
+
+    def decode_steps_within(self, seqs: int, context_sum: int, budget_s: float) -> int:
+        """The most decode steps whose run ends within budget_s."""
+        if seqs <= 0 or budget_s <= 0:
+            return 0
+        first = self.decode_step_s(seqs, context_sum)
+        if first <= 0:
+            raise ValueError("a decode step must take time")
+        lo, hi = 0, int(budget_s / first) + 1  # steps never get cheaper, so no more than this
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.decode_run_s(seqs, context_sum, mid) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
