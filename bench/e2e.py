@@ -49,6 +49,7 @@ from bench.client import (
 )
 from bench.progress import Advance, add_quiet_option, progress
 from bench.report import pyplot, save_report
+from shared.sim.agentic import AgenticParams, Step, make_plans, prompt_shape
 
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
 BLOCK = 16
@@ -206,57 +207,18 @@ DEPLOYMENTS = ("same-dc", "naive", "pdd")
 
 
 @dataclass
-class Step:
-    kind: str  # "high" | "low" | "outlier"
-    hit: float  # target prefix hit rate
-    out: int  # output tokens
-    seed: int
-
-
-@dataclass
 class Session:
     ctx: list[int] = field(default_factory=list)  # the conversation so far (prompt + output)
 
 
-def make_plans(a: argparse.Namespace) -> list[list[Step]]:
-    """Per client, the kinds, target hit rates and output lengths of its requests (seeded)."""
-    rng = random.Random(a.seed)
-    plans: list[list[Step]] = [[] for _ in range(a.clients)]
-    for i in range(a.requests):
-        u = rng.random()
-        if u < a.outlier_frac:
-            step = Step("outlier", 0.0, a.outlier_output, rng.getrandbits(32))
-        elif rng.random() < a.high_hit_frac:
-            step = Step("high", rng.uniform(a.high_hit_min, 0.999), rng.randint(a.output_min, a.output_max),
-                        rng.getrandbits(32))
-        else:
-            step = Step("low", rng.uniform(0.0, a.high_hit_min), rng.randint(a.output_min, a.output_max),
-                        rng.getrandbits(32))
-        plans[i % a.clients].append(step)
-    return plans
-
-
 def build_prompt(a: argparse.Namespace, step: Step, sess: Session, shared: list[int]) -> tuple[list[int], bool]:
-    """The prompt of a step given the session so far; True when it starts a new session."""
+    """The prompt of a step given the session so far (the shared plan's shape, as tokens);
+    True when it starts a new session."""
     rng = random.Random(step.seed)
-    room = a.context_max - step.out
-    if step.kind == "outlier":  # a long one-off document with a short answer: not part of the session
-        return random_tokens(rng, min(a.outlier_input, room)), False
-    if sess.ctx:
-        cached = (len(sess.ctx) - 1) // BLOCK * BLOCK  # MD holds the session's full blocks
-        if step.hit > 0:
-            append = max(a.append_min, math.floor(cached / step.hit) - len(sess.ctx))
-            if len(sess.ctx) + append <= room:
-                return sess.ctx + random_tokens(rng, append), False
-    # A new session (a new task): part of the shared system prompt, then fresh tokens. A
-    # high-hit one is the whole system prompt and a short instruction; a low-hit one has a
-    # long fresh part (a document, a code base) and keeps step.hit of the system prompt.
-    if step.kind == "high":
-        fresh = max(a.append_min, math.floor(len(shared) / step.hit) - len(shared))
-        return shared + random_tokens(rng, min(fresh, room - len(shared))), True
-    n = rng.randint(a.new_min, min(a.new_max, room))
-    k = min(len(shared), int(step.hit * n) // BLOCK * BLOCK)
-    return shared[:k] + random_tokens(rng, n - k), True
+    cached = (len(sess.ctx) - 1) // BLOCK * BLOCK if sess.ctx else 0  # MD holds the session's full blocks
+    s = prompt_shape(AgenticParams.from_args(a), step, len(sess.ctx), cached, len(shared), BLOCK, rng)
+    base = {"session": sess.ctx, "shared": shared, "none": []}[s.base][: s.keep]
+    return base + random_tokens(rng, s.fresh), s.new_session
 
 
 @dataclass
@@ -294,7 +256,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
         if d not in DEPLOYMENTS:
             raise SystemExit(f"unknown deployment {d!r}; choose from {', '.join(DEPLOYMENTS)}")
         specs[d] = dict(env=env, **(dict(delay_ms=0, jitter_ms=0, bandwidth_mbps=1000) if d == "same-dc" else wan))
-    plans = make_plans(args)
+    plans = make_plans(AgenticParams.from_args(args))
     shared = random_tokens(random.Random(f"shared-{args.seed}"), args.shared_prefix)
     print(f"agentic: {args.requests} requests per deployment from {args.clients} concurrent agents, waves of "
           f"{args.wave} requests per agent; WAN {args.delay_ms:g} ms one way ±{args.jitter_ms:g} ms, "

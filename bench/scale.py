@@ -40,6 +40,7 @@ from bench.progress import Advance, add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.engine.hashing import block_hashes
 from shared.model.presets import preset_config
+from shared.sim.agentic import AgenticParams
 
 DEPLOYMENTS = {"1x1x1": 1, "2x2x2": 2}
 ROLES = ("prefill", "relay", "main_decode")
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     wan = dict(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
     specs = {d: dict(env=env, model_preset=args.model_preset, prefill=n, relay=n, md=n, routers=n, **wan)
              for d, n in DEPLOYMENTS.items()}
-    plans = make_plans(args)
+    plans = make_plans(AgenticParams.from_args(args))
     shared = random_tokens(random.Random(f"shared-{args.seed}"), args.shared_prefix)
     print(f"scale: {args.requests} requests per deployment from {args.clients} agents, waves of {args.wave}; "
           f"deployments {', '.join(DEPLOYMENTS)}", flush=True)

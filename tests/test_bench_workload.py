@@ -11,6 +11,7 @@ import pytest
 from bench.bandwidth import hit_mix
 from bench.client import Timed
 from bench.e2e import BLOCK, Session, build_prompt, make_plans, parse_args
+from shared.sim.agentic import AgenticParams
 
 
 def simulated_hits(argv: list[str]) -> tuple[list[float], dict[str, int]]:
@@ -18,7 +19,7 @@ def simulated_hits(argv: list[str]) -> tuple[list[float], dict[str, int]]:
     a = parse_args(argv)
     shared = list(range(3, 3 + a.shared_prefix))
     hits, kinds = [], {}
-    for plan in make_plans(a):
+    for plan in make_plans(AgenticParams.from_args(a)):
         sess = Session()
         for step in plan:
             prompt, new = build_prompt(a, step, sess, shared)
@@ -47,7 +48,7 @@ def test_agentic_mix_is_skewed_like_the_paper():
 
 def test_plans_are_deterministic():
     a = parse_args(["--requests", "30"])
-    assert make_plans(a) == make_plans(a)
+    assert make_plans(AgenticParams.from_args(a)) == make_plans(AgenticParams.from_args(a))
 
 
 @pytest.mark.parametrize("mean", [0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99])
