@@ -70,21 +70,22 @@ def test_the_point_is_the_ratio_of_the_statistics_as_measured():
 
 def test_nans_are_dropped_pairwise_when_paired():
     nan = math.nan
-    iv = ratio_interval([2.0, nan, 2.0, 8.0], [1.0, 1.0, nan, 4.0], mean, paired=True)
+    iv = ratio_interval([2.0, nan, 6.0, 8.0], [1.0, 1.0, nan, 4.0], mean, paired=True)
     assert iv == (2.0, 2.0, 2.0)  # pairs 0 and 3 remain, both x2
-    iv = ratio_interval([2.0, nan, 2.0, 8.0], [1.0, 1.0, nan, 4.0], mean)
-    assert iv.point == pytest.approx(4.0 / 2.0)  # each side keeps its 3 numbers: 12/3 over 6/3
+    iv = ratio_interval([2.0, nan, 6.0, 8.0], [1.0, 1.0, nan, 4.0], mean)
+    assert iv.point == pytest.approx(16 / 6)  # each side keeps its 3 numbers: 16/3 over 6/3
+    assert iv.lo < 2.0 < iv.hi
     assert all(math.isnan(v) for v in ratio_interval([nan], [1.0], mean))
     with pytest.raises(ValueError):
         ratio_interval([1.0, 2.0], [1.0], mean, paired=True)
 
 
 def test_records_of_two_columns_give_a_rate():
-    # (requests meeting the SLA, seconds): x meets 3 in 6 s, y meets 2 in 8 s.
+    # (requests meeting the SLA, seconds): x meets 3 in 6 s, y meets 2 in 10 s.
     x = [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0)]
-    y = [(1.0, 4.0), (0.0, 2.0), (1.0, 2.0)]
+    y = [(1.0, 6.0), (0.0, 2.0), (1.0, 2.0)]
     iv = ratio_interval(x, y, ratio_of_sums, paired=True)
-    assert iv.point == pytest.approx((3 / 6) / (2 / 8))
+    assert iv.point == pytest.approx((3 / 6) / (2 / 10))
     assert iv.lo < iv.point < iv.hi
     nan = math.nan
     assert ratio_interval(x + [(nan, 1.0)], y + [(1.0, 1.0)], ratio_of_sums, paired=True) == iv
