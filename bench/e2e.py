@@ -479,7 +479,7 @@ def _goodput_sweep(args, rows: list[dict], busy: dict, deps: list[str]) -> list[
     return out
 
 
-AGENTIC_RATIO_KEYS = tuple(f"{k}_p{q}" for k in ("ttft", "tt2t", "max_gap", "tpot") for q in (50, 99))
+AGENTIC_RATIOS = {f"{k}_p{q}": (k, q) for k in ("ttft", "tt2t", "max_gap", "tpot") for q in (50, 99)}  # name: (row key, q)
 
 
 def _agentic_ratios(args, rows: list[dict], busy: dict, deps: list[str]) -> dict:
@@ -494,8 +494,7 @@ def _agentic_ratios(args, rows: list[dict], busy: dict, deps: list[str]) -> dict
     out = {}
     for x, y in comparisons:
         xs, ys = _pairs(rows, "deployment", x, y, ("client", "step"))
-        out[f"{x}/{y}"] = {k: _ratio(xs, ys, k.rsplit("_p", 1)[0], int(k.rsplit("_p", 1)[1]))
-                           for k in AGENTIC_RATIO_KEYS}
+        out[f"{x}/{y}"] = {name: _ratio(xs, ys, k, q) for name, (k, q) in AGENTIC_RATIOS.items()}
         out[f"{x}/{y}"]["sla_goodput"] = _goodput_ratio(args, xs, ys, busy[x], busy[y])
     return out
 
@@ -678,7 +677,7 @@ def _print_ratios(ratios: dict, metrics: list[tuple[str, str]], design: str) -> 
     w = 26
     print(f"\n  ratios with 90% bootstrap intervals, {design}, n = {n} (n.s.: the interval contains 1)")
     if n < 100:
-        print(f"  (a p99 of {n} is one of the slowest few: its interval understates the uncertainty)")
+        print(f"  (a p99 over {n} is one of the slowest few requests: its interval understates the uncertainty)")
     print("  " + f"{'':16s}" + "".join(f"{c:>{w}s}" for c in ratios))
     for label, key in metrics:
         print("  " + f"{label:16s}" + "".join(f"{_fmt(r[key]):>{w}s}" for r in ratios.values()))

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from bench.e2e import (
-    AGENTIC_RATIO_KEYS,
+    AGENTIC_RATIOS,
     SINGLE_RATIO_KEYS,
     _agentic_ratios,
     _agentic_targets,
@@ -49,12 +49,12 @@ def test_agentic_ratios_carry_intervals_paired_by_step():
     ratios = json.loads(json.dumps(_agentic_ratios(args, rows, busy, list(SLOWER))))
     assert set(ratios) == {"naive/same-dc", "pdd/same-dc", "pdd/naive"}
     for name, rs in ratios.items():
-        assert set(rs) == {*AGENTIC_RATIO_KEYS, "sla_goodput"}
+        assert set(rs) == {*AGENTIC_RATIOS, "sla_goodput"}
         for r in rs.values():
             ratio_is_json(r)
             assert r["n"] == 36
         x, y = name.split("/")
-        for k in AGENTIC_RATIO_KEYS:  # paired, every pair keeps its ratio: zero width
+        for k in AGENTIC_RATIOS:  # paired, every pair keeps its ratio: zero width
             assert rs[k]["lo"] == pytest.approx(SLOWER[x] / SLOWER[y])
             assert rs[k]["hi"] == pytest.approx(SLOWER[x] / SLOWER[y])
     targets = {t["what"]: t for t in _agentic_targets(ratios)}
