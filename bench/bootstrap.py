@@ -20,14 +20,16 @@ Reading an interval: where it contains 1.0 the run does not tell which side is f
 slower; `fmt` marks it "n.s." (not significant at this level).
 
 A goal on a ratio (`verdict`, e.g. "PDD's p99 2nd token at most naive's": ratio <= 1):
-  met     the whole interval meets the goal,
-  likely  the point meets it, the interval does not (the run cannot rule out missing it),
+  met     the whole interval meets the goal, and the samples resolve the statistic,
+  likely  the point meets it, but the interval does not (the run cannot rule out missing it)
+          or the samples do not resolve the statistic,
   MISSED  the point does not meet it.
 
 Limits: a bootstrap only reshuffles what the run saw. A p99 over a few dozen requests is one of
-the few slowest, and resampling cannot show tails the run did not sample: there the interval is
-a lower bound on the uncertainty (for medians and means it is a fair one). With one request (or
-one round) per side the interval has zero width and says nothing.
+the few slowest, and resampling cannot show tails the run did not sample: the interval then
+understates the uncertainty (for medians and means it is a fair one). `resolves` says when a
+percentile has at least MIN_BEYOND samples beyond it (p50: 10 samples, p99: 500); below that a
+goal is "likely" at best. With one sample per side the interval has zero width and says nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 
 LEVEL = 0.90
 RESAMPLES = 2000
+MIN_BEYOND = 5  # samples beyond a percentile for its interval to mean something
 
 # A statistic over axis 1: resamples (B, n) of numbers, or (B, n, k) of k-column records, ->
 # one value per resample (B,).
@@ -110,14 +113,21 @@ def _has_nan(a: np.ndarray) -> np.ndarray:
     return np.isnan(a).reshape(len(a), -1).any(axis=1)
 
 
-def verdict(iv: Interval, goal: float, *, at_most: bool = True) -> str:
-    """"met" / "likely" / "MISSED" for the goal ratio <= goal (at_most) or ratio >= goal."""
+def resolves(q: float, n: int) -> bool:
+    """Whether n samples put MIN_BEYOND of them beyond the q-th percentile (on its far side), so
+    that resampling has a tail to move: a median wants 10 samples, a p99 500."""
+    return n * min(q, 100 - q) / 100 >= MIN_BEYOND
+
+
+def verdict(iv: Interval, goal: float, *, at_most: bool = True, resolved: bool = True) -> str:
+    """"met" / "likely" / "MISSED" for the goal ratio <= goal (at_most) or ratio >= goal;
+    `resolved`: whether the samples resolve the statistic (`resolves`)."""
     def meets(v: float) -> bool:
         return v <= goal if at_most else v >= goal
 
     if not meets(iv.point):
         return "MISSED"
-    return "met" if meets(iv.hi if at_most else iv.lo) else "likely"
+    return "met" if resolved and meets(iv.hi if at_most else iv.lo) else "likely"
 
 
 def fmt(iv: Interval, null: float = 1.0) -> str:

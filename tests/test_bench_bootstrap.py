@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.bootstrap import Interval, fmt, mean, percentile, ratio_interval, ratio_of_sums, verdict
+from bench.bootstrap import Interval, fmt, mean, percentile, ratio_interval, ratio_of_sums, resolves, verdict
 
 
 def test_constant_samples_give_a_zero_width_interval_at_the_point():
@@ -99,6 +99,15 @@ def test_verdict_judges_the_whole_interval():
     assert verdict(Interval(1.1, 0.9, 1.3), 1.0, at_most=False) == "likely"
     assert verdict(Interval(0.9, 0.8, 1.1), 1.0, at_most=False) == "MISSED"
     assert verdict(Interval(1.4, 1.2, 1.6), 1.5) == "likely"
+    assert verdict(Interval(0.6, 0.5, 0.8), 1.0, resolved=False) == "likely"
+    assert verdict(Interval(1.2, 0.9, 1.4), 1.0, resolved=False) == "MISSED"
+
+
+def test_a_percentile_is_resolved_with_five_samples_beyond_it():
+    assert resolves(50, 10) and not resolves(50, 9)
+    assert resolves(99, 500) and not resolves(99, 499)
+    assert resolves(1, 500) and not resolves(1, 499)
+    assert resolves(90, 50) and not resolves(90, 48)
 
 
 def test_format_marks_an_interval_that_contains_one():
