@@ -218,8 +218,8 @@ def _print_single(res: dict) -> None:
     for v, s in res["summary"].items():
         print(f"  {v:18s} {s['ttft']:6.2f}s {s['tt2t']:6.2f}s {s['max_gap']:6.2f}s {s['tpot'] * 1000:4.0f}ms "
               f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}")
-    _print_ratios(res["ratios"], [("TTFT", "ttft"), ("2nd token", "tt2t"), ("max gap", "max_gap"), ("TPOT", "tpot")],
-                  "of medians, resampling rounds (paired by round)")
+    _print_ratios(res["ratios"], [("TTFT", "ttft", 50), ("2nd token", "tt2t", 50), ("max gap", "max_gap", 50),
+                                  ("TPOT", "tpot", 50)], "of medians, resampling rounds (paired by round)")
 
 
 # ====================================================================== agentic
@@ -567,9 +567,9 @@ def _print_agentic(res: dict) -> None:
     print("  " + f"{'pipelines':26s}" + "".join(
         f"{' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items())):>{w + 14}s}" if i == 0 else
         f"  {' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items()))}" for i, d in enumerate(deps)))
-    _print_ratios(res["ratios"], [(f"{label} p{q}", f"{k}_p{q}") for label, k in (
+    _print_ratios(res["ratios"], [(f"{label} p{q}", f"{k}_p{q}", q) for label, k in (
         ("TTFT", "ttft"), ("2nd token", "tt2t"), ("max gap", "max_gap"), ("TPOT", "tpot")) for q in (50, 99)]
-        + [("SLA goodput", "sla_goodput")], "resampling requests (paired by planned step)")
+        + [("SLA goodput", "sla_goodput", 50)], "resampling requests (paired by planned step)")
     _print_by_hit_and_goodput(res)
 
 
@@ -672,17 +672,19 @@ def _ratio_target(what: str, ratio: dict, goal: float, *, q: float = 50, at_most
     return {"what": what, "value": _fmt(ratio), "met": v == "met", "verdict": v}
 
 
-def _print_ratios(ratios: dict, metrics: list[tuple[str, str]], design: str) -> None:
+def _print_ratios(ratios: dict, metrics: list[tuple[str, str, float]], design: str) -> None:
+    """The ratio table; metrics: (label, key, percentile) (a mean counts as the 50th)."""
     if not ratios:
         return
     n = max(r["n"] for rs in ratios.values() for r in rs.values())
     w = 26
     print(f"\n  ratios with 90% bootstrap intervals, {design}, n = {n} (n.s.: the interval contains 1)")
-    if not resolves(99, n):
-        print(f"  (a p99 over {n} is one of the slowest few: its interval understates the uncertainty, and a"
-              f" target on it is 'likely' at best)")
+    short = [label for label, _, q in metrics if not resolves(q, n)]
+    if short:
+        print(f"  (n = {n} does not resolve {', '.join(short)}: those intervals understate the uncertainty, and a"
+              " target on them is 'likely' at best)")
     print("  " + f"{'':16s}" + "".join(f"{c:>{w}s}" for c in ratios))
-    for label, key in metrics:
+    for label, key, _ in metrics:
         print("  " + f"{label:16s}" + "".join(f"{_fmt(r[key]):>{w}s}" for r in ratios.values()))
 
 
