@@ -12,6 +12,12 @@ Scenarios:
            The three systems run at once; the workload runs in waves and each wave runs on
            each deployment in turn (rotating order), so machine noise hits all three alike.
 
+Every ratio (a deployment or variant over another: p50 / p99 of TTFT, 2nd token, max gap, TPOT;
+SLA goodput) is printed and written with its 90% bootstrap interval, "×0.62 [0.51–0.74]", and
+"n.s." where the interval contains 1; targets on a ratio are judged on the interval (met /
+likely / MISSED: bench/bootstrap.py). Requests are paired across deployments by planned step
+(agentic) or by round (single).
+
 In this system P streams the first token itself, straight after prefill, so TTFT never
 includes the KV crossing the WAN; where P→MD waits for the KV shows in the time to the
 2nd token and in the max inter-token gap, which are reported next to TTFT.
@@ -35,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from bench.bootstrap import Interval, fmt, percentile, ratio_interval, ratio_of_sums, resolves, verdict
 from bench.client import (
     WAN_LINKS,
     Timed,
@@ -114,8 +121,9 @@ def run_single(args: argparse.Namespace) -> dict:
     finally:
         system.stop()
     summary = _single_summary(rows, variants)
+    ratios = _single_ratios(rows, variants)
     return {"scenario": "single", "config": _config(args), "kv_bytes": kv_bytes, "nominal_transfer_s": nominal_s,
-            "rows": rows, "summary": summary, "targets": _single_targets(summary, nominal_s)}
+            "rows": rows, "summary": summary, "ratios": ratios, "targets": _single_targets(summary, ratios, nominal_s)}
 
 
 def _single_request(args: argparse.Namespace, system, client: httpx.Client, variant: str, r: int) -> Timed:
@@ -158,7 +166,24 @@ def _single_row(variant: str, r: int, t: Timed) -> dict:
     }
 
 
-def _single_targets(s: dict, nominal_s: float) -> list[dict]:
+SINGLE_RATIO_KEYS = ("ttft", "tt2t", "max_gap", "tpot")
+
+
+def _single_ratios(rows: list[dict], variants: list[str]) -> dict:
+    """Each variant over no-WAN, and each relayed variant over P→MD: ratios of medians over the
+    rounds with 90% bootstrap intervals, paired by round (a round runs its variants back to back,
+    so they share the host's load of that moment)."""
+    comparisons = [(v, "no-wan") for v in variants if v != "no-wan" and "no-wan" in variants]
+    if "p-md" in variants:
+        comparisons += [(v, "p-md") for v in variants if v.startswith("p-rld-md")]
+    out = {}
+    for x, y in comparisons:
+        xs, ys = _pairs(rows, "variant", x, y, "round")
+        out[f"{x}/{y}"] = {k: _ratio(xs, ys, k, 50) for k in SINGLE_RATIO_KEYS}
+    return out
+
+
+def _single_targets(s: dict, ratios: dict, nominal_s: float) -> list[dict]:
     out = []
     base = s.get("no-wan")
     if base is None:
@@ -167,8 +192,7 @@ def _single_targets(s: dict, nominal_s: float) -> list[dict]:
         if not v.startswith("p-rld-md") or v not in s:
             continue
         for k, label in (("ttft", "TTFT"), ("max_gap", "max inter-token gap")):
-            ratio = s[v][k] / base[k]
-            out.append({"what": f"{v} {label} within 1.5x of no-WAN", "value": f"x{ratio:.2f}", "met": ratio <= 1.5})
+            out.append(_ratio_target(f"{v} {label} within 1.5x of no-WAN", ratios[f"{v}/no-wan"][k], 1.5))
         full = s[v]["n_tokens"] >= 1000  # the target is stated for a 1000-token output
         out.append({"what": f"{v} RLD share of output tokens <= 10%" + ("" if full else " (for 1000-token outputs)"),
                     "value": f"{s[v]['rld_share']:.1%} ({s[v]['rld_tokens']:.0f} of {s[v]['n_tokens']:.0f})",
@@ -182,7 +206,7 @@ def _single_targets(s: dict, nominal_s: float) -> list[dict]:
                              f"max gap +{grow_gap:.2f} s vs no-WAN",
                     "met": s["p-md"]["tt2t"] >= 0.9 * nominal_s})
         out.append({"what": "P→MD TTFT (P streams the 1st token itself)",
-                    "value": f"x{s['p-md']['ttft'] / base['ttft']:.2f} of no-WAN", "met": None})
+                    "value": f"{_fmt(ratios['p-md/no-wan']['ttft'])} of no-WAN", "met": None})
     return out
 
 
@@ -192,13 +216,11 @@ def _print_single(res: dict) -> None:
           f"{res['config']['output_tokens']} output tokens; medians of {res['config']['rounds']} round(s)")
     print(f"  {'variant':18s} {'TTFT':>7s} {'2nd tok':>7s} {'max gap':>7s} {'TPOT':>6s} {'total':>7s}  "
           f"{'RLD share':>9s}  handoff")
-    base = res["summary"].get("no-wan")
     for v, s in res["summary"].items():
-        rel = ""
-        if base and v != "no-wan":
-            rel = f"   TTFT x{s['ttft'] / base['ttft']:.2f}, max gap x{s['max_gap'] / base['max_gap']:.2f} of no-WAN"
         print(f"  {v:18s} {s['ttft']:6.2f}s {s['tt2t']:6.2f}s {s['max_gap']:6.2f}s {s['tpot'] * 1000:4.0f}ms "
-              f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}{rel}")
+              f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}")
+    _print_ratios(res["ratios"], [("TTFT", "ttft", 50), ("2nd token", "tt2t", 50), ("max gap", "max_gap", 50),
+                                  ("TPOT", "tpot", 50)], "of medians, resampling rounds (paired by round)")
 
 
 # ====================================================================== agentic
@@ -291,8 +313,9 @@ def run_agentic(args: argparse.Namespace) -> dict:
     summary = {d: _summarize(args, [r for r in rows if r["deployment"] == d], busy[d], link_bytes[d]) for d in deps}
     by_hit = {d: _by_hit([r for r in rows if r["deployment"] == d]) for d in deps}
     sweep = _goodput_sweep(args, rows, busy, deps)
+    ratios = _agentic_ratios(args, rows, busy, deps)
     return {"scenario": "agentic", "config": _config(args), "summary": summary, "by_hit": by_hit,
-            "goodput_sweep": sweep, "rows": rows, "targets": _agentic_targets(summary)}
+            "goodput_sweep": sweep, "ratios": ratios, "rows": rows, "targets": _agentic_targets(ratios)}
 
 
 def _warm_all(systems: dict, shared: list[int]) -> None:
@@ -418,19 +441,55 @@ def _goodput_sweep(args, rows: list[dict], busy: dict, deps: list[str]) -> list[
     return out
 
 
-def _agentic_targets(s: dict) -> list[dict]:
+AGENTIC_RATIOS = {f"{k}_p{q}": (k, q) for k in ("ttft", "tt2t", "max_gap", "tpot") for q in (50, 99)}  # name: (row key, q)
+
+
+def _agentic_ratios(args, rows: list[dict], busy: dict, deps: list[str]) -> dict:
+    """Each deployment over same-DC and PDD over naive: p50 and p99 ratios and SLA goodput, with
+    90% bootstrap intervals over requests paired by planned step (client, step). Every deployment
+    runs the same plan, so a step is the same prompt and output length on each side (greedy: the
+    same tokens), and its hit rate and prompt length, which dominate its latency, move both sides
+    of a pair alike."""
+    comparisons = [(d, "same-dc") for d in deps if d != "same-dc" and "same-dc" in deps]
+    if "pdd" in deps and "naive" in deps:
+        comparisons.append(("pdd", "naive"))
+    out = {}
+    for x, y in comparisons:
+        xs, ys = _pairs(rows, "deployment", x, y, ("client", "step"))
+        out[f"{x}/{y}"] = {name: _ratio(xs, ys, k, q) for name, (k, q) in AGENTIC_RATIOS.items()}
+        out[f"{x}/{y}"]["sla_goodput"] = _goodput_ratio(args, xs, ys, busy[x], busy[y])
+    return out
+
+
+def _goodput_ratio(args, xs: list[dict], ys: list[dict], busy_x: float, busy_y: float) -> dict:
+    """SLA goodput is (requests meeting the SLA) / busy seconds, and a deployment's busy seconds
+    are its agents' requests back to back: the bootstrap resamples pairs of requests and takes,
+    per side, requests meeting the SLA over their summed end-to-end seconds, then scales that
+    ratio to the measured one (the factor, how busy time relates to summed request time on
+    each side, is held fixed)."""
+    def records(rs: list[dict]) -> list[tuple[float, float]]:
+        return [(float(_meets(r, args.sla_ttft_s, args.sla_tpot_s, args.sla_max_gap_s)), r["e2e"]) for r in rs]
+
+    met_x, met_y = (sum(m for m, _ in records(rs)) for rs in (xs, ys))
+    measured = (met_x / busy_x) / (met_y / busy_y) if met_y > 0 and busy_x > 0 and busy_y > 0 else math.nan
+    iv = ratio_interval(records(xs), records(ys), ratio_of_sums, paired=True)
+    if not iv.point > 0:  # nobody met the SLA on a side: a ratio of 0 or none, no interval
+        return {"ratio": measured, "lo": math.nan, "hi": math.nan, "n": len(xs)}
+    return {**iv.scaled(measured / iv.point).as_json(), "n": len(xs)}
+
+
+def _agentic_targets(ratios: dict) -> list[dict]:
     out = []
-    if "pdd" in s and "naive" in s:
+    if "pdd/naive" in ratios:
+        r = ratios["pdd/naive"]
         for k, label in (("tt2t_p99", "p99 time to 2nd token"), ("max_gap_p99", "p99 max inter-token gap"),
                          ("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99")):
-            out.append({"what": f"PDD vs naive cross-DC: {label}", "value": f"x{s['pdd'][k] / s['naive'][k]:.2f}",
-                        "met": s["pdd"][k] <= s["naive"][k]})
-        out.append({"what": "PDD vs naive cross-DC: SLA goodput",
-                    "value": f"x{s['pdd']['sla_goodput_rps'] / max(s['naive']['sla_goodput_rps'], 1e-9):.2f}",
-                    "met": s["pdd"]["sla_goodput_rps"] >= s["naive"]["sla_goodput_rps"]})
-    if "pdd" in s and "same-dc" in s:
-        out.append({"what": "PDD vs same-DC PD: SLA goodput",
-                    "value": f"x{s['pdd']['sla_goodput_rps'] / max(s['same-dc']['sla_goodput_rps'], 1e-9):.2f}",
+            out.append(_ratio_target(f"PDD vs naive cross-DC: {label} at most naive's", r[k], 1.0,
+                                     q=AGENTIC_RATIOS[k][1]))
+        out.append(_ratio_target("PDD vs naive cross-DC: SLA goodput at least naive's", r["sla_goodput"], 1.0,
+                                 at_most=False))
+    if "pdd/same-dc" in ratios:
+        out.append({"what": "PDD vs same-DC PD: SLA goodput", "value": _fmt(ratios["pdd/same-dc"]["sla_goodput"]),
                     "met": None})
     return out
 
@@ -470,20 +529,10 @@ def _print_agentic(res: dict) -> None:
     print("  " + f"{'pipelines':26s}" + "".join(
         f"{' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items())):>{w + 14}s}" if i == 0 else
         f"  {' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items()))}" for i, d in enumerate(deps)))
-    _print_vs_same_dc(s)
+    _print_ratios(res["ratios"], [(f"{label} p{q}", f"{k}_p{q}", q) for label, k in (
+        ("TTFT", "ttft"), ("2nd token", "tt2t"), ("max gap", "max_gap"), ("TPOT", "tpot")) for q in (50, 99)]
+        + [("SLA goodput", "sla_goodput", 50)], "resampling requests (paired by planned step)")
     _print_by_hit_and_goodput(res)
-
-
-def _print_vs_same_dc(s: dict) -> None:
-    if "same-dc" not in s:
-        return
-    base = s["same-dc"]
-    for d in s:
-        if d == "same-dc":
-            continue
-        print(f"  {d} vs same-dc: TTFT p50 x{s[d]['ttft_p50'] / base['ttft_p50']:.2f}, p99 "
-              f"x{s[d]['ttft_p99'] / base['ttft_p99']:.2f}; 2nd token p99 x{s[d]['tt2t_p99'] / base['tt2t_p99']:.2f}; "
-              f"SLA goodput x{s[d]['sla_goodput_rps'] / max(base['sla_goodput_rps'], 1e-9):.2f}")
 
 
 def _print_by_hit_and_goodput(res: dict) -> None:
@@ -552,6 +601,55 @@ def _by_hit_figure(res: dict):
     return fig
 
 
+# ====================================================================== ratios
+
+
+def _pairs(rows: list[dict], side: str, x: str, y: str, key: tuple[str, ...] | str) -> tuple[list[dict], list[dict]]:
+    """The rows of side x and of side y that share a pair key, aligned (by key)."""
+    fields = (key,) if isinstance(key, str) else key
+    by = {d: {tuple(r[f] for f in fields): r for r in rows if r[side] == d} for d in (x, y)}
+    keys = sorted(by[x].keys() & by[y].keys())
+    return [by[x][k] for k in keys], [by[y][k] for k in keys]
+
+
+def _ratio(xs: list[dict], ys: list[dict], key: str, q: float) -> dict:
+    """The q-th percentile of `key` over xs / over ys (successful requests), paired, as JSON;
+    n: the pairs where both sides succeeded."""
+    def values(rs: list[dict]) -> list[float]:
+        return [r[key] if r["ok"] and r[key] is not None else math.nan for r in rs]
+
+    a, b = values(xs), values(ys)
+    n = sum(not (math.isnan(u) or math.isnan(v)) for u, v in zip(a, b, strict=True))
+    return {**ratio_interval(a, b, percentile(q), paired=True).as_json(), "n": n}
+
+
+def _fmt(ratio: dict) -> str:
+    return fmt(Interval.from_json(ratio))
+
+
+def _ratio_target(what: str, ratio: dict, goal: float, *, q: float = 50, at_most: bool = True) -> dict:
+    """A goal on a ratio of q-th percentiles (or means: q = 50), judged on its interval and on
+    whether its n resolves the percentile (bench/bootstrap.py: met / likely / MISSED)."""
+    v = verdict(Interval.from_json(ratio), goal, at_most=at_most, resolved=resolves(q, ratio["n"]))
+    return {"what": what, "value": _fmt(ratio), "met": v == "met", "verdict": v}
+
+
+def _print_ratios(ratios: dict, metrics: list[tuple[str, str, float]], design: str) -> None:
+    """The ratio table; metrics: (label, key, percentile) (a mean counts as the 50th)."""
+    if not ratios:
+        return
+    n = max(r["n"] for rs in ratios.values() for r in rs.values())
+    w = 26
+    print(f"\n  ratios with 90% bootstrap intervals, {design}, n = {n} (n.s.: the interval contains 1)")
+    short = [label for label, _, q in metrics if not resolves(q, n)]
+    if short:
+        print(f"  (n = {n} does not resolve {', '.join(short)}: those intervals understate the uncertainty, and a"
+              " target on them is 'likely' at best)")
+    print("  " + f"{'':16s}" + "".join(f"{c:>{w}s}" for c in ratios))
+    for label, key, _ in metrics:
+        print("  " + f"{label:16s}" + "".join(f"{_fmt(r[key]):>{w}s}" for r in ratios.values()))
+
+
 # ====================================================================== common
 
 
@@ -596,7 +694,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _add_agentic_args(g) -> None:
     g.add_argument("--deployments", default=",".join(DEPLOYMENTS))
-    g.add_argument("--requests", type=int, default=36, help="requests per deployment")
+    g.add_argument("--requests", type=int, default=48, help="requests per deployment")
     g.add_argument("--clients", type=int, default=3, help="concurrent agent sessions")
     g.add_argument("--wave", type=int, default=4, help="requests per agent before switching deployment")
     g.add_argument("--shared-prefix", type=int, default=1536, help="system prompt shared by every session")

@@ -11,12 +11,13 @@ Figures = Any  # a matplotlib Figure, or {name: Figure} for several images
 
 
 def print_targets(targets: list[dict]) -> None:
-    """Each target as [met] / [MISSED] / [info] (met is None) with its measured value."""
+    """Each target as [met] / [MISSED] / [info] (met is None), or as its "verdict" where it has one
+    (a goal judged on an interval: met / likely / MISSED, bench/bootstrap.py), with its value."""
     if not targets:
         return
     print("\ntargets:")
     for t in targets:
-        mark = "info" if t.get("met") is None else ("met" if t["met"] else "MISSED")
+        mark = t.get("verdict") or ("info" if t.get("met") is None else ("met" if t["met"] else "MISSED"))
         print(f"  [{mark}] {t['what']}: {t['value']}")
 
 

@@ -22,7 +22,7 @@ from shared import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "scale", "transport")
-HELPERS = ("catalog", "client", "progress", "report")
+HELPERS = ("bootstrap", "catalog", "client", "progress", "report")
 COLUMNS = "100"  # argparse wraps help to the terminal width: the same for both sides
 
 
