@@ -1,0 +1,69 @@
+"""Instances on hand-computable cases: every step of the FLAT chip takes 10 ms, the TINY
+model's KV is 16 B per token, prompts are 2 blocks (32 tokens, 512 B of KV)."""
+
+import pytest
+
+from shared.sim.chip import Chip
+from shared.sim.decoder import DecodeInstance, Seq
+from shared.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
+from shared.sim.events import EventLoop
+from shared.sim.simulator import simulate
+from shared.sim.step_cost import Linear, StepCost, decode_load
+from tests.sim_util import FLAT, TINY, request, workload
+
+EXACT = 1e-12
+KV = 32 * 16  # the prompt's KV bytes
+IN_DC_S = KV / IN_DC.bandwidth_Bps + IN_DC.one_way_s  # its crossing in one DC
+
+
+def test_same_dc_single_request():
+    result = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5)), TINY)
+    (r,) = result.records
+    kv_ready = 0.01 + IN_DC_S  # one prefill step, then the KV crosses
+    assert r.ttft_s == pytest.approx(0.01, abs=EXACT)
+    assert r.tt2t_s == pytest.approx(kv_ready + 0.01, abs=EXACT)
+    assert r.e2e_s == pytest.approx(kv_ready + 4 * 0.01, abs=EXACT)  # tokens 2..5 from D
+    assert r.tpot_s == pytest.approx((r.e2e_s - 0.01) / 4, abs=EXACT)
+    assert r.max_gap_s == pytest.approx(kv_ready + 0.01 - 0.01, abs=EXACT)
+    assert (r.pipeline, r.md_tokens, r.rld_tokens, r.wan_bytes) == ("p-md", 4, 0, KV)
+    assert result.wan_bytes_per_s == []  # nothing crossed DCs
+
+
+def test_p_md_across_a_wan():
+    wan = LinkSpec(1000.0, 0.05)
+    result = simulate(naive(RoleSpec(1, FLAT), RoleSpec(1, FLAT), wan), workload(request(0, 0.0, 2, 5)), TINY)
+    (r,) = result.records
+    # MD's prepare reply is back at 0.10; the 512 B serialise until 0.612 and land at 0.662.
+    # MD's tokens 2..5 at 0.672 .. 0.702 reach the router 0.05 later.
+    assert r.ttft_s == pytest.approx(0.01, abs=EXACT)
+    assert r.tt2t_s == pytest.approx(0.722, abs=EXACT)
+    assert r.e2e_s == pytest.approx(0.752, abs=EXACT)
+    assert r.tpot_s == pytest.approx((0.752 - 0.01) / 4, abs=EXACT)
+    assert r.max_gap_s == pytest.approx(0.712, abs=EXACT)
+    assert r.wan_bytes == KV and sum(result.wan_bytes_per_s) == pytest.approx(KV)
+
+
+def test_a_joiner_waits_for_the_step_boundary():
+    reqs = workload(request(0, 0.0, 2, 5), request(1, 0.015, 2, 5))
+    a, b = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), reqs, TINY).records
+    # b's KV is in at 0.025 + IN_DC_S, in the middle of a's step that ends at 0.03 + IN_DC_S.
+    assert b.tt2t_s == pytest.approx(0.03 + IN_DC_S + 0.01 - 0.015, abs=EXACT)
+    assert a.e2e_s == pytest.approx(0.01 + IN_DC_S + 0.04, abs=EXACT)  # a's steps kept their pace
+
+
+def test_a_decode_run_fast_forwarded_equals_its_steps():
+    step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
+    chip = Chip("lin", step, 1 << 30, 1.0)
+    loop = EventLoop()
+    d = DecodeInstance("d0", chip, loop, 1000, 16, max_num_seqs=8, max_batched_tokens=64)
+    runs = []
+    d.join(Seq(100, 300, lambda *run: runs.append(run), lambda: None))
+    loop.run()
+    (first, last, n, gap), = runs
+    steps = [step.step_s(decode_load(1, 100 + i)) for i in range(300)]
+    assert n == 300
+    assert first == pytest.approx(steps[0], rel=1e-12)
+    assert last == pytest.approx(sum(steps), rel=1e-12)
+    assert gap == pytest.approx(max(steps[1:]), rel=1e-12)
+    assert d.busy_s == pytest.approx(sum(steps), rel=1e-12)
+
