@@ -67,3 +67,37 @@ def test_a_decode_run_fast_forwarded_equals_its_steps():
     assert gap == pytest.approx(max(steps[1:]), rel=1e-12)
     assert d.busy_s == pytest.approx(sum(steps), rel=1e-12)
 
+
+
+def test_a_run_cut_by_a_joiner_goes_on_from_the_context_it_reached():
+    step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
+    loop = EventLoop()
+    d = DecodeInstance("d0", Chip("lin", step, 1 << 30, 1.0), loop, 1000, 16, max_num_seqs=8, max_batched_tokens=64)
+    runs = {"a": [], "b": []}
+    d.join(Seq(100, 300, lambda *run: runs["a"].append(run), lambda: None))
+    loop.at(0.1, lambda: d.join(Seq(50, 10, lambda *run: runs["b"].append(run), lambda: None)))
+    loop.run()
+    # Step by step: b joins at the first step end at or after 0.1.
+    t, contexts, a_last, b_first = 0.0, {"a": 100}, 0.0, None
+    while contexts["a"] < 400:
+        if t >= 0.1 and b_first is None and "b" not in contexts:
+            contexts["b"] = 50
+        t += step.step_s(decode_load(len(contexts), sum(contexts.values())))
+        for k in list(contexts):
+            contexts[k] += 1
+            if k == "b" and b_first is None:
+                b_first = t
+            if k == "b" and contexts[k] == 60:
+                del contexts[k]
+        a_last = t
+    assert runs["a"][-1][1] == pytest.approx(a_last, rel=1e-12)
+    assert runs["b"][0][0] == pytest.approx(b_first, rel=1e-12)
+    assert sum(n for _, _, n, _ in runs["a"]) == 300 and len(runs["a"]) == 3  # cut when b joins and leaves
+
+
+def test_prefix_hits_on_p_and_md():
+    second = request(1, 1.0, 3, 5, first_hash=0)  # its first 2 blocks are the first request's
+    a, b = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5), second), TINY).records
+    assert (a.prefill_hit, a.hit_rate, a.wan_bytes) == (0.0, 0.0, KV)
+    assert b.prefill_hit == pytest.approx(32 / 48) and b.hit_rate == pytest.approx(32 / 48)
+    assert b.wan_bytes == 16 * 16  # only the block D lacks
