@@ -68,10 +68,13 @@ class Fleet:
 
     def _prepare(self, job: Job) -> None:
         """MD takes blocks for the whole request (prefix hits shared), waiting while they do not fit."""
-        if job.done:
-            return
-        total = job.req.input_tokens + job.req.output_tokens
-        job.md.reserve(job.req.block_hashes, total, lambda blocks: self._md_reserved(job, blocks))
+        self.reserve(job, job.md, self._md_reserved)
+
+    def reserve(self, job: Job, inst: Instance, then: Callable[[Job, Blocks], None]) -> None:
+        """Blocks on a decoder for the whole request (prompt and output), unless it ended."""
+        if not job.done:
+            total = job.req.input_tokens + job.req.output_tokens
+            inst.reserve(job.req.block_hashes, total, lambda blocks: then(job, blocks))
 
     def _md_reserved(self, job: Job, blocks: Blocks) -> None:
         job.md_blocks = blocks
@@ -118,7 +121,7 @@ class Fleet:
         if job.kv_upto > start:
             job.wan_transfers.append(link.send((job.kv_upto - start) * kvbpt, _nothing, job.md.name))
         job.wan_sent_upto = max(job.wan_sent_upto, job.kv_upto)
-        if job.prefill_done and job.wan_sent_upto >= job.req.input_tokens:
+        if job.prefill_done and job.wan_sent_upto == job.req.input_tokens:
             job.wan_sent_upto += 1  # the marker goes once
             job.wan_transfers.append(link.send(0, lambda: self._md_kv_landed(job), job.md.name))
 

@@ -24,10 +24,7 @@ class Relaying:
 
     # ---- decoding on the relay ---------------------------------------------------------------
     def kv_landed(self, job: Job) -> None:
-        if job.done:
-            return
-        total = job.req.input_tokens + job.req.output_tokens
-        job.relay.reserve(job.req.block_hashes, total, lambda blocks: self._start(job, blocks))
+        self.fleet.reserve(job, job.relay, self._start)
 
     def _start(self, job: Job, blocks: Blocks) -> None:
         relay = job.relay
