@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.relay.handoff_policy import catchup_is_final, choose_handoff_mode
+from services.relay.handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
 from shared.bus.messages import HandoffMode
 from shared.config import RelaySettings
 from shared.sim.decoder import Extend, Seq
@@ -87,8 +87,8 @@ class Relaying:
             self._send_batch(job, tokens)
 
     def _send_batch(self, job: Job, tokens: int) -> None:
-        """A catch-up batch: all but the newest token (the final batch carries at least one)."""
-        batch = tokens - 1 - job.handed
+        """A catch-up batch (the relay's own rule for what it carries); none left: the final one."""
+        batch = catchup_batch_size(tokens, job.handed)
         if batch <= 0:
             self._send_final(job, tokens)
             return
