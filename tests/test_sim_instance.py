@@ -1,6 +1,8 @@
 """Instances on hand-computable cases: every step of the FLAT chip takes 10 ms, the TINY
 model's KV is 16 B per token, prompts are 2 blocks (32 tokens, 512 B of KV)."""
 
+from dataclasses import replace
+
 import pytest
 
 from shared.sim.chip import Chip
@@ -9,6 +11,7 @@ from shared.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
 from shared.sim.events import EventLoop
 from shared.sim.simulator import simulate
 from shared.sim.step_cost import Linear, StepCost, decode_load
+from shared.sim.workload import Workload
 from tests.sim_util import FLAT, TINY, request, workload
 
 EXACT = 1e-12
@@ -101,3 +104,12 @@ def test_prefix_hits_on_p_and_md():
     assert (a.prefill_hit, a.hit_rate, a.wan_bytes) == (0.0, 0.0, KV)
     assert b.prefill_hit == pytest.approx(32 / 48) and b.hit_rate == pytest.approx(32 / 48)
     assert b.wan_bytes == 16 * 16  # only the block D lacks
+
+
+def test_closed_loop_the_next_request_follows_the_last_token_after_the_think_time():
+    first, then = request(0, 0.2, 2, 5), request(1, 0.5, 2, 5)
+    reqs = Workload("closed", 16, (replace(first, client=7), replace(then, client=7)), closed_loop=True)
+    wan = LinkSpec(1000.0, 0.05)  # MD's last token reaches the router after MD is done with it
+    a, b = simulate(naive(RoleSpec(1, FLAT), RoleSpec(1, FLAT), wan), reqs, TINY).records
+    assert a.arrival_s == 0.2
+    assert b.arrival_s == pytest.approx(0.2 + a.e2e_s + 0.5, abs=EXACT)
