@@ -1,6 +1,6 @@
 """The relay's handoff policy: one-shot or catch-up, and when catch-up sends its last batch."""
 
-from services.relay.handoff_policy import catchup_is_final, choose_handoff_mode
+from services.relay.handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
 
 # Mode values as they appear on the wire and in responses (pdd.handoff_mode).
 ONE_SHOT = "one-shot"
@@ -26,3 +26,9 @@ def test_catchup_final_at_exactly_the_threshold():
     assert catchup_is_final(pending=64, rounds_done=1, threshold=64, max_rounds=4)
     assert not catchup_is_final(pending=65, rounds_done=1, threshold=64, max_rounds=4)
     assert not catchup_is_final(pending=65, rounds_done=3, threshold=64, max_rounds=4)
+
+
+def test_a_catchup_batch_keeps_the_newest_token_back():
+    assert catchup_batch_size(produced=100, handed=0) == 99
+    assert catchup_batch_size(produced=100, handed=90) == 9
+    assert catchup_batch_size(produced=100, handed=99) == 0  # nothing to send but the final token

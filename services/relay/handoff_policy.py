@@ -23,3 +23,9 @@ def catchup_is_final(pending: int, rounds_done: int, threshold: int, max_rounds:
     take batches across the WAN.
     """
     return pending <= threshold or rounds_done >= max_rounds
+
+
+def catchup_batch_size(produced: int, handed: int) -> int:
+    """Tokens of the next catch-up batch: every new one but the newest, which the final batch
+    keeps (MD samples the next token from the logits of its extend pass, so it must carry one)."""
+    return max(produced - 1 - handed, 0)

@@ -46,7 +46,7 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
 from ..engine_service import EngineService, outcome_of, token_event
-from .handoff_policy import catchup_is_final, choose_handoff_mode
+from .handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +240,7 @@ class RelayService(EngineService):
         return tokens
 
     async def _send_batch(self, job: RelayJob, tokens: list[int]) -> None:
-        # Keep the newest token back: the final batch must carry at least one token so MD
-        # has logits to sample from after its extend pass.
-        batch = tokens[job.handed : len(tokens) - 1]
+        batch = tokens[job.handed : job.handed + catchup_batch_size(len(tokens), job.handed)]
         msg = HandoffBatch(job.rid, job.seq, job.handed, batch, final=False, mode=HandoffMode.CATCH_UP)
         job.handed += len(batch)
         job.seq += 1

@@ -51,23 +51,11 @@ from .assignments import Assignments
 from .cache_view import CacheView
 from .errors import APIError
 from .merger import TokenMerger
-from .policy import (
-    InstanceLoad,
-    RouteDecision,
-    RouteWeights,
-    choose_least_loaded,
-    choose_main_decode,
-    choose_pipeline,
-    choose_prefill,
-    comparable_bandwidths,
-    queued_ahead,
-    request_weights,
-    resume_candidates,
-    wan_cost_s,
-)
+from .policy import InstanceLoad, RouteDecision, resume_candidates
 from .prefix_index import PrefixIndex
 from .registry import Registry
 from .request_stream import MOVABLE, Delta, RequestStream, StreamState
+from .route_plan import LinkView, RouteContext, md_options, md_weights, plan_route
 from .schemas import PddOptions
 
 log = logging.getLogger(__name__)
@@ -85,8 +73,7 @@ class RouterCore:
         self.index = PrefixIndex()
         self.prefill_index = PrefixIndex()
         self.assignments = Assignments()
-        self.weights = RouteWeights(settings.overlap_weight, settings.load_weight, settings.prefill_weight,
-                                    settings.balance_factor)  # fmt: skip
+        self.route_ctx = RouteContext(settings, self.index, self.prefill_index, block_size, kv_bytes_per_token)
         self.caches = {Role.MAIN_DECODE: CacheView(self.index), Role.PREFILL: CacheView(self.prefill_index)}
         self.registry = Registry(stale_after_s=settings.lost_after_s)
         self.streams: dict[str, RequestStream] = {}  # by the client's request id
@@ -244,61 +231,25 @@ class RouterCore:
             ))  # fmt: skip
         return loads
 
-    def _options(
-        self, prompt_ids: list[int], hashes: list[int], mds: list[str], relay_available: bool
-    ) -> dict[str, tuple[RouteDecision, float]]:
-        """Per MD: the pipeline if the request went there, and the WAN seconds its cost counts."""
+    def _links(self, mds: list[str]) -> dict[str, LinkView]:
+        """Per MD: the link figures as prefill measured them, and the KV queued toward it."""
         links = self._links_to_mds(mds)
-        compared = comparable_bandwidths({md: bandwidth for md, (_, bandwidth, _) in links.items()})
-        backlogs = {md: self.registry.wan_backlog(address) if address else 0 for md, (address, _, _) in links.items()}
-        queued = queued_ahead(compared, backlogs)
-        options = {}
-        for md, (_, bandwidth, rtt) in links.items():
-            decision = choose_pipeline(
-                len(prompt_ids), self.index.cached_prefix_blocks(md, hashes) * self.block_size,
-                self.kv_bytes_per_token, bandwidth, rtt, self.settings.wan_time_threshold_s, relay_available,
-                backlog_bytes=backlogs[md],
-            )  # fmt: skip
-            options[md] = decision, wan_cost_s(decision.missing_bytes, queued[md], compared[md])
-        return options
-
-    def _md_weights(self, prompt_tokens: int) -> RouteWeights:
-        """Load weighed against this request's whole KV crossing the WAN (at the prior bandwidth)."""
-        request_s = prompt_tokens * self.kv_bytes_per_token / self.settings.default_bandwidth_bps
-        return request_weights(self.weights, request_s)
+        return {md: LinkView(bandwidth, rtt, self.registry.wan_backlog(address) if address else 0)
+                for md, (address, bandwidth, rtt) in links.items()}  # fmt: skip
 
     def route(
         self, prompt_ids: list[int], forced: Pipeline | None
     ) -> tuple[RouteDecision, str, str | None, str | None, list[int]]:
         """(decision, MD instance, relay instance on P→RLD→MD, prefill instance, the prompt's
-        block hashes). The MD is the cheapest by the WAN time of what it lacks and its load;
-        the pipeline follows from that MD's WAN time. With no MD alive (lost, or its
-        datacenter unreachable) the MD is "" and the request goes to a relay (RLD-only: a
-        fault fallback, never a policy)."""
+        block hashes); see route_plan.plan_route. With no MD alive (lost, or its datacenter
+        unreachable) the MD is "" and the request goes to a relay (RLD-only: a fault
+        fallback, never a policy)."""
         hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self._loads(Role.MAIN_DECODE)
-        relay = choose_least_loaded(self._loads(Role.RELAY))
-        options = self._options(prompt_ids, hashes, [m.instance for m in mds], relay is not None)
-        wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
-        md = choose_main_decode(mds, wan_s, self._md_weights(len(prompt_ids)), hashes[0] if hashes else 0)
-        if md is None:
-            return RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, None, hashes
-        decision = options[md][0]
-        # A forced pipeline is honoured when it can be: with no relay alive, P→RLD→MD runs as P→MD
-        # (x-pdd-pipeline says which ran).
-        if forced is not None and forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):
-            decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
-        relay = relay if decision.pipeline is Pipeline.P_RLD_MD else None
-        return decision, md, relay, self._choose_prefill(prompt_ids, hashes), hashes
-
-    def _choose_prefill(self, prompt_ids: list[int], hashes: list[int]) -> str | None:
-        prefills = self._loads(Role.PREFILL)
-        cached = {p.instance: self.prefill_index.cached_prefix_blocks(p.instance, hashes) * self.block_size
-                  for p in prefills}  # fmt: skip
-        # Load weighed against this request's whole prefill.
-        weights = request_weights(self.weights, self.settings.prefill_weight * len(prompt_ids))
-        return choose_prefill(prefills, len(prompt_ids), cached, weights)
+        loads = (mds, self._loads(Role.RELAY), self._loads(Role.PREFILL))
+        plan = plan_route(self.route_ctx, len(prompt_ids), hashes, loads, self._links([m.instance for m in mds]), forced)
+        return plan.decision, plan.md, plan.relay, plan.prefill, hashes
 
     # ---- a request ---------------------------------------------------------------------
     async def open(
@@ -473,9 +424,10 @@ class RouterCore:
     def _resume_candidates(self, stream: RequestStream, avoid: set[tuple[Role, str]]) -> list[tuple[Role, str]]:
         mds = [m for m in self._loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
         relays = [r for r in self._loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
-        options = self._options(stream.prompt_ids, stream.block_hashes, [m.instance for m in mds], False)
+        links = self._links([m.instance for m in mds])
+        options = md_options(self.route_ctx, len(stream.prompt_ids), stream.block_hashes, links, False)
         wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
-        return resume_candidates(mds, relays, wan_s, self._md_weights(len(stream.prompt_ids)))
+        return resume_candidates(mds, relays, wan_s, md_weights(self.route_ctx, len(stream.prompt_ids)))
 
     def _give_up(self, stream: RequestStream, why: str) -> bool:
         log.warning("request %s failed: %s", stream.rid, why)

@@ -1,0 +1,196 @@
+"""A decoding instance (D, MD or RLD): continuous batching of running sequences, one token
+each per step, with handoff extend passes batched into steps.
+
+No event per token: while the batch does not change, the instance advances in one event
+over a whole run of decode steps (StepCost.decode_run_s), and each sequence learns its
+token times in closed form: the run's first and last token times and its largest gap (step
+times grow within a run, so the largest is its last). Steps are not interruptible: a change
+(a sequence joining, an extend, a relay's snapshot) waits for the step in progress to end.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.sim.chip import Chip
+from shared.sim.events import EventLoop
+from shared.sim.instance import Instance
+from shared.sim.step_cost import chunk_load, combine, decode_load
+
+TokenSink = Callable[[float, float, int, float], None]  # (first time, last time, tokens, largest gap between them)
+
+
+@dataclass(eq=False)
+class Seq:
+    context: int  # tokens whose KV this instance holds
+    remaining: int  # tokens still to produce here
+    on_tokens: TokenSink
+    on_finished: Callable[[], None]  # it produced its last token (called at that step's end)
+    produced: int = 0
+
+
+@dataclass(eq=False)
+class Extend:
+    """Handoff token IDs for MD to compute into a held sequence's KV."""
+
+    seq: Seq
+    tokens: int  # left to compute
+    final: bool  # the last batch: sample the next token after it, then decode on
+    on_done: Callable[[], None]
+
+
+class DecodeInstance(Instance):
+    def __init__(self, name: str, chip: Chip, loop: EventLoop, num_blocks: int, block_size: int,
+                 max_num_seqs: int, max_batched_tokens: int):  # fmt: skip
+        super().__init__(name, chip, loop, num_blocks, block_size)
+        self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
+        self.running: list[Seq] = []
+        self.joining: deque[Seq] = deque()
+        self.extending: deque[Extend] = deque()
+        self.actions: list[Callable[[], None]] = []  # to run at the next step boundary
+        self._event: int | None = None  # the current run's end
+        self._t0 = 0.0
+        self._steps = 0  # decode steps of the current run (0: a mixed step)
+        self._context0 = 0  # the running sequences' context sum at the run's start
+        self._chunks: list[tuple[Extend, int]] = []  # the mixed step's extend work
+        self._in_boundary = False
+
+    # ---- what others ask -----------------------------------------------------------------
+    def join(self, seq: Seq) -> None:
+        self.joining.append(seq)
+        self._poke()
+
+    def extend(self, ext: Extend) -> None:
+        self.extending.append(ext)
+        self._poke()
+
+    def at_boundary(self, fn: Callable[[], None]) -> None:
+        """Run fn once the step in progress ends (at once if idle), the batch settled."""
+        self.actions.append(fn)
+        self._poke()
+
+    def remove(self, seq: Seq) -> None:
+        """Stop a sequence (only from an at_boundary action)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.joining:
+            self.joining.remove(seq)
+
+    @property
+    def busy(self) -> int:
+        return len(self.running) + len(self.extending)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.joining) + len(self.block_waiters)
+
+    # ---- the step loop ---------------------------------------------------------------------
+    def _poke(self) -> None:
+        """Something changed: end the current run at the next step boundary (or start now)."""
+        if self._in_boundary:
+            return
+        if self._event is None:
+            self._event = self.loop.at(self.loop.now, self._boundary)
+        elif self._steps > 1:
+            self._cut()
+
+    def _cut(self) -> None:
+        step, n = self.chip.step, len(self.running)
+        elapsed = self.loop.now - self._t0
+        done = step.decode_steps_within(n, self._context0, elapsed)
+        cut = done if done >= 1 and step.decode_run_s(n, self._context0, done) == elapsed else done + 1
+        if cut < self._steps:
+            self.loop.cancel(self._event)
+            self._steps = cut
+            self._event = self.loop.at(self._t0 + step.decode_run_s(n, self._context0, cut), self._boundary)
+
+    def _boundary(self) -> None:
+        self._event = None
+        self._in_boundary = True
+        self._settle()
+        for seq in [s for s in self.running if s.remaining <= 0]:
+            self.running.remove(seq)
+            seq.on_finished()
+        actions, self.actions = self.actions, []
+        for fn in actions:
+            fn()
+        while self.joining and len(self.running) < self.max_num_seqs:
+            self.running.append(self.joining.popleft())
+        self._in_boundary = False
+        self._plan()
+
+    def _plan(self) -> None:
+        self._t0 = self.loop.now
+        self._context0 = sum(s.context for s in self.running)
+        if self.extending:
+            self._steps, self._chunks = 0, self._extend_chunks()
+            load = combine(decode_load(len(self.running), self._context0),
+                           *(chunk_load(k, e.seq.context) for e, k in self._chunks))  # fmt: skip
+            self._event = self.loop.at(self._t0 + self.chip.step.step_s(load), self._boundary)
+        elif self.running:
+            self._steps = min(s.remaining for s in self.running)
+            run_s = self.chip.step.decode_run_s(len(self.running), self._context0, self._steps)
+            self._event = self.loop.at(self._t0 + run_s, self._boundary)
+
+    def _extend_chunks(self) -> list[tuple[Extend, int]]:
+        """The extend work of one step, first come first served, within the token budget."""
+        budget = self.max_batched_tokens - len(self.running)
+        chunks = []
+        for ext in self.extending:
+            k = min(ext.tokens, max(budget, 0 if chunks else 1))
+            if k <= 0:
+                break
+            chunks.append((ext, k))
+            budget -= k
+        return chunks
+
+    def _settle(self) -> None:
+        """Account for the run (or mixed step) that ends now."""
+        if self._steps == 0 and not self._chunks:
+            return  # idle until now
+        self.busy_s += self.loop.now - self._t0
+        if self._steps:
+            self._settle_decode()
+        else:
+            self._settle_mixed()
+
+    def _settle_decode(self) -> None:
+        step, n, steps = self.chip.step, len(self.running), self._steps
+        first = self._t0 + step.decode_step_s(n, self._context0, 0)
+        gap = step.decode_step_s(n, self._context0, steps - 1) if steps >= 2 else 0.0
+        for seq in self.running:
+            seq.context += steps
+            seq.produced += steps
+            seq.remaining -= steps
+            seq.on_tokens(first, self.loop.now, steps, gap)
+        self._steps = 0
+
+    def _settle_mixed(self) -> None:
+        now = self.loop.now
+        for seq in self.running:
+            seq.context += 1
+            _one_token(seq, now)
+        chunks, self._chunks = self._chunks, []
+        for ext, k in chunks:
+            ext.tokens -= k
+            ext.seq.context += k
+            if ext.tokens > 0:
+                continue
+            self.extending.remove(ext)
+            if not ext.final:
+                ext.on_done()
+                continue
+            _one_token(ext.seq, now)  # the extend pass's logits give the next token
+            ext.on_done()
+            if ext.seq.remaining > 0:
+                self.running.append(ext.seq)
+            else:
+                ext.seq.on_finished()
+
+
+def _one_token(seq: Seq, now: float) -> None:
+    seq.produced += 1
+    seq.remaining -= 1
+    seq.on_tokens(now, now, 1, 0.0)

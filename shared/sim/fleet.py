@@ -1,0 +1,190 @@
+"""The fleet at work on one request: route, prefill, KV over the links, decode on MD (or the
+relay first, see handoff.py), and the record once the last token reaches the router.
+
+Latencies: dc-a (router, P, RLD) messages take no time; a control message to or from dc-b
+(prepare, its reply, kv_ready, handoff batches, acks, MD's cache events) takes one WAN
+crossing, not queued behind KV; MD's tokens reach the router one crossing later."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shared.bus.messages import Pipeline, Role
+from shared.config import RelaySettings
+from shared.sim.decoder import Seq
+from shared.sim.events import EventLoop
+from shared.sim.handoff import Relaying
+from shared.sim.instance import Blocks, Instance
+from shared.sim.job import Job
+from shared.sim.link import Link
+from shared.sim.prefill import PrefillWork
+from shared.sim.records import RequestRecord, TokenTimes
+from shared.sim.router import SimRouter
+from shared.sim.workload import SimRequest
+
+
+class Fleet:
+    def __init__(self, loop: EventLoop, router: SimRouter, kv_bytes_per_token: int, block_size: int,
+                 kv_link: Callable[[str], Link], local_link: Callable[[str], Link], cross_dc: Link | None,
+                 by_name: dict[str, Instance], relay_settings: RelaySettings):  # fmt: skip
+        self.loop, self.router, self.kv_bytes_per_token, self.block_size = loop, router, kv_bytes_per_token, block_size
+        self.kv_link, self.local_link, self.cross_dc, self.by_name = kv_link, local_link, cross_dc, by_name
+        self.records: list[RequestRecord] = []
+        self.on_finished: Callable[[Job], None] = lambda job: None
+        self.relaying = Relaying(self, relay_settings)
+
+    # ---- crossings -------------------------------------------------------------------------
+    def cross(self, fn: Callable[[], None]) -> None:
+        """A control message between the DCs (none at all in a same-DC fleet)."""
+        if self.cross_dc is None:
+            self.loop.at(self.loop.now, fn)
+        else:
+            self.cross_dc.message(fn)
+
+    def crossing_s(self) -> float:
+        return self.cross_dc.delay() if self.cross_dc else 0.0
+
+    def md_cache_events(self, md: Instance) -> None:
+        stored, evicted = md.drain_events()
+        if stored or evicted:
+            self.cross(lambda: self.router.on_cache_events(Role.MAIN_DECODE, md.name, stored, evicted))
+
+    # ---- a request ---------------------------------------------------------------------------
+    def arrive(self, req: SimRequest) -> None:
+        now = self.loop.now
+        plan = self.router.plan(req)
+        inst = self.by_name
+        relay = inst[plan.relay] if plan.relay else None
+        job = Job(req, TokenTimes(now), plan.decision.pipeline, plan.decision.hit_rate, inst[plan.prefill],
+                  inst[plan.md], relay, self.crossing_s())  # fmt: skip
+        for role, name in ((Role.PREFILL, plan.prefill), (Role.RELAY, plan.relay), (Role.MAIN_DECODE, plan.md)):
+            if name:
+                self.router.assignments.record((role.value, name), now)
+                job.assigned.append(((role.value, name), now))
+        work = PrefillWork(req.block_hashes, req.input_tokens, lambda n: self._kv_made(job, n),
+                           lambda: self._prefill_done(job))  # fmt: skip
+        job.prefill.submit(work)
+        self.cross(lambda: self._prepare(job))
+
+    def _prepare(self, job: Job) -> None:
+        """MD takes blocks for the whole request (prefix hits shared), waiting while they do not fit."""
+        self.reserve(job, job.md, self._md_reserved)
+
+    def reserve(self, job: Job, inst: Instance, then: Callable[[Job, Blocks], None]) -> None:
+        """Blocks on a decoder for the whole request (prompt and output), unless it ended."""
+        if not job.done:
+            total = job.req.input_tokens + job.req.output_tokens
+            inst.reserve(job.req.block_hashes, total, lambda blocks: then(job, blocks))
+
+    def _md_reserved(self, job: Job, blocks: Blocks) -> None:
+        job.md_blocks = blocks
+        self.md_cache_events(job.md)
+        if job.done:
+            self.drop_md(job)
+            return
+        hit = min(blocks.hits * self.block_size, job.req.input_tokens)
+        self.cross(lambda: self._md_target(job, hit))
+
+    def _md_target(self, job: Job, hit_tokens: int) -> None:
+        """MD's reply is back: P streams it what it lacks. MD keeps the prompt's blocks once
+        they land: the router counts them as its own now (as the router service does)."""
+        job.md_hit_tokens = hit_tokens
+        self.router.ctx.index.apply(job.md.name, list(job.req.block_hashes), [])
+        self._stream_wan(job)
+
+    def _kv_made(self, job: Job, upto: int) -> None:
+        if not job.prefill_admitted:  # the first call: P's cached prefix
+            job.prefill_admitted = True
+            job.prefill_hit = upto / job.req.input_tokens
+        job.kv_upto = upto
+        self._stream_wan(job)
+        self._stream_local(job)
+
+    def _prefill_done(self, job: Job) -> None:
+        now = self.loop.now
+        job.prefill_done = True
+        job.times.add(now, now, 1, 0.0)  # P samples the first token; the router is beside it
+        if job.req.output_tokens <= 1:
+            self.abort_wan(job)
+            self.cross(lambda: self.drop_md(job))
+            self.finish(job)
+            return
+        self._stream_wan(job)
+        self._stream_local(job)
+
+    def _stream_wan(self, job: Job) -> None:
+        """P's new KV that MD lacks onto the link; after the last of it, the done marker."""
+        if job.md_hit_tokens is None or job.done:
+            return
+        kvbpt, link = self.kv_bytes_per_token, self.kv_link(job.md.name)
+        start = max(job.wan_sent_upto, job.md_hit_tokens)
+        if job.kv_upto > start:
+            job.wan_transfers.append(link.send((job.kv_upto - start) * kvbpt, _nothing, job.md.name))
+        job.wan_sent_upto = max(job.wan_sent_upto, job.kv_upto)
+        if job.prefill_done and job.wan_sent_upto == job.req.input_tokens:
+            job.wan_sent_upto += 1  # the marker goes once
+            job.wan_transfers.append(link.send(0, lambda: self._md_kv_landed(job), job.md.name))
+
+    def _stream_local(self, job: Job) -> None:
+        """On P→RLD→MD the relay gets the whole prompt's KV over the local path."""
+        if job.relay is None or job.done:
+            return
+        link = self.local_link(job.relay.name)
+        if job.kv_upto > job.local_sent_upto:
+            link.send((job.kv_upto - job.local_sent_upto) * self.kv_bytes_per_token, _nothing, job.relay.name)
+        job.local_sent_upto = max(job.local_sent_upto, job.kv_upto)
+        if job.prefill_done and job.local_sent_upto == job.req.input_tokens:
+            job.local_sent_upto += 1
+            link.send(0, lambda: self.relaying.kv_landed(job), job.relay.name)
+
+    def _md_kv_landed(self, job: Job) -> None:
+        """All of MD's missing KV is in: P→MD decodes from token 2; P→RLD→MD tells the relay."""
+        if job.done or job.md_blocks is None:
+            return
+        job.md.register(job.md_blocks, job.req.block_hashes, len(job.req.block_hashes))
+        self.md_cache_events(job.md)
+        job.md_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, self.md_token_sink(job),
+                         lambda: self._md_finished(job))  # fmt: skip
+        if job.pipeline is Pipeline.P_MD:
+            job.md.join(job.md_seq)
+        else:
+            self.cross(lambda: self.relaying.kv_ready(job))
+
+    def md_token_sink(self, job: Job):
+        def sink(first: float, last: float, n: int, gap: float) -> None:
+            job.md_tokens += n
+            job.times.add(first + job.md_delay_s, last + job.md_delay_s, n, gap)
+
+        return sink
+
+    def _md_finished(self, job: Job) -> None:
+        self.drop_md(job)
+        self.finish(job)
+
+    # ---- the end -------------------------------------------------------------------------------
+    def abort_wan(self, job: Job) -> None:
+        """Stop the request's KV toward MD: what is queued leaves the link, what was sent counts."""
+        link = self.kv_link(job.md.name)
+        for t in job.wan_transfers:
+            link.abort(t)
+
+    def drop_md(self, job: Job) -> None:
+        """MD frees the request's blocks (once: after an extend in progress, if one is)."""
+        job.md_dropped = True
+        if job.md_blocks is not None and job.md_extending == 0:
+            job.md.free(job.md_blocks)
+            job.md_blocks = None
+            self.md_cache_events(job.md)
+
+    def finish(self, job: Job) -> None:
+        """The last token reached the router (in `job.times`): record the request."""
+        job.done = True
+        for key, at in job.assigned:
+            self.router.assignments.finished(key, at)
+        self.records.append(job.record())
+        self.on_finished(job)
+
+
+def _nothing() -> None:
+    pass
+

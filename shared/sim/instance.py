@@ -1,0 +1,98 @@
+"""What every simulated engine instance has: a chip, a KV block pool with its prefix cache
+(the engine's own BlockPool), and the seconds it spent computing."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.engine.block_pool import Block, BlockPool, blocks_for
+from shared.sim.chip import Chip
+from shared.sim.events import EventLoop
+
+
+class _BlocksOnDemand(dict):
+    """Block objects made when first used: a fleet's pools hold millions of blocks, most of
+    them never touched in a short run."""
+
+    def __missing__(self, bid: int) -> Block:
+        block = self[bid] = Block(bid)
+        return block
+
+
+class SimBlockPool(BlockPool):
+    """The engine's BlockPool (its prefix cache and LRU as they are), built in O(1) per block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(1)
+        self.num_blocks = num_blocks
+        self.blocks = _BlocksOnDemand()
+        self.free = OrderedDict.fromkeys(range(num_blocks))
+
+
+@dataclass(eq=False)
+class Blocks:
+    """One request's blocks on one instance."""
+
+    ids: list[int] = field(default_factory=list)
+    hits: int = 0  # leading prompt blocks found in the prefix cache
+    registered: int = 0  # leading prompt blocks that hold their KV here (the hits, then more)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    hashes: tuple[int, ...]
+    tokens: int
+    on_blocks: Callable[[Blocks], None]
+
+
+class Instance:
+    def __init__(self, name: str, chip: Chip, loop: EventLoop, num_blocks: int, block_size: int):
+        self.name, self.chip, self.loop, self.block_size = name, chip, loop, block_size
+        self.pool = SimBlockPool(num_blocks)
+        self.busy_s = 0.0
+        self.held = 0  # requests holding blocks here
+        self.block_waiters: deque[_Waiter] = deque()  # first come, first served
+
+    def reserve(self, hashes: tuple[int, ...], tokens: int, on_blocks: Callable[[Blocks], None]) -> None:
+        """Blocks for `tokens` tokens whose full prompt blocks are `hashes`: cached ones are
+        shared, the rest allocated. Waits (in order) while they do not fit."""
+        self.block_waiters.append(_Waiter(hashes, tokens, on_blocks))
+        if len(self.block_waiters) == 1:
+            self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        while self.block_waiters:
+            w = self.block_waiters[0]
+            hits = self.pool.lookup(list(w.hashes))
+            fresh = blocks_for(w.tokens, self.block_size) - len(hits)
+            if fresh + self.pool.cost_of(hits) > self.pool.num_free:
+                if fresh > self.pool.num_blocks:
+                    raise ValueError(f"{self.name}: a request of {w.tokens} tokens never fits its KV pool")
+                return
+            self.block_waiters.popleft()
+            for bid in hits:
+                self.pool.touch(bid)
+            self.held += 1
+            w.on_blocks(Blocks(hits + [self.pool.allocate() for _ in range(fresh)], len(hits), len(hits)))
+
+    def register(self, blocks: Blocks, hashes: tuple[int, ...], upto: int) -> None:
+        """The prompt's full blocks before `upto` hold computed (or received) KV now."""
+        for i in range(blocks.registered, min(upto, len(hashes))):
+            blocks.ids[i] = self.pool.register_or_share(blocks.ids[i], hashes[i])
+        blocks.registered = max(blocks.registered, min(upto, len(hashes)))
+
+    def free(self, blocks: Blocks) -> None:
+        """The request is done here: its blocks return to the pool (hashed ones stay cached)."""
+        for bid in blocks.ids:
+            self.pool.release(bid)
+        blocks.ids = []
+        self.held -= 1
+        self._admit_waiters()
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        stored, evicted = [], []
+        for kind, h in self.pool.drain_events():
+            (stored if kind == "stored" else evicted).append(h)
+        return stored, evicted

@@ -1,0 +1,73 @@
+"""One request's state across the fleet while it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.bus.messages import HandoffMode, Pipeline
+from shared.sim.decoder import DecodeInstance, Seq
+from shared.sim.instance import Blocks
+from shared.sim.link import Transfer
+from shared.sim.prefill import PrefillInstance
+from shared.sim.records import RequestRecord, TokenTimes, latencies
+from shared.sim.workload import SimRequest
+
+
+@dataclass(eq=False)
+class Job:
+    req: SimRequest
+    times: TokenTimes
+    pipeline: Pipeline
+    hit_rate: float
+    prefill: PrefillInstance
+    md: DecodeInstance
+    relay: DecodeInstance | None
+    md_delay_s: float  # MD's tokens reach the router this much later
+    assigned: list[tuple[tuple[str, str], float]] = field(default_factory=list)  # for Assignments.finished
+    prefill_hit: float = 0.0
+    prefill_admitted: bool = False
+    # KV toward MD (and the relay)
+    kv_upto: int = 0  # prompt tokens whose KV exists at P
+    prefill_done: bool = False
+    md_hit_tokens: int | None = None  # known to P once MD's prepare reply is back
+    wan_sent_upto: int = 0
+    local_sent_upto: int = 0
+    wan_transfers: list[Transfer] = field(default_factory=list)
+    md_blocks: Blocks | None = None
+    md_seq: Seq | None = None
+    md_extending: int = 0  # handoff batches MD has not finished extending
+    md_dropped: bool = False
+    # the relay
+    rld_blocks: Blocks | None = None
+    rld_seq: Seq | None = None
+    md_ready: bool = False  # MD's kv_ready reached the relay
+    handing: bool = False  # the handoff started (and the relay still holds the request)
+    handed_over: bool = False
+    mode: HandoffMode | None = None
+    handed: int = 0  # output tokens sent to MD
+    rounds: int = 0  # catch-up batches sent before the final one
+    rld_tokens: int = 0
+    md_tokens: int = 0
+    filtered: bool = False
+    done: bool = False
+
+    @property
+    def relay_holds(self) -> bool:
+        """The relay may still end the request (before the final batch left)."""
+        return self.relay is not None and not self.handed_over
+
+    @property
+    def wan_bytes(self) -> int:
+        return sum(t.sent for t in self.wan_transfers)
+
+    def record(self) -> RequestRecord:
+        r = self.req
+        pipeline = Pipeline.RLD_ONLY if self.filtered else self.pipeline
+        return RequestRecord(
+            rid=r.rid, kind=r.kind, client=r.client, arrival_s=self.times.arrival, input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens, pipeline=pipeline.value, hit_rate=self.hit_rate,
+            prefill_hit=self.prefill_hit, **latencies(self.times), wan_bytes=self.wan_bytes,
+            rld_tokens=self.rld_tokens, md_tokens=self.md_tokens,
+            handoff_mode=self.mode.value if self.mode else None, filtered=self.filtered,
+            prefill=self.prefill.name, decode=self.md.name, relay=self.relay.name if self.relay else None,
+        )  # fmt: skip

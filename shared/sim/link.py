@@ -1,0 +1,130 @@
+"""One direction of a network path: KV transfers queue FIFO and serialise at the bandwidth,
+then take the propagation delay (plus seeded jitter, never reordering deliveries); control
+messages take the delay alone (they travel on their own connection)."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.sim.events import EventLoop
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth_Bps: float  # bytes/s
+    one_way_s: float  # propagation delay
+    jitter_s: float = 0.0  # each crossing adds uniform(0, jitter_s), seeded; KV deliveries stay FIFO
+    price_per_hour: float = 0.0  # a leased cross-DC line's cost (0 for in-DC)
+
+
+IN_DC = LinkSpec(50e9, 10e-6)  # RDMA-class in-DC path (400 Gb/s)
+
+
+@dataclass(eq=False)
+class Transfer:
+    nbytes: int
+    on_landed: Callable[[], None]
+    dest: str = ""  # the receiving instance (backlog per destination)
+    sent: int = 0  # bytes serialised (all of them once it left the queue)
+    started_at: float | None = None
+    aborted: bool = False
+
+
+class Link:
+    def __init__(self, loop: EventLoop, spec: LinkSpec, rng: random.Random, bins: list[float] | None = None):
+        self.loop, self.spec, self.rng = loop, spec, rng
+        self.bins = bins  # bytes serialised per 1 s bin, if counted
+        self.queue: deque[Transfer] = deque()  # the head is on the wire
+        self._head_event: int | None = None
+        self._last_landing = 0.0
+        self._queued_to: dict[str, int] = {}  # bytes in the queue per destination
+
+    def delay(self) -> float:
+        """One crossing's propagation time."""
+        jitter = self.spec.jitter_s
+        return self.spec.one_way_s + (self.rng.uniform(0.0, jitter) if jitter > 0 else 0.0)
+
+    def message(self, fn: Callable[[], None]) -> None:
+        """A control message: delay only."""
+        self.loop.after(self.delay(), fn)
+
+    @property
+    def backlog(self) -> int:
+        """Bytes queued and not yet serialised."""
+        head = self.queue[0] if self.queue else None
+        unsent = sum(t.nbytes for t in self.queue)
+        if head is not None and head.started_at is not None:
+            unsent -= self._sent_by(head, self.loop.now)
+        return unsent
+
+    def backlog_to(self, dest: str) -> int:
+        """Bytes queued toward one destination and not yet serialised."""
+        queued = self._queued_to.get(dest, 0)
+        head = self.queue[0] if self.queue else None
+        if head is not None and head.dest == dest and head.started_at is not None:
+            queued -= self._sent_by(head, self.loop.now)
+        return queued
+
+    def send(self, nbytes: int, on_landed: Callable[[], None], dest: str = "") -> Transfer:
+        t = Transfer(nbytes, on_landed, dest)
+        self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes
+        self.queue.append(t)
+        if len(self.queue) == 1:
+            self._start_head()
+        return t
+
+    def abort(self, t: Transfer) -> None:
+        """Drop a transfer: its unsent bytes leave the queue (what was sent stays sent)."""
+        if t.aborted or t not in self.queue:
+            return
+        t.aborted = True
+        self._queued_to[t.dest] -= t.nbytes
+        if t is self.queue[0] and t.started_at is not None:
+            t.sent = self._sent_by(t, self.loop.now)
+            self._count(t.started_at, self.loop.now, t.sent)
+            self.loop.cancel(self._head_event)
+            self.queue.popleft()
+            self._start_head()
+        else:
+            self.queue.remove(t)
+
+    def _sent_by(self, t: Transfer, now: float) -> int:
+        return min(t.nbytes, round((now - t.started_at) * self.spec.bandwidth_Bps))
+
+    def _start_head(self) -> None:
+        if not self.queue:
+            return
+        head = self.queue[0]
+        head.started_at = self.loop.now
+        self._head_event = self.loop.after(head.nbytes / self.spec.bandwidth_Bps, self._head_sent)
+
+    def _head_sent(self) -> None:
+        t = self.queue.popleft()
+        t.sent = t.nbytes
+        self._queued_to[t.dest] -= t.nbytes
+        self._count(t.started_at, self.loop.now, t.nbytes)
+        landing = max(self.loop.now + self.delay(), self._last_landing)
+        self._last_landing = landing
+        self.loop.at(landing, t.on_landed)
+        self._start_head()
+
+    def _count(self, start: float, end: float, nbytes: int) -> None:
+        """Spread bytes serialised over [start, end] across the 1 s bins."""
+        if self.bins is None or nbytes <= 0:
+            return
+        rate = nbytes / (end - start) if end > start else 0.0
+        second = int(start)
+        while True:
+            if len(self.bins) <= second:
+                self.bins.extend([0.0] * (second + 1 - len(self.bins)))
+            if rate == 0.0:
+                self.bins[second] += nbytes
+                return
+            upto = min(end, second + 1.0)
+            self.bins[second] += rate * (upto - max(start, float(second)))
+            if upto >= end:
+                return
+            second += 1

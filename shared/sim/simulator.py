@@ -1,0 +1,137 @@
+"""`simulate`: one deployment serving one workload, on the project's own policy code.
+
+The pieces, one per file:
+  events.py      the clock: a heap of (time, insertion order, callback)
+  link.py        a network path: FIFO KV serialisation, propagation delay, seeded jitter (LinkSpec, IN_DC)
+  deployment.py  instances per role, their chips, the KV paths (Deployment: same_dc, naive, pdd)
+  instance.py    an engine's KV block pool (the engine's BlockPool) and admission by blocks
+  prefill.py     P: chunked prefill within a token budget, KV streamed as it is computed
+  decoder.py     D / MD / RLD: continuous batching, decode runs advanced in one event each
+  router.py      the router service's route plan over loads, prefix indexes and link figures
+  fleet.py       a request's life across P, the links and MD
+  handoff.py     the relay's half: decode first, hand over by token IDs, the anomalous-traffic filter
+  job.py         one request's state while it runs
+  records.py     RequestRecord per request, SimResult with its summary()
+
+Simplifications a capacity planner should know: a decoder reserves KV blocks for the whole
+request (prompt and output) when it takes it, so there is no preemption; MD's tokens reach
+the router one WAN crossing later with one jitter sample per request; the relays' caches
+are not indexed by the router (as in the service)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.bus.messages import Role
+from shared.config import RelaySettings, RouterSettings
+from shared.sim.decoder import DecodeInstance
+from shared.sim.deployment import Deployment, RoleSpec
+from shared.sim.events import EventLoop
+from shared.sim.fleet import Fleet
+from shared.sim.instance import Instance
+from shared.sim.job import Job
+from shared.sim.link import Link
+from shared.sim.model_spec import ModelSpec
+from shared.sim.prefill import PrefillInstance
+from shared.sim.records import SimResult
+from shared.sim.router import SimRouter
+from shared.sim.workload import SimRequest, Workload
+
+
+@dataclass
+class SimSettings:
+    router: RouterSettings = field(default_factory=RouterSettings)
+    relay: RelaySettings = field(default_factory=RelaySettings)
+    max_batched_tokens: int = 8192  # per step, per instance (chunked prefill)
+    max_num_seqs: int = 256
+    seed: int = 0
+    time_limit_s: float | None = None  # stop admitting and stop the clock here (None: run to the end)
+
+
+def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, settings: SimSettings | None = None,
+             on_progress: Callable[[float], None] | None = None) -> SimResult:  # fmt: skip
+    """Serve `workload` on `deployment`; on_progress(fraction of requests done) now and then."""
+    started = time.perf_counter()
+    s = settings or SimSettings()
+    sim = _Simulation(deployment, workload, model, s, on_progress or (lambda f: None))
+    sim.start()
+    sim.loop.run(s.time_limit_s)
+    sim.on_progress(1.0)
+    records = sorted(sim.fleet.records, key=lambda r: r.rid)
+    busy = {role: sum(i.busy_s for i in insts) for role, insts in sim.roles.items()}
+    bins = sim.wan.bins if sim.wan and sim.wan.bins is not None else []
+    return SimResult(deployment.name, workload.name, records, sim.loop.now, time.perf_counter() - started,
+                     list(bins), busy, sim.loop.events)  # fmt: skip
+
+
+class _Simulation:
+    def __init__(self, d: Deployment, workload: Workload, model: ModelSpec, s: SimSettings,
+                 on_progress: Callable[[float], None]):  # fmt: skip
+        self.loop, self.workload, self.on_progress = EventLoop(), workload, on_progress
+        self.rng = random.Random(s.seed)
+        bs, kvbpt = workload.block_size, model.kv_bytes_per_token
+        cross_dc = d.kind != "same-dc"
+
+        def make(prefix: str, spec: RoleSpec, cls):
+            blocks = spec.chip.kv_capacity_bytes // (bs * kvbpt)
+            return [cls(f"{prefix}{i}", spec.chip, self.loop, blocks, bs, s.max_num_seqs, s.max_batched_tokens)
+                    for i in range(spec.count)]  # fmt: skip
+
+        prefills = make("p", d.prefill, lambda *a: PrefillInstance(*a, self._prefill_events))
+        decodes = make("md" if cross_dc else "d", d.decode, DecodeInstance)
+        relays = make("rld", d.relay, DecodeInstance) if d.relay else []
+        self.roles = {"prefill": prefills, "relay": relays, "decode": decodes}
+        by_name: dict[str, Instance] = {i.name: i for group in self.roles.values() for i in group}
+        # One cross-DC line that every P→MD transfer shares; in one DC, a path per decoder.
+        self.wan = Link(self.loop, d.wan, self.rng, bins=[]) if cross_dc else None
+        in_dc = {m.name: Link(self.loop, d.wan, self.rng) for m in decodes} if not cross_dc else {}
+        local = {r.name: Link(self.loop, d.local, self.rng) for r in relays}
+        kv_link = (lambda name: self.wan) if self.wan else in_dc.__getitem__
+        instances = {Role.PREFILL: prefills, Role.RELAY: relays, Role.MAIN_DECODE: decodes}
+        report_delay = d.wan.one_way_s if cross_dc else 0.0
+        self.router = SimRouter(s.router, self.loop, bs, kvbpt, instances, kv_link, report_delay)
+        self.fleet = Fleet(self.loop, self.router, kvbpt, bs, kv_link, local.__getitem__, self.wan, by_name, s.relay)
+        self.fleet.on_finished = self._finished
+        self.done, self.total = 0, len(workload.requests)
+        self.report_every = max(1, self.total // 100)
+        self.next_of: dict[int, SimRequest] = {}  # closed loop: a request's successor of the same client
+
+    def _prefill_events(self, instance: str, stored: list[int], evicted: list[int]) -> None:
+        self.router.on_cache_events(Role.PREFILL, instance, stored, evicted)
+
+    def start(self) -> None:
+        self.on_progress(0.0)
+        reqs = self.workload.requests
+        if not reqs:
+            return
+        if not self.workload.closed_loop:
+            self._arrive_open(0)
+            return
+        last_of: dict[object, SimRequest] = {}
+        for r in reqs:
+            client = r.client if r.client is not None else ("solo", r.rid)
+            if client in last_of:
+                self.next_of[last_of[client].rid] = r
+            else:
+                self.loop.at(r.arrival_s, lambda r=r: self.fleet.arrive(r))
+            last_of[client] = r
+
+    def _arrive_open(self, i: int) -> None:
+        reqs = self.workload.requests
+        self.loop.at(reqs[i].arrival_s, lambda: self._open_arrival(i))
+
+    def _open_arrival(self, i: int) -> None:
+        if i + 1 < len(self.workload.requests):
+            self._arrive_open(i + 1)
+        self.fleet.arrive(self.workload.requests[i])
+
+    def _finished(self, job: Job) -> None:
+        self.done += 1
+        if self.done % self.report_every == 0:
+            self.on_progress(self.done / self.total)
+        nxt = self.next_of.pop(job.req.rid, None)
+        if nxt is not None:  # think time after the last token reached the router
+            self.loop.at(job.times.last + nxt.arrival_s, lambda: self.fleet.arrive(nxt))

@@ -1,0 +1,115 @@
+"""Instances on hand-computable cases: every step of the FLAT chip takes 10 ms, the TINY
+model's KV is 16 B per token, prompts are 2 blocks (32 tokens, 512 B of KV)."""
+
+from dataclasses import replace
+
+import pytest
+
+from shared.sim.chip import Chip
+from shared.sim.decoder import DecodeInstance, Seq
+from shared.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
+from shared.sim.events import EventLoop
+from shared.sim.simulator import simulate
+from shared.sim.step_cost import Linear, StepCost, decode_load
+from shared.sim.workload import Workload
+from tests.sim_util import FLAT, TINY, request, workload
+
+EXACT = 1e-12
+KV = 32 * 16  # the prompt's KV bytes
+IN_DC_S = KV / IN_DC.bandwidth_Bps + IN_DC.one_way_s  # its crossing in one DC
+
+
+def test_same_dc_single_request():
+    result = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5)), TINY)
+    (r,) = result.records
+    kv_ready = 0.01 + IN_DC_S  # one prefill step, then the KV crosses
+    assert r.ttft_s == pytest.approx(0.01, abs=EXACT)
+    assert r.tt2t_s == pytest.approx(kv_ready + 0.01, abs=EXACT)
+    assert r.e2e_s == pytest.approx(kv_ready + 4 * 0.01, abs=EXACT)  # tokens 2..5 from D
+    assert r.tpot_s == pytest.approx((r.e2e_s - 0.01) / 4, abs=EXACT)
+    assert r.max_gap_s == pytest.approx(kv_ready + 0.01 - 0.01, abs=EXACT)
+    assert (r.pipeline, r.md_tokens, r.rld_tokens, r.wan_bytes) == ("p-md", 4, 0, KV)
+    assert result.wan_bytes_per_s == []  # nothing crossed DCs
+
+
+def test_p_md_across_a_wan():
+    wan = LinkSpec(1000.0, 0.05)
+    result = simulate(naive(RoleSpec(1, FLAT), RoleSpec(1, FLAT), wan), workload(request(0, 0.0, 2, 5)), TINY)
+    (r,) = result.records
+    # MD's prepare reply is back at 0.10; the 512 B serialise until 0.612 and land at 0.662.
+    # MD's tokens 2..5 at 0.672 .. 0.702 reach the router 0.05 later.
+    assert r.ttft_s == pytest.approx(0.01, abs=EXACT)
+    assert r.tt2t_s == pytest.approx(0.722, abs=EXACT)
+    assert r.e2e_s == pytest.approx(0.752, abs=EXACT)
+    assert r.tpot_s == pytest.approx((0.752 - 0.01) / 4, abs=EXACT)
+    assert r.max_gap_s == pytest.approx(0.712, abs=EXACT)
+    assert r.wan_bytes == KV and sum(result.wan_bytes_per_s) == pytest.approx(KV)
+
+
+def test_a_joiner_waits_for_the_step_boundary():
+    reqs = workload(request(0, 0.0, 2, 5), request(1, 0.015, 2, 5))
+    a, b = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), reqs, TINY).records
+    # b's KV is in at 0.025 + IN_DC_S, in the middle of a's step that ends at 0.03 + IN_DC_S.
+    assert b.tt2t_s == pytest.approx(0.03 + IN_DC_S + 0.01 - 0.015, abs=EXACT)
+    assert a.e2e_s == pytest.approx(0.01 + IN_DC_S + 0.04, abs=EXACT)  # a's steps kept their pace
+
+
+def test_a_decode_run_fast_forwarded_equals_its_steps():
+    step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
+    chip = Chip("lin", step, 1 << 30, 1.0)
+    loop = EventLoop()
+    d = DecodeInstance("d0", chip, loop, 1000, 16, max_num_seqs=8, max_batched_tokens=64)
+    runs = []
+    d.join(Seq(100, 300, lambda *run: runs.append(run), lambda: None))
+    loop.run()
+    (first, last, n, gap), = runs
+    steps = [step.step_s(decode_load(1, 100 + i)) for i in range(300)]
+    assert n == 300
+    assert first == pytest.approx(steps[0], rel=1e-12)
+    assert last == pytest.approx(sum(steps), rel=1e-12)
+    assert gap == pytest.approx(max(steps[1:]), rel=1e-12)
+    assert d.busy_s == pytest.approx(sum(steps), rel=1e-12)
+
+
+
+def test_a_run_cut_by_a_joiner_goes_on_from_the_context_it_reached():
+    step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
+    loop = EventLoop()
+    d = DecodeInstance("d0", Chip("lin", step, 1 << 30, 1.0), loop, 1000, 16, max_num_seqs=8, max_batched_tokens=64)
+    runs = {"a": [], "b": []}
+    d.join(Seq(100, 300, lambda *run: runs["a"].append(run), lambda: None))
+    loop.at(0.1, lambda: d.join(Seq(50, 10, lambda *run: runs["b"].append(run), lambda: None)))
+    loop.run()
+    # Step by step: b joins at the first step end at or after 0.1.
+    t, contexts, a_last, b_first = 0.0, {"a": 100}, 0.0, None
+    while contexts["a"] < 400:
+        if t >= 0.1 and b_first is None and "b" not in contexts:
+            contexts["b"] = 50
+        t += step.step_s(decode_load(len(contexts), sum(contexts.values())))
+        for k in list(contexts):
+            contexts[k] += 1
+            if k == "b" and b_first is None:
+                b_first = t
+            if k == "b" and contexts[k] == 60:
+                del contexts[k]
+        a_last = t
+    assert runs["a"][-1][1] == pytest.approx(a_last, rel=1e-12)
+    assert runs["b"][0][0] == pytest.approx(b_first, rel=1e-12)
+    assert sum(n for _, _, n, _ in runs["a"]) == 300 and len(runs["a"]) == 3  # cut when b joins and leaves
+
+
+def test_prefix_hits_on_p_and_md():
+    second = request(1, 1.0, 3, 5, first_hash=0)  # its first 2 blocks are the first request's
+    a, b = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5), second), TINY).records
+    assert (a.prefill_hit, a.hit_rate, a.wan_bytes) == (0.0, 0.0, KV)
+    assert b.prefill_hit == pytest.approx(32 / 48) and b.hit_rate == pytest.approx(32 / 48)
+    assert b.wan_bytes == 16 * 16  # only the block D lacks
+
+
+def test_closed_loop_the_next_request_follows_the_last_token_after_the_think_time():
+    first, then = request(0, 0.2, 2, 5), request(1, 0.5, 2, 5)
+    reqs = Workload("closed", 16, (replace(first, client=7), replace(then, client=7)), closed_loop=True)
+    wan = LinkSpec(1000.0, 0.05)  # MD's last token reaches the router after MD is done with it
+    a, b = simulate(naive(RoleSpec(1, FLAT), RoleSpec(1, FLAT), wan), reqs, TINY).records
+    assert a.arrival_s == 0.2
+    assert b.arrival_s == pytest.approx(0.2 + a.e2e_s + 0.5, abs=EXACT)
