@@ -122,6 +122,18 @@ def test_fit_recovers_known_coefficients():
     assert fitted.memory == Linear()
 
 
+def test_fit_reproduces_two_regimes():
+    # Steps that turn memory-bound past ~4k KV tokens: max(compute, memory) of two lines.
+    truth = StepCost(1e-3, Linear(const=0.01, per_token=4e-5, per_attn=3e-9, per_kv_read=1e-7, per_seq=2e-4),
+                     Linear(per_kv_read=4e-6))  # fmt: skip
+    loads = [decode_load(b, b * c) for b in (1, 4, 8, 16) for c in (64, 512, 1536, 3072)]
+    loads += [chunk_load(n, c) for n in (16, 128, 512) for c in (0, 1024, 2048)]
+    seconds = [truth.step_s(x) for x in loads]
+    assert sum(truth.memory(x) > truth.compute(x) for x in loads) >= 5
+    fitted = calibrate.fit_step_cost(loads, seconds)
+    assert [fitted.step_s(x) for x in loads] == pytest.approx(seconds, rel=1e-6)
+
+
 def test_nnls_keeps_coefficients_non_negative():
     import numpy as np
 

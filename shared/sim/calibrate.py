@@ -7,7 +7,8 @@ included, as the simulator's steps are), after warm-up steps, as the median of r
   chunk   one sequence computing N new tokens after C tokens served from the prefix cache.
 The load of every timed step is read from the engine's counters, not assumed. The fit is
 non-negative least squares of overhead + compute·load (relative error weighted: small steps
-matter as much as large ones), written as a "calibrated" profile of this model on this machine.
+matter as much as large ones), with a second line (the memory term) where the points show a
+second regime; written as a "calibrated" profile of this model on this machine.
 
     pdd sim calibrate [--quick] [--preset small] [--dtype float32] [--device cpu] [--threads N] [--out NAME]
 """
@@ -33,6 +34,7 @@ from shared.sim.step_cost import Linear, StepCost, StepLoad, chunk_load, decode_
 
 # (load field, its Linear coefficient): what the compute term is fitted on
 FIELDS = (("tokens", "per_token"), ("attn", "per_attn"), ("kv_read", "per_kv_read"), ("seqs", "per_seq"))
+MEMORY_COLUMNS = np.array([1.0, 1.0, 0.0, 1.0, 0.0])  # a memory-bound step: const (weights) + KV bytes
 CPU_PRICE = (0.10, "assumption: about what a 2-vCPU cloud VM costs on demand (AWS c7a.large, 2 vCPU "
                    "AMD EPYC, us-east-1: about $0.10/h; https://aws.amazon.com/ec2/pricing/on-demand/)")  # fmt: skip
 
@@ -86,16 +88,54 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
     raise RuntimeError("nnls did not converge")
 
 
+def _fit_line(rows: np.ndarray, t: np.ndarray, on: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative [const, per field] coefficients fitted to the points `on` (only `columns`
+    may be non-zero), relative error weighted."""
+    rows = rows if columns is None else rows * columns
+    weighted = rows[on] / t[on, None]  # each row divided by its time: the residuals are relative
+    scale = np.linalg.norm(weighted, axis=0)
+    scale[scale == 0] = 1.0  # a field these points never vary stays at 0
+    return nnls(weighted / scale, np.ones(int(on.sum()))) / scale
+
+
+def _loss(predicted: np.ndarray, t: np.ndarray) -> float:
+    return float(np.mean(((predicted - t) / t) ** 2))
+
+
 def fit_step_cost(loads: list[StepLoad], seconds: list[float]) -> StepCost:
-    """Non-negative overhead and compute coefficients, relative error weighted; memory stays 0."""
+    """One line through every point, or, where it fits better, max(compute, memory) of two lines
+    (a second regime, such as KV reads falling out of the caches): from several first splits
+    of the points (by KV read, by residual), alternate between fitting each line to its points
+    and giving each point to the larger line; keep the best fit seen."""
     rows = np.array([[1.0, *(float(getattr(x, f)) for f, _ in FIELDS)] for x in loads])
     t = np.array(seconds, dtype=float)
-    weighted = rows / t[:, None]  # each row divided by its time: the residuals are relative
-    scale = np.linalg.norm(weighted, axis=0)
-    scale[scale == 0] = 1.0  # a field the grid never varies stays at 0
-    coef = nnls(weighted / scale, np.ones(len(t))) / scale
-    compute = Linear(**{name: float(c) for (_, name), c in zip(FIELDS, coef[1:], strict=True)})
-    return StepCost(overhead_s=float(coef[0]), compute=compute, memory=Linear())
+    compute = _fit_line(rows, t, np.ones(len(t), dtype=bool))
+    best = (_loss(rows @ compute, t), compute, np.zeros_like(compute))
+    kv = rows[:, 3]
+    for upper in [t > 1.2 * (rows @ compute), *(kv >= k for k in np.unique(kv))]:
+        best = min(best, _alternate(rows, t, upper, best), key=lambda fit: fit[0])
+    return _step_cost(best[1], best[2])
+
+
+def _alternate(rows: np.ndarray, t: np.ndarray, upper: np.ndarray, best: tuple) -> tuple:
+    for _ in range(20):
+        if upper.sum() < 3 or (~upper).sum() < 3:
+            break
+        c, m = _fit_line(rows, t, ~upper), _fit_line(rows, t, upper, MEMORY_COLUMNS)
+        if (loss := _loss(np.maximum(rows @ c, rows @ m), t)) < best[0]:
+            best = (loss, c, m)
+        if ((rows @ m > rows @ c) == upper).all():
+            break
+        upper = rows @ m > rows @ c
+    return best
+
+
+def _step_cost(compute: np.ndarray, memory: np.ndarray) -> StepCost:
+    """The constant both lines share becomes the overhead (max(a + o, b + o) = o + max(a, b))."""
+    overhead = min(compute[0], memory[0]) if memory.any() else compute[0]
+    lines = [Linear(float(v[0] - overhead) if v.any() else 0.0,
+                    **{name: float(x) for (_, name), x in zip(FIELDS, v[1:], strict=True)}) for v in (compute, memory)]  # fmt: skip
+    return StepCost(overhead_s=float(overhead), compute=lines[0], memory=lines[1])
 
 
 def relative_errors(step: StepCost, points: list[Point]) -> list[float]:
@@ -292,10 +332,11 @@ def report(points: list[Point], step: StepCost) -> str:
     for p, e in zip(points, relative_errors(step, points), strict=True):
         lines.append(f"{p.kind:<7}{p.size:>6}{p.context:>9}{p.seconds * 1e3:>13.2f}{step.step_s(p.load) * 1e3:>11.2f}{e:>+8.1%}")
     errors = [abs(e) for e in relative_errors(step, points)]
-    c = step.compute
     lines += [f"fit: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}",
-              f"step = {step.overhead_s * 1e3:.3f} ms + {c.per_token * 1e6:.3f} µs/token + {c.per_attn * 1e9:.3f} ns/attn pair"
-              f" + {c.per_kv_read * 1e9:.3f} ns/KV token read + {c.per_seq * 1e6:.3f} µs/seq"]  # fmt: skip
+              f"step = {step.overhead_s * 1e3:.3f} ms + max(compute, memory)"]  # fmt: skip
+    for name, c in (("compute", step.compute), ("memory", step.memory)):
+        lines.append(f"  {name:<8}{c.const * 1e3:.3f} ms + {c.per_token * 1e6:.3f} µs/token + {c.per_attn * 1e9:.3f} "
+                     f"ns/attn pair + {c.per_kv_read * 1e9:.3f} ns/KV token read + {c.per_seq * 1e6:.3f} µs/seq")  # fmt: skip
     return "\n".join(lines)
 
 
