@@ -1,4 +1,4 @@
-"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, trace, top."""
+"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, sim, trace, top."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.catalog import bench_names, benches, listing
 from shared.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
-FORWARDING = ("wan", "bench", "chaos")  # subcommands whose extra arguments belong to another main()
+FORWARDING = ("wan", "bench", "chaos", "sim")  # subcommands whose extra arguments belong to another main()
 COUNT_HELP = {
     "prefill": f"prefill instances (1..{MAX_COUNT}); ",
     "relay": f"relay decoder instances (1..{MAX_COUNT}); ",
@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("chaos", help="start a system and inject faults into it under load (= pdd bench chaos)",
                    add_help=False)  # fmt: skip
+
+    sub.add_parser("sim", help="the fleet simulator: run, calibrate, validate, paper, plan, profiles "
+                   "(`pdd sim --help`); extra arguments go to it", add_help=False)  # fmt: skip
 
     trace = sub.add_parser("trace", help="show one request's trace from the local span store")
     trace.add_argument("id", help="request id (x-request-id) or 32-hex trace id")
@@ -169,6 +172,12 @@ def cmd_bench(name: str | None, extra: list[str]) -> int:
     return 0 if asked else 2
 
 
+def cmd_sim(extra: list[str]) -> int:
+    from shared.sim.cli import main as sim_main  # lazy: a simulation may import torch and numpy
+
+    return sim_main(extra)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_trace
     from shared.telemetry.waterfall import render_waterfall, trace_to_json
@@ -218,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_bench(args.name, extra)
     if args.command == "chaos":
         return cmd_bench("chaos", extra)
+    if args.command == "sim":
+        return cmd_sim(extra)
     return cmd_trace(args)
 
 

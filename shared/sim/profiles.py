@@ -1,0 +1,158 @@
+"""Model shapes and hardware profiles as data, and the Chip a profile makes of a model.
+
+Model shapes: shared/sim/models/<name>.json (the fields of a Hugging Face config.json, with the
+file they come from as "source"), plus the built-in presets "tiny" and "small", read from
+shared/model/presets.py in fp32 as the real engine runs them by default.
+
+Hardware profiles: shared/sim/profiles/<name>.json, and $PDD_SIM_PROFILES/<name>.json (which
+wins on a name clash). Two kinds:
+  roofline    peak bf16 FLOP/s, HBM bandwidth, memory, efficiency factors, a per-step overhead
+              and a price: the step cost of any model follows from its shape;
+  calibrated  step-cost coefficients fitted by `pdd sim calibrate` to one model on one machine:
+              only that model (name and dtype) may use it.
+Every figure of a profile names its public source (or says it is an assumption) in "sources".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from shared.sim.chip import Chip
+from shared.sim.model_spec import ModelSpec
+from shared.sim.step_cost import Linear, StepCost
+
+HERE = Path(__file__).parent
+MODELS_DIR = HERE / "models"
+BUILTIN_PROFILES = HERE / "profiles"
+ENV = "PDD_SIM_PROFILES"  # a directory of the user's profiles; `pdd sim calibrate` writes there
+PRESET_NAMES = ("tiny", "small")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The figures each kind must carry, each with an entry in "sources".
+FIGURES = {
+    "roofline": ("peak_bf16_flops", "hbm_bandwidth_bytes_per_s", "memory_bytes", "compute_efficiency",
+                 "memory_efficiency", "usable_memory_fraction", "overhead_s", "price_per_hour"),
+    "calibrated": ("step", "memory_bytes", "usable_memory_fraction", "price_per_hour"),
+}  # fmt: skip
+
+
+# ---- model shapes ----------------------------------------------------------------------
+def model_names() -> list[str]:
+    return sorted([*PRESET_NAMES, *(p.stem for p in MODELS_DIR.glob("*.json"))])
+
+
+def model_spec(name: str, dtype: str | None = None) -> ModelSpec:
+    """The shape of a built-in preset or a model file; `dtype` overrides its default
+    (fp32 for the presets, the config's torch_dtype for a model file)."""
+    if name in PRESET_NAMES:
+        return _preset_spec(name, dtype or "float32")
+    path = MODELS_DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(model_names())}")
+    cfg = json.loads(path.read_text())
+    if cfg.get("tie_word_embeddings"):
+        raise ValueError(f"{path}: tied embeddings are not modelled (ModelSpec counts lm_head apart)")
+    heads = cfg["num_attention_heads"]
+    return ModelSpec(
+        name=name, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+        dtype_bytes=_dtype_bytes(dtype or cfg.get("torch_dtype", "bfloat16")),
+    )  # fmt: skip
+
+
+def _preset_spec(name: str, dtype: str) -> ModelSpec:
+    from shared.model.presets import PRESETS  # lazy: imports torch
+    from shared.model.tokenizer import ByteTokenizer
+
+    p = PRESETS[name]
+    return ModelSpec(
+        name=name, layers=p["num_layers"], hidden=p["hidden_size"], heads=p["num_heads"],
+        kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate_size"],
+        vocab=ByteTokenizer.vocab_size, dtype_bytes=_dtype_bytes(dtype),
+    )  # fmt: skip
+
+
+def _dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+# ---- hardware profiles -----------------------------------------------------------------
+def profile_dirs() -> list[Path]:
+    """Where profiles are read from, the later winning on a name clash."""
+    user = os.environ.get(ENV)
+    return [BUILTIN_PROFILES] + ([Path(user)] if user else [])
+
+
+def profile_dir_for_writing() -> Path:
+    user = os.environ.get(ENV)
+    return Path(user) if user else BUILTIN_PROFILES
+
+
+def _profile_paths() -> dict[str, Path]:
+    return {p.stem: p for d in profile_dirs() for p in sorted(d.glob("*.json"))}
+
+
+def profile_names() -> list[str]:
+    return sorted(_profile_paths())
+
+
+def load_profile(name: str) -> dict:
+    path = _profile_paths().get(name)
+    if path is None:
+        raise ValueError(f"unknown hardware profile {name!r}; available: {', '.join(profile_names())}")
+    profile = json.loads(path.read_text())
+    if profile.get("kind") not in FIGURES:
+        raise ValueError(f"{path}: kind must be one of {', '.join(FIGURES)}, not {profile.get('kind')!r}")
+    return profile
+
+
+def chip(profile_name: str, model: ModelSpec) -> Chip:
+    """The instance `profile_name` makes of `model`: its step costs, KV room and price."""
+    profile = load_profile(profile_name)
+    if profile["kind"] == "roofline":
+        step = roofline_step_cost(profile, model)
+    else:
+        _check_fitted_model(profile_name, profile, model)
+        step = step_cost_from_json(profile["step"])
+    usable = int(profile["memory_bytes"] * profile["usable_memory_fraction"])
+    if usable <= model.weight_bytes:
+        raise ValueError(f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) does not fit in "
+                         f"{profile_name}'s usable memory ({usable / 1e9:.1f} GB)")  # fmt: skip
+    return Chip(profile_name, step, usable - model.weight_bytes, float(profile["price_per_hour"]))
+
+
+def roofline_step_cost(profile: dict, model: ModelSpec) -> StepCost:
+    """compute: FLOPs over effective peak; memory: the weights plus every KV byte read or
+    written over effective bandwidth (each step reads all weights once)."""
+    flops = profile["peak_bf16_flops"] * profile["compute_efficiency"]
+    bandwidth = profile["hbm_bandwidth_bytes_per_s"] * profile["memory_efficiency"]
+    kv_s = model.kv_bytes_per_token / bandwidth
+    return StepCost(
+        overhead_s=float(profile["overhead_s"]),
+        compute=Linear(per_token=model.flops_per_token / flops, per_attn=model.flops_per_attn_pair / flops),
+        memory=Linear(const=model.weight_bytes / bandwidth, per_token=kv_s, per_kv_read=kv_s),
+    )
+
+
+def _check_fitted_model(profile_name: str, profile: dict, model: ModelSpec) -> None:
+    fitted = profile["model"]
+    if model.name != fitted["name"] or model.dtype_bytes != _dtype_bytes(fitted["dtype"]):
+        raise ValueError(
+            f"profile {profile_name!r} was calibrated for model {fitted['name']!r} in {fitted['dtype']}; "
+            f"it cannot time {model.name!r} ({model.dtype_bytes} bytes per value): use a roofline "
+            f"profile or run `pdd sim calibrate --preset {model.name}`"
+        )
+
+
+def step_cost_from_json(d: dict) -> StepCost:
+    return StepCost(float(d["overhead_s"]), Linear(**d["compute"]), Linear(**d["memory"]))
+
+
+def step_cost_to_json(step: StepCost) -> dict:
+    return {"overhead_s": step.overhead_s, "compute": asdict(step.compute), "memory": asdict(step.memory)}

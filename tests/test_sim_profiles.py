@@ -1,0 +1,177 @@
+"""Model shapes, hardware profiles, the roofline step cost, the calibration fit and `pdd sim`'s
+command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.cli import main as pdd_main
+from shared.sim import calibrate
+from shared.sim import cli as sim_cli
+from shared.sim.profiles import (
+    BUILTIN_PROFILES,
+    FIGURES,
+    MODELS_DIR,
+    chip,
+    load_profile,
+    model_names,
+    model_spec,
+    profile_names,
+)
+from shared.sim.step_cost import Linear, StepCost, chunk_load, decode_load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_llama_8b_shape_from_its_config():
+    spec = model_spec("llama-3.1-8b")
+    assert spec.params == 8_029_995_008  # the 8.03 B of the model card
+    assert spec.kv_bytes_per_token == 131072  # 2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes
+    assert spec.dtype_bytes == 2
+
+
+def test_presets_are_read_from_the_engine_in_fp32():
+    small = model_spec("small")
+    assert (small.layers, small.hidden, small.vocab, small.dtype_bytes) == (8, 512, 258, 4)
+    assert small.kv_bytes_per_token == 16384  # 8 layers x 4 KV heads x 64 dims x K,V x 4 B
+    assert model_spec("small", dtype="bfloat16").kv_bytes_per_token == 8192
+    assert {"tiny", "small", "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-32b"} <= set(model_names())
+
+
+def test_roofline_decode_step_by_hand():
+    # h100-sxm: 989e12 FLOP/s x 0.6, 3.35e12 B/s x 0.8, 2 ms overhead; llama-3.1-8b in bf16.
+    step = chip("h100-sxm", model_spec("llama-3.1-8b")).step
+    flops = 8 * 15_009_316_864 + (8000 + 8) * 524_288  # 2 x matrix params per token, 4 x 32 x 32 x 128 per pair
+    memory = 16_059_990_016 + 131072 * (8000 + 8)  # all weights + KV read and written
+    compute_s, memory_s = flops / (989e12 * 0.6), memory / (3.35e12 * 0.8)
+    assert memory_s > compute_s  # decode is bandwidth-bound
+    assert step.step_s(decode_load(8, 8000)) == pytest.approx(0.002 + memory_s, rel=1e-12)
+
+
+def test_roofline_prefill_chunk_by_hand():
+    step = chip("h100-sxm", model_spec("llama-3.1-8b")).step
+    load = chunk_load(2048, 1024)  # 2048 new tokens after 1024 cached
+    pairs = 2048 * 1024 + 2048 * 2049 // 2
+    compute_s = (2048 * 15_009_316_864 + pairs * 524_288) / (989e12 * 0.6)
+    memory_s = (16_059_990_016 + 131072 * (1024 + 2048)) / (3.35e12 * 0.8)
+    assert compute_s > memory_s  # a long prefill chunk is compute-bound
+    assert step.step_s(load) == pytest.approx(0.002 + compute_s, rel=1e-12)
+
+
+def test_kv_capacity_is_usable_memory_less_weights():
+    assert chip("h100-sxm", model_spec("llama-3.1-8b")).kv_capacity_bytes == int(80e9 * 0.9) - 16_059_990_016
+    assert chip("h200-sxm", model_spec("qwen2.5-32b")).kv_capacity_bytes == int(141e9 * 0.9) - 65_525_514_240
+    with pytest.raises(ValueError, match="does not fit"):
+        chip("h200-sxm", model_spec("llama-3.1-70b"))  # 141.1 GB of bf16 weights
+
+
+def test_calibrated_profile_serves_only_its_model():
+    profile = load_profile("cpu-calibrated")
+    fitted = model_spec(profile["model"]["name"], profile["model"]["dtype"])
+    assert chip("cpu-calibrated", fitted).step.step_s(decode_load(1, 100)) > 0
+    with pytest.raises(ValueError, match="calibrated for model 'small'"):
+        chip("cpu-calibrated", model_spec("llama-3.1-8b"))
+    with pytest.raises(ValueError, match="calibrated for"):
+        chip("cpu-calibrated", model_spec("small", dtype="bfloat16"))  # same shape, other dtype
+
+
+def _figure_ok(value) -> bool:
+    if isinstance(value, dict):  # a calibrated step cost
+        return all(_figure_ok(v) for v in value.values())
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
+@pytest.mark.parametrize("path", sorted(BUILTIN_PROFILES.glob("*.json")), ids=lambda p: p.stem)
+def test_every_profile_figure_names_its_source(path):
+    profile = json.loads(path.read_text())
+    for figure in FIGURES[profile["kind"]]:
+        assert _figure_ok(profile[figure]), figure
+        source = profile["sources"].get(figure, "")
+        assert isinstance(source, str) and len(source) > 10, f"{path.name}: no source for {figure}"
+
+
+def test_every_model_file_names_its_config():
+    for path in MODELS_DIR.glob("*.json"):
+        assert json.loads(path.read_text())["source"].startswith("https://huggingface.co/"), path.name
+
+
+def test_expected_profiles_ship():
+    assert {"h100-sxm", "h200-sxm", "a100-80gb", "l40s", "gpu-a", "gpu-b", "cpu-calibrated"} <= set(profile_names())
+
+
+def test_user_profiles_win_over_builtin(tmp_path, monkeypatch):
+    mine = json.loads((BUILTIN_PROFILES / "h100-sxm.json").read_text()) | {"price_per_hour": 1.25}
+    (tmp_path / "h100-sxm.json").write_text(json.dumps(mine))
+    monkeypatch.setenv("PDD_SIM_PROFILES", str(tmp_path))
+    assert chip("h100-sxm", model_spec("llama-3.1-8b")).price_per_hour == 1.25
+
+
+def test_fit_recovers_known_coefficients():
+    truth = StepCost(2e-3, Linear(per_token=4e-5, per_attn=3e-9, per_kv_read=7e-8, per_seq=2e-4), Linear())
+    loads = [decode_load(b, b * c) for b in (1, 4, 16) for c in (64, 512, 1024)]
+    loads += [chunk_load(n, c) for n in (32, 128, 512) for c in (0, 512, 1024)]
+    fitted = calibrate.fit_step_cost(loads, [truth.step_s(x) for x in loads])
+    assert fitted.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
+    for name in ("per_token", "per_attn", "per_kv_read", "per_seq"):
+        assert getattr(fitted.compute, name) == pytest.approx(getattr(truth.compute, name), rel=1e-6), name
+    assert fitted.memory == Linear()
+
+
+def test_fit_reproduces_two_regimes():
+    # Steps that turn memory-bound past ~4k KV tokens: max(compute, memory) of two lines.
+    truth = StepCost(1e-3, Linear(const=0.01, per_token=4e-5, per_attn=3e-9, per_kv_read=1e-7, per_seq=2e-4),
+                     Linear(per_kv_read=4e-6))  # fmt: skip
+    loads = [decode_load(b, b * c) for b in (1, 4, 8, 16) for c in (64, 512, 1536, 3072)]
+    loads += [chunk_load(n, c) for n in (16, 128, 512) for c in (0, 1024, 2048)]
+    seconds = [truth.step_s(x) for x in loads]
+    assert sum(truth.memory(x) > truth.compute(x) for x in loads) >= 5
+    fitted = calibrate.fit_step_cost(loads, seconds)
+    assert [fitted.step_s(x) for x in loads] == pytest.approx(seconds, rel=1e-6)
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    import numpy as np
+
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    x = calibrate.nnls(a, np.array([2.0, -1.0, 1.0]))  # unconstrained least squares: (2, -1)
+    assert x == pytest.approx([1.5, 0.0])
+
+
+def test_calibrate_quick_writes_a_loadable_profile(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDD_SIM_PROFILES", str(tmp_path))
+    assert calibrate.main(["--quick", "--preset", "tiny", "--out", "here", "--quiet"]) == 0
+    assert "median |error|" in capsys.readouterr().out
+    profile = json.loads((tmp_path / "here.json").read_text())
+    assert profile["model"] == {"name": "tiny", "dtype": "float32", "device": "cpu", "threads": profile["model"]["threads"]}
+    assert len(profile["points"]) == 8 and all(p["measured_s"] > 0 for p in profile["points"])
+    assert "here" in profile_names()
+    assert chip("here", model_spec("tiny")).step.step_s(chunk_load(64, 0)) > 0
+
+
+def test_pdd_sim_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        pdd_main(["sim", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in sim_cli.COMMANDS)
+    with pytest.raises(SystemExit):
+        pdd_main(["sim", "calibrate", "--help"])
+    assert "--quick" in capsys.readouterr().out
+
+
+def test_a_missing_command_module_is_named(monkeypatch, capsys):
+    monkeypatch.setitem(sim_cli.COMMANDS, "later", ("shared.sim.not_written_yet", "a command still to come"))
+    assert pdd_main(["sim", "later"]) == 2
+    assert "shared/sim/not_written_yet.py is missing" in capsys.readouterr().err
+
+
+def test_pdd_help_does_not_import_torch():
+    code = ("import sys\nfrom shared.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
