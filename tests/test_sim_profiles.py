@@ -175,3 +175,10 @@ def test_pdd_help_does_not_import_torch():
             "print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+
+
+def test_the_simulator_knows_every_built_in_preset():
+    from shared.model.presets import PRESETS
+    from shared.sim.profiles import PRESET_NAMES
+
+    assert set(PRESET_NAMES) == set(PRESETS)

@@ -53,6 +53,9 @@ class Grid:
 # chunks up to the engine's default 2048-token budget, a few to a dozen sequences decoding.
 DEFAULT_GRID = Grid((1, 4, 8, 16), (64, 512, 1536, 3072), (16, 128, 512, 1024), (0, 1024, 2048), warmup=1)
 QUICK_GRID = Grid((1, 8), (32, 256), (32, 128), (0, 256), warmup=1, repeats=3)
+# A GPU's steps stay flat (fixed per-step cost) until batches and chunks are large: reach
+# the sizes where compute and memory bandwidth show.
+GPU_GRID = Grid((1, 8, 32, 64), (512, 2048, 8192), (512, 2048, 8192), (0, 4096), warmup=2)
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,7 @@ def report(points: list[Point], step: StepCost) -> str:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pdd sim calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small grid (~20 s on 2 cores with the small preset)")
-    ap.add_argument("--preset", default="small", help="built-in model preset to time (tiny | small); default: small")
+    ap.add_argument("--preset", default="small", help="built-in model preset to time (tiny | small | medium); default: small")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16; default: float32")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N; default: cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads; default: 1, as `pdd bench e2e` "
@@ -360,7 +363,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    grid = QUICK_GRID if args.quick else DEFAULT_GRID
+    grid = QUICK_GRID if args.quick else GPU_GRID if args.device.startswith("cuda") else DEFAULT_GRID
     timer = Timer(args, grid)
     total = len(grid.batches) * len(grid.decode_contexts) + len(grid.chunks) * len(grid.chunk_contexts)
     with progress("calibrate", total=total) as advance:

@@ -28,7 +28,7 @@ HERE = Path(__file__).parent
 MODELS_DIR = HERE / "models"
 BUILTIN_PROFILES = HERE / "profiles"
 ENV = "PDD_SIM_PROFILES"  # a directory of the user's profiles; `pdd sim calibrate` writes there
-PRESET_NAMES = ("tiny", "small")
+PRESET_NAMES = ("tiny", "small", "medium")  # shared/model/presets.py (not imported here: it imports torch)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The figures each kind must carry, each with an entry in "sources".
 FIGURES = {
