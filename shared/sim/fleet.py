@@ -12,6 +12,7 @@ from collections.abc import Callable
 from shared.bus.messages import Pipeline, Role
 from shared.config import RelaySettings
 from shared.sim.decoder import Seq
+from shared.sim.agentic import output_block_hashes
 from shared.sim.events import EventLoop
 from shared.sim.handoff import Relaying
 from shared.sim.instance import Blocks, Instance
@@ -158,6 +159,11 @@ class Fleet:
         return sink
 
     def _md_finished(self, job: Job) -> None:
+        # As the engine does, MD keeps the KV of the tokens it generated too: the session's next
+        # turn starts with them (shared/sim/agentic.py names those blocks).
+        if job.md_blocks is not None:
+            hashes = job.req.block_hashes + output_block_hashes(job.req, self.block_size)
+            job.md.register(job.md_blocks, hashes, len(hashes))
         self.drop_md(job)
         self.finish(job)
 
