@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from shared.bus.messages import Pipeline, Role
 from shared.config import RelaySettings
-from shared.sim.decoder import Seq
 from shared.sim.agentic import output_block_hashes
+from shared.sim.decoder import Seq
 from shared.sim.events import EventLoop
 from shared.sim.handoff import Relaying
 from shared.sim.instance import Blocks, Instance
