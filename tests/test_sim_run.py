@@ -111,12 +111,14 @@ def test_the_wan_time_threshold_moves_the_pipeline_shares(tmp_path):
 
 
 def test_bathtub_gives_one_benefit_per_hit(tmp_path, capsys):
-    result = _main(tmp_path, "--deployment", "same-dc,pdd", "--bathtub", "--bathtub-grid", "0,0.9",
+    # PDD with two P: without prefix hits prefill bounds both, so PDD serves about twice the rate.
+    result = _main(tmp_path, "--deployment", "same-dc,pdd:prefill=2", "--bathtub", "--bathtub-grid", "0,0.9",
                    "--bathtub-duration", "4")  # fmt: skip
     points = result["bathtub"]["points"]
     assert [p["hit"] for p in points] == [0.0, 0.9]
     for p in points:
         assert p["pdd_rps"] > 0 and p["base_rps"] > 0 and p["benefit"] == pytest.approx(p["pdd_rps"] / p["base_rps"])
+    assert points[0]["benefit"] > 1.5
     assert (tmp_path / "r_bathtub.png").exists()
     assert "hit   90%" in capsys.readouterr().out
 
