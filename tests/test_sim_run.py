@@ -128,6 +128,7 @@ def test_bathtub_gives_one_benefit_per_hit(tmp_path, capsys):
     [
         (["--decode-profile", "gpu-z"], "unknown hardware profile 'gpu-z'"),
         (["--deployment", "same-dc,cross-dc"], "unknown deployment 'cross-dc'"),
+        (["--deployment", "pdd:relays=2"], "'relays=2' is not KEY=VALUE"),
         (["--set", "router.no_such_field=1"], "router.no_such_field=1"),
         (["--set", "relay.catchup_threshold=many"], "catchup_threshold"),
         (["--deployment", "same-dc", "--bathtub"], "add pdd to --deployment"),
