@@ -66,10 +66,13 @@ def test_workload_flags():
     assert (fixed.hit, w.block_size) == (0.9, 512)
     assert {(r.input_tokens, r.output_tokens, len(r.block_hashes)) for r in w.requests} == {(2048, 16, 4)}
     assert 20 <= len(w.requests) <= 60  # Poisson at 4 rps for 10 s
-    trace = workload_from_args(_args("--workload", f"trace:{SAMPLE_TRACE}", "--rate", "4"))
-    native = trace.trace
-    assert trace.block_size == MOONCAKE_BLOCK and len(trace.at().requests) == len(native.requests)
-    assert trace.at().duration_s == pytest.approx(native.duration_s * len(native.requests) / native.duration_s / 4)
+    native = workload_from_args(_args("--workload", f"trace:{SAMPLE_TRACE}"))  # at the trace's own rate
+    w = native.at()
+    assert (native.block_size, w.block_size, w.duration_s) == (MOONCAKE_BLOCK, MOONCAKE_BLOCK, native.trace.duration_s)
+    assert w.requests == native.trace.requests
+    faster = workload_from_args(_args("--workload", f"trace:{SAMPLE_TRACE}", "--rate", "4")).at()
+    assert len(faster.requests) == len(w.requests)
+    assert faster.duration_s == pytest.approx(len(w.requests) / 4)  # the sample's ~2 rps, twice as fast
 
 
 def _main(tmp_path: Path, *argv: str) -> dict:

@@ -60,7 +60,6 @@ def goodput_sweep(deployments: list[dict], target: float):
         if d.get("goodput_rps"):
             ax.axvline(d["goodput_rps"], color=line[0].get_color(), ls=":", lw=1)
     ax.axhline(target, color="grey", ls="--", lw=1, label=f"SLA attainment {target:.0%}")
-    ax.set_xscale("log")
     ax.set_title("SLA attainment vs offered rate (dotted: goodput)")
     ax.set_xlabel("offered requests/s")
     ax.set_ylabel("share of requests within the SLA")

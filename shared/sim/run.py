@@ -154,13 +154,14 @@ def deployment_row(d: Deployment, r: SimResult, offered: int, sla: Sla) -> dict:
 def _sweep_all(deployments: list[Deployment], rows: list[dict], spec: WorkloadSpec, model: ModelSpec, sla: Sla,
                settings: SimSettings, args: argparse.Namespace) -> None:  # fmt: skip
     """Each deployment's SLA goodput (from --rate up or down) and BCR, into its row."""
-    with progress("goodput sweep (probes)", total=None) as advance:
+    with progress("goodput sweep", total=len(deployments)) as advance:
         for d, row in zip(deployments, rows, strict=True):
             g = sla_goodput(d, spec.at, model, sla, settings, start_rps=spec.rate_rps, rel_tol=args.sweep_tol,
-                            drain_s=args.drain, on_probe=lambda p: advance())  # fmt: skip
+                            drain_s=args.drain)  # fmt: skip
+            advance()
             row["goodput_rps"] = g.rate_rps
             row["bcr"] = bcr(g.rate_rps, d.cost_per_hour)
-            row["probes"] = [{k: v for k, v in p.row.items()} for p in g.probes]
+            row["probes"] = [p.row for p in g.probes]
 
 
 RATIO_KEYS = ("ttft_p50_s", "ttft_p99_s", "tt2t_p50_s", "tt2t_p99_s", "tpot_p50_s", "tpot_p99_s", "max_gap_p50_s",

@@ -149,13 +149,14 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 
 
 # ---- workloads -------------------------------------------------------------------------
-def add_workload_options(ap: argparse.ArgumentParser, rate: float | None = 8.0, duration: float = 60.0) -> None:
+def add_workload_options(ap: argparse.ArgumentParser, rate: float = 8.0, duration: float = 60.0) -> None:
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", default="agentic",
                    help=f"{WORKLOADS}: the paper-scale agentic generator, the bench's small one, every prompt "
                         f"hitting H of its prefix, or a Mooncake JSONL trace (default agentic)")  # fmt: skip
-    g.add_argument("--rate", type=float, default=rate,
-                   help=f"offered requests/s (default {rate}; a trace: its own rate unless given)")
+    g.add_argument("--rate", type=float, default=None,
+                   help=f"offered requests/s (default {rate:g}; a trace: its own rate unless given)")
+    g.set_defaults(rate_default=rate)
     g.add_argument("--duration", type=float, default=duration, help=f"seconds of arrivals (default {duration:g}; a trace: all of it)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=None, help="tokens per cached block (default 512; agentic-bench 16)")
@@ -200,7 +201,7 @@ def trace_rate(w: Workload) -> float:
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
     kind, _, arg = args.workload.partition(":")
     block = args.block_size or (BENCH_BLOCK if kind == "agentic-bench" else 512)
-    base = WorkloadSpec(kind, args.rate or 0.0, args.duration, args.seed, block, input_tokens=args.input_tokens,
+    base = WorkloadSpec(kind, args.rate or args.rate_default, args.duration, args.seed, block, input_tokens=args.input_tokens,
                         output_tokens=args.output_tokens)  # fmt: skip
     if kind in ("agentic", "agentic-bench") and not arg:
         spec = base
