@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="store_true", help="find each deployment's SLA goodput and BCR")
     ap.add_argument("--sweep-tol", type=float, default=0.05, help="relative precision of the goodput search (default 0.05)")
     ap.add_argument("--bathtub", action="store_true", help="PDD's goodput benefit over --bathtub-baseline across hit rates")
-    ap.add_argument("--bathtub-baseline", choices=("same-dc", "naive"), default="same-dc")
+    ap.add_argument("--bathtub-baseline", choices=("same-dc", "naive"), default="same-dc",
+                    help="what PDD is compared with: the first of that kind in --deployment (default same-dc)")
     ap.add_argument("--bathtub-grid", default=",".join(f"{h:g}" for h in GRID), help="hit rates (default %(default)s)")
     ap.add_argument("--bathtub-duration", type=float, default=20.0, help="seconds of arrivals per probe (default 20)")
     ap.add_argument("--out", default=OUT, help=f"JSON result; PNGs beside it (default {OUT})")

@@ -47,7 +47,7 @@ def add_deployment_options(ap: argparse.ArgumentParser, deployments: str = "same
     g.add_argument("--relay", type=int, default=1, help="RLD instances beside P, pdd only (default 1)")
     g.add_argument("--decode", type=int, default=4, help="MD instances (D for same-dc) (default 4)")
     for role in ROLE_KEYS:
-        g.add_argument(f"--{role}-profile", default="gpu-a", help=f"hardware profile of {role} (`pdd sim profiles`)")
+        g.add_argument(f"--{role}-profile", default="gpu-a", help=f"hardware profile of {role} (`pdd sim profiles`; default gpu-a)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"model shape (default {DEFAULT_MODEL})")
     g.add_argument("--wan-gbps", type=float, default=25.0, help="cross-DC line, Gbit/s (default 25)")
     g.add_argument("--wan-ms", type=float, default=5.0, help="cross-DC one-way delay, ms (default 5)")
