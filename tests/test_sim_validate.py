@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
     res = json.loads(out.read_text())["scenarios"]
     rows = {(r["deployment"], r["metric"]): r for s in res.values() for r in s["rows"]}
     assert len(rows) == 6 * 8
-    assert rows[("naive", "ttft_p50")]["measured"] == pytest.approx(0.2)  # the failed row left out
+    assert rows[("same-dc", "ttft_p50")]["measured"] == pytest.approx(0.1)  # the failed row left out
     assert all(r["simulated"] > 0 and not math.isnan(r["simulated"]) for k, r in rows.items() if k[1] != "max_gap_p99")
     assert all(f >= 1.0 for s in res.values() for f in s["shares"].values())
 
@@ -125,3 +126,11 @@ def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
 def test_main_says_when_a_measured_run_is_missing(tmp_path, capsys):
     assert v.main(["--measured", str(tmp_path), "--scenario", "single", "--out", str(tmp_path / "x.json")]) == 2
     assert "no measured run" in capsys.readouterr().out
+
+
+def test_the_warm_up_is_not_measured(base):
+    model = model_spec("small")
+    result, share = v.run_case(v.agentic_cases(AGENTIC, base)["pdd"], model, None, 2.0)
+    assert share >= 1.0 and sorted(r.kind for r in result.records).count("warm") == 1
+    records = [replace(r, ttft_s=1000.0) if r.kind == "warm" else r for r in result.records]
+    assert v.simulated_stats(records)["ttft_p99"] < 1000.0
