@@ -132,5 +132,5 @@ def test_the_warm_up_is_not_measured(base):
     model = model_spec("small")
     result, share = v.run_case(v.agentic_cases(AGENTIC, base)["pdd"], model, None, 2.0)
     assert share >= 1.0 and sorted(r.kind for r in result.records).count("warm") == 1
-    records = [replace(r, ttft_s=1000.0) if r.kind == "warm" else r for r in result.records]
-    assert v.simulated_stats(records)["ttft_p99"] < 1000.0
+    records = [replace(r, ttft_s=1e6) if r.kind == "warm" else r for r in result.records]
+    assert v.simulated_stats(records)["ttft_p99"] < 100.0  # the tiny prompts take well under a second
