@@ -12,6 +12,7 @@ import pytest
 from shared.sim import validate as v
 from shared.sim.deployment import LinkSpec
 from shared.sim.profiles import chip, model_spec
+from shared.sim.records import SimResult
 from shared.sim.step_cost import decode_load
 
 AGENTIC = {  # what bench/e2e.py records (vars of its arguments), cut to a tiny workload
@@ -72,6 +73,9 @@ def test_cpu_share_factor(base):
     d = v.with_share(v.agentic_cases(AGENTIC, base)["pdd"].deployment, 2.0)
     assert d.relay.chip.step.step_s(load) == pytest.approx(2 * base.step.step_s(load))
     assert d.decode.chip.kv_capacity_bytes == 8 * 2**20
+    # Engines busy over the measured part (from 60 s to 100 s), the warm-up's 10 busy seconds left out.
+    run = SimResult("pdd", "w", [], 100.0, 0.0, [], {"prefill": 50.0, "relay": 10.0, "decode": 90.0})
+    assert v.busy_engines(run, warm_busy_s=10.0, start_s=60.0) == 3.5
 
 
 def _stats(ttft, tt2t, gap, tpot):
