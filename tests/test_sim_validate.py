@@ -78,6 +78,16 @@ def test_cpu_share_factor(base):
     assert v.busy_engines(run, warm_busy_s=10.0, start_s=60.0) == 3.5
 
 
+def test_cpu_share_from_the_hosts_recorded_load():
+    report = {"wall_s": 800.0, "host": {"cores": 2, "loadavg_end": [8.0, 6.0, 5.0]}}
+    assert v.host_share(report) == 2.5  # the 15-minute load: its window is nearest the 800 s run
+    assert v.host_share({**report, "wall_s": 90.0}) == 4.0  # a short run: the 1-minute load
+    assert v.host_share({**report, "host": {"cores": 16, "loadavg_end": [8.0, 6.0, 5.0]}}) == 1.0
+    assert v.host_share({"wall_s": 800.0}) is None  # not recorded
+    assert v.resolve_share("auto", report) == 2.5 and v.resolve_share("auto", {"wall_s": 1.0}) is None
+    assert v.resolve_share("engines", report) is None and v.resolve_share("1.7", report) == 1.7
+
+
 def _stats(ttft, tt2t, gap, tpot):
     return {"ttft_p50": ttft, "ttft_p99": 9.0, "tt2t_p50": tt2t, "tt2t_p99": 9.0,
             "max_gap_p50": gap, "max_gap_p99": 9.0, "tpot_p50": tpot, "tpot_p99": 9.0}  # fmt: skip
@@ -114,6 +124,8 @@ def _rows(side: str, names: list[str]) -> list[dict]:
 def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
     for cfg, names in ((AGENTIC, ["same-dc", "naive", "pdd"]), (SINGLE, SINGLE["variants"].split(","))):
         report = {"scenario": cfg["scenario"], "config": cfg, "rows": _rows(v.SIDE[cfg["scenario"]], names)}
+        if cfg is AGENTIC:  # the host's load recorded: its share; else the simulation's own
+            report.update(wall_s=60.0, host={"cores": 2, "loadavg_end": [3.0, 1.0, 1.0]})
         (tmp_path / f"e2e_{cfg['scenario']}.json").write_text(json.dumps(report))
     out = tmp_path / "validate.json"
     assert v.main(["--measured", str(tmp_path), "--out", str(out), "--cores", "2"]) == 0
@@ -124,7 +136,8 @@ def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
     assert len(rows) == 6 * 8
     assert rows[("same-dc", "ttft_p50")]["measured"] == pytest.approx(0.1)  # the failed row left out
     assert all(r["simulated"] > 0 and not math.isnan(r["simulated"]) for k, r in rows.items() if k[1] != "max_gap_p99")
-    assert all(f >= 1.0 for s in res.values() for f in s["shares"].values())
+    assert set(res["agentic"]["shares"].values()) == {1.5}
+    assert all(f >= 1.0 for f in res["single"]["shares"].values())
 
 
 def test_main_says_when_a_measured_run_is_missing(tmp_path, capsys):

@@ -8,10 +8,11 @@ error, within ±25%; and per metric whether the deployments come in the same ord
 
 The host: the bench runs the engines of one deployment at a time on a shared 2-core machine,
 one torch thread each, while cpu-calibrated times one engine alone on a core. Step times are
-multiplied by a CPU-share factor (`--cpu-share`), by default the simulation's own contention:
-max(1, mean engines busy / cores), engines busy counted over the measured part of the run and
-cores the host's (`--cores`). The router, NATS, the WAN emulator, the client and other tenants
-also take CPU on the real host; that factor leaves them out, so it is a lower bound.
+multiplied by one CPU-share factor per run (`--cpu-share`), processor sharing: max(1, runnable
+processes / cores). By default the runnable processes are the host's load average over the
+measured run, which the bench records (the router, NATS, the WAN emulator, the client and other
+tenants compete with the engines too); for a run that did not record it, or with `engines`,
+they are the engines busy at once in the simulation itself (a lower bound).
 """
 
 from __future__ import annotations
@@ -179,6 +180,28 @@ def share_factor(engines: float, cores: float) -> float:
     return max(1.0, engines / cores)
 
 
+LOAD_WINDOWS_S = (60, 300, 900)  # the kernel's 1, 5 and 15 minute load averages
+
+
+def host_share(report: dict) -> float | None:
+    """Processor sharing on the measured host: its load average at the run's end over its cores,
+    the average whose window is nearest the run's wall time. None: the run did not record it."""
+    host = report.get("host")
+    if not host:
+        return None
+    i = min(range(3), key=lambda k: abs(LOAD_WINDOWS_S[k] - report["wall_s"]))
+    return share_factor(host["loadavg_end"][i], host["cores"])
+
+
+def resolve_share(knob: str, report: dict) -> float | None:
+    """--cpu-share: a factor, or None for each case's own engine concurrency."""
+    if knob == "engines":
+        return None
+    if knob == "auto":
+        return host_share(report)
+    return float(knob)
+
+
 def run_case(case: Case, model: ModelSpec, share: float | None, cores: float) -> tuple[SimResult, float]:
     """Simulate a case at a CPU share (None: its own contention, from a first run at 1)."""
     if share is None:
@@ -288,9 +311,10 @@ def print_orderings(scenario: str, orders: dict[str, tuple[list[str], list[str],
               f"{'same' if same else 'DIFFERENT'} (ties within {TIE:.0%})")  # fmt: skip
 
 
-def validate_scenario(report: dict, model: ModelSpec, base: Chip, share: float | None, cores: float) -> dict:
+def validate_scenario(report: dict, model: ModelSpec, base: Chip, knob: str, cores: float) -> dict:
     """Simulate the scenario of one bench report; its rows, orderings and CPU-share factors."""
     scenario = report["scenario"]
+    share, cores = resolve_share(knob, report), report.get("host", {}).get("cores", cores)
     cases = SCENARIOS[scenario](report["config"], base)
     simulated, shares = {}, {}
     for d, case in cases.items():
@@ -314,15 +338,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scenario", choices=["agentic", "single", "both"], default="both")
     p.add_argument("--profile", default="cpu-calibrated")
     p.add_argument("--cpu-share", default="auto",
-                   help="step-time factor for engines sharing cores; auto: max(1, mean engines busy / --cores)")
-    p.add_argument("--cores", type=float, default=os.cpu_count() or 1, help="cores the measured host gave the engines")
+                   help="step-time factor of the measured host's CPU sharing: a number; engines: max(1, engines "
+                        "busy at once in the simulation / cores); auto: max(1, the host's load average recorded "
+                        "by the bench / its cores), else as engines")  # fmt: skip
+    p.add_argument("--cores", type=float, default=os.cpu_count() or 1,
+                   help="the measured host's cores, where its run does not say")
     p.add_argument("--out", type=Path, default=Path("bench/out/sim_validate.json"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    share = None if args.cpu_share == "auto" else float(args.cpu_share)
     model = model_spec(MODEL)
     base = chip(args.profile, model)
     results = {}
@@ -333,7 +359,7 @@ def main(argv: list[str]) -> int:
         if not path.exists():
             print(f"no measured run at {path} (run `pdd bench e2e --scenario {scenario}` or pass --run)")
             return 2
-        results[scenario] = validate_scenario(json.loads(path.read_text()), model, base, share, args.cores)
+        results[scenario] = validate_scenario(json.loads(path.read_text()), model, base, args.cpu_share, args.cores)
     rows = [r for res in results.values() for r in res["rows"]]
     print_table(rows, {d: f for res in results.values() for d, f in res["shares"].items()})
     for scenario, res in results.items():
