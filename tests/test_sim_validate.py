@@ -107,9 +107,10 @@ def test_comparison_marks_the_tolerance_and_the_ordering():
     assert within[("pdd", "ttft_p50")] is True and within[("pdd", "ttft_p99")] is None  # a p99 is not judged
     assert next(r for r in rows if r.metric == "tt2t_p50" and r.deployment == "same-dc").error == pytest.approx(0.26)
     orders = v.orderings(rows)
-    assert orders["ttft_p50"] == (["same-dc", "naive", "pdd"], ["same-dc", "naive", "pdd"], True)
+    assert orders["ttft_p50"] == ("same-dc < naive < pdd", "same-dc < naive < pdd", True)
     assert orders["max_gap_p50"][2] is True  # 1.0 < 1.49 < 3.0
-    assert orders["tpot_p50"] == (["same-dc", "pdd", "naive"], ["same-dc", "naive", "pdd"], False)
+    assert orders["tpot_p50"] == ("same-dc < pdd < naive", "same-dc < naive < pdd", False)
+    assert v.order({"a": 2.0, "b": 1.0, "c": 1.04}) == "b ≈ c < a"
     # Within 5% is a tie, which agrees with either order; beyond it, the order counts.
     assert v.same_order({"a": 1.0, "b": 1.04}, {"a": 2.0, "b": 1.0})
     assert not v.same_order({"a": 1.0, "b": 1.06}, {"a": 2.0, "b": 1.0})

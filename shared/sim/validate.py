@@ -259,9 +259,13 @@ def compare(scenario: str, simulated: dict[str, dict[str, float]], measured: dic
 TIE = 0.05  # two medians this close (relative) are a tie: no ordering to agree or disagree with
 
 
-def order(values: dict[str, float]) -> list[str]:
-    """Deployments from the lowest value to the highest."""
-    return sorted(values, key=lambda d: values[d])
+def order(values: dict[str, float]) -> str:
+    """Deployments from the lowest value to the highest, "a < b ≈ c" (≈: a tie with the previous)."""
+    names = sorted(values, key=lambda d: values[d])
+    out = names[:1]
+    for a, b in zip(names, names[1:]):
+        out += [" ≈ " if _sign(values[a], values[b]) == 0 else " < ", b]
+    return "".join(out)
 
 
 def _sign(a: float, b: float) -> int:
@@ -279,7 +283,7 @@ def same_order(simulated: dict[str, float], measured: dict[str, float]) -> bool:
                for i, a in enumerate(names) for b in names[i + 1 :])  # fmt: skip
 
 
-def orderings(rows: list[Row]) -> dict[str, tuple[list[str], list[str], bool]]:
+def orderings(rows: list[Row]) -> dict[str, tuple[str, str, bool]]:
     """Per median metric: (simulated order, measured order, the same up to ties?)."""
     out = {}
     for m in METRICS:
@@ -305,9 +309,9 @@ def print_table(rows: list[Row], shares: dict[str, float]) -> None:
               f"{r.error:+7.0%}  {judged}")  # fmt: skip
 
 
-def print_orderings(scenario: str, orders: dict[str, tuple[list[str], list[str], bool]]) -> None:
+def print_orderings(scenario: str, orders: dict[str, tuple[str, str, bool]]) -> None:
     for metric, (sim, meas, same) in orders.items():
-        print(f"  {scenario} {METRICS[metric[:-4]]:9s} order simulated {' < '.join(sim)}; measured {' < '.join(meas)}: "
+        print(f"  {scenario} {METRICS[metric[:-4]]:9s} order simulated {sim}; measured {meas}: "
               f"{'same' if same else 'DIFFERENT'} (ties within {TIE:.0%})")  # fmt: skip
 
 
