@@ -263,7 +263,7 @@ def order(values: dict[str, float]) -> str:
     """Deployments from the lowest value to the highest, "a < b ≈ c" (≈: a tie with the previous)."""
     names = sorted(values, key=lambda d: values[d])
     out = names[:1]
-    for a, b in zip(names, names[1:]):
+    for a, b in zip(names, names[1:], strict=False):
         out += [" ≈ " if _sign(values[a], values[b]) == 0 else " < ", b]
     return "".join(out)
 
