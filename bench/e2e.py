@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import sys
@@ -718,12 +719,14 @@ def _add_agentic_args(g) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()
     if args.scenario == "single":
         res, table, figures = run_single(args), _print_single, None
     else:
         res, table, figures = run_agentic(args), _print_agentic, _agentic_figures
     res["wall_s"] = time.monotonic() - t0
+    # How contended the host was (`pdd sim validate` models it as CPU sharing).
+    res["host"] = {"cores": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg()}
     save_report(res, args.out or f"bench/out/e2e_{args.scenario}.json", table=table, figures=figures)
     return 0
 
