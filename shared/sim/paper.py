@@ -14,13 +14,14 @@ The scenario (each choice is an assumption where the paper is silent; README "Si
              5 ms jitter per crossing, --line-price USD/h (1.00: what the paper's two cost
              figures imply, 0.32-0.35 gpu-a hours per hour; no public price is quoted).
   prices     gpu-a's profile price; gpu-b at 1.20x and 1.30x of it (the paper's 20-30% premium)
-             for the cost and BCR changes, and at its profile's 1.25x for the headline.
+             for the cost and BCR changes, and at its profile's 1.25x in the fleet costs shown.
   workload   agentic_open_loop(PAPER): agent sessions, mean prefix hit ~90%, 3.5% outliers.
   SLA        TTFT <= 4 s (a 64K-token outlier's prefill fits), TPOT <= 100 ms, longest gap
              between two tokens <= 1 s (a WAN wait before MD's first token counts), 90% of requests.
   router     the project's defaults, told the line's bandwidth and RTT.
-Latencies (TTFT, gaps) are compared at the same offered rate: the same-DC fleet's SLA goodput.
-`--scale` shrinks every count and the rates with it (tests, --quick).
+Latencies (TTFT, gaps) and WAN bytes are compared at one offered rate, the same-DC fleet's SLA
+goodput; PDD's WAN bytes also at its own goodput, where the line is not a queue.
+`--scale` shrinks every count, the rates and the line's bandwidth with it (tests, --quick).
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ def run(sc: Scenario) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdd sim paper", description=__doc__.split("\n")[0])
     d = Scenario()
-    p.add_argument("--quick", action="store_true", help="a small fleet (--scale 0.1) and short probes (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="a tenth of each fleet (--scale 0.1), 10 s probes (under a minute)")
     p.add_argument("--scale", type=float, default=None, help=f"fleet counts and rates x this (default {d.scale:g})")
     p.add_argument("--duration", type=float, default=None, help=f"seconds of arrivals per probe (default {d.duration_s:g})")
     p.add_argument("--wan-gbps", type=float, default=d.wan_gbps, help="the cross-DC line's bandwidth, Gbit/s")
