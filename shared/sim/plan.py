@@ -153,11 +153,27 @@ def starts(dc_a: list[str], dc_b: list[str], fl: dict[str, tuple[int, int]]) -> 
 
 
 def plan_one(label: str, fleets: list[Fleet], st: Setting,
-             args: argparse.Namespace) -> tuple[Fleet | None, planner.Evaluations]:  # fmt: skip
+             args: argparse.Namespace) -> tuple[Fleet | None, planner.Search]:  # fmt: skip
     with progress(f"plan {label}", total=args.max_evals) as advance:
         evals = planner.Evaluations(lambda f: evaluate(st, f), args.max_evals, lambda f, o: advance())
-        found = planner.cheapest(fleets, planner.Search(evals, st.cost, st.sla.attainment, args.max_instances))
-    return found, evals
+        search = planner.Search(evals, st.cost, st.sla.attainment, args.max_instances)
+        found = planner.cheapest(fleets, search)
+    return found, search
+
+
+def distinct(names: list[str], chips: dict[str, Chip]) -> tuple[list[str], dict[str, str]]:
+    """The names whose chips differ (the first of equal ones kept), and each left-out name's twin:
+    two profiles with the same figures and price would only repeat each other's simulations."""
+    kept: list[str] = []
+    twins: dict[str, str] = {}
+    for n in names:
+        twin = next((k for k in kept if dataclasses.replace(chips[k], name="") == dataclasses.replace(chips[n], name="")),
+                    None)  # fmt: skip
+        if twin is None:
+            kept.append(n)
+        else:
+            twins[n] = twin
+    return kept, twins
 
 
 def fleet_row(st: Setting, f: Fleet | None, evals: planner.Evaluations) -> dict | None:
@@ -166,6 +182,12 @@ def fleet_row(st: Setting, f: Fleet | None, evals: planner.Evaluations) -> dict 
     out = evals.seen[f]
     roles = {r: {"count": f.count(r), "profile": f.shape.profile(r)} for r in f.shape.roles}
     return {"dc": f.shape.dc, **roles, "cost_per_hour": st.cost(f), "attainment": out.attainment, **out.summary}
+
+
+def search_row(st: Setting, found: Fleet | None, search: planner.Search) -> dict:
+    shapes = [{**dataclasses.asdict(shape), "outcome": what} for shape, what in search.shapes.items()]
+    return {"fleet": fleet_row(st, found, search.evaluations), "shapes": shapes,
+            "evaluations": eval_rows(st, search.evaluations)}  # fmt: skip
 
 
 def eval_rows(st: Setting, evals: planner.Evaluations) -> list[dict]:
@@ -184,24 +206,23 @@ def setting(args: argparse.Namespace, names: list[str]) -> Setting:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
-    dc_a, dc_b = _names(args.dc_a), _names(args.dc_b)
-    st = setting(args, sorted({*dc_a, *dc_b}))
+    st = setting(args, sorted({*_names(args.dc_a), *_names(args.dc_b)}))
+    (dc_a, twins_a), (dc_b, twins_b) = distinct(_names(args.dc_a), st.chips), distinct(_names(args.dc_b), st.chips)
     cross, same = starts(dc_a, dc_b, floors(st, {*dc_a, *dc_b}))
-    best_pdd, pdd_evals = plan_one("pdd", cross, st, args)
-    best_same, same_evals = plan_one("same-dc", same, st, args)
+    pdd_row = search_row(st, *plan_one("pdd", cross, st, args))
+    same_row = search_row(st, *plan_one("same-dc", same, st, args))
     result = {
         "args": vars(args), "model": args.model, "sla": st.sla.describe(),
         "workload": {"name": st.workload.name, "requests": len(st.workload.requests),
                      "duration_s": st.workload.duration_s},
         "prices_per_hour": {n: c.price_per_hour for n, c in st.chips.items()} | {"wan-line": args.wan_price},
-        "pdd": fleet_row(st, best_pdd, pdd_evals), "same_dc": fleet_row(st, best_same, same_evals),
-        "evaluations": {"pdd": eval_rows(st, pdd_evals), "same_dc": eval_rows(st, same_evals)},
+        "twins": twins_a | twins_b, "pdd": pdd_row, "same_dc": same_row,
+        "saving": saving(pdd_row["fleet"], same_row["fleet"]),
         "max_evals": args.max_evals, "max_instances": args.max_instances,
     }  # fmt: skip
-    result["saving"] = saving(result["pdd"], result["same_dc"])
     result["wall_s"] = time.perf_counter() - started
     save_report(result, args.out, table=print_plan)
-    return 0 if best_pdd is not None else 1
+    return 0 if pdd_row["fleet"] is not None else 1
 
 
 def _names(csv: str) -> list[str]:
@@ -219,19 +240,24 @@ def print_plan(r: dict) -> None:
     w = r["workload"]
     print(f"workload: {w['name']}, {w['requests']} requests over {w['duration_s']:.0f} s; model {r['model']}")
     print(f"SLA: {r['sla']}")
-    cross, same = r["pdd"], r["same_dc"]
+    for name, twin in r["twins"].items():
+        print(f"{name}: the same chip and price as {twin} for this model, searched as {twin}")
+    cross, same = r["pdd"]["fleet"], r["same_dc"]["fleet"]
     same_head = f"same-DC PD ({same['dc']})" if same else "same-DC PD"
     print(f"\n{'':<18}{'PDD (P+RLD dc-a, MD dc-b)':<28}{same_head}")
     for label, cell in _rows():
         print(f"{label:<18}{_cell(cell, cross):<28}{_cell(cell, same)}")
-    counts = {k: len(v) for k, v in r["evaluations"].items()}
-    print(f"{'simulations':<18}{counts['pdd']:<28}{counts['same_dc']}  (at most {r['max_evals']} each)")
-    if same:
-        print(f"same-DC: the cheaper of the dc-a and the dc-b candidates was {same['dc']}")
+    counts = [len(r[k]["evaluations"]) for k in ("pdd", "same_dc")]
+    print(f"{'simulations':<18}{counts[0]:<28}{counts[1]}  (at most {r['max_evals']} each)")
+    for kind, roles in (("pdd", "P / RLD / MD"), ("same_dc", "P / D")):
+        print(f"\n{kind} profiles ({roles}):")
+        for s in r[kind]["shapes"]:
+            relay = f" / {s['relay']}" if s["relay"] else ""
+            print(f"  {s['dc']:<10} {s['prefill']}{relay} / {s['decode']}: {s['outcome']}")
     s = r["saving"]
     if s:
         more_less = "less" if s["usd_per_hour"] >= 0 else "more"
-        print(f"saving: PDD costs ${abs(s['usd_per_hour']):.2f}/h ({abs(s['share']):.1%}) {more_less} than same-DC PD")
+        print(f"\nPDD costs ${abs(s['usd_per_hour']):.2f}/h ({abs(s['share']):.1%}) {more_less} than same-DC PD")
 
 
 def _rows() -> list[tuple[str, Callable[[dict], str]]]:

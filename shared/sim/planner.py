@@ -107,6 +107,7 @@ class Search:
     cost: Cost
     target: float  # the SLA's attainment
     max_instances: int
+    shapes: dict[Shape, str] = field(default_factory=dict)  # what became of each shape, for the report
 
     def meets(self, fleet: Fleet) -> bool | None:
         out = self.evaluations(fleet)
@@ -119,12 +120,20 @@ def cheapest(starts: Iterable[Fleet], search: Search) -> Fleet | None:
     best: Fleet | None = None
     for start in sorted(starts, key=lambda f: (search.cost(f), f.instances)):
         if best is not None and search.cost(start) >= search.cost(best):
-            break  # sorted: every later start costs at least as much already
+            search.shapes[start.shape] = "skipped: its floor costs at least the best fleet's"
+            continue
+        if search.evaluations.spent >= search.evaluations.max_evals:
+            search.shapes[start.shape] = "skipped: the evaluations were spent"
+            continue
         met = grow(start, search)
-        if met is not None:
-            met = shrink(met, search)
-            if best is None or (search.cost(met), met.instances) < (search.cost(best), best.instances):
-                best = met
+        if met is None:
+            search.shapes[start.shape] = "searched: no fleet met the SLA within the caps"
+            continue
+        met = shrink(met, search)
+        counts = ", ".join(f"{met.count(r)} {r}" for r in met.shape.roles)
+        search.shapes[start.shape] = f"searched: {counts} met it"
+        if best is None or (search.cost(met), met.instances) < (search.cost(best), best.instances):
+            best = met
     return best
 
 
