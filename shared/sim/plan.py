@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--wan-gbps", type=float, default=100.0, help="the cross-DC line's Gbit/s (default 100)")
     f.add_argument("--wan-ms", type=float, default=10.0, help="its one-way delay, ms (default 10)")
     f.add_argument("--wan-jitter-ms", type=float, default=1.0, help="uniform jitter per crossing, ms (default 1)")
-    f.add_argument("--wan-price", type=float, default=10.0, help="the line's USD per hour (default 10)")
+    f.add_argument("--wan-price", type=float, default=10.0, help="the line's USD per hour (default 10, assumed)")
     f.add_argument("--max-instances", type=int, default=200, help="instances per fleet at most (default 200)")
     f.add_argument("--max-evals", type=int, default=40, help="simulations per fleet kind at most (default 40)")
     f.add_argument("--drain", type=float, default=60.0, help="simulated seconds after the last arrival (default 60)")
