@@ -100,7 +100,8 @@ def deployment(st: Setting, f: Fleet) -> Deployment:
 
 def evaluate(st: Setting, fleet: Fleet) -> Outcome:
     pr = probe(deployment(st, fleet), st.workload, st.model, st.sla, 0.0, st.sim, st.drain_s)
-    summary = {k: pr.result.summary()[k] for k in SUMMARY_KEYS}
+    full = pr.result.summary()
+    summary = {k: full[k] for k in SUMMARY_KEYS}
     busy = utilisation(pr.result, fleet)
     summary["utilisation"] = busy
     return Outcome(pr.attainment, pressure(pr.result, len(st.workload.requests), st.sla, busy), summary)
