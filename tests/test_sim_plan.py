@@ -74,6 +74,13 @@ def test_each_fleet_is_simulated_once_and_the_cap_holds():
     shapes = [Shape(p, "b", r) for p in ("fast", "slow") for r in ("fast", "slow")]
     _, evals, counted = run([Fleet(s, 1, 1, 1) for s in shapes])
     assert len(counted.calls) == len(set(counted.calls)) == evals.spent
+    # nothing simulated is implied by an earlier simulation: a fleet no bigger in any role
+    # than one that missed (or no smaller than one that met) of its shape
+    for i, f in enumerate(counted.calls):
+        for g in counted.calls[:i]:
+            diff = [f.count(r) - g.count(r) for r in f.shape.roles]
+            met = fake(g).attainment >= 0.9
+            assert g.shape != f.shape or not (met and min(diff) >= 0 or not met and max(diff) <= 0)
     _, evals, counted = run([Fleet(s, 1, 1, 1) for s in shapes], max_evals=5)
     assert len(counted.calls) == evals.spent == 5
 

@@ -9,7 +9,8 @@ Every evaluation is a simulation, so the search is a heuristic that spends few o
      unfinished requests → the busiest role); a role whose growth did not raise attainment
      is passed over for the next-most pointed one until something helps; at the instance
      cap, roles nothing points at are first cut back to make room;
-  3. shrink: role by role, dearest instance first, bisect the fewest instances that still meet;
+  3. shrink: role by role, dearest instance first, bisect the fewest instances that still meet
+     (a fleet no bigger than one that missed is not simulated again: it misses too);
   4. do this for every choice of profile per role, cheapest floor first, skipping a choice whose
      floor already costs more than the best fleet found; keep the cheapest fleet.
 Evaluations are memoised and capped. Limits: the bisection assumes attainment never falls when
@@ -110,8 +111,24 @@ class Search:
     shapes: dict[Shape, str] = field(default_factory=dict)  # what became of each shape, for the report
 
     def meets(self, fleet: Fleet) -> bool | None:
+        """Simulated unless a fleet already simulated implies the answer; None: evaluations spent."""
+        known = self.implied(fleet)
+        if known is not None:
+            return known
         out = self.evaluations(fleet)
         return None if out is None else out.attainment >= self.target
+
+    def implied(self, fleet: Fleet) -> bool | None:
+        """Met when a fleet of the same shape with no more of any role met; missed when one with
+        no fewer missed (more instances never lower attainment: the search's assumption)."""
+        for f, out in self.evaluations.seen.items():
+            if f.shape != fleet.shape:
+                continue
+            met = out.attainment >= self.target
+            below = [fleet.count(r) - f.count(r) for r in f.shape.roles]
+            if met and min(below) >= 0 or not met and max(below) <= 0:
+                return met
+        return None
 
 
 def cheapest(starts: Iterable[Fleet], search: Search) -> Fleet | None:
