@@ -246,8 +246,8 @@ def print_plan(r: dict) -> None:
     cross, same = r["pdd"]["fleet"], r["same_dc"]["fleet"]
     same_head = f"same-DC PD ({same['dc']})" if same else "same-DC PD"
     print(f"\n{'':<18}{'PDD (P+RLD dc-a, MD dc-b)':<28}{same_head}")
-    for label, cell in _rows():
-        print(f"{label:<18}{_cell(cell, cross):<28}{_cell(cell, same)}")
+    for i, (label, cell) in enumerate(_rows()):
+        print(f"{label:<18}{_cell(cell, cross, i):<28}{_cell(cell, same, i)}")
     counts = [len(r[k]["evaluations"]) for k in ("pdd", "same_dc")]
     print(f"{'simulations':<18}{counts[0]:<28}{counts[1]}  (at most {r['max_evals']} each)")
     for kind, roles in (("pdd", "P / RLD / MD"), ("same_dc", "P / D")):
@@ -275,5 +275,5 @@ def _rows() -> list[tuple[str, Callable[[dict], str]]]:
             ("WAN mean/p99", lambda f: f"{f['wan_gbps_mean']:.1f} / {f['wan_gbps_p99']:.1f} Gb/s")]  # fmt: skip
 
 
-def _cell(cell: Callable[[dict], str], fleet: dict | None) -> str:
-    return cell(fleet) if fleet else "none found"
+def _cell(cell: Callable[[dict], str], fleet: dict | None, row: int) -> str:
+    return cell(fleet) if fleet else "none met the SLA" if row == 0 else ""
