@@ -126,8 +126,10 @@ def pressure(result: SimResult, offered: int, sla: Sla, busy: dict[str, float]) 
     return {k: v / offered for k, v in out.items()} if offered else out
 
 
-def floors(st: Setting, profiles: set[str]) -> dict[str, tuple[int, int]]:
-    """Per profile: (prefill floor, decode floor) for this workload and SLA."""
+def floors(st: Setting, profiles: set[str]) -> dict[str, tuple[int, int, int]]:
+    """Per profile: (prefill floor, decode start, decode floor) for this workload and SLA. The
+    decode start batches as many sequences as KV room and TPOT allow, each holding its whole
+    context (shared prefixes make it high); the floor batches max_num_seqs with no KV read."""
     w, reqs = st.workload, st.workload.requests
     duration = w.duration_s or 1.0
     prompts = [(int(h * r.input_tokens), r.input_tokens) for h, r in zip(prefix_hits(w), reqs, strict=True)]
@@ -138,27 +140,37 @@ def floors(st: Setting, profiles: set[str]) -> dict[str, tuple[int, int]]:
     for name in profiles:
         c = st.chips[name]
         batch = planner.decode_batch(c.step, context, c.kv_capacity_bytes // st.model.kv_bytes_per_token,
-                             st.sla.tpot_s, st.sim.max_num_seqs)  # fmt: skip
-        decode = planner.decode_floor(out_rate, c.step, batch, context)
-        out[name] = (planner.prefill_floor(prompts, duration, c.step), decode)
+                                     st.sla.tpot_s, st.sim.max_num_seqs)  # fmt: skip
+        out[name] = (planner.prefill_floor(prompts, duration, c.step),
+                     planner.decode_floor(out_rate, c.step, batch, context),
+                     planner.decode_floor(out_rate, c.step, st.sim.max_num_seqs, 0.0))  # fmt: skip
     return out
 
 
-def starts(dc_a: list[str], dc_b: list[str], fl: dict[str, tuple[int, int]]) -> tuple[list[Fleet], list[Fleet]]:
-    """The starting fleet of every PDD shape and of every same-DC shape (either DC)."""
-    cross = [Fleet(Shape(p, d, r), fl[p][0], fl[d][1], planner.relay_floor(fl[d][1]))
-             for p in dc_a for r in dc_a for d in dc_b]  # fmt: skip
-    same = [Fleet(Shape(p, d, None, dc), fl[p][0], fl[d][1])
-            for dc, names in (("dc-a", dc_a), ("dc-b", dc_b)) for p in names for d in names]  # fmt: skip
-    return cross, same
+Starts = tuple[list[Fleet], dict[Shape, Fleet]]  # where each shape's search starts, and its floor
 
 
-def plan_one(label: str, fleets: list[Fleet], st: Setting,
+def starts(dc_a: list[str], dc_b: list[str], fl: dict[str, tuple[int, int, int]]) -> tuple[Starts, Starts]:
+    """Every PDD shape's start and floor, and every same-DC shape's (either DC)."""
+    cross = [Shape(p, d, r) for p in dc_a for r in dc_a for d in dc_b]
+    same = [Shape(p, d, None, dc) for dc, names in (("dc-a", dc_a), ("dc-b", dc_b)) for p in names for d in names]
+
+    def fleets(shapes: list[Shape]) -> Starts:
+        relay = [s.relay is not None for s in shapes]
+        begin = [Fleet(s, fl[s.prefill][0], fl[s.decode][1], planner.relay_floor(fl[s.decode][1]) if r else 0)
+                 for s, r in zip(shapes, relay, strict=True)]  # fmt: skip
+        floor = {s: Fleet(s, fl[s.prefill][0], fl[s.decode][2], int(r)) for s, r in zip(shapes, relay, strict=True)}
+        return begin, floor
+
+    return fleets(cross), fleets(same)
+
+
+def plan_one(label: str, shapes: Starts, st: Setting,
              args: argparse.Namespace) -> tuple[Fleet | None, planner.Search]:  # fmt: skip
     with progress(f"plan {label}", total=args.max_evals) as advance:
         evals = planner.Evaluations(lambda f: evaluate(st, f), args.max_evals, lambda f, o: advance())
         search = planner.Search(evals, st.cost, st.sla.attainment, args.max_instances)
-        found = planner.cheapest(fleets, search)
+        found = planner.cheapest(shapes[0], search, shapes[1])
     return found, search
 
 

@@ -1,9 +1,10 @@
 """The capacity search behind `pdd sim plan`: the cheapest fleet that meets an SLA.
 
 Every evaluation is a simulation, so the search is a heuristic that spends few of them:
-  1. start each role at an analytic floor (prefill: the workload's uncached prompt work over
-     one chip's; decode: output tokens/s over one chip's at the largest batch its KV and the
-     TPOT target allow; the relay: a small share of decode);
+  1. start each role from analytic figures (prefill: a floor, the workload's uncached prompt
+     work over one chip's; decode: output tokens/s over one chip's at the largest batch its KV
+     and the TPOT target allow, an estimate that is high where prompts share prefixes in KV;
+     the relay: a small share of decode);
   2. grow: while the SLA fails, add instances (a quarter more, at least one) to the role the
      misses point at (TTFT → P, TPOT/gap of relayed requests → RLD, of the others → MD/D,
      unfinished requests → the busiest role); a role whose growth did not raise attainment
@@ -11,8 +12,9 @@ Every evaluation is a simulation, so the search is a heuristic that spends few o
      cap, roles nothing points at are first cut back to make room;
   3. shrink: role by role, dearest instance first, bisect the fewest instances that still meet
      (a fleet no bigger than one that missed is not simulated again: it misses too);
-  4. do this for every choice of profile per role, cheapest floor first, skipping a choice whose
-     floor already costs more than the best fleet found; keep the cheapest fleet.
+  4. do this for every choice of profile per role, cheapest start first, skipping a choice whose
+     floor (a bound below any fleet of it) already costs at least the best fleet found; keep the
+     cheapest fleet.
 Evaluations are memoised and capped. Limits: the bisection assumes attainment never falls when
 a role grows; the result is minimal one role at a time, not over trades between roles (fewer P
 for more MD), so it is a good fleet, not a proven optimum; one WAN line is assumed.
@@ -131,12 +133,15 @@ class Search:
         return None
 
 
-def cheapest(starts: Iterable[Fleet], search: Search) -> Fleet | None:
+def cheapest(starts: Iterable[Fleet], search: Search, floors: dict[Shape, Fleet] | None = None) -> Fleet | None:
     """The cheapest fleet meeting the SLA over every shape, each searched from its start
-    (fewer instances on a tie); None when none was found within the caps."""
+    (fewer instances on a tie), the cheapest start first; a shape whose floor (no fleet of it
+    below; its start when not given) costs at least the best fleet found is skipped. None when
+    no fleet was found within the caps."""
     best: Fleet | None = None
     for start in sorted(starts, key=lambda f: (search.cost(f), f.instances)):
-        if best is not None and search.cost(start) >= search.cost(best):
+        floor = (floors or {}).get(start.shape, start)
+        if best is not None and search.cost(floor) >= search.cost(best):
             search.shapes[start.shape] = "skipped: its floor costs at least the best fleet's"
             continue
         if search.evaluations.spent >= search.evaluations.max_evals:
