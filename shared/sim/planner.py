@@ -149,7 +149,9 @@ def cheapest(starts: Iterable[Fleet], search: Search, floors: dict[Shape, Fleet]
             continue
         met = grow(start, search)
         if met is None:
-            search.shapes[start.shape] = "searched: no fleet met the SLA within the caps"
+            spent = search.evaluations.spent >= search.evaluations.max_evals
+            search.shapes[start.shape] = ("stopped: the evaluations ran out" if spent
+                                          else "searched: no fleet met the SLA within max instances")  # fmt: skip
             continue
         met = shrink(met, search)
         counts = ", ".join(f"{met.count(r)} {r}" for r in met.shape.roles)
