@@ -8,7 +8,7 @@ front is reused first). Blocks without a hash go to the front, so cached KV is r
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shared.engine.errors import EngineError
@@ -115,22 +115,34 @@ class BlockPool:
         """Give a computed full block its hash. False if another block already holds it."""
         if h in self._cached:
             return False
+        self._store(bid, h)
+        return True
+
+    def _store(self, bid: int, h: int) -> None:
         self.blocks[bid].hash = h
         self._cached[h] = bid
         self.events.append(("stored", h))
-        return True
 
     def register_or_share(self, bid: int, h: int) -> int:
         """Register computed block bid under h; if another block already holds h (a twin
         computed concurrently, or imported), take a reference on that one and release bid.
         Returns the block to use from now on."""
-        if self.register(bid, h):
-            return bid
-        other = self._cached[h]
-        if other != bid:
-            self.touch(other)
-            self.release(bid)
-        return other
+        return self.register_or_share_many([bid], [h])[0]
+
+    def register_or_share_many(self, bids: list[int], hashes: Sequence[int]) -> list[int]:
+        """register_or_share of each (bid, hash) pair, in order: the blocks to use from now on."""
+        cached, out = self._cached, []
+        for bid, h in zip(bids, hashes, strict=True):
+            other = cached.get(h)
+            if other is None:
+                self._store(bid, h)
+                out.append(bid)
+                continue
+            if other != bid:
+                self.touch(other)
+                self.release(bid)
+            out.append(other)
+        return out
 
     def cost_of(self, bids: list[int]) -> int:
         """Free blocks that referencing `bids` would take out of the free queue."""

@@ -82,9 +82,10 @@ class Instance:
 
     def register(self, blocks: Blocks, hashes: tuple[int, ...], upto: int) -> None:
         """The prompt's full blocks before `upto` hold computed (or received) KV now."""
-        for i in range(blocks.registered, min(upto, len(hashes))):
-            blocks.ids[i] = self.pool.register_or_share(blocks.ids[i], hashes[i])
-        blocks.registered = max(blocks.registered, min(upto, len(hashes)))
+        lo, hi = blocks.registered, min(upto, len(hashes))
+        if hi > lo:
+            blocks.ids[lo:hi] = self.pool.register_or_share_many(blocks.ids[lo:hi], hashes[lo:hi])
+            blocks.registered = hi
 
     def free(self, blocks: Blocks) -> None:
         """The request is done here: its blocks return to the pool (hashed ones stay cached)."""

@@ -36,19 +36,16 @@ class SimRouter:
         return plan_route(self.ctx, req.input_tokens, list(req.block_hashes), loads, self._links(mds))
 
     def _links(self, mds: list[InstanceLoad]) -> dict[str, LinkView]:
-        """Each MD's link as the router sees it; MDs behind one line with nothing queued toward
-        them share one view."""
-        links, idle = {}, {}
+        """Each MD's link as the router sees it (MDs behind one line share its view but for
+        what is queued toward each)."""
+        links, views, queued = {}, {}, {}
         for m in mds:
             link = self.kv_link(m.instance)
-            backlog = link.backlog_to(m.instance)
-            if backlog:
-                links[m.instance] = LinkView(link.spec.bandwidth_Bps, 2 * link.spec.one_way_s, backlog)
-                continue
-            view = idle.get(link)
-            if view is None:
-                view = idle[link] = LinkView(link.spec.bandwidth_Bps, 2 * link.spec.one_way_s, 0)
-            links[m.instance] = view
+            if link not in views:
+                views[link] = LinkView(link.spec.bandwidth_Bps, 2 * link.spec.one_way_s, 0)
+                queued[link] = link.backlogs()
+            view, backlog = views[link], queued[link].get(m.instance, 0)
+            links[m.instance] = LinkView(view.bandwidth, view.rtt, backlog) if backlog else view
         return links
 
     def _loads(self, role: Role, reported_at: float, recent: dict[tuple[str, str], float]) -> list[InstanceLoad]:
