@@ -73,6 +73,17 @@ class InstanceLoad:
     def __post_init__(self) -> None:
         object.__setattr__(self, "load", _load(self))  # once: a route weighs each candidate several times
 
+    @classmethod
+    def of(cls, instance: str, running: int, waiting: int, free_blocks: int, num_blocks: int, held: int,
+           pending: int, recent: float) -> InstanceLoad:  # fmt: skip
+        """InstanceLoad(...) of every field, made without the frozen dataclass's setattr per
+        field (three times faster: a fleet simulation makes a hundred per request)."""
+        self = object.__new__(cls)
+        self.__dict__.update(instance=instance, running=running, waiting=waiting, free_blocks=free_blocks,
+                             num_blocks=num_blocks, held=held, pending=pending, recent=recent)  # fmt: skip
+        self.__dict__["load"] = _load(self)
+        return self
+
 
 @dataclass(frozen=True)
 class RouteWeights:

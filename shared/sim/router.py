@@ -54,13 +54,13 @@ class SimRouter:
         members = self._members.get(role)
         if members is None:
             members = self._members[role] = [(i, (role.value, i.name)) for i in self.instances.get(role, [])]
-        pending, unreported = self.assignments.pending, self.assignments.unreported()
+        pending, unreported, make = self.assignments.pending, self.assignments.unreported(), InstanceLoad.of
         out = []
         for inst, key in members:
             running, waiting = inst.load_counts()
             pool = inst.pool
-            out.append(InstanceLoad(inst.name, running, waiting, len(pool.free), pool.num_blocks, inst.held,
-                                    pending(key, reported_at) if key in unreported else 0, recent.get(key, 0.0)))  # fmt: skip
+            out.append(make(inst.name, running, waiting, len(pool.free), pool.num_blocks, inst.held,
+                            pending(key, reported_at) if key in unreported else 0, recent.get(key, 0.0)))  # fmt: skip
         return out
 
     def on_cache_events(self, role: Role, instance: str, stored: list[int], evicted: list[int]) -> None:
