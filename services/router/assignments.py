@@ -37,7 +37,7 @@ class Assignments:
 
     def recent_all(self, now: float) -> dict[Key, float]:
         """recent() of every key with a count (absent: 0.0), at once."""
-        return {key: count * 0.5 ** (max(now - at, 0.0) / RECENT_HALF_LIFE_S)
+        return {key: count * 0.5 ** ((now - at if now >= at else 0.0) / RECENT_HALF_LIFE_S)
                 for key, (count, at) in self._recent.items()}  # fmt: skip
 
     def pending(self, key: Key, reported_at: float) -> int:

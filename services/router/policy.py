@@ -114,7 +114,8 @@ def load_of(c: InstanceLoad) -> float:
 def _load(c: InstanceLoad) -> float:
     """load_of(c), as the InstanceLoad computes it when made."""
     used = 1.0 - c.free_blocks / c.num_blocks if c.num_blocks else 0.0
-    return max(c.running + c.waiting, c.held) + c.pending + used
+    busy = c.running + c.waiting
+    return (busy if busy >= c.held else c.held) + c.pending + used  # max(), without the call
 
 
 def _fits(values: list[float], balance_factor: float) -> list[bool]:
