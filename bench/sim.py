@@ -16,6 +16,7 @@ Writes bench/out/sim_speed.json.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from bench.progress import add_quiet_option, progress
@@ -94,7 +95,7 @@ def _row(fleet: Deployment, result: SimResult, offered: int, cpu_s: float, made_
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     model = model_spec(args.model)
     by_kind = fleets(model)
     rate = args.rate if args.rate is not None else sustained_rate(by_kind["pdd"], model, args)
@@ -106,12 +107,17 @@ def run(args: argparse.Namespace) -> dict:
     return {"model": args.model, "block_size": BLOCK_SIZE, "duration_s": args.duration, "rate_rps": rate,
             "rate_from": "--rate" if args.rate is not None else f"SLA goodput of {args.probe_s:g} s probe runs",
             "sla": SLA.describe(), "wan": vars(WAN), "goal_cpu_s_per_hour": GOAL_CPU_S, "rows": rows,
-            "targets": targets, "args": vars(args), "wall_s": time.monotonic() - started}  # fmt: skip
+            "targets": targets, "args": vars(args), "wall_s": time.monotonic() - started,
+            # CPU seconds grow on a busy host (shared caches and cores): its load beside the figures
+            "host": {"cpus": os.cpu_count(), "load_avg_1m": [load_before, os.getloadavg()[0]]}}  # fmt: skip
 
 
 def _print(res: dict) -> None:
     print(f"{res['model']}, block {res['block_size']}, {res['duration_s']:g} s of PAPER agentic traffic at "
           f"{res['rate_rps']:.2f} req/s ({res['rate_from']}); SLA: {res['sla']}")  # fmt: skip
+    host = res["host"]
+    print(f"host: {host['cpus']} CPUs, 1-minute load average {host['load_avg_1m'][0]:.1f} before, "
+          f"{host['load_avg_1m'][1]:.1f} after")  # fmt: skip
     head = f"{'fleet':22s} {'requests':>8s} {'events':>9s} {'sim CPU s':>9s} {'events/s':>9s} {'µs/req':>7s} {'s/hour':>7s} {'÷ goal':>6s} {'SLA met':>7s}"  # fmt: skip
     print(head)
     for r in res["rows"]:
@@ -122,9 +128,9 @@ def _print(res: dict) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdd bench sim", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="5 minutes of traffic (the CPU figure scaled to an hour)")
+    p.add_argument("--quick", action="store_true", help="5 minutes of traffic (the CPU figure scaled to an hour), 2-minute probes")
     p.add_argument("--duration", type=float, default=HOUR_S, help="seconds of traffic to simulate")
-    p.add_argument("--rate", type=float, default=None, help="requests/s (default: the PDD fleet's SLA goodput)")
+    p.add_argument("--rate", type=float, default=None, help="requests/s; None: the PDD fleet's SLA goodput")
     p.add_argument("--probe-s", type=float, default=300.0, help="traffic seconds of each goodput probe run")
     p.add_argument("--model", default=default_model(), choices=model_names())
     p.add_argument("--seed", type=int, default=0)
@@ -132,7 +138,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     add_quiet_option(p)
     args = p.parse_args(argv)
     if args.quick:
-        args.duration = min(args.duration, 300.0)
+        args.duration, args.probe_s = min(args.duration, 300.0), min(args.probe_s, 120.0)
     return args
 
 
