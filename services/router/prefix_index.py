@@ -63,8 +63,9 @@ class PrefixIndex:
         holders = self._holders
         n = 1
         for h in hashes[1:]:
-            still = live.intersection(holders.get(h, ()))
-            if len(still) != len(live):
+            held = holders.get(h, ())
+            if not live.issubset(held):  # (no new set while every instance still holds the prefix)
+                still = live.intersection(held)
                 for instance in live.difference(still):
                     out[instance] = n
                 if not still:
