@@ -1,8 +1,9 @@
 """The router's count of requests it sent that the instances' load reports cannot show yet."""
 
+import math
 from dataclasses import replace
 
-from services.router.assignments import RECENT_HALF_LIFE_S, Assignments
+from services.router.assignments import QUIET, RECENT_HALF_LIFE_S, Assignments
 from services.router.policy import InstanceLoad, RouteWeights, choose_main_decode
 
 MD = "main_decode"
@@ -78,3 +79,23 @@ def test_a_burst_between_two_reports_spreads_over_the_instances():
     assert sorted(chosen.count(m) for m in "abc") == [3, 3, 3]
     # without the count every one sees the same reports and the same instance wins
     assert set(_burst(9, count_pending=False)) == {"a"}
+
+
+def test_a_quiet_count_is_dropped_exactly_when_it_falls_below_the_floor():
+    """However often expire ran before (it skips its scan while no count can be quiet yet), a
+    count goes once it is below QUIET and not a moment before: 1 → 0.01 takes
+    log2(100) half-lives."""
+    quiet_at = RECENT_HALF_LIFE_S * math.log2(1 / QUIET)
+    a = Assignments()
+    a.record((MD, "a"), at=0.0)
+    a.record((MD, "b"), at=50.0)
+    for t in range(0, int(quiet_at)):
+        a.expire(before=float(t))
+    a.expire(before=quiet_at - 1e-6)
+    assert a.recent_all(quiet_at - 1e-6)[(MD, "a")] >= QUIET
+    a.expire(before=quiet_at + 1e-6)
+    assert set(a.recent_all(quiet_at)) == {(MD, "b")}
+    a.expire(before=50.0 + quiet_at + 1e-6)
+    assert a.recent_all(200.0) == {}
+    a.record((MD, "a"), at=300.0)  # counted afresh
+    assert a.recent_all(300.0) == {(MD, "a"): 1.0} and a.recent((MD, "a"), 300.0) == 1.0

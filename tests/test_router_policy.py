@@ -230,3 +230,11 @@ def test_sessions_that_settled_unevenly_are_caught_by_the_recent_count():
     assert choose_main_decode(settled, {"a": 0.0, "b": 1.0}, W) == "b"
     even = [InstanceLoad("a", recent=12.0), InstanceLoad("b", recent=10.0)]  # 13 ≤ 1.5 × 23/2 + 2
     assert choose_main_decode(even, {"a": 0.0, "b": 1.0}, W) == "a"
+
+
+def test_a_load_made_in_one_go_equals_the_dataclass():
+    fields = ("md0", 3, 1, 100, 400, 5, 2, 1.5)
+    fast, made = InstanceLoad.of(*fields), InstanceLoad(*fields)
+    assert fast == made and hash(fast) == hash(made) and repr(fast) == repr(made)
+    assert load_of(fast) == load_of(made) == 5 + 2 + 0.75
+    assert load_of(InstanceLoad.of("p0", 0, 0, 0, 0, 0, 0, 0.0)) == 0.0  # pool size unknown

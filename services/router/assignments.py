@@ -7,27 +7,38 @@ counts it itself). Times are the caller's clock (time.monotonic in the router)."
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Collection
 
 Key = tuple[str, str]  # (role, instance)
 
 
 RECENT_HALF_LIFE_S = 20.0  # how long a send keeps weighing in an instance's recent count
+QUIET = 0.01  # a recent count below this is dropped
 
 
 class Assignments:
     def __init__(self) -> None:
         self._sent: dict[Key, deque[float]] = {}  # send times, oldest first
         self._recent: dict[Key, tuple[float, float]] = {}  # (decaying count, as of)
+        self._no_quiet_before = math.inf  # no recent count falls below QUIET before this time
 
     def record(self, key: Key, at: float) -> None:
         self._sent.setdefault(key, deque()).append(at)
-        self._recent[key] = (self.recent(key, at) + 1.0, at)
+        count = self.recent(key, at) + 1.0
+        self._recent[key] = (count, at)
+        self._no_quiet_before = min(self._no_quiet_before, _quiet_from(count, at))
 
     def recent(self, key: Key, now: float) -> float:
         """Requests sent to `key` lately, each weighing half as much every RECENT_HALF_LIFE_S."""
         count, at = self._recent.get(key, (0.0, now))
         return count * 0.5 ** (max(now - at, 0.0) / RECENT_HALF_LIFE_S)
+
+    def recent_all(self, now: float) -> dict[Key, float]:
+        """recent() of every key with a count (absent: 0.0), at once."""
+        return {key: count * 0.5 ** ((now - at if now >= at else 0.0) / RECENT_HALF_LIFE_S)
+                for key, (count, at) in self._recent.items()}  # fmt: skip
 
     def pending(self, key: Key, reported_at: float) -> int:
         """Requests sent to `key` after its last report (received at reported_at); those sent
@@ -40,6 +51,10 @@ class Assignments:
         if not sent:
             del self._sent[key]
         return len(sent)
+
+    def unreported(self) -> Collection[Key]:
+        """The keys pending() may count anything for (for every other key it is 0)."""
+        return self._sent.keys()
 
     def finished(self, key: Key, at: float) -> None:
         """The request sent to `key` at `at` ended before a report counted it: it no longer
@@ -54,8 +69,17 @@ class Assignments:
         nothing behind)."""
         for key in list(self._sent):
             self.pending(key, before)
-        for key in [k for k in self._recent if self.recent(k, before) < 0.01]:
+        if before < self._no_quiet_before:
+            return  # no count can have decayed below QUIET yet: skip the scan
+        for key in [k for k in self._recent if self.recent(k, before) < QUIET]:
             del self._recent[key]  # long quiet (or gone): nothing left to weigh
+        self._no_quiet_before = min((_quiet_from(c, at) for c, at in self._recent.values()), default=math.inf)
 
     def __len__(self) -> int:
         return len(self._sent)
+
+
+def _quiet_from(count: float, at: float) -> float:
+    """A time before which `count` sent at `at` stays at or above QUIET, with a second to
+    spare for rounding (the scan itself decides exactly)."""
+    return at + RECENT_HALF_LIFE_S * math.log2(count / QUIET) - 1.0

@@ -18,6 +18,7 @@ from .policy import (
     choose_pipeline,
     choose_prefill,
     comparable_bandwidths,
+    missing_kv_bytes,
     queued_ahead,
     request_weights,
     wan_cost_s,
@@ -62,16 +63,34 @@ def md_options(
     ctx: RouteContext, prompt_tokens: int, hashes: list[int], links: dict[str, LinkView], relay_available: bool
 ) -> dict[str, tuple[RouteDecision, float]]:
     """Per MD: the pipeline if the request went there, and the WAN seconds its cost counts."""
+    cached = ctx.index.cached_prefix_blocks_all(hashes)
+    wan_s = md_wan_costs(ctx, prompt_tokens, cached, links)
+    return {md: (md_pipeline(ctx, prompt_tokens, cached.get(md, 0), link, relay_available), wan_s[md])
+            for md, link in links.items()}  # fmt: skip
+
+
+def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], links: dict[str, LinkView]) -> dict[str, float]:
+    """Per MD: the WAN seconds its cost counts (wan_cost_s), from each MD's cached prefix in
+    blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
     queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
-    options = {}
-    for md, link in links.items():
-        decision = choose_pipeline(
-            prompt_tokens, ctx.index.cached_prefix_blocks(md, hashes) * ctx.block_size, ctx.kv_bytes_per_token,
-            link.bandwidth, link.rtt, ctx.settings.wan_time_threshold_s, relay_available, backlog_bytes=link.backlog,
-        )  # fmt: skip
-        options[md] = decision, wan_cost_s(decision.missing_bytes, queued[md], compared[md])
-    return options
+    missing: dict[int, int] = {}  # per cached prefix: most MDs of a fleet share a few
+    out = {}
+    for md in links:
+        n = cached.get(md, 0)
+        lacks = missing.get(n)
+        if lacks is None:
+            lacks = missing[n] = missing_kv_bytes(prompt_tokens, n * ctx.block_size, ctx.kv_bytes_per_token)
+        out[md] = wan_cost_s(lacks, queued[md], compared[md])
+    return out
+
+
+def md_pipeline(ctx: RouteContext, prompt_tokens: int, cached_blocks: int, link: LinkView, relay_available: bool) -> RouteDecision:
+    """The pipeline if the request went to an MD holding `cached_blocks` of its prefix."""
+    return choose_pipeline(
+        prompt_tokens, cached_blocks * ctx.block_size, ctx.kv_bytes_per_token, link.bandwidth, link.rtt,
+        ctx.settings.wan_time_threshold_s, relay_available, backlog_bytes=link.backlog,
+    )  # fmt: skip
 
 
 def md_weights(ctx: RouteContext, prompt_tokens: int) -> RouteWeights:
@@ -81,8 +100,8 @@ def md_weights(ctx: RouteContext, prompt_tokens: int) -> RouteWeights:
 
 
 def plan_prefill(ctx: RouteContext, prompt_tokens: int, hashes: list[int], prefills: list[InstanceLoad]) -> str | None:
-    cached = {p.instance: ctx.prefill_index.cached_prefix_blocks(p.instance, hashes) * ctx.block_size
-              for p in prefills}  # fmt: skip
+    blocks = ctx.prefill_index.cached_prefix_blocks_all(hashes)
+    cached = {p.instance: blocks.get(p.instance, 0) * ctx.block_size for p in prefills}
     # Load weighed against this request's whole prefill.
     weights = request_weights(ctx.weights, ctx.settings.prefill_weight * prompt_tokens)
     return choose_prefill(prefills, prompt_tokens, cached, weights)
@@ -100,12 +119,12 @@ def plan_route(
     follows from that MD's WAN time."""
     mds, relays, prefills = loads
     relay = choose_least_loaded(relays)
-    options = md_options(ctx, prompt_tokens, hashes, links, relay is not None)
-    wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
+    cached = ctx.index.cached_prefix_blocks_all(hashes)
+    wan_s = md_wan_costs(ctx, prompt_tokens, cached, links)
     md = choose_main_decode(mds, wan_s, md_weights(ctx, prompt_tokens), hashes[0] if hashes else 0)
     if md is None:
         return RoutePlan(RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, None)
-    decision = options[md][0]
+    decision = md_pipeline(ctx, prompt_tokens, cached.get(md, 0), links[md], relay is not None)
     # A forced pipeline is honoured when it can be: with no relay alive, P→RLD→MD runs as P→MD
     # (x-pdd-pipeline says which ran).
     if forced is not None and forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):

@@ -8,6 +8,7 @@ front is reused first). Blocks without a hash go to the front, so cached KV is r
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shared.engine.errors import EngineError
@@ -52,7 +53,7 @@ class BlockPool:
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 
-    def lookup(self, hashes: list[int]) -> list[int]:
+    def lookup(self, hashes: Iterable[int]) -> list[int]:
         """Block ids of the leading run of `hashes` present in the cache."""
         ids = []
         for h in hashes:
@@ -64,54 +65,84 @@ class BlockPool:
 
     def allocate(self) -> int:
         """Take the least recently freed block (evicting its cached hash), with ref_count 1."""
-        if not self.free:
+        return self.allocate_many(1)[0]
+
+    def allocate_many(self, n: int) -> list[int]:
+        """n blocks, as n calls of allocate() would take them (none if they do not all fit)."""
+        if n > len(self.free):
             raise EngineError("no free KV block")
-        bid, _ = self.free.popitem(last=False)
-        block = self.blocks[bid]
-        if block.hash != NO_HASH:
-            del self._cached[block.hash]
-            self.events.append(("evicted", block.hash))
-            block.hash = NO_HASH
-        block.ref_count = 1
-        return bid
+        free, blocks, cached, events = self.free, self.blocks, self._cached, self.events
+        bids = []
+        for _ in range(n):
+            bid, _ = free.popitem(last=False)
+            block = blocks[bid]
+            if block.hash != NO_HASH:
+                del cached[block.hash]
+                events.append(("evicted", block.hash))
+                block.hash = NO_HASH
+            block.ref_count = 1
+            bids.append(bid)
+        return bids
 
     def touch(self, bid: int) -> None:
         """Take one more reference (a prefix hit or a pin); a free block leaves the free queue."""
-        block = self.blocks[bid]
-        if block.ref_count == 0:
-            del self.free[bid]
-        block.ref_count += 1
+        self.touch_many((bid,))
+
+    def touch_many(self, bids: Iterable[int]) -> None:
+        for bid in bids:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free[bid]
+            block.ref_count += 1
+
+    def release_many(self, bids: Iterable[int]) -> None:
+        """release() each of `bids`, in order."""
+        free, blocks = self.free, self.blocks
+        for bid in bids:
+            block = blocks[bid]
+            if block.ref_count <= 0:
+                raise EngineError(f"block {bid} released more often than referenced")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                free[bid] = None
+                if block.hash == NO_HASH:
+                    free.move_to_end(bid, last=False)  # nothing worth keeping: reuse first
 
     def release(self, bid: int) -> None:
-        block = self.blocks[bid]
-        if block.ref_count <= 0:
-            raise EngineError(f"block {bid} released more often than referenced")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free[bid] = None
-            if block.hash == NO_HASH:
-                self.free.move_to_end(bid, last=False)  # nothing worth keeping: reuse first
+        self.release_many((bid,))
 
     def register(self, bid: int, h: int) -> bool:
         """Give a computed full block its hash. False if another block already holds it."""
         if h in self._cached:
             return False
+        self._store(bid, h)
+        return True
+
+    def _store(self, bid: int, h: int) -> None:
         self.blocks[bid].hash = h
         self._cached[h] = bid
         self.events.append(("stored", h))
-        return True
 
     def register_or_share(self, bid: int, h: int) -> int:
         """Register computed block bid under h; if another block already holds h (a twin
         computed concurrently, or imported), take a reference on that one and release bid.
         Returns the block to use from now on."""
-        if self.register(bid, h):
-            return bid
-        other = self._cached[h]
-        if other != bid:
-            self.touch(other)
-            self.release(bid)
-        return other
+        return self.register_or_share_many([bid], [h])[0]
+
+    def register_or_share_many(self, bids: list[int], hashes: Sequence[int]) -> list[int]:
+        """register_or_share of each (bid, hash) pair, in order: the blocks to use from now on."""
+        cached, out = self._cached, []
+        for bid, h in zip(bids, hashes, strict=True):
+            other = cached.get(h)
+            if other is None:
+                self._store(bid, h)
+                out.append(bid)
+                continue
+            if other != bid:
+                self.touch(other)
+                self.release(bid)
+            out.append(other)
+        return out
 
     def cost_of(self, bids: list[int]) -> int:
         """Free blocks that referencing `bids` would take out of the free queue."""

@@ -86,6 +86,10 @@ class DecodeInstance(Instance):
     def waiting(self) -> int:
         return len(self.joining) + len(self.block_waiters)
 
+    def load_counts(self) -> tuple[int, int]:
+        """(running, waiting) as the instance reports them."""
+        return len(self.running) + len(self.extending), len(self.joining) + len(self.block_waiters)
+
     # ---- the step loop ---------------------------------------------------------------------
     def _poke(self) -> None:
         """Something changed: end the current run at the next step boundary (or start now)."""

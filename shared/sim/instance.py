@@ -55,6 +55,10 @@ class Instance:
         self.held = 0  # requests holding blocks here
         self.block_waiters: deque[_Waiter] = deque()  # first come, first served
 
+    def load_counts(self) -> tuple[int, int]:
+        """(running, waiting) as the instance reports them."""
+        raise NotImplementedError
+
     def reserve(self, hashes: tuple[int, ...], tokens: int, on_blocks: Callable[[Blocks], None]) -> None:
         """Blocks for `tokens` tokens whose full prompt blocks are `hashes`: cached ones are
         shared, the rest allocated. Waits (in order) while they do not fit."""
@@ -65,28 +69,27 @@ class Instance:
     def _admit_waiters(self) -> None:
         while self.block_waiters:
             w = self.block_waiters[0]
-            hits = self.pool.lookup(list(w.hashes))
+            hits = self.pool.lookup(w.hashes)
             fresh = blocks_for(w.tokens, self.block_size) - len(hits)
             if fresh + self.pool.cost_of(hits) > self.pool.num_free:
                 if fresh > self.pool.num_blocks:
                     raise ValueError(f"{self.name}: a request of {w.tokens} tokens never fits its KV pool")
                 return
             self.block_waiters.popleft()
-            for bid in hits:
-                self.pool.touch(bid)
+            self.pool.touch_many(hits)
             self.held += 1
-            w.on_blocks(Blocks(hits + [self.pool.allocate() for _ in range(fresh)], len(hits), len(hits)))
+            w.on_blocks(Blocks(hits + self.pool.allocate_many(fresh), len(hits), len(hits)))
 
     def register(self, blocks: Blocks, hashes: tuple[int, ...], upto: int) -> None:
         """The prompt's full blocks before `upto` hold computed (or received) KV now."""
-        for i in range(blocks.registered, min(upto, len(hashes))):
-            blocks.ids[i] = self.pool.register_or_share(blocks.ids[i], hashes[i])
-        blocks.registered = max(blocks.registered, min(upto, len(hashes)))
+        lo, hi = blocks.registered, min(upto, len(hashes))
+        if hi > lo:
+            blocks.ids[lo:hi] = self.pool.register_or_share_many(blocks.ids[lo:hi], hashes[lo:hi])
+            blocks.registered = hi
 
     def free(self, blocks: Blocks) -> None:
         """The request is done here: its blocks return to the pool (hashed ones stay cached)."""
-        for bid in blocks.ids:
-            self.pool.release(bid)
+        self.pool.release_many(blocks.ids)
         blocks.ids = []
         self.held -= 1
         self._admit_waiters()

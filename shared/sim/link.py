@@ -68,6 +68,14 @@ class Link:
             queued -= self._sent_by(head, self.loop.now)
         return queued
 
+    def backlogs(self) -> dict[str, int]:
+        """backlog_to() of every destination with bytes queued and not yet serialised (absent: 0)."""
+        out = {dest: n for dest, n in self._queued_to.items() if n}
+        head = self.queue[0] if self.queue else None
+        if head is not None and head.dest in out and head.started_at is not None:
+            out[head.dest] -= self._sent_by(head, self.loop.now)
+        return out
+
     def send(self, nbytes: int, on_landed: Callable[[], None], dest: str = "") -> Transfer:
         t = Transfer(nbytes, on_landed, dest)
         self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes

@@ -37,6 +37,10 @@ class PrefillInstance(Instance):
         self._chunks: list[tuple[PrefillWork, int]] = []
         self._started = 0.0
 
+    def load_counts(self) -> tuple[int, int]:
+        """(running, waiting) as the instance reports them."""
+        return len(self.active), self.queued
+
     def submit(self, work: PrefillWork) -> None:
         self.queued += 1
         self.reserve(work.hashes, work.input_tokens, lambda blocks: self._admitted(work, blocks))

@@ -12,11 +12,9 @@ from services.router.prefix_index import PrefixIndex
 from services.router.route_plan import LinkView, RouteContext, RoutePlan, plan_route
 from shared.bus.messages import Role
 from shared.config import RouterSettings
-from shared.sim.decoder import DecodeInstance
 from shared.sim.events import EventLoop
 from shared.sim.instance import Instance
 from shared.sim.link import Link
-from shared.sim.prefill import PrefillInstance
 from shared.sim.workload import SimRequest
 
 
@@ -27,32 +25,43 @@ class SimRouter:
         self.ctx = RouteContext(settings, PrefixIndex(), PrefixIndex(), block_size, kv_bytes_per_token)
         self.assignments = Assignments()
         self.md_report_delay_s = md_report_delay_s  # an MD's load report is this old when it arrives
+        self._members: dict[Role, list[tuple[Instance, tuple[str, str]]]] = {}  # per role: (instance, assignment key)
 
     def plan(self, req: SimRequest) -> RoutePlan:
         now = self.loop.now
         self.assignments.expire(now - self.settings.lost_after_s)
-        mds = self._loads(Role.MAIN_DECODE, self.md_report_delay_s)
-        loads = (mds, self._loads(Role.RELAY, 0.0), self._loads(Role.PREFILL, 0.0))
-        links = {}
+        recent = self.assignments.recent_all(now)
+        mds = self._loads(Role.MAIN_DECODE, now - self.md_report_delay_s, recent)
+        loads = (mds, self._loads(Role.RELAY, now, recent), self._loads(Role.PREFILL, now, recent))
+        return plan_route(self.ctx, req.input_tokens, list(req.block_hashes), loads, self._links(mds))
+
+    def _links(self, mds: list[InstanceLoad]) -> dict[str, LinkView]:
+        """Each MD's link as the router sees it (MDs behind one line share its view but for
+        what is queued toward each)."""
+        links, views, queued = {}, {}, {}
         for m in mds:
             link = self.kv_link(m.instance)
-            links[m.instance] = LinkView(link.spec.bandwidth_Bps, 2 * link.spec.one_way_s, link.backlog_to(m.instance))
-        return plan_route(self.ctx, req.input_tokens, list(req.block_hashes), loads, links)
+            if link not in views:
+                views[link] = LinkView(link.spec.bandwidth_Bps, 2 * link.spec.one_way_s, 0)
+                queued[link] = link.backlogs()
+            view, backlog = views[link], queued[link].get(m.instance, 0)
+            links[m.instance] = LinkView(view.bandwidth, view.rtt, backlog) if backlog else view
+        return links
 
-    def _loads(self, role: Role, report_delay_s: float) -> list[InstanceLoad]:
-        now = self.loop.now
-        return [self._load(role, i, now, report_delay_s) for i in self.instances.get(role, [])]
-
-    def _load(self, role: Role, inst: Instance, now: float, report_delay_s: float) -> InstanceLoad:
-        if isinstance(inst, PrefillInstance):
-            running, waiting = len(inst.active), inst.queued
-        else:
-            assert isinstance(inst, DecodeInstance)
-            running, waiting = inst.busy, inst.waiting
-        key = (role.value, inst.name)
-        return InstanceLoad(inst.name, running, waiting, inst.pool.num_free, inst.pool.num_blocks, inst.held,
-                            pending=self.assignments.pending(key, now - report_delay_s),
-                            recent=self.assignments.recent(key, now))  # fmt: skip
+    def _loads(self, role: Role, reported_at: float, recent: dict[tuple[str, str], float]) -> list[InstanceLoad]:
+        """Each instance's load as its last report (received at reported_at) and this router's
+        own sends show it (`recent`: Assignments.recent_all)."""
+        members = self._members.get(role)
+        if members is None:
+            members = self._members[role] = [(i, (role.value, i.name)) for i in self.instances.get(role, [])]
+        pending, unreported, make = self.assignments.pending, self.assignments.unreported(), InstanceLoad.of
+        out = []
+        for inst, key in members:
+            running, waiting = inst.load_counts()
+            pool = inst.pool
+            out.append(make(inst.name, running, waiting, len(pool.free), pool.num_blocks, inst.held,
+                            pending(key, reported_at) if key in unreported else 0, recent.get(key, 0.0)))  # fmt: skip
+        return out
 
     def on_cache_events(self, role: Role, instance: str, stored: list[int], evicted: list[int]) -> None:
         index = self.ctx.index if role is Role.MAIN_DECODE else self.ctx.prefill_index
