@@ -63,8 +63,8 @@ def _rows(result):
 @pytest.mark.parametrize(
     "fleet, events, end_s, expected",
     [
-        (pdd(RoleSpec(3, FLAT), RoleSpec(2, FLAT), RoleSpec(3, FLAT), WAN), 239, 1.6598961797661522, PDD),
-        (same_dc(RoleSpec(2, FLAT), RoleSpec(3, FLAT)), 171, 1.50001002048, SAME_DC),
+        (pdd(RoleSpec(3, FLAT), RoleSpec(2, FLAT), RoleSpec(3, FLAT), WAN), 255, 1.7127381594487594, PDD),
+        (same_dc(RoleSpec(2, FLAT), RoleSpec(3, FLAT)), 187, 1.50001002048, SAME_DC),
     ],
     ids=["pdd", "same-dc"],
 )
