@@ -1,17 +1,6 @@
 """`simulate`: one deployment serving one workload, on the project's own policy code.
 
-The pieces, one per file:
-  events.py      the clock: a heap of (time, insertion order, callback)
-  link.py        a network path: FIFO KV serialisation, propagation delay, seeded jitter (LinkSpec, IN_DC)
-  deployment.py  instances per role, their chips, the KV paths (Deployment: same_dc, naive, pdd)
-  instance.py    an engine's KV block pool (the engine's BlockPool) and admission by blocks
-  prefill.py     P: chunked prefill within a token budget, KV streamed as it is computed
-  decoder.py     D / MD / RLD: continuous batching, decode runs advanced in one event each
-  router.py      the router service's route plan over loads, prefix indexes and link figures
-  fleet.py       a request's life across P, the links and MD
-  handoff.py     the relay's half: decode first, hand over by token IDs, the anomalous-traffic filter
-  job.py         one request's state while it runs
-  records.py     RequestRecord per request, SimResult with its summary()
+The pieces, one per file, are listed in shared/sim/__init__.py.
 
 Simplifications a capacity planner should know: a decoder reserves KV blocks for the whole
 request (prompt and output) when it takes it, so there is no preemption; MD's tokens reach
