@@ -21,18 +21,18 @@ def profile_line(name: str) -> str:
         m, fit = p["model"], p["fit"]
         figures = (f"fitted to {m['name']} {m['dtype']} on {m['device']} ({m['threads']} threads): overhead "
                    f"{p['step']['overhead_s'] * 1e3:.2f} ms, median |error| {fit['median_abs_rel_error']:.1%}")  # fmt: skip
-    return f"{name:<16}{p['kind']:<11}${p['price_per_hour']:>6.2f}/h  {figures}"
+    return f"{name:<18}{p['kind']:<11}${p['price_per_hour']:>6.2f}/h  {figures}"
 
 
 def model_line(profile: str, model_name: str) -> str:
     try:
         c = chip(profile, model_spec(model_name))
     except ValueError as e:
-        return f"{profile:<16}-- {e}"
+        return f"{profile:<18}-- {e}"
     spec = model_spec(model_name)
     decode_ms = c.step.decode_step_s(1, PROBE_CONTEXT) * 1e3
     prefill_ms = c.step.step_s(chunk_load(PROBE_CONTEXT, 0)) * 1e3
-    return (f"{profile:<16}KV {c.kv_capacity_bytes / 1e9:7.1f} GB = {c.kv_capacity_bytes // spec.kv_bytes_per_token:>9} tokens"
+    return (f"{profile:<18}KV {c.kv_capacity_bytes / 1e9:7.1f} GB = {c.kv_capacity_bytes // spec.kv_bytes_per_token:>9} tokens"
             f"  decode (1 seq, {PROBE_CONTEXT} ctx) {decode_ms:8.2f} ms  prefill {PROBE_CONTEXT} tokens {prefill_ms:8.1f} ms")  # fmt: skip
 
 

@@ -146,7 +146,7 @@ def _check_fitted_model(profile_name: str, profile: dict, model: ModelSpec) -> N
         raise ValueError(
             f"profile {profile_name!r} was calibrated for model {fitted['name']!r} in {fitted['dtype']}; "
             f"it cannot time {model.name!r} ({model.dtype_bytes} bytes per value): use a roofline "
-            f"profile or run `pdd sim calibrate --preset {model.name}`"
+            f"profile, or calibrate one for that model (`pdd sim calibrate --preset NAME`; presets only)"
         )
 
 
