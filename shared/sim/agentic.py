@@ -191,11 +191,20 @@ class _Builder:
             sess.held = req.block_hashes + output_block_hashes(req, self.block)
 
 
+def _closed_loop_seed(params: AgenticParams, model_id: str) -> str:
+    return f"{model_id}-{params.seed}"
+
+
+def closed_loop_shared_prefix(params: AgenticParams, block_size: int, model_id: str = "sim") -> tuple[int, ...]:
+    """The block hashes of the shared system prompt in agentic_closed_loop's workload."""
+    return _Blocks(_closed_loop_seed(params, model_id)).extend([], params.shared_prefix // block_size)
+
+
 def agentic_closed_loop(params: AgenticParams, block_size: int, model_id: str = "sim") -> Workload:
     """What `pdd bench e2e --scenario agentic` runs: params.clients agents, each running its
     plan in order, params.think_s apart; the same prompt lengths and prefix structure as the bench
     (same plans, same per-step seeds), each client's k-th request listed in round k."""
-    b = _Builder(params, block_size, f"{model_id}-{params.seed}")
+    b = _Builder(params, block_size, _closed_loop_seed(params, model_id))
     plans = make_plans(params)
     sessions = [_Session() for _ in plans]
     for k in range(max(map(len, plans), default=0)):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class TokenTimes:
@@ -75,13 +77,8 @@ def latencies(t: TokenTimes) -> dict[str, float]:
 
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100), linear between ranks; NaN values are left out."""
-    xs = sorted(v for v in values if not math.isnan(v))
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    xs = [v for v in values if not math.isnan(v)]
+    return float(np.percentile(xs, q)) if xs else math.nan
 
 
 @dataclass

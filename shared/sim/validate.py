@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.config import RelaySettings, RouterSettings
-from shared.sim.agentic import AgenticParams, _Blocks, agentic_closed_loop
+from shared.sim.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
 from shared.sim.chip import Chip
 from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
 from shared.sim.model_spec import ModelSpec
@@ -100,7 +100,7 @@ def agentic_cases(config: dict, base: Chip) -> dict[str, Case]:
 def warmed(w: Workload, config: dict) -> Workload:
     """The bench's warm-up first (the shared system prompt + 64 tokens, its own client), then
     every agent's first request WARM_S later."""
-    shared = _Blocks(f"sim-{config['seed']}").extend([], config["shared_prefix"] // BLOCK)  # agentic_closed_loop's
+    shared = closed_loop_shared_prefix(AgenticParams.from_args(argparse.Namespace(**config)), BLOCK)
     n = (config["shared_prefix"] + 64) // BLOCK * BLOCK
     warm = SimRequest(len(w.requests), 0.0, n, WARM_OUTPUT,
                       shared + tuple(random.Random("warm").getrandbits(63) for _ in range(n // BLOCK - len(shared))),
