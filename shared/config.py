@@ -44,6 +44,21 @@ class EngineSettings(BaseModel):
     max_model_len: int = 4096
 
 
+class RdmaSettings(BaseModel):
+    """The optional RDMA path for prefill's KV to main decode (Mooncake Transfer Engine, the
+    `rdma` extra): P writes the blocks MD lacks straight into MD's KV pool. Both ends must turn it
+    on; the TCP bulk channel stays the default and the fallback (engine missing, refused, failed)."""
+
+    protocol: str = "rdma"  # "rdma" on RoCE / InfiniBand NICs; "tcp" runs the same engine over sockets
+    device: str = ""  # the NIC(s) for protocol rdma, e.g. "mlx5_0" or "mlx5_0,mlx5_1"; "" = every one found
+    host: str | None = None  # the address peers reach this engine at; None: this host's (MD: its bulk host)
+    staging_mb: float = 64.0  # prefill's registered buffer the blocks are written from
+    control_timeout_s: float = 10.0  # each offer / verdict exchange with MD over NATS
+    # MD keeps slots it offered (and never saw written) out of use this long after the request
+    # ends, so a late one-sided write cannot land in a block reused by another request.
+    quarantine_s: float = 60.0
+
+
 class CommonSettings(BaseSettings):
     """What every service has. A service class sets only its own `env_prefix` (the nested
     delimiter and extra="ignore" are inherited); `PDD_<FIELD>` fills these fields in every
@@ -66,6 +81,8 @@ class CommonSettings(BaseSettings):
     tls_key: str | None = None  # its private key (required)
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    kv_transport: str = "tcp"  # WAN KV from prefill to main decode: "tcp" (bulk channel) | "rdma" (see RdmaSettings)
+    rdma: RdmaSettings = Field(default_factory=RdmaSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
     orphan_after_s: float = 4.0  # a router silent this long is gone: its requests are orphans, dropped
     drain_timeout_s: float = 30.0  # engine services, on SIGTERM: longest wait for the requests held to end

@@ -45,6 +45,7 @@ from shared.telemetry.tracing import context_from_traceparent
 
 from ..engine_service import EngineService, outcome_of, token_event
 from .kv_admission import KVAdmissionQueue, KVBusy
+from .rdma_intake import RdmaIntake
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class MainDecodeService(EngineService):
     def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
         self.kv_admission = KVAdmissionQueue(settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed)
+        self.rdma = RdmaIntake(self)
 
     advertise_address = ""  # where P dials this MD's bulk listener, once it listens
 
@@ -104,6 +106,7 @@ class MainDecodeService(EngineService):
         await self.serve_kv(self.settings.bulk_address)
         assert self.kv_server is not None
         self.advertise_address = self.settings.advertise_address or await advertised_address(self.kv_server.address)
+        await self.rdma.start()
         await super().start()
         self.life.every(1.0, self._expire)
 
@@ -165,6 +168,25 @@ class MainDecodeService(EngineService):
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
 
     # ---- KV sink (bulk channel over the WAN) -------------------------------------------
+    async def stop(self) -> None:
+        await super().stop()
+        self.rdma.close()
+
+    def receiving_job(self, rid: str) -> MDJob | None:
+        job = self.jobs.get(rid)
+        return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
+
+    def received(self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str) -> None:
+        """Blocks of the request are cached and pinned for it (over TCP or RDMA)."""
+        if job.receive_span is None:  # parented by prefill's transfer span
+            job.receive_span = self.tracer.start_span(
+                "md.kv_receive",
+                context=context_from_traceparent(traceparent),
+                attributes={REQUEST_ID_ATTR: job.rid, "path": "wan", "transport": transport},
+            )
+        job.received.update(hashes)
+        job.wan_bytes += nbytes
+
     def _receiving(self, rid: str) -> MDJob:
         job = self.jobs.get(rid)
         if job is None:
@@ -187,15 +209,9 @@ class MainDecodeService(EngineService):
         job = self._receiving(rid)
         if len(fresh) < len(hashes):
             hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
-        if job.receive_span is None:  # parented by prefill's transfer span, from the frame header
-            job.receive_span = self.tracer.start_span(
-                "md.kv_receive",
-                context=context_from_traceparent(traceparent),
-                attributes={REQUEST_ID_ATTR: rid, "path": "wan"},
-            )
+        await self.rdma.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
         await self.engine_loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
-        job.received.update(hashes)
-        job.wan_bytes += kv.numel() * kv.element_size()
+        self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         job = self.jobs.get(rid)
@@ -330,6 +346,7 @@ class MainDecodeService(EngineService):
         job.state.to(DecodeState.DONE)
         self.jobs.pop(job.rid, None)
         self._end_spans(job)
+        self.rdma.forget(job.rid)
         await self.free(job.rid)
 
     async def _expire(self) -> None:

@@ -47,6 +47,7 @@ from shared.telemetry.tracing import traceparent
 
 from ..engine_service import EngineService, outcome_of, token_event
 from .exporter import BlockExport, BlockExporter
+from .rdma_path import RdmaLink, RdmaPeers, start_writer
 
 log = logging.getLogger(__name__)
 _END = None  # queue sentinel: no more blocks for this destination
@@ -82,12 +83,14 @@ class PrefillJob:
     submit: PrefillSubmit
     state: StateMachine[PrefillState] = field(default_factory=lambda: StateMachine(PrefillState.PREFILLING, MOVES))
     md_address: str = ""
+    md_missing: list[int] = field(default_factory=list)  # blocks MD lacks
     md_pending: set[int] = field(default_factory=set)  # blocks MD lacks, not queued yet
     md_end_queued: bool = False
     md_queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     local_queue: asyncio.Queue | None = None
     first_token: int | None = None
     wan_bytes: int = 0
+    rdma_bytes: int = 0  # of wan_bytes, written over the RDMA path
     wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
     senders: dict[KVPath, asyncio.Task] = field(default_factory=dict)
     transfers: dict[KVPath, KVTransfer] = field(default_factory=dict)  # each sender's (it survives drops)
@@ -114,6 +117,11 @@ class PrefillService(EngineService):
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
         self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series
         self.track("export_plans", lambda: len(self.exporter._plans))
+        self.rdma = RdmaPeers(nc, None, settings.rdma.control_timeout_s)  # the RDMA path to MD, once started
+
+    async def start(self) -> None:
+        self.rdma.writer = await start_writer(self.settings)
+        await super().start()
 
     async def subscribe(self) -> None:
         # Least-loaded choice by the router on the instance subject; the queue group serves
@@ -170,7 +178,7 @@ class PrefillService(EngineService):
             return  # a duplicate target, or the request is gone
         # The WAN sender exists before any await, so draining cannot see "all senders done"
         # while MD's blocks are still to come.
-        job.md_address, job.md_pending = msg.md_bulk_address, set(msg.md_missing)
+        job.md_address, job.md_missing, job.md_pending = msg.md_bulk_address, msg.md_missing, set(msg.md_missing)
         self._start_sender(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
         self._close_wan_if_complete(job)
         export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
@@ -268,9 +276,8 @@ class PrefillService(EngineService):
         except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
             await self._transfer_failed(job, path, address, span, e)
         finally:
-            span.set_attributes(
-                {"bytes": sent, "duration_s": time.monotonic() - t_start, "reconnects": transfer.reconnects}
-            )
+            span.set_attributes({"bytes": sent, "duration_s": time.monotonic() - t_start,
+                                 "reconnects": transfer.reconnects, "rdma_bytes": job.rdma_bytes})  # fmt: skip
             span.end()
             job.transfers.pop(path, None)
             transfer.close()
@@ -279,19 +286,53 @@ class PrefillService(EngineService):
     async def _stream(
         self, job: PrefillJob, path: KVPath, transfer: KVTransfer, queue: asyncio.Queue, tp: str | None
     ) -> tuple[int, float | None]:
-        """Send queued blocks until the end marker: (bytes sent, time of the first block)."""
+        """Send queued blocks until the end marker: (bytes sent, time of the first block).
+        To MD over the RDMA path where both ends have it, the rest over the TCP channel."""
         timeout = self.settings.request_timeout_s
         sent, t_first = 0, None
-        while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not _END:
-            hashes, kv = item
-            t_first = t_first or time.monotonic()
-            n = await transfer.send_blocks(hashes, kv, traceparent=tp)
-            sent += n
-            if path is KVPath.WAN:
-                job.wan_bytes += n
-                job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
-            metrics.KV_BYTES.labels(path=path.value).inc(n)
+        link = await self._open_rdma(job) if path is KVPath.WAN else None
+        try:
+            while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not _END:
+                hashes, kv = item
+                t_first = t_first or time.monotonic()
+                n = await self._send_group(transfer, link, hashes, kv, tp)
+                sent += n
+                if path is KVPath.WAN:
+                    job.wan_bytes += n
+                    job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
+                metrics.KV_BYTES.labels(path=path.value).inc(n)
+            if link is not None:
+                sent += await self._resend(job, transfer, link, tp)
+        finally:
+            if link is not None:
+                link.cancel()
+                job.rdma_bytes = link.bytes
         return sent, t_first
+
+    async def _open_rdma(self, job: PrefillJob) -> RdmaLink | None:
+        if self.settings.kv_transport != "rdma":
+            return None
+        return await self.rdma.open(job.md_address, job.rid, job.md_missing)
+
+    async def _send_group(
+        self, transfer: KVTransfer, link: RdmaLink | None, hashes: list[int], kv, tp: str | None
+    ) -> int:
+        """One exported group: what MD gave RDMA slots for one-sided, the rest over TCP."""
+        written, rest = await link.send(hashes, kv, tp) if link is not None else (0, list(range(len(hashes))))
+        if not rest:
+            return written
+        part = kv if len(rest) == len(hashes) else kv[:, :, rest]
+        return written + await transfer.send_blocks([hashes[i] for i in rest], part, traceparent=tp)
+
+    async def _resend(self, job: PrefillJob, transfer: KVTransfer, link: RdmaLink, tp: str | None) -> int:
+        """Blocks MD did not verify go again over TCP."""
+        again, kv = await link.settle()
+        if kv is None:
+            return 0
+        n = await transfer.send_blocks(again, kv, traceparent=tp)
+        job.wan_bytes += n
+        metrics.KV_BYTES.labels(path=KVPath.WAN.value).inc(n)
+        return n
 
     def _relay_start(self, job: PrefillJob, span: Span) -> RelayStart:
         s = job.submit

@@ -132,6 +132,54 @@ class MDTarget(Message):
 
 
 @dataclass
+class RdmaOffer(Message):
+    """P → MD (request/reply on subjects.md_rdma(MD's bulk address, "offer")): P can write the
+    blocks MD lacks straight into MD's KV pool. MD answers only for a request it prepared, and only for
+    blocks of it that it still lacks."""
+
+    rid: str
+    hashes: list[int]  # the blocks P will write (a subset of MD's missing ones)
+
+
+@dataclass
+class RdmaSlots(Message):
+    """MD → P: where each offered block goes. Block `slots[i]` of MD's pool holds `planes`
+    segments (layer × K/V) of `block_bytes` each, segment p of slot s at
+    `base + (p * num_blocks + s) * block_bytes`. Not ok: use the TCP channel."""
+
+    ok: bool
+    session: str = ""  # MD's transfer engine, host:port
+    base: int = 0
+    num_blocks: int = 0
+    planes: int = 0
+    block_bytes: int = 0
+    hashes: list[int] = field(default_factory=list)  # the offered blocks MD takes this way
+    slots: list[int] = field(default_factory=list)  # pool block ids, one per hash
+    error: str | None = None
+
+
+@dataclass
+class RdmaWritten(Message):
+    """P → MD (request/reply on md_rdma(address, "written")): these blocks are written into their slots; MD verifies the
+    checksums and only then caches them."""
+
+    rid: str
+    hashes: list[int]
+    checksums: list[int]  # one per block, over its planes in order
+    algo: str
+    traceparent: str | None = None
+
+
+@dataclass
+class RdmaVerdict(Message):
+    """MD → P: the blocks that failed verification (never cached; P resends them over TCP)."""
+
+    ok: bool
+    corrupt: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
 class RelayStart(Message):
     """P → RLD, with the last frame of the local KV stream: decode from here."""
 

@@ -10,13 +10,15 @@ receives the message); a subscription outside its subscribe list never sees a me
                  kv snapshot (requests), md_target, md_lost,            its request inboxes
                  abort.router, load.router (its heartbeat)
     prefill      tokens, handoff, kv events.prefill, abort.prefill,     prefill submit, md_target,
-                 load.prefill                                           md_lost, kv snapshot.prefill,
-                                                                        every abort, router heartbeats
+                 load.prefill, rdma offer / written                     md_lost, kv snapshot.prefill,
+                                                                        every abort, router heartbeats,
+                                                                        its request inboxes
     relay        tokens, handoff, abort.relay, load.relay               kv_ready, handoff_ack,
                                                                         md_lost, relay resume,
                                                                         every abort, router heartbeats
     main_decode  tokens, kv_ready, handoff_ack, kv events.main_decode,  md prepare, md resume, handoff,
                  abort.main_decode, load.main_decode                    kv snapshot.main_decode,
+                                                                        rdma offer / written,
                                                                         every abort, router heartbeats
 
 An abort's last subject token is its sender's role (a kv event's role token too), and each
@@ -51,6 +53,7 @@ ANY_MD_PREPARE = f"{PREFIX}.md.*.prepare"
 ANY_PREFILL_SUBMIT = f"{PREFIX}.prefill.*.submit"
 ANY_MD_RESUME = f"{PREFIX}.md.*.resume"
 ANY_RELAY_RESUME = f"{PREFIX}.relay.*.resume"
+ANY_MD_RDMA = f"{PREFIX}.rdma.*.*"  # subjects.md_rdma: offers and written-notes to a main decoder
 ROUTER_HEARTBEATS = subjects.router_heartbeats()
 
 
@@ -79,9 +82,10 @@ PERMISSIONS: dict[str, Permissions] = {
     ),
     "prefill": Permissions(
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("prefill"),
-                 own_load("prefill"), subjects.all_kv_events("prefill")),
+                 own_load("prefill"), subjects.all_kv_events("prefill"), ANY_MD_RDMA),
         subscribe=(subjects.prefill_submit(), ANY_PREFILL_SUBMIT, subjects.all_req(Req.MD_TARGET),
-                   subjects.all_req(Req.MD_LOST), ABORTS, ROUTER_HEARTBEATS, DISCOVERY, kv_snapshots("prefill")),
+                   subjects.all_req(Req.MD_LOST), ABORTS, ROUTER_HEARTBEATS, DISCOVERY, kv_snapshots("prefill"),
+                   INBOX),
         responds=True,
     ),
     "relay": Permissions(
@@ -95,7 +99,7 @@ PERMISSIONS: dict[str, Permissions] = {
         publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
                  subjects.all_kv_events("main_decode"), own_abort("main_decode"), own_load("main_decode")),
         subscribe=(ANY_MD_PREPARE, ANY_MD_RESUME, subjects.all_req(Req.HANDOFF), ABORTS, ROUTER_HEARTBEATS,
-                   DISCOVERY, kv_snapshots("main_decode")),
+                   DISCOVERY, kv_snapshots("main_decode"), ANY_MD_RDMA),
         responds=True,
     ),
 }  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 
 PREFIX = "pdd"
@@ -62,6 +63,13 @@ def prefill_submit_to(inst: str) -> str:
 
 def md_prepare(inst: str) -> str:
     return f"{PREFIX}.md.{_tok(inst)}.prepare"
+
+
+def md_rdma(bulk_address: str, kind: str) -> str:
+    """`pdd.rdma.<key>.<offer|written>`: the RDMA path's exchanges with the main decoder that
+    P knows by its bulk address (MDTarget names no instance); key: a digest of that address."""
+    key = hashlib.sha256(bulk_address.encode()).hexdigest()[:20]
+    return f"{PREFIX}.rdma.{key}.{_tok(kind)}"
 
 
 def resume(role: str, inst: str) -> str:

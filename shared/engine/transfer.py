@@ -70,6 +70,32 @@ class KVTransfer:
         self.spare[owner] = [self.pool.allocate() for _ in range(missing)]
         return verdict, len(hit)
 
+    def take_spare(self, owner: str, n: int) -> list[int]:
+        """Up to n of owner's spare blocks, now the caller's to fill in place (one-sided writes).
+        Each goes back with adopt() (filled), return_spare() or release_blocks()."""
+        spare = self.spare.get(owner, [])
+        taken = spare[len(spare) - min(n, len(spare)) :]
+        del spare[len(spare) - len(taken) :]
+        return taken
+
+    def adopt(self, owner: str, h: int, bid: int) -> None:
+        """A taken block now holds h's KV: cache it, pinned for owner as import_blocks(pin=owner)
+        would (a twin already cached is used instead). An owner that is gone gets nothing."""
+        if owner not in self.promised:
+            self.pool.release(bid)
+            return
+        self.pins.setdefault(owner, []).append(self.pool.register_or_share(bid, h))
+
+    def return_spare(self, owner: str, bid: int) -> None:
+        """A taken block, unfilled (or refused): owner's spare again, or freed if owner is gone."""
+        if owner in self.promised:
+            self.spare.setdefault(owner, []).append(bid)
+        else:
+            self.pool.release(bid)
+
+    def release_blocks(self, bids: list[int]) -> None:
+        self.pool.release_many(bids)
+
     def export_blocks(self, hashes: list[int]) -> torch.Tensor:
         """The KV of cached blocks, on the CPU: [layers, 2, len(hashes), block_size, kv_heads, head_dim]."""
         bids = []

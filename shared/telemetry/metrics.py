@@ -69,6 +69,11 @@ UNKNOWN_REQUEST_MESSAGES = Counter(
 MIGRATIONS = Counter(  # cause = lost | gap | stall | error | dispatch (see RequestStream.stall, RouterCore._migrate)
     "pdd_migrations", "Requests moved to another instance by their token IDs", ["cause"]
 )
+KV_RDMA_BYTES = Counter("pdd_kv_rdma_bytes", "KV bytes prefill wrote one-sided into main decode's pool (RDMA path)")
+KV_RDMA_FALLBACKS = Counter(  # reason = unavailable | refused | write | corrupt | verdict
+    "pdd_kv_rdma_fallbacks", "WAN KV transfers (or blocks of them) sent over TCP instead of the RDMA path", ["reason"]
+)
+KV_RDMA_CORRUPT_BLOCKS = Counter("pdd_kv_rdma_corrupt_blocks", "Blocks written over RDMA that failed main decode's checksum")
 KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])  # see abort_reason
 HANDOFF_BATCHES_DROPPED = Counter(  # reason = stale (seq already applied) | duplicate (seq already held)
     "pdd_handoff_batches_dropped", "Redelivered handoff batches MD dropped (first copy kept)", ["reason"]
