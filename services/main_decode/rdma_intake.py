@@ -31,6 +31,8 @@ class RdmaIntake:
         self.engine: RdmaEngine | None = None
         self.offered: dict[str, dict[int, int]] = {}  # rid -> hash -> slot given to prefill, not yet written
         self.quarantined: dict[str, dict[int, int]] = {}  # the same, of requests that ended
+        service.track("rdma_offered", lambda: len(self.offered))
+        service.track("rdma_quarantined", lambda: len(self.quarantined))
 
     async def start(self) -> None:
         """Start the engine and register the pool when the path is on; answer offers either way
