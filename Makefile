@@ -5,11 +5,14 @@ STAMP  := $(VENV)/.installed
 .PHONY: install up test lint bench clean compose-image compose-test
 
 # CPU torch first, so the project's torch requirement is already met and no CUDA build is pulled.
-$(STAMP): pyproject.toml
+# The rdma extra (the RDMA path's transfer engine) when its libraries are there or can be
+# installed (deploy/rdma-libs.sh); without it the RDMA tests skip and say why.
+$(STAMP): pyproject.toml deploy/rdma-libs.sh
 	python3.11 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	if deploy/rdma-libs.sh && $(PY) -m pip install -q -e '.[dev,rdma]'; then :; else \
+		echo "warning: installing without the rdma extra" >&2; $(PY) -m pip install -q -e '.[dev]'; fi
 	touch $(STAMP)
 
 install: $(STAMP)
