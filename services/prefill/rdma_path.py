@@ -89,7 +89,7 @@ class RdmaLink:
         self.bytes += n
         metrics.KV_RDMA_BYTES.inc(n)
         self.kept.update((h, part[:, :, i : i + 1]) for i, h in enumerate(mine))
-        sums = [block_checksum(part, i, DEFAULT_ALGO) for i in range(len(mine))]
+        sums = await asyncio.to_thread(lambda: [block_checksum(part, i, DEFAULT_ALGO) for i in range(len(mine))])
         note = RdmaWritten(self.rid, mine, sums, DEFAULT_ALGO, tp)
         self.verdicts.append(asyncio.ensure_future(self._verdict(note)))
         return n, rest
