@@ -16,16 +16,23 @@ from services.prefill.service import PrefillService
 from shared.bus import subjects
 from shared.bus.connection import flushed, publish, request, subscribe
 from shared.bus.messages import (
+    Abort,
+    AbortReason,
     MDTarget,
     Pipeline,
     PrefillSubmit,
     PrepareReply,
     PrepareRequest,
+    RdmaOffer,
+    RdmaSlots,
+    RdmaVerdict,
+    RdmaWritten,
     SubmitReply,
     TokenEvent,
 )
 from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings, PrefillSettings, RdmaSettings
+from shared.kv.checksum import DEFAULT_ALGO
 from shared.kv.rdma_engine import unavailable
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
 
@@ -150,3 +157,45 @@ async def test_a_failed_write_falls_back_to_tcp(services, reference) -> None:
     assert sample("pdd_kv_rdma_fallbacks_total", reason="write") == before + 1
     await asyncio.sleep(TCP_MODE.quarantine_s + 0.5)  # slots offered and never written: out of use until then
     assert md.rdma.quarantined == {} and md.engine.transfer.pins == {}
+
+
+async def offer(nc, md: MainDecodeService, rid: str, hashes: list[int]) -> RdmaSlots:
+    msg = RdmaOffer(rid, hashes)
+    return await request(nc, subjects.md_rdma(md.advertise_address, "offer"), msg, RdmaSlots, timeout=WAIT_S)
+
+
+async def written(nc, md: MainDecodeService, rid: str, hashes: list[int], sums: list[int]) -> RdmaVerdict:
+    msg = RdmaWritten(rid, hashes, sums, DEFAULT_ALGO)
+    return await request(nc, subjects.md_rdma(md.advertise_address, "written"), msg, RdmaVerdict, timeout=WAIT_S)
+
+
+async def test_md_gives_slots_only_for_announced_requests_and_their_missing_blocks(services) -> None:
+    md, _, nc = await services()
+    hashes = md.engine.block_hashes(PROMPT)
+    assert not (await offer(nc, md, "never-prepared", hashes)).ok
+    prep = PrepareRequest("s1", PROMPT, greedy(MAX_TOKENS), hashes, Pipeline.P_MD)
+    assert (await request(nc, subjects.md_prepare("0"), prep, PrepareReply, timeout=WAIT_S)).ok
+    got = await offer(nc, md, "s1", [12345, *hashes[:2], hashes[0]])  # one block not asked for, one twice
+    assert got.ok and got.hashes == hashes[:2] and len(set(got.slots)) == 2
+    assert not (await offer(nc, md, "s1", hashes[2:])).ok  # one offer per request
+    assert not (await written(nc, md, "s1", [hashes[3]], [0])).ok  # not a slot it gave
+    assert hashes[3] not in await cached(md)
+
+
+async def test_slots_of_an_aborted_request_stay_out_of_use_until_written(services) -> None:
+    md, _, nc = await services()
+    hashes = md.engine.block_hashes(PROMPT)
+    prep = PrepareRequest("s2", PROMPT, greedy(MAX_TOKENS), hashes, Pipeline.P_MD)
+    assert (await request(nc, subjects.md_prepare("0"), prep, PrepareReply, timeout=WAIT_S)).ok
+    got = await offer(nc, md, "s2", hashes)
+    assert got.ok and len(got.slots) == len(hashes)
+    # The anomalous-traffic filter: the relay ended the request first.
+    await publish(nc, subjects.abort("s2", "relay"), Abort("s2", AbortReason.RELAY_FINISHED))
+    async with asyncio.timeout(WAIT_S):
+        while "s2" in md.jobs:  # noqa: ASYNC110 - the drop has no event to wait on
+            await asyncio.sleep(0.05)
+    # A one-sided write may still be on its way: the slots stay held, nothing else is.
+    assert md.engine.pool.num_free == md.engine.pool.num_blocks - len(hashes)
+    assert not (await written(nc, md, "s2", hashes, [0] * len(hashes))).ok  # the request ended...
+    assert md.rdma.quarantined == {}  # ...and its slots are written: free now
+    assert md.engine.pool.num_free == md.engine.pool.num_blocks
