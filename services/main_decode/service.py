@@ -110,6 +110,10 @@ class MainDecodeService(EngineService):
         await super().start()
         self.life.every(1.0, self._expire)
 
+    async def stop(self) -> None:
+        await super().stop()
+        self.rdma.close()
+
     async def subscribe(self) -> None:
         inst = self.settings.instance
         await self.subscribe_admission(subjects.md_prepare(inst), PrepareRequest, PrepareReply, self._prepare)
@@ -168,10 +172,6 @@ class MainDecodeService(EngineService):
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
 
     # ---- KV sink (bulk channel over the WAN) -------------------------------------------
-    async def stop(self) -> None:
-        await super().stop()
-        self.rdma.close()
-
     def receiving_job(self, rid: str) -> MDJob | None:
         job = self.jobs.get(rid)
         return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
