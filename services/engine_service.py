@@ -126,33 +126,42 @@ class EngineService:
         raise NotImplementedError
 
     async def subscribe_admission(
-        self, subject: str, cls: type, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]], queue: str = ""
+        self, subject: str, cls: type, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]], queue: str = "",
+        if_aborted: Callable[[Any], Any] | None = None,
     ) -> None:
         """Messages that create a job. Admission waits for the engine thread (up to one
         step), so it runs off the subscription: requests arriving together are admitted
-        together. A duplicate request id is refused with `reply_cls(ok=False, error=...)`."""
+        together. A duplicate request id is refused with `reply_cls(ok=False, error=...)`;
+        so is one already aborted, unless `if_aborted(msg)` gives the reply for that."""
 
         async def on_message(msg: Any, raw: Any) -> None:
-            self.life.spawn(self._admit(msg, raw, reply_cls, admit))
+            self.life.spawn(self._admit(msg, raw, reply_cls, admit, if_aborted))
 
         await self.life.subscribe(self.nc, subject, cls, on_message, queue=queue)
 
-    async def _admit(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
+    async def _admit(
+        self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]],
+        if_aborted: Callable[[Any], Any] | None,
+    ) -> None:
         if self.draining:
             # A service error: the router's request raises and it takes the request elsewhere.
             await respond_error(raw, "503", f"{self.role.value} {self.settings.instance} is leaving")
             return
         self._admitting += 1
         try:
-            await self._admit_new(msg, raw, reply_cls, admit)
+            await self._admit_new(msg, raw, reply_cls, admit, if_aborted)
         finally:
             self._admitting -= 1
 
-    async def _admit_new(self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]]) -> None:
+    async def _admit_new(
+        self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]],
+        if_aborted: Callable[[Any], Any] | None,
+    ) -> None:
         if msg.rid in self.jobs:
             await respond(raw, reply_cls(ok=False, error=f"duplicate request id {msg.rid}"))
         elif msg.rid in self.aborted:
-            await respond(raw, reply_cls(ok=False, error=f"request {msg.rid} was aborted"))
+            refusal = reply_cls(ok=False, error=f"request {msg.rid} was aborted")
+            await respond(raw, if_aborted(msg) if if_aborted else refusal)
         else:
             await admit(msg, raw)
             late = self.aborted.get(msg.rid)

@@ -4,12 +4,14 @@ in the shape and dtype of its own model, from a sender holding a certificate of 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from services.main_decode.service import MainDecodeService
-from shared.bus import request, subjects
-from shared.bus.messages import Pipeline, PrepareReply, PrepareRequest
+from shared.bus import publish, request, subjects
+from shared.bus.messages import Abort, AbortReason, Pipeline, PrepareReply, PrepareRequest, Role
 from shared.config import EngineSettings, MainDecodeSettings
 from shared.engine import SamplingParams
 from shared.kv import KVTransferError, open_kv_client
@@ -102,3 +104,18 @@ def test_tls_settings_are_all_or_nothing(tmp_path) -> None:
     assert server_tls(MainDecodeSettings()) is None and client_tls(MainDecodeSettings()) is None
     with pytest.raises(ValueError, match="set together"):  # never a silent fallback to plaintext
         server_tls(MainDecodeSettings(tls_cert=str(tmp_path / "md.pem")))
+
+
+async def test_a_prepare_overtaken_by_its_abort_takes_no_part(md) -> None:
+    """The relay finished the request (its abort says so) before MD saw the prepare: MD answers
+    that it takes no part, as when the abort comes during the wait for KV memory; refusing it
+    would fail a request that already has all its tokens."""
+    service, nc, _ = md
+    prompt = [(5 * i) % 200 + 1 for i in range(40)]
+    await publish(nc, subjects.abort("overtaken", Role.RELAY.value), Abort("overtaken", AbortReason.RELAY_FINISHED))
+    async with asyncio.timeout(10):
+        while not service.was_aborted("overtaken"):  # noqa: ASYNC110 - fed through NATS
+            await asyncio.sleep(0.01)
+    reply = await prepare(nc, "overtaken", prompt, service.engine.block_hashes(prompt))
+    assert reply.ok and reply.missing == [] and reply.bulk_address == service.advertise_address, reply
+    assert "overtaken" not in service.jobs

@@ -116,7 +116,8 @@ class MainDecodeService(EngineService):
 
     async def subscribe(self) -> None:
         inst = self.settings.instance
-        await self.subscribe_admission(subjects.md_prepare(inst), PrepareRequest, PrepareReply, self._prepare)
+        await self.subscribe_admission(subjects.md_prepare(inst), PrepareRequest, PrepareReply, self._prepare,
+                                       if_aborted=self._takes_no_part)  # fmt: skip
         await self.subscribe_admission(subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume)
         await self.life.subscribe(self.nc, subjects.all_req(Req.HANDOFF), HandoffBatch, self._on_handoff)
 
@@ -140,6 +141,11 @@ class MainDecodeService(EngineService):
         missing = msg.block_hashes[have:]
         self.jobs[msg.rid] = MDJob(msg, set(missing), ctx=otel_context.get_current())
         await respond(raw, PrepareReply(ok=True, missing=missing, bulk_address=self.advertise_address))
+
+    def _takes_no_part(self, msg: PrepareRequest) -> PrepareReply:
+        """Its abort came first (say the relay finished it while this prepare was on its way):
+        it ended elsewhere, as when the abort comes during the wait for KV memory."""
+        return PrepareReply(ok=True, bulk_address=self.advertise_address)
 
     async def _resume(self, msg: ResumeRequest, raw) -> None:
         """The request moved here by its token IDs: no KV comes; decode from what is cached
