@@ -70,6 +70,8 @@ class Link:
 
     def backlogs(self) -> dict[str, int]:
         """backlog_to() of every destination with bytes queued and not yet serialised (absent: 0)."""
+        if not self.queue:
+            return {}  # (every count is 0 then)
         out = {dest: n for dest, n in self._queued_to.items() if n}
         head = self.queue[0] if self.queue else None
         if head is not None and head.dest in out and head.started_at is not None:
