@@ -7,6 +7,12 @@ hundred instances would otherwise walk it a hundred times per request)."""
 
 from __future__ import annotations
 
+from itertools import islice, takewhile
+
+# Instances still holding a prompt's prefix below which each one's run is counted on its own
+# (a set test per block for many of them at once costs less than one walk each).
+FEW_LEFT = 3
+
 
 class PrefixIndex:
     def __init__(self) -> None:
@@ -23,36 +29,33 @@ class PrefixIndex:
             blocks.update(new)
             holders = self._holders
             for h in new:
-                holders.setdefault(h, set()).add(instance)
+                held_by = holders.get(h)
+                if held_by is None:
+                    holders[h] = {instance}
+                else:
+                    held_by.add(instance)
         gone = blocks.intersection(evicted) if evicted else ()
         if gone:
             blocks.difference_update(gone)
             self._drop_holder(instance, gone)
 
-    def _release(self, h: int, instance: str) -> None:
-        held_by = self._holders[h]
-        held_by.discard(instance)
-        if not held_by:
-            del self._holders[h]
-
     def _drop_holder(self, instance: str, blocks: set[int]) -> None:
         """`instance` no longer holds `blocks`."""
+        holders = self._holders
         for h in blocks:
-            self._release(h, instance)
+            held_by = holders[h]
+            held_by.discard(instance)
+            if not held_by:
+                del holders[h]
 
     def cached_prefix_blocks(self, instance: str, hashes: list[int]) -> int:
         """Length of the leading run of `hashes` this instance holds (hashes are chained)."""
-        blocks = self._blocks.get(instance, set())
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+        return _leading_run(self._blocks.get(instance, set()), hashes)
 
     def cached_prefix_blocks_all(self, hashes: list[int]) -> dict[str, int]:
         """cached_prefix_blocks of every instance holding at least the first block (absent: 0),
-        in one walk down `hashes` that narrows the instances still holding the prefix."""
+        in one walk down `hashes` that narrows the instances still holding the prefix; once
+        few are left, each one's run is counted on at once."""
         out: dict[str, int] = {}
         if not hashes:
             return out
@@ -60,11 +63,15 @@ class PrefixIndex:
         if not live:
             return out
         live = set(live)
-        holders = self._holders
+        holders, everyone = self._holders, len(self._blocks)
         n = 1
-        for h in hashes[1:]:
+        for h in islice(hashes, 1, None):
+            if len(live) <= FEW_LEFT:
+                break
             held = holders.get(h, ())
-            if not live.issubset(held):  # (no new set while every instance still holds the prefix)
+            # (no new set while every instance still holds the prefix; none to test when every
+            # instance of the index holds the block, as a shared system prompt's blocks)
+            if len(held) != everyone and not live.issubset(held):
                 still = live.intersection(held)
                 for instance in live.difference(still):
                     out[instance] = n
@@ -72,8 +79,9 @@ class PrefixIndex:
                     return out
                 live = still
             n += 1
+        rest = hashes[n:]
         for instance in live:
-            out[instance] = n
+            out[instance] = n + _leading_run(self._blocks[instance], rest)
         return out
 
     def forget(self, instance: str) -> None:
@@ -91,3 +99,8 @@ class PrefixIndex:
     def blocks(self, instance: str) -> frozenset[int]:
         """Every block the instance is known to hold."""
         return frozenset(self._blocks.get(instance, ()))
+
+
+def _leading_run(blocks: set[int], hashes: list[int]) -> int:
+    """How many of `hashes`, from the first, are in `blocks` (counted without a Python loop)."""
+    return len(list(takewhile(blocks.__contains__, hashes)))

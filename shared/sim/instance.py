@@ -95,7 +95,7 @@ class Instance:
         self._admit_waiters()
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        stored, evicted = [], []
-        for kind, h in self.pool.drain_events():
-            (stored if kind == "stored" else evicted).append(h)
-        return stored, evicted
+        events = self.pool.drain_events()
+        if not events:
+            return [], []
+        return [h for kind, h in events if kind == "stored"], [h for kind, h in events if kind != "stored"]
