@@ -12,12 +12,17 @@ from itertools import islice, takewhile
 # Instances still holding a prompt's prefix below which each one's run is counted on its own
 # (a set test per block for many of them at once costs less than one walk each).
 FEW_LEFT = 3
+MAX_COMMON = 1024  # first blocks whose common run is remembered (beyond: forget them all)
 
 
 class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[str, set[int]] = {}
         self._holders: dict[int, set[str]] = {}  # block hash -> instances holding it
+        # Per first block: a run of blocks from it that every instance holding it holds too (a
+        # shared system prompt's); forgotten when who holds one of them changes.
+        self._common: dict[int, tuple[int, ...]] = {}
+        self._common_on: set[int] = set()  # the blocks of those runs
 
     def apply(self, instance: str, stored: list[int], evicted: list[int], reset: bool = False) -> None:
         blocks = self._blocks.setdefault(instance, set())
@@ -34,6 +39,8 @@ class PrefixIndex:
                     holders[h] = {instance}
                 else:
                     held_by.add(instance)
+            if self._common_on and not self._common_on.isdisjoint(new):
+                self._forget_common()
         gone = blocks.intersection(evicted) if evicted else ()
         if gone:
             blocks.difference_update(gone)
@@ -47,6 +54,12 @@ class PrefixIndex:
             held_by.discard(instance)
             if not held_by:
                 del holders[h]
+        if self._common_on and not self._common_on.isdisjoint(blocks):
+            self._forget_common()
+
+    def _forget_common(self) -> None:
+        self._common.clear()
+        self._common_on.clear()
 
     def cached_prefix_blocks(self, instance: str, hashes: list[int]) -> int:
         """Length of the leading run of `hashes` this instance holds (hashes are chained)."""
@@ -54,8 +67,8 @@ class PrefixIndex:
 
     def cached_prefix_blocks_all(self, hashes: list[int]) -> dict[str, int]:
         """cached_prefix_blocks of every instance holding at least the first block (absent: 0),
-        in one walk down `hashes` that narrows the instances still holding the prefix; once
-        few are left, each one's run is counted on at once."""
+        in one walk down `hashes` that narrows the instances still holding the prefix (from
+        the end of the run they all hold); once few are left, each one's run is counted on."""
         out: dict[str, int] = {}
         if not hashes:
             return out
@@ -63,15 +76,13 @@ class PrefixIndex:
         if not live:
             return out
         live = set(live)
-        holders, everyone = self._holders, len(self._blocks)
-        n = 1
-        for h in islice(hashes, 1, None):
+        holders = self._holders
+        n = self._common_run(hashes, live)
+        for h in islice(hashes, n, None):
             if len(live) <= FEW_LEFT:
                 break
             held = holders.get(h, ())
-            # (no new set while every instance still holds the prefix; none to test when every
-            # instance of the index holds the block, as a shared system prompt's blocks)
-            if len(held) != everyone and not live.issubset(held):
+            if not live.issubset(held):  # (no new set while every instance still holds the prefix)
                 still = live.intersection(held)
                 for instance in live.difference(still):
                     out[instance] = n
@@ -83,6 +94,24 @@ class PrefixIndex:
         for instance in live:
             out[instance] = n + _leading_run(self._blocks[instance], rest)
         return out
+
+    def _common_run(self, hashes: list[int], live: set[str]) -> int:
+        """How many blocks from the start of `hashes` every instance of `live` (the holders of
+        the first) holds: as remembered for this first block if the prompt runs through the
+        remembered end, and further (and remembered, if longer)."""
+        known = self._common.get(hashes[0], ())
+        n = len(known) if known and tuple(hashes[: len(known)]) == known else 1
+        holders = self._holders
+        for h in islice(hashes, n, None):
+            if not live.issubset(holders.get(h, ())):
+                break
+            n += 1
+        if n > 1 and n > len(known):
+            if len(self._common) >= MAX_COMMON:
+                self._forget_common()
+            run = self._common[hashes[0]] = tuple(hashes[:n])
+            self._common_on.update(run)
+        return n
 
     def forget(self, instance: str) -> None:
         """The instance left: drop what it held (if it returns, the router fetches a snapshot)."""

@@ -164,11 +164,12 @@ class DecodeInstance(Instance):
         step, n, steps = self.chip.step, len(self.running), self._steps
         first = self._t0 + step.decode_step_s(n, self._context0, 0)
         gap = step.decode_step_s(n, self._context0, steps - 1) if steps >= 2 else 0.0
+        now = self.loop.now
         for seq in self.running:
             seq.context += steps
             seq.produced += steps
             seq.remaining -= steps
-            seq.on_tokens(first, self.loop.now, steps, gap)
+            seq.on_tokens(first, now, steps, gap)
         self._steps = 0
 
     def _settle_mixed(self) -> None:
