@@ -71,7 +71,9 @@ class Instance:
             w = self.block_waiters[0]
             hits = self.pool.lookup(w.hashes)
             fresh = blocks_for(w.tokens, self.block_size) - len(hits)
-            if fresh + self.pool.cost_of(hits) > self.pool.num_free:
+            room = len(self.pool.free)
+            # (cost_of(hits) ≤ len(hits): it need not be counted when even that fits)
+            if fresh + len(hits) > room and fresh + self.pool.cost_of(hits) > room:
                 if fresh > self.pool.num_blocks:
                     raise ValueError(f"{self.name}: a request of {w.tokens} tokens never fits its KV pool")
                 return

@@ -31,6 +31,7 @@ class Transfer:
     sent: int = 0  # bytes serialised (all of them once it left the queue)
     started_at: float | None = None
     aborted: bool = False
+    queued: bool = False  # in its link's queue (sent, not yet serialised, not aborted)
 
 
 class Link:
@@ -79,7 +80,7 @@ class Link:
         return out
 
     def send(self, nbytes: int, on_landed: Callable[[], None], dest: str = "") -> Transfer:
-        t = Transfer(nbytes, on_landed, dest)
+        t = Transfer(nbytes, on_landed, dest, queued=True)
         self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes
         self.queue.append(t)
         if len(self.queue) == 1:
@@ -88,9 +89,9 @@ class Link:
 
     def abort(self, t: Transfer) -> None:
         """Drop a transfer: its unsent bytes leave the queue (what was sent stays sent)."""
-        if t.aborted or t not in self.queue:
+        if not t.queued:
             return
-        t.aborted = True
+        t.aborted, t.queued = True, False
         self._queued_to[t.dest] -= t.nbytes
         if t is self.queue[0] and t.started_at is not None:
             t.sent = self._sent_by(t, self.loop.now)
@@ -113,7 +114,7 @@ class Link:
 
     def _head_sent(self) -> None:
         t = self.queue.popleft()
-        t.sent = t.nbytes
+        t.sent, t.queued = t.nbytes, False
         self._queued_to[t.dest] -= t.nbytes
         self._count(t.started_at, self.loop.now, t.nbytes)
         landing = max(self.loop.now + self.delay(), self._last_landing)
