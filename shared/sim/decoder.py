@@ -23,7 +23,7 @@ from shared.sim.step_cost import chunk_load, combine, decode_load
 TokenSink = Callable[[float, float, int, float], None]  # (first time, last time, tokens, largest gap between them)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Seq:
     context: int  # tokens whose KV this instance holds
     remaining: int  # tokens still to produce here
@@ -32,7 +32,7 @@ class Seq:
     produced: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Extend:
     """Handoff token IDs for MD to compute into a held sequence's KV."""
 

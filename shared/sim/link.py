@@ -23,7 +23,7 @@ class LinkSpec:
 IN_DC = LinkSpec(50e9, 10e-6)  # RDMA-class in-DC path (400 Gb/s)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     nbytes: int
     on_landed: Callable[[], None]

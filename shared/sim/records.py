@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenTimes:
     """A request's tokens as the router sees them arrive, folded as they come (in order)."""
 
