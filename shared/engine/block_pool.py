@@ -25,7 +25,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-@dataclass
+@dataclass(slots=True)  # (a pool holds thousands: smaller, and read faster, without a __dict__ each)
 class Block:
     block_id: int
     ref_count: int = 0
