@@ -127,7 +127,7 @@ def test_a_large_pool_made_on_demand_behaves_as_the_engine_pool():
     sim, engine = SimBlockPool(n), BlockPool(n)
     assert isinstance(sim.blocks, dict) and isinstance(SimBlockPool(EAGER_BLOCKS).blocks, list)
     held: list[list[int]] = []
-    for step in range(400):
+    for _ in range(400):
         hashes = [rng.randrange(60) * 1000 + i for i in range(rng.randrange(1, 6))]  # chains of a few prefixes
         if held and (rng.random() < 0.4 or sim.num_free < 20_000):
             bids = held.pop(rng.randrange(len(held)))
