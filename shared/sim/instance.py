@@ -31,7 +31,7 @@ class SimBlockPool(BlockPool):
     when it is large."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= EAGER_BLOCKS:
+        if 0 < num_blocks <= EAGER_BLOCKS:  # (the engine refuses a pool of none)
             super().__init__(num_blocks)
             return
         super().__init__(1)
