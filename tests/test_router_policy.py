@@ -238,3 +238,10 @@ def test_a_load_made_in_one_go_equals_the_dataclass():
     assert fast == made and hash(fast) == hash(made) and repr(fast) == repr(made)
     assert load_of(fast) == load_of(made) == 5 + 2 + 0.75
     assert load_of(InstanceLoad.of("p0", 0, 0, 0, 0, 0, 0, 0.0)) == 0.0  # pool size unknown
+
+
+def test_a_load_with_another_recent_count_equals_the_dataclass():
+    base = InstanceLoad.of("md0", 3, 1, 100, 400, 5, 2, 1.5)
+    moved = base.with_recent(0.25)
+    assert moved == InstanceLoad("md0", 3, 1, 100, 400, 5, 2, 0.25) and moved is not base
+    assert load_of(moved) == load_of(base) and base.recent == 1.5  # the original stays as it was

@@ -49,3 +49,23 @@ def test_all_instances_walk_the_chain_once():
     assert idx.cached_prefix_blocks_all([1, 2, 3]) == {}
     idx.apply("a", stored=[1], evicted=[], reset=True)
     assert idx.cached_prefix_blocks_all([1, 2]) == {"a": 1}
+
+
+def test_the_run_every_holder_shares_follows_each_change():
+    """A shared system prompt's run (every holder of its first block holds it) is remembered
+    between routes; a store of its first block elsewhere, an eviction, a reset or a departure
+    each shows in the next answer."""
+    idx = PrefixIndex()
+    system = [1, 2, 3, 4]
+    for name, own in (("a", 10), ("b", 20), ("c", 30), ("d", 40), ("e", 50)):
+        idx.apply(name, stored=system + [own], evicted=[])
+    assert idx.cached_prefix_blocks_all(system + [10]) == {"a": 5, "b": 4, "c": 4, "d": 4, "e": 4}
+    idx.apply("b", stored=[], evicted=[3])
+    assert idx.cached_prefix_blocks_all(system + [20]) == {"a": 4, "b": 2, "c": 4, "d": 4, "e": 4}
+    idx.apply("f", stored=[1, 2], evicted=[])  # a new holder of the first block, not of the rest
+    assert idx.cached_prefix_blocks_all(system + [30])["f"] == 2
+    idx.apply("c", stored=[1], evicted=[], reset=True)
+    assert idx.cached_prefix_blocks_all(system + [30])["c"] == 1
+    idx.forget("a")
+    assert "a" not in idx.cached_prefix_blocks_all(system + [10])
+    assert idx.cached_prefix_blocks_all([1, 2, 9]) == {"b": 2, "c": 1, "d": 2, "e": 2, "f": 2}  # another prompt, same first block

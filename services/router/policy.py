@@ -14,7 +14,7 @@ one request of load is worth. The relay is the least loaded one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shared.bus.messages import Pipeline, Role
 from shared.kv.link_estimator import estimate_wan_seconds
@@ -79,10 +79,20 @@ class InstanceLoad:
         """InstanceLoad(...) of every field, made without the frozen dataclass's setattr per
         field (three times faster: a fleet simulation makes a hundred per request)."""
         self = object.__new__(cls)
-        self.__dict__.update(instance=instance, running=running, waiting=waiting, free_blocks=free_blocks,
-                             num_blocks=num_blocks, held=held, pending=pending, recent=recent)  # fmt: skip
-        self.__dict__["load"] = _load(self)
+        fields = {"instance": instance, "running": running, "waiting": waiting, "free_blocks": free_blocks,
+                  "num_blocks": num_blocks, "held": held, "pending": pending, "recent": recent}  # fmt: skip
+        object.__setattr__(self, "__dict__", fields)
+        fields["load"] = _load(self)
         return self
+
+    def with_recent(self, recent: float) -> InstanceLoad:
+        """This load with another recent count (its load does not depend on it): a router that
+        sees nothing else of an instance change since its last route remakes only that."""
+        other = object.__new__(type(self))
+        fields = self.__dict__.copy()
+        fields["recent"] = recent
+        object.__setattr__(other, "__dict__", fields)
+        return other
 
 
 @dataclass(frozen=True)
@@ -118,11 +128,10 @@ def _load(c: InstanceLoad) -> float:
     return (busy if busy >= c.held else c.held) + c.pending + used  # max(), without the call
 
 
-def _fits(values: list[float], balance_factor: float) -> list[bool]:
-    """Whether each value plus one stays within balance_factor × the mean (the one included)
-    + BOUND_SLACK."""
-    bound = balance_factor * (sum(values) + 1) / len(values) + BOUND_SLACK
-    return [v + 1 <= bound for v in values]
+def _bound(values: list[float], balance_factor: float) -> float:
+    """balance_factor × the mean (one more request included) + BOUND_SLACK: a value fits when
+    it stays within this with one more."""
+    return balance_factor * (sum(values) + 1) / len(values) + BOUND_SLACK
 
 
 def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[InstanceLoad]:
@@ -132,14 +141,23 @@ def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[
     unevenly while short requests left every moment nearly idle."""
     if not candidates:
         return []
-    now = _fits([load_of(c) for c in candidates], balance_factor)
-    lately = _fits([c.recent for c in candidates], balance_factor)
-    return [c for c, a, b in zip(candidates, now, lately, strict=True) if a and b] or candidates
+    now = _bound([c.load for c in candidates], balance_factor)  # (load_of, without the call)
+    lately = _bound([c.recent for c in candidates], balance_factor)
+    return [c for c in candidates if c.load + 1 <= now and c.recent + 1 <= lately] or candidates
 
 
 def _rank_key(costs: dict[str, float], eligible: set[str]):
     """Those within the load bound (`eligible`) first, then the rest; each by cost, then load, then name."""
-    return lambda c: (c.instance not in eligible, costs[c.instance], load_of(c), c.instance)
+    return lambda c: (c.instance not in eligible, costs[c.instance], c.load, c.instance)
+
+
+def _cheapest(candidates: list[InstanceLoad], costs: dict[str, float], eligible: set[str]) -> InstanceLoad:
+    """min(candidates, key=_rank_key(costs, eligible)) without a key per candidate: the
+    cheapest of the eligible ones (all of them if none is), ties by load, then name."""
+    pool = [c for c in candidates if c.instance in eligible] or candidates
+    low = min([costs[c.instance] for c in pool])
+    tied = [c for c in pool if costs[c.instance] == low]
+    return tied[0] if len(tied) == 1 else min(tied, key=lambda c: (c.load, c.instance))
 
 
 def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], eligible: set[str]) -> list[InstanceLoad]:
@@ -151,7 +169,7 @@ def _eligible(candidates: list[InstanceLoad], balance_factor: float) -> set[str]
 
 
 def _by_load(c: InstanceLoad) -> tuple:
-    return load_of(c), -c.free_blocks, c.instance
+    return c.load, -c.free_blocks, c.instance
 
 
 def request_weights(w: RouteWeights, request_s: float) -> RouteWeights:
@@ -160,7 +178,7 @@ def request_weights(w: RouteWeights, request_s: float) -> RouteWeights:
     so one request of load weighs the same against a prefix hit whatever the model's KV size:
     with the tiny preset's 512 B/token a prefix saves microseconds of WAN, and so does a
     request of load."""
-    return replace(w, load=w.load * request_s)
+    return RouteWeights(w.overlap, w.load * request_s, w.prefill, w.balance_factor)  # (replace(), made faster)
 
 
 def wan_cost_s(missing_bytes: int, backlog_bytes: int, bandwidth: float) -> float:
@@ -195,7 +213,8 @@ def queued_ahead(compared: dict[str, float], backlogs: dict[str, int]) -> dict[s
 
 def md_costs(candidates: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights) -> dict[str, float]:
     """`wan_s`: each MD's WAN seconds for the blocks it lacks (wan_cost_s)."""
-    return {c.instance: w.overlap * wan_s[c.instance] + w.load * load_of(c) for c in candidates}
+    overlap, per_load = w.overlap, w.load
+    return {c.instance: overlap * wan_s[c.instance] + per_load * c.load for c in candidates}
 
 
 def choose_main_decode(
@@ -210,7 +229,7 @@ def choose_main_decode(
         return None
     costs, eligible = md_costs(candidates, wan_s, w), _eligible(candidates, w.balance_factor)
     key = _rank_key(costs, eligible)
-    best = min(candidates, key=key)  # only the near ones need ranking among themselves
+    best = _cheapest(candidates, costs, eligible)  # only the near ones need ranking among themselves
     near = [c for c in candidates if (c.instance in eligible) == (best.instance in eligible)
             and costs[c.instance] - costs[best.instance] <= w.load * (1 + 1e-9)]  # fmt: skip
     return sorted(near, key=key)[spread_key % len(near)].instance
@@ -220,13 +239,14 @@ def choose_prefill(
     candidates: list[InstanceLoad], prompt_tokens: int, cached_tokens: dict[str, int], w: RouteWeights
 ) -> str | None:
     """The cheapest P within the load bound: prefill compute for what it has not cached, plus load."""
+    per_token, per_load = w.prefill, w.load
     costs = {
-        c.instance: w.prefill * max(prompt_tokens - cached_tokens.get(c.instance, 0), 0) + w.load * load_of(c)
+        c.instance: per_token * max(prompt_tokens - cached_tokens.get(c.instance, 0), 0) + per_load * c.load
         for c in candidates
     }
     if not candidates:
         return None
-    return min(candidates, key=_rank_key(costs, _eligible(candidates, w.balance_factor))).instance
+    return _cheapest(candidates, costs, _eligible(candidates, w.balance_factor)).instance
 
 
 def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:

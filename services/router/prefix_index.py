@@ -7,11 +7,22 @@ hundred instances would otherwise walk it a hundred times per request)."""
 
 from __future__ import annotations
 
+from itertools import islice, takewhile
+
+# Instances still holding a prompt's prefix below which each one's run is counted on its own
+# (a set test per block for many of them at once costs less than one walk each).
+FEW_LEFT = 3
+MAX_COMMON = 1024  # first blocks whose common run is remembered (beyond: forget them all)
+
 
 class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[str, set[int]] = {}
         self._holders: dict[int, set[str]] = {}  # block hash -> instances holding it
+        # Per first block: a run of blocks from it that every instance holding it holds too (a
+        # shared system prompt's); forgotten when who holds one of them changes.
+        self._common: dict[int, tuple[int, ...]] = {}
+        self._common_on: set[int] = set()  # the blocks of those runs
 
     def apply(self, instance: str, stored: list[int], evicted: list[int], reset: bool = False) -> None:
         blocks = self._blocks.setdefault(instance, set())
@@ -23,36 +34,41 @@ class PrefixIndex:
             blocks.update(new)
             holders = self._holders
             for h in new:
-                holders.setdefault(h, set()).add(instance)
+                held_by = holders.get(h)
+                if held_by is None:
+                    holders[h] = {instance}
+                else:
+                    held_by.add(instance)
+            if self._common_on and not self._common_on.isdisjoint(new):
+                self._forget_common()
         gone = blocks.intersection(evicted) if evicted else ()
         if gone:
             blocks.difference_update(gone)
             self._drop_holder(instance, gone)
 
-    def _release(self, h: int, instance: str) -> None:
-        held_by = self._holders[h]
-        held_by.discard(instance)
-        if not held_by:
-            del self._holders[h]
-
     def _drop_holder(self, instance: str, blocks: set[int]) -> None:
         """`instance` no longer holds `blocks`."""
+        holders = self._holders
         for h in blocks:
-            self._release(h, instance)
+            held_by = holders[h]
+            held_by.discard(instance)
+            if not held_by:
+                del holders[h]
+        if self._common_on and not self._common_on.isdisjoint(blocks):
+            self._forget_common()
+
+    def _forget_common(self) -> None:
+        self._common.clear()
+        self._common_on.clear()
 
     def cached_prefix_blocks(self, instance: str, hashes: list[int]) -> int:
         """Length of the leading run of `hashes` this instance holds (hashes are chained)."""
-        blocks = self._blocks.get(instance, set())
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+        return _leading_run(self._blocks.get(instance, set()), hashes)
 
     def cached_prefix_blocks_all(self, hashes: list[int]) -> dict[str, int]:
         """cached_prefix_blocks of every instance holding at least the first block (absent: 0),
-        in one walk down `hashes` that narrows the instances still holding the prefix."""
+        in one walk down `hashes` that narrows the instances still holding the prefix (from
+        the end of the run they all hold); once few are left, each one's run is counted on."""
         out: dict[str, int] = {}
         if not hashes:
             return out
@@ -61,8 +77,10 @@ class PrefixIndex:
             return out
         live = set(live)
         holders = self._holders
-        n = 1
-        for h in hashes[1:]:
+        n = self._common_run(hashes, live)
+        for h in islice(hashes, n, None):
+            if len(live) <= FEW_LEFT:
+                break
             held = holders.get(h, ())
             if not live.issubset(held):  # (no new set while every instance still holds the prefix)
                 still = live.intersection(held)
@@ -72,9 +90,28 @@ class PrefixIndex:
                     return out
                 live = still
             n += 1
+        rest = hashes[n:]
         for instance in live:
-            out[instance] = n
+            out[instance] = n + _leading_run(self._blocks[instance], rest)
         return out
+
+    def _common_run(self, hashes: list[int], live: set[str]) -> int:
+        """How many blocks from the start of `hashes` every instance of `live` (the holders of
+        the first) holds: as remembered for this first block if the prompt runs through the
+        remembered end, and further (and remembered, if longer)."""
+        known = self._common.get(hashes[0], ())
+        n = len(known) if known and tuple(hashes[: len(known)]) == known else 1
+        holders = self._holders
+        for h in islice(hashes, n, None):
+            if not live.issubset(holders.get(h, ())):
+                break
+            n += 1
+        if n > 1 and n > len(known):
+            if len(self._common) >= MAX_COMMON:
+                self._forget_common()
+            run = self._common[hashes[0]] = tuple(hashes[:n])
+            self._common_on.update(run)
+        return n
 
     def forget(self, instance: str) -> None:
         """The instance left: drop what it held (if it returns, the router fetches a snapshot)."""
@@ -91,3 +128,8 @@ class PrefixIndex:
     def blocks(self, instance: str) -> frozenset[int]:
         """Every block the instance is known to hold."""
         return frozenset(self._blocks.get(instance, ()))
+
+
+def _leading_run(blocks: set[int], hashes: list[int]) -> int:
+    """How many of `hashes`, from the first, are in `blocks` (counted without a Python loop)."""
+    return len(list(takewhile(blocks.__contains__, hashes)))

@@ -74,14 +74,16 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
     blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
     queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
-    missing: dict[int, int] = {}  # per cached prefix: most MDs of a fleet share a few
+    seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
     out = {}
     for md in links:
-        n = cached.get(md, 0)
-        lacks = missing.get(n)
-        if lacks is None:
-            lacks = missing[n] = missing_kv_bytes(prompt_tokens, n * ctx.block_size, ctx.kv_bytes_per_token)
-        out[md] = wan_cost_s(lacks, queued[md], compared[md])
+        figures = (cached.get(md, 0), queued[md], compared[md])
+        cost = seen.get(figures)
+        if cost is None:
+            n, ahead, bandwidth = figures
+            lacks = missing_kv_bytes(prompt_tokens, n * ctx.block_size, ctx.kv_bytes_per_token)
+            cost = seen[figures] = wan_cost_s(lacks, ahead, bandwidth)
+        out[md] = cost
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from shared.sim.chip import Chip
 from shared.sim.events import EventLoop
@@ -22,7 +23,7 @@ from shared.sim.step_cost import chunk_load, combine, decode_load
 TokenSink = Callable[[float, float, int, float], None]  # (first time, last time, tokens, largest gap between them)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Seq:
     context: int  # tokens whose KV this instance holds
     remaining: int  # tokens still to produce here
@@ -31,7 +32,7 @@ class Seq:
     produced: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Extend:
     """Handoff token IDs for MD to compute into a held sequence's KV."""
 
@@ -127,14 +128,14 @@ class DecodeInstance(Instance):
 
     def _plan(self) -> None:
         self._t0 = self.loop.now
-        self._context0 = sum(s.context for s in self.running)
+        self._context0 = sum(map(_context, self.running))
         if self.extending:
             self._steps, self._chunks = 0, self._extend_chunks()
             load = combine(decode_load(len(self.running), self._context0),
                            *(chunk_load(k, e.seq.context) for e, k in self._chunks))  # fmt: skip
             self._event = self.loop.at(self._t0 + self.chip.step.step_s(load), self._boundary)
         elif self.running:
-            self._steps = min(s.remaining for s in self.running)
+            self._steps = min(map(_remaining, self.running))
             run_s = self.chip.step.decode_run_s(len(self.running), self._context0, self._steps)
             self._event = self.loop.at(self._t0 + run_s, self._boundary)
 
@@ -164,11 +165,12 @@ class DecodeInstance(Instance):
         step, n, steps = self.chip.step, len(self.running), self._steps
         first = self._t0 + step.decode_step_s(n, self._context0, 0)
         gap = step.decode_step_s(n, self._context0, steps - 1) if steps >= 2 else 0.0
+        now = self.loop.now
         for seq in self.running:
             seq.context += steps
             seq.produced += steps
             seq.remaining -= steps
-            seq.on_tokens(first, self.loop.now, steps, gap)
+            seq.on_tokens(first, now, steps, gap)
         self._steps = 0
 
     def _settle_mixed(self) -> None:
@@ -192,6 +194,9 @@ class DecodeInstance(Instance):
                 self.running.append(ext.seq)
             else:
                 ext.seq.on_finished()
+
+
+_context, _remaining = attrgetter("context"), attrgetter("remaining")  # (over a batch without a Python step each)
 
 
 def _one_token(seq: Seq, now: float) -> None:

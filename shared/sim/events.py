@@ -18,7 +18,8 @@ class EventLoop:
         """Run fn at time t (not before now); same-time events run in the order they were set.
         Returns a handle for cancel()."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn))
+        now = self.now
+        heapq.heappush(self._heap, (now if now > t else t, self._seq, fn))  # (max(t, now) without the call)
         return self._seq
 
     def after(self, dt: float, fn: Callable[[], None]) -> int:

@@ -13,25 +13,34 @@ from shared.sim.events import EventLoop
 
 
 class _BlocksOnDemand(dict):
-    """Block objects made when first used: a fleet's pools hold millions of blocks, most of
-    them never touched in a short run."""
+    """Block objects made when first used: a fleet's pools of small blocks hold millions of
+    them, most never touched in a short run."""
 
     def __missing__(self, bid: int) -> Block:
         block = self[bid] = Block(bid)
         return block
 
 
+# Up to this many blocks a pool is the engine's own list of blocks (indexed faster than
+# blocks made on demand); a larger one makes its blocks when first used.
+EAGER_BLOCKS = 1 << 15
+
+
 class SimBlockPool(BlockPool):
-    """The engine's BlockPool (its prefix cache and LRU as they are), built in O(1) per block."""
+    """The engine's BlockPool (its prefix cache and LRU as they are), built in O(1) per block
+    when it is large."""
 
     def __init__(self, num_blocks: int) -> None:
+        if 0 < num_blocks <= EAGER_BLOCKS:  # (the engine refuses a pool of none)
+            super().__init__(num_blocks)
+            return
         super().__init__(1)
         self.num_blocks = num_blocks
         self.blocks = _BlocksOnDemand()
         self.free = OrderedDict.fromkeys(range(num_blocks))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Blocks:
     """One request's blocks on one instance."""
 
@@ -40,7 +49,7 @@ class Blocks:
     registered: int = 0  # leading prompt blocks that hold their KV here (the hits, then more)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiter:
     hashes: tuple[int, ...]
     tokens: int
@@ -71,7 +80,9 @@ class Instance:
             w = self.block_waiters[0]
             hits = self.pool.lookup(w.hashes)
             fresh = blocks_for(w.tokens, self.block_size) - len(hits)
-            if fresh + self.pool.cost_of(hits) > self.pool.num_free:
+            room = len(self.pool.free)
+            # (cost_of(hits) ≤ len(hits): it need not be counted when even that fits)
+            if fresh + len(hits) > room and fresh + self.pool.cost_of(hits) > room:
                 if fresh > self.pool.num_blocks:
                     raise ValueError(f"{self.name}: a request of {w.tokens} tokens never fits its KV pool")
                 return
@@ -95,7 +106,7 @@ class Instance:
         self._admit_waiters()
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        stored, evicted = [], []
-        for kind, h in self.pool.drain_events():
-            (stored if kind == "stored" else evicted).append(h)
-        return stored, evicted
+        events = self.pool.drain_events()
+        if not events:
+            return [], []
+        return [h for kind, h in events if kind == "stored"], [h for kind, h in events if kind != "stored"]

@@ -23,7 +23,7 @@ class LinkSpec:
 IN_DC = LinkSpec(50e9, 10e-6)  # RDMA-class in-DC path (400 Gb/s)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     nbytes: int
     on_landed: Callable[[], None]
@@ -31,6 +31,7 @@ class Transfer:
     sent: int = 0  # bytes serialised (all of them once it left the queue)
     started_at: float | None = None
     aborted: bool = False
+    queued: bool = False  # in its link's queue (sent, not yet serialised, not aborted)
 
 
 class Link:
@@ -70,6 +71,8 @@ class Link:
 
     def backlogs(self) -> dict[str, int]:
         """backlog_to() of every destination with bytes queued and not yet serialised (absent: 0)."""
+        if not self.queue:
+            return {}  # (every count is 0 then)
         out = {dest: n for dest, n in self._queued_to.items() if n}
         head = self.queue[0] if self.queue else None
         if head is not None and head.dest in out and head.started_at is not None:
@@ -77,7 +80,7 @@ class Link:
         return out
 
     def send(self, nbytes: int, on_landed: Callable[[], None], dest: str = "") -> Transfer:
-        t = Transfer(nbytes, on_landed, dest)
+        t = Transfer(nbytes, on_landed, dest, queued=True)
         self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes
         self.queue.append(t)
         if len(self.queue) == 1:
@@ -86,9 +89,9 @@ class Link:
 
     def abort(self, t: Transfer) -> None:
         """Drop a transfer: its unsent bytes leave the queue (what was sent stays sent)."""
-        if t.aborted or t not in self.queue:
+        if not t.queued:
             return
-        t.aborted = True
+        t.aborted, t.queued = True, False
         self._queued_to[t.dest] -= t.nbytes
         if t is self.queue[0] and t.started_at is not None:
             t.sent = self._sent_by(t, self.loop.now)
@@ -111,7 +114,7 @@ class Link:
 
     def _head_sent(self) -> None:
         t = self.queue.popleft()
-        t.sent = t.nbytes
+        t.sent, t.queued = t.nbytes, False
         self._queued_to[t.dest] -= t.nbytes
         self._count(t.started_at, self.loop.now, t.nbytes)
         landing = max(self.loop.now + self.delay(), self._last_landing)

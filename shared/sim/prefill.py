@@ -15,7 +15,7 @@ from shared.sim.step_cost import chunk_load, combine
 CacheEvents = Callable[[str, list[int], list[int]], None]  # (instance, stored, evicted)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PrefillWork:
     hashes: tuple[int, ...]
     input_tokens: int

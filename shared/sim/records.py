@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenTimes:
     """A request's tokens as the router sees them arrive, folded as they come (in order)."""
 
@@ -24,17 +24,20 @@ class TokenTimes:
         The first token comes alone (prefill samples it)."""
         if n <= 0:
             return
-        if self.count == 0:
+        count, gap = self.count, self.max_gap  # (max() as comparisons: this runs per decode run and sequence)
+        if count == 0:
             if n != 1:
                 raise ValueError("the first token comes alone")
             self.first = first
         else:
-            self.max_gap = max(self.max_gap, first - self.last)
-        if self.count == 1:
-            self.second = first
-        self.max_gap = max(self.max_gap, inner_gap)
+            between = first - self.last
+            if between > gap:
+                gap = between
+            if count == 1:
+                self.second = first
+        self.max_gap = inner_gap if inner_gap > gap else gap
         self.last = last
-        self.count += n
+        self.count = count + n
 
 
 @dataclass

@@ -25,7 +25,10 @@ class SimRouter:
         self.ctx = RouteContext(settings, PrefixIndex(), PrefixIndex(), block_size, kv_bytes_per_token)
         self.assignments = Assignments()
         self.md_report_delay_s = md_report_delay_s  # an MD's load report is this old when it arrives
-        self._members: dict[Role, list[tuple[Instance, tuple[str, str]]]] = {}  # per role: (instance, assignment key)
+        self._members: dict[Role, list[_Member]] = {}
+        self._link_views: dict[str, LinkView] | None = None  # per MD, nothing queued (the MDs never change)
+        self._kv_links: list[Link] = []
+        self._backlog_views: dict[str, LinkView] = {}  # per MD: its last view with bytes queued
 
     def plan(self, req: SimRequest) -> RoutePlan:
         now = self.loop.now
@@ -38,31 +41,65 @@ class SimRouter:
     def _links(self, mds: list[InstanceLoad]) -> dict[str, LinkView]:
         """Each MD's link as the router sees it (MDs behind one line share its view but for
         what is queued toward each)."""
-        links, views, queued = {}, {}, {}
+        if self._link_views is None:
+            self._link_views = self._idle_links(mds)
+        links, last = self._link_views.copy(), self._backlog_views
+        for link in self._kv_links:
+            for md, backlog in link.backlogs().items():
+                if backlog and md in links:
+                    view = last.get(md)
+                    if view is None or view.backlog != backlog:  # (most stay as they were)
+                        view = last[md] = LinkView(links[md].bandwidth, links[md].rtt, backlog)
+                    links[md] = view
+        return links
+
+    def _idle_links(self, mds: list[InstanceLoad]) -> dict[str, LinkView]:
+        """Each MD's link with nothing queued (one view per link), in the order of `mds`; the
+        distinct links into self._kv_links."""
+        views: dict[Link, LinkView] = {}
         for m in mds:
             link = self.kv_link(m.instance)
             if link not in views:
                 views[link] = LinkView(link.spec.bandwidth_Bps, 2 * link.spec.one_way_s, 0)
-                queued[link] = link.backlogs()
-            view, backlog = views[link], queued[link].get(m.instance, 0)
-            links[m.instance] = LinkView(view.bandwidth, view.rtt, backlog) if backlog else view
-        return links
+        self._kv_links = list(views)
+        return {m.instance: views[self.kv_link(m.instance)] for m in mds}
 
     def _loads(self, role: Role, reported_at: float, recent: dict[tuple[str, str], float]) -> list[InstanceLoad]:
         """Each instance's load as its last report (received at reported_at) and this router's
-        own sends show it (`recent`: Assignments.recent_all)."""
+        own sends show it (`recent`: Assignments.recent_all). An instance whose figures but the
+        recent count did not change since the last route keeps its load (with_recent)."""
         members = self._members.get(role)
         if members is None:
-            members = self._members[role] = [(i, (role.value, i.name)) for i in self.instances.get(role, [])]
+            members = self._members[role] = [_Member(i, (role.value, i.name)) for i in self.instances.get(role, [])]
         pending, unreported, make = self.assignments.pending, self.assignments.unreported(), InstanceLoad.of
         out = []
-        for inst, key in members:
+        for m in members:
+            inst, key = m.inst, m.key
             running, waiting = inst.load_counts()
-            pool = inst.pool
-            out.append(make(inst.name, running, waiting, len(pool.free), pool.num_blocks, inst.held,
-                            pending(key, reported_at) if key in unreported else 0, recent.get(key, 0.0)))  # fmt: skip
+            figures = (running, waiting, len(m.pool.free), inst.held, pending(key, reported_at) if key in unreported else 0)
+            now = recent.get(key, 0.0)
+            load = m.load
+            if figures != m.figures:
+                m.figures = figures
+                load = make(m.name, running, waiting, figures[2], m.pool.num_blocks, figures[3], figures[4], now)
+            elif load.recent != now:
+                load = load.with_recent(now)
+            m.load = load
+            out.append(load)
         return out
 
     def on_cache_events(self, role: Role, instance: str, stored: list[int], evicted: list[int]) -> None:
         index = self.ctx.index if role is Role.MAIN_DECODE else self.ctx.prefill_index
         index.apply(instance, stored, evicted)
+
+
+class _Member:
+    """One instance as the router weighs it: its last load and the figures it was made of."""
+
+    __slots__ = ("inst", "key", "name", "pool", "figures", "load")
+
+    def __init__(self, inst: Instance, key: tuple[str, str]) -> None:
+        self.inst, self.key, self.name = inst, key, inst.name  # key: its Assignments key
+        self.pool = inst.pool
+        self.figures: tuple | None = None  # (running, waiting, free blocks, held, pending)
+        self.load: InstanceLoad | None = None
