@@ -35,11 +35,16 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime: fields 14 and 15 of stat
 
 
+def busy_ticks(cpu_line: str) -> int:
+    """Not-idle ticks of a /proc/stat "cpu ..." line: user..steal less idle and iowait (guest
+    time is already inside user)."""
+    ticks = [int(x) for x in cpu_line.split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4]
+
+
 def host_busy_s() -> float:
     """CPU seconds the whole host spent not idle (all cores), from the first line of /proc/stat."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle + iowait
-    return (sum(ticks[:8]) - idle) / TICK  # user..steal (guest time is already inside user)
+    return busy_ticks(Path("/proc/stat").read_text().split("\n", 1)[0]) / TICK
 
 
 def system_pids(workdir: Path, supervisor_pid: int) -> dict[str, int]:

@@ -24,7 +24,9 @@ includes the KV crossing the WAN; where P→MD waits for the KV shows in the tim
 
     python -m bench.e2e [--scenario agentic|single] [--quick] [options; see --help]
 
-Writes bench/out/e2e_<scenario>.json (+ e2e_agentic_ttft_cdf.png, e2e_agentic_by_hit.png).
+Writes bench/out/e2e_<scenario>.json (+ e2e_agentic_ttft_cdf.png, e2e_agentic_by_hit.png); its
+"cpu" holds, per deployment (variant), the CPU seconds of each process over that deployment's
+timed runs and the host's busy CPU seconds (bench/cpu.py), which `pdd sim validate` charges.
 """
 
 from __future__ import annotations

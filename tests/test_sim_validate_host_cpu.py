@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.cpu import Account, Meter, is_engine, process_cpu_s
+from bench.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
 from shared.sim import validate as v
 from shared.sim.host_cpu import HostCpu, engines_seen_busy, from_account
 from tests.test_sim_validate import AGENTIC, SINGLE, _rows
@@ -40,6 +40,11 @@ def test_engines_a_step_sees_busy():
     assert engines_seen_busy({"prefill": 50.0, "decode": 100.0}, 100.0) == pytest.approx(2.5 / 1.5)
     assert engines_seen_busy({"prefill": 30.0, "relay": 0.0}, 100.0) == 1.0  # alone: only itself
     assert engines_seen_busy({"prefill": 0.0}, 100.0) == 0.0 and engines_seen_busy({"prefill": 1.0}, 0.0) == 0.0
+
+
+def test_host_busy_ticks_leave_out_idle_and_iowait():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    assert busy_ticks("cpu  100 5 30 1000 40 2 3 7 50 0") == 100 + 5 + 30 + 2 + 3 + 7
 
 
 def _snap(t, host, bench, procs):
