@@ -24,7 +24,9 @@ includes the KV crossing the WAN; where P→MD waits for the KV shows in the tim
 
     python -m bench.e2e [--scenario agentic|single] [--quick] [options; see --help]
 
-Writes bench/out/e2e_<scenario>.json (+ e2e_agentic_ttft_cdf.png, e2e_agentic_by_hit.png).
+Writes bench/out/e2e_<scenario>.json (+ e2e_agentic_ttft_cdf.png, e2e_agentic_by_hit.png); its
+"cpu" holds, per deployment (variant), the CPU seconds of each process over that deployment's
+timed runs and the host's busy CPU seconds (bench/cpu.py), which `pdd sim validate` charges.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from bench.client import (
     stream_completion,
     wan_counters,
 )
+from bench.cpu import Meter
 from bench.progress import Advance, add_quiet_option, progress
 from bench.report import pyplot, save_report
 from shared.sim.agentic import AgenticParams, Step, make_plans, prompt_shape
@@ -103,6 +106,7 @@ def run_single(args: argparse.Namespace) -> dict:
     system = systems["pdd"]
     print(f"  system up in {time.monotonic() - t_start:.0f} s", flush=True)
     rows: list[dict] = []
+    meter = Meter(systems)
     try:
         with httpx.Client(base_url=system.router_url) as client:
             for i, pipeline in enumerate(("p-md", "p-rld-md")):  # warm both paths (torch, connections)
@@ -111,7 +115,9 @@ def run_single(args: argparse.Namespace) -> dict:
             with progress("single", total=args.rounds * len(variants)) as advance:
                 for r in range(args.rounds):
                     for v in _rotate(variants, r):
-                        row = _single_row(v, r, _single_request(args, system, client, v, r))
+                        with meter.measure(v, "pdd"):
+                            timed = _single_request(args, system, client, v, r)
+                        row = _single_row(v, r, timed)
                         rows.append(row)
                         advance()
                         print(f"  round {r} {v:18s} ttft {_ms(row['ttft'])} ms  2nd token {_ms(row['tt2t'])} ms  "
@@ -124,7 +130,8 @@ def run_single(args: argparse.Namespace) -> dict:
     summary = _single_summary(rows, variants)
     ratios = _single_ratios(rows, variants)
     return {"scenario": "single", "config": _config(args), "kv_bytes": kv_bytes, "nominal_transfer_s": nominal_s,
-            "rows": rows, "summary": summary, "ratios": ratios, "targets": _single_targets(summary, ratios, nominal_s)}
+            "rows": rows, "summary": summary, "ratios": ratios, "targets": _single_targets(summary, ratios, nominal_s),
+            "cpu": meter.as_json()}
 
 
 def _single_request(args: argparse.Namespace, system, client: httpx.Client, variant: str, r: int) -> Timed:
@@ -289,6 +296,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
     print(f"  {len(systems)} systems up in {time.monotonic() - t_start:.0f} s", flush=True)
     results: list[Result] = []
     busy = dict.fromkeys(deps, 0.0)
+    meter = Meter(systems)
     try:
         if "same-dc" in systems:
             set_wan(systems["same-dc"], delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
@@ -301,7 +309,8 @@ def run_agentic(args: argparse.Namespace) -> dict:
             for w in range(n_waves):
                 for d in _rotate(deps, w):
                     t0 = time.monotonic()
-                    results += _run_wave(args, d, systems[d], plans, sessions[d], shared, w, advance)
+                    with meter.measure(d, d):
+                        results += _run_wave(args, d, systems[d], plans, sessions[d], shared, w, advance)
                     busy[d] += time.monotonic() - t0
                     time.sleep(0.5)
                 done = sum(1 for r in results if r.deployment == deps[0])
@@ -316,7 +325,8 @@ def run_agentic(args: argparse.Namespace) -> dict:
     sweep = _goodput_sweep(args, rows, busy, deps)
     ratios = _agentic_ratios(args, rows, busy, deps)
     return {"scenario": "agentic", "config": _config(args), "summary": summary, "by_hit": by_hit,
-            "goodput_sweep": sweep, "ratios": ratios, "rows": rows, "targets": _agentic_targets(ratios)}
+            "goodput_sweep": sweep, "ratios": ratios, "rows": rows, "targets": _agentic_targets(ratios),
+            "cpu": meter.as_json()}
 
 
 def _warm_all(systems: dict, shared: list[int]) -> None:

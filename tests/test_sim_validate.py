@@ -75,7 +75,8 @@ def test_cpu_share_factor(base):
     assert d.decode.chip.kv_capacity_bytes == 8 * 2**20
     # Engines busy over the measured part (from 60 s to 100 s), the warm-up's 10 busy seconds left out.
     run = SimResult("pdd", "w", [], 100.0, 0.0, [], {"prefill": 50.0, "relay": 10.0, "decode": 90.0})
-    assert v.busy_engines(run, warm_busy_s=10.0, start_s=60.0) == 3.5
+    busy, span = v.busy_after(run, {"prefill": 4.0, "decode": 6.0}, start_s=60.0)
+    assert (busy, span) == ({"prefill": 46.0, "relay": 10.0, "decode": 84.0}, 40.0)  # 3.5 engines at once
 
 
 def test_cpu_share_from_the_hosts_recorded_load():
@@ -86,6 +87,7 @@ def test_cpu_share_from_the_hosts_recorded_load():
     assert v.host_share({"wall_s": 800.0}) is None  # not recorded
     assert v.resolve_share("auto", report) == 2.5 and v.resolve_share("auto", {"wall_s": 1.0}) is None
     assert v.resolve_share("engines", report) is None and v.resolve_share("1.7", report) == 1.7
+    assert v.resolve_share("measured", report) is None
 
 
 def _stats(ttft, tt2t, gap, tpot):
@@ -148,7 +150,9 @@ def test_main_says_when_a_measured_run_is_missing(tmp_path, capsys):
 
 def test_the_warm_up_is_not_measured(base):
     model = model_spec("small")
-    result, share = v.run_case(v.agentic_cases(AGENTIC, base)["pdd"], model, None, 2.0)
-    assert share >= 1.0 and sorted(r.kind for r in result.records).count("warm") == 1
+    case = v.agentic_cases(AGENTIC, base)["pdd"]
+    result, share, engines = v.run_case(case, model, None, 2.0)
+    busy, span = v.full_speed_busy(case, model)  # engines: the mean over the measured part
+    assert engines == pytest.approx(sum(busy.values()) / span) and share == max(1.0, engines / 2.0) and sorted(r.kind for r in result.records).count("warm") == 1
     records = [replace(r, ttft_s=1e6) if r.kind == "warm" else r for r in result.records]
     assert v.simulated_stats(records)["ttft_p99"] < 100.0  # the tiny prompts take well under a second

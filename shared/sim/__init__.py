@@ -30,6 +30,7 @@ Questions asked of it
   specs.py        command-line flags into deployments, workloads, SLAs and settings
   run.py          `pdd sim run`        plots.py  its figures
   validate.py     `pdd sim validate`   against `pdd bench e2e`'s measured runs
+                  host_cpu.py  the measured host's CPU as the engines get it
   paper.py        `pdd sim paper`      the paper's fleet table beside ours
   plan.py         `pdd sim plan`       planner.py  the cheapest fleet meeting an SLA
   list_profiles.py `pdd sim profiles`  cli.py  the `pdd sim` dispatch

@@ -8,11 +8,13 @@ error, within ±25%; and per metric whether the deployments come in the same ord
 
 The host: the bench runs the engines of one deployment at a time on a shared 2-core machine,
 one torch thread each, while cpu-calibrated times one engine alone on a core. Step times are
-multiplied by one CPU-share factor per run (`--cpu-share`), processor sharing: max(1, runnable
-processes / cores). By default the runnable processes are the host's load average over the
-measured run, which the bench records (the router, NATS, the WAN emulator, the client and other
-tenants compete with the engines too); for a run that did not record it, or with `engines`,
-they are the engines busy at once in the simulation itself (a lower bound).
+multiplied by one CPU-share factor per deployment (`--cpu-share`). By default (measured) it
+comes from the CPU seconds the bench recorded per deployment (shared/sim/host_cpu.py): the
+non-engine work (router, NATS, WAN emulator, the client, other tenants) takes its measured cores
+first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)).
+For a run that did not record CPU seconds: `auto`, max(1, the host's load average at the run's
+end / cores); with neither, or with `engines`, max(1, engines busy at once in the simulation /
+cores) (a lower bound).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shared.config import RelaySettings, RouterSettings
 from shared.sim.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
 from shared.sim.chip import Chip
 from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
+from shared.sim.host_cpu import HostCpu, engines_seen_busy, from_account
 from shared.sim.model_spec import ModelSpec
 from shared.sim.profiles import chip, model_spec
 from shared.sim.records import RequestRecord, SimResult, percentile
@@ -170,12 +173,6 @@ def with_share(d: Deployment, factor: float) -> Deployment:
     return replace(d, prefill=role(d.prefill), decode=role(d.decode), relay=role(d.relay))
 
 
-def busy_engines(result: SimResult, warm_busy_s: float, start_s: float) -> float:
-    """Mean engines computing at once over the measured part of the run (from start_s)."""
-    span = result.sim_time_s - start_s
-    return (sum(result.busy_s.values()) - warm_busy_s) / span if span > 0 else 0.0
-
-
 def share_factor(engines: float, cores: float) -> float:
     return max(1.0, engines / cores)
 
@@ -194,25 +191,56 @@ def host_share(report: dict) -> float | None:
 
 
 def resolve_share(knob: str, report: dict) -> float | None:
-    """--cpu-share: a factor, or None for each case's own engine concurrency."""
-    if knob == "engines":
+    """--cpu-share: a factor, or None for each case's own engine concurrency (engines,
+    measured)."""
+    if knob in ("engines", "measured"):
         return None
     if knob == "auto":
         return host_share(report)
     return float(knob)
 
 
-def run_case(case: Case, model: ModelSpec, share: float | None, cores: float) -> tuple[SimResult, float]:
-    """Simulate a case at a CPU share (None: its own contention, from a first run at 1)."""
+def measured_hosts(knob: str, report: dict, cores: float) -> dict[str, HostCpu]:
+    """--cpu-share measured: each deployment's (variant's) host CPU from the run's CPU accounts;
+    none where the run did not record them (then auto's load average, else engines)."""
+    if knob != "measured" or "cpu" not in report:
+        return {}
+    cores = report["cpu"].get("cores", cores)
+    return {d: from_account(a, cores) for d, a in report["cpu"]["accounts"].items()}
+
+
+def busy_after(result: SimResult, warm_busy_s: dict[str, float], start_s: float) -> tuple[dict[str, float], float]:
+    """Per role busy seconds of the measured part of a run (from start_s, the warm-up's busy
+    seconds taken off) and that part's span."""
+    busy = {role: b - warm_busy_s.get(role, 0.0) for role, b in result.busy_s.items()}
+    return busy, result.sim_time_s - start_s
+
+
+def full_speed_busy(case: Case, model: ModelSpec) -> tuple[dict[str, float], float]:
+    """busy_after of a run at full speed (the warm-up's share from a run of the warm-up alone)."""
+    first = simulate(case.deployment, case.workload, model, case.settings)
+    if not case.warm:
+        return busy_after(first, {}, 0.0)
+    w = replace(case.workload, requests=case.workload.requests[: case.warm])
+    start = min(r.arrival_s for r in first.records if r.kind != "warm")
+    return busy_after(first, simulate(case.deployment, w, model, case.settings).busy_s, start)
+
+
+def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
+             host: HostCpu | None = None) -> tuple[SimResult, float, float]:  # fmt: skip
+    """Simulate a case at a CPU share (None: from its engines' concurrency in a first run at full
+    speed: as a step sees it on the measured host's engine cores if `host`, else the mean on all
+    `cores`). Returns the result, the share and that concurrency (NaN for a given share)."""
+    engines = math.nan
     if share is None:
-        first = simulate(case.deployment, case.workload, model, case.settings)
-        warm_busy, start = 0.0, 0.0
-        if case.warm:
-            w = replace(case.workload, requests=case.workload.requests[: case.warm])
-            warm_busy = sum(simulate(case.deployment, w, model, case.settings).busy_s.values())
-            start = min(r.arrival_s for r in first.records if r.kind != "warm")
-        share = share_factor(busy_engines(first, warm_busy, start), cores)
-    return simulate(with_share(case.deployment, share), case.workload, model, case.settings), share
+        busy, span = full_speed_busy(case, model)
+        if host:
+            engines = engines_seen_busy(busy, span)
+            share = host.factor(engines)
+        else:
+            engines = sum(busy.values()) / span if span > 0 else 0.0
+            share = share_factor(engines, cores)
+    return simulate(with_share(case.deployment, share), case.workload, model, case.settings), share, engines
 
 
 # ---- side by side ------------------------------------------------------------------------------
@@ -316,16 +344,48 @@ def print_orderings(scenario: str, orders: dict[str, tuple[str, str, bool]]) -> 
 
 
 def validate_scenario(report: dict, model: ModelSpec, base: Chip, knob: str, cores: float) -> dict:
-    """Simulate the scenario of one bench report; its rows, orderings and CPU-share factors."""
+    """Simulate the scenario of one bench report; its rows, orderings, CPU-share factors and
+    (measured) the host CPU each deployment's factor came from."""
     scenario = report["scenario"]
+    if knob == "measured" and "cpu" not in report:
+        knob = "auto"  # a run from before the bench recorded CPU seconds
     share, cores = resolve_share(knob, report), report.get("host", {}).get("cores", cores)
+    hosts = measured_hosts(knob, report, cores)
     cases = SCENARIOS[scenario](report["config"], base)
-    simulated, shares = {}, {}
+    simulated, shares, engines = {}, {}, {}
     for d, case in cases.items():
-        result, shares[d] = run_case(case, model, share, cores)
+        result, shares[d], engines[d] = run_case(case, model, share, cores, hosts.get(d))
         simulated[d] = simulated_stats(result.records)
     rows = compare(scenario, simulated, measured_stats(report))
-    return {"rows": rows, "orderings": orderings(rows), "shares": shares}
+    accounts = report.get("cpu", {}).get("accounts", {})
+    inputs = {d: host_inputs(accounts[d], hosts[d], engines[d], shares[d]) for d in cases if d in hosts}
+    return {"rows": rows, "orderings": orderings(rows), "shares": shares, "host_cpu": inputs}
+
+
+def host_inputs(account: dict, host: HostCpu, engines: float, factor: float) -> dict[str, float]:
+    """What a measured factor came from, in cores (CPU seconds per wall second of the run)."""
+    per = {n: s / account["wall_s"] for n, s in account["processes"].items()}
+    nats = sum(c for n, c in per.items() if n.startswith("nats"))
+    return {"cores": host.cores, "router": sum(c for n, c in per.items() if n.startswith("router")), "nats": nats,
+            "wan": per.get("wan", 0.0), "up": per.get("up", 0.0), "client": account["bench_s"] / account["wall_s"],
+            "idle_systems": account["other_systems_s"] / account["wall_s"],
+            "other_tenants": account["other_tenants_s"] / account["wall_s"],
+            "background": host.background_cores, "engine_cores": host.engine_cores,
+            "engines_measured": account["engines_s"] / account["wall_s"],
+            "engines_seen_busy": engines, "factor": factor}  # fmt: skip
+
+
+def print_host_cpu(scenario: str, inputs: dict[str, dict[str, float]]) -> None:
+    """The measured CPU model's inputs, per deployment, in cores."""
+    if not inputs:
+        return
+    print(f"  {scenario} host CPU (cores, measured): background = router + nats + wan + up + client + idle systems "
+          f"+ other tenants; engines get cores - background; factor = max(1, engines a step sees busy / that)")  # fmt: skip
+    for d, x in inputs.items():
+        print(f"    {d:20s} background {x['background']:.2f} = {x['router']:.2f} + {x['nats']:.2f} + {x['wan']:.2f} + "
+              f"{x['up']:.2f} + {x['client']:.2f} + {x['idle_systems']:.2f} + {x['other_tenants']:.2f}; "
+              f"engines get {x['engine_cores']:.2f} of {x['cores']:g} (used {x['engines_measured']:.2f}); "
+              f"a step sees {x['engines_seen_busy']:.2f} busy: x{x['factor']:.2f}")  # fmt: skip
 
 
 def run_bench(scenario: str, path: Path, quick: bool) -> None:
@@ -341,10 +401,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="with --run: the bench's --quick")
     p.add_argument("--scenario", choices=["agentic", "single", "both"], default="both")
     p.add_argument("--profile", default="cpu-calibrated")
-    p.add_argument("--cpu-share", default="auto",
+    p.add_argument("--cpu-share", default="measured",
                    help="step-time factor of the measured host's CPU sharing: a number; engines: max(1, engines "
                         "busy at once in the simulation / cores); auto: max(1, the host's load average recorded "
-                        "by the bench / its cores), else as engines")  # fmt: skip
+                        "by the bench / its cores), else as engines; measured: max(1, engines a step sees busy / "
+                        "(cores - the non-engine CPU the bench measured per deployment)), else as auto")  # fmt: skip
     p.add_argument("--cores", type=float, default=os.cpu_count() or 1,
                    help="the measured host's cores, where its run does not say")
     p.add_argument("--out", type=Path, default=Path("bench/out/sim_validate.json"))
@@ -368,6 +429,7 @@ def main(argv: list[str]) -> int:
     print_table(rows, {d: f for res in results.values() for d, f in res["shares"].items()})
     for scenario, res in results.items():
         print_orderings(scenario, res["orderings"])
+        print_host_cpu(scenario, res["host_cpu"])
     judged = [r for r in rows if r.within is not None]
     print(f"{sum(bool(r.within) for r in judged)} of {len(judged)} medians within ±{TOLERANCE:.0%}; orderings the "
           f"same for {sum(s for res in results.values() for *_, s in res['orderings'].values())} of "
@@ -378,7 +440,7 @@ def main(argv: list[str]) -> int:
 
 def save(path: Path, results: dict, args: argparse.Namespace) -> None:
     out = {"profile": args.profile, "cpu_share": args.cpu_share, "cores": args.cores, "tolerance": TOLERANCE,
-           "scenarios": {s: {"shares": res["shares"], "orderings": res["orderings"],
+           "scenarios": {s: {"shares": res["shares"], "host_cpu": res["host_cpu"], "orderings": res["orderings"],
                              "rows": [{**vars(r), "error": r.error, "within": r.within} for r in res["rows"]]}
                          for s, res in results.items()}}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,131 @@
+"""The measured host-CPU model of `pdd sim validate`: the bench's CPU accounts (bench/cpu.py) on
+hand-made snapshots and on real processes, and the step-time factor they give (shared/sim/host_cpu.py)
+on hand-computable cases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
+from shared.sim import validate as v
+from shared.sim.host_cpu import HostCpu, engines_seen_busy, from_account
+from tests.test_sim_validate import AGENTIC, SINGLE, _rows
+
+
+def test_engine_cores_are_what_the_background_leaves():
+    host = HostCpu(cores=2.0, background_cores=0.5)
+    assert host.engine_cores == 1.5
+    assert host.factor(3.0) == 2.0  # 3 engines wanting a core each on 1.5 cores
+    assert host.factor(1.2) == 1.0  # fewer than the cores left: full speed
+    assert HostCpu(2.0, 2.5).engine_cores == 0.05  # a guard, not a model: the engines always got some
+
+
+def test_background_is_the_host_busy_time_less_the_engines():
+    account = {"wall_s": 100.0, "host_busy_s": 170.0, "engines_s": 120.0}
+    assert from_account(account, 2) == HostCpu(2, 0.5)
+    assert from_account({**account, "host_busy_s": 110.0}, 2).background_cores == 0.0  # clock skew: not negative
+    assert from_account({**account, "wall_s": 0.0}, 2).background_cores == 0.0
+
+
+def test_engines_a_step_sees_busy():
+    # P busy half the time, MD busy all of it: a P step sees itself and MD (2), an MD step itself
+    # and P half the time (1.5); weighted by busy time: (0.5 * 2 + 1 * 1.5) / 1.5.
+    assert engines_seen_busy({"prefill": 50.0, "decode": 100.0}, 100.0) == pytest.approx(2.5 / 1.5)
+    assert engines_seen_busy({"prefill": 30.0, "relay": 0.0}, 100.0) == 1.0  # alone: only itself
+    assert engines_seen_busy({"prefill": 0.0}, 100.0) == 0.0 and engines_seen_busy({"prefill": 1.0}, 0.0) == 0.0
+
+
+def test_host_busy_ticks_leave_out_idle_and_iowait():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    assert busy_ticks("cpu  100 5 30 1000 40 2 3 7 50 0") == 100 + 5 + 30 + 2 + 3 + 7
+
+
+def _snap(t, host, bench, procs):
+    return {"t": t, "host_busy_s": host, "bench_s": bench, "procs": procs}
+
+
+def test_an_account_splits_the_driven_system_from_the_idle_ones():
+    before = _snap(10.0, 100.0, 1.0, {"a": {"prefill": (11, 5.0), "router": (12, 2.0), "nats-a": (13, 1.0)},
+                                      "b": {"main_decode": (21, 3.0)}})  # fmt: skip
+    after = _snap(20.0, 116.0, 2.5, {"a": {"prefill": (11, 12.0), "router": (12, 4.0), "nats-a": (13, 1.5)},
+                                     "b": {"main_decode": (21, 3.5)}, "c": {"relay": (31, 9.0)}})  # fmt: skip
+    acct = Account()
+    acct.add(before, after, own="a")
+    acct.add(before, _snap(20.0, 100.0, 1.0, {"a": {"prefill": (99, 50.0)}}), own="a")  # restarted: not counted
+    j = acct.as_json()
+    assert (j["wall_s"], j["host_busy_s"], j["bench_s"]) == (20.0, 16.0, 1.5)
+    assert j["processes"] == {"nats-a": 0.5, "prefill": 7.0, "router": 2.0}
+    assert j["other_systems_s"] == 0.5  # b's main_decode; c was not there before
+    assert (j["engines_s"], j["non_engine_s"], j["other_tenants_s"]) == (7.0, 4.5, 16.0 - 11.5)
+    assert [is_engine(n) for n in ("prefill", "relay-1", "main_decode-2", "router", "nats-a", "router-1")] == [
+        True, True, True, False, False, False]
+
+
+def test_a_meter_reads_real_processes(tmp_path: Path):
+    """A busy child named as an engine in a `pdd up`-like run directory, the bench's own loop."""
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    idle = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "prefill.pid").write_text(f"{child.pid}\n")
+        meter = Meter({"x": SimpleNamespace(workdir=tmp_path, proc=SimpleNamespace(pid=idle.pid))})
+        with meter.measure("x", "x"):
+            deadline = time.monotonic() + 10
+            while process_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
+                sum(range(10_000))
+        j = meter.as_json()["accounts"]["x"]
+        assert j["processes"]["prefill"] > 0.2 and j["engines_s"] == j["processes"]["prefill"]
+        assert j["processes"]["up"] < 0.05  # a sleeping supervisor
+        assert j["bench_s"] > 0 and j["host_busy_s"] >= j["engines_s"] + j["bench_s"] - 0.05
+    finally:
+        for p in (child, idle):
+            p.kill()
+            p.wait(timeout=10)
+    assert process_cpu_s(child.pid) is None
+
+
+def test_validate_takes_each_deployments_measured_host(tmp_path, capsys):
+    """A hand-made run whose same-dc had a busy host: 1.5 background cores leave the engines 0.5,
+    so its factor is (engines a step sees busy) / 0.5; naive's host was idle: full speed."""
+    def account(host_busy, engines):
+        return {"wall_s": 10.0, "host_busy_s": host_busy, "bench_s": 2.0, "processes": {"router": 3.0, "prefill": engines},
+                "other_systems_s": 0.0, "engines_s": engines, "other_tenants_s": host_busy - engines - 5.0}  # fmt: skip
+
+    names = AGENTIC["deployments"].split(",")
+    report = {"scenario": "agentic", "config": AGENTIC, "rows": _rows("deployment", names), "wall_s": 60.0,
+              "host": {"cores": 2, "loadavg_end": [3.0, 1.0, 1.0]},
+              "cpu": {"cores": 2, "accounts": {"same-dc": account(20.0, 5.0), "naive": account(5.0, 0.0),
+                                               "pdd": account(12.0, 5.0)}}}  # fmt: skip
+    (tmp_path / "e2e_agentic.json").write_text(json.dumps(report))
+    out = tmp_path / "validate.json"
+    assert v.main(["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic"]) == 0
+    printed = capsys.readouterr().out
+    assert "background 1.50 = 0.30 + 0.00 + 0.00 + 0.00 + 0.20 + 0.00 + 1.00" in printed
+    host = json.loads(out.read_text())["scenarios"]["agentic"]["host_cpu"]
+    same = host["same-dc"]
+    assert (same["background"], same["engine_cores"], same["engines_measured"]) == (1.5, 0.5, 0.5)
+    assert same["factor"] == pytest.approx(max(1.0, same["engines_seen_busy"] / 0.5)) and same["factor"] > 1.9
+    assert host["naive"]["engine_cores"] == 1.5 and host["naive"]["factor"] == 1.0  # 0.5 background
+    assert host["pdd"]["background"] == pytest.approx(0.7)
+    # The load-average model is still there, and a run without CPU accounts falls back to it.
+    assert v.main(["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic", "--cpu-share", "auto"]) == 0
+    assert set(json.loads(out.read_text())["scenarios"]["agentic"]["shares"].values()) == {1.5}
+    report.pop("cpu")
+    (tmp_path / "e2e_agentic.json").write_text(json.dumps(report))
+    assert v.main(["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic"]) == 0
+    assert set(json.loads(out.read_text())["scenarios"]["agentic"]["shares"].values()) == {1.5}
+
+
+def test_single_accounts_are_per_variant():
+    account = {"wall_s": 4.0, "host_busy_s": 6.0, "engines_s": 3.0}
+    hosts = v.measured_hosts("measured", {"cpu": {"cores": 2, "accounts": {"p-md": account}}}, 8)
+    assert hosts == {"p-md": HostCpu(2, 0.75)}
+    assert v.measured_hosts("auto", {"cpu": {"accounts": {"p-md": account}}}, 2) == {}
+    assert v.measured_hosts("measured", {"config": SINGLE}, 2) == {}
