@@ -11,8 +11,10 @@ import torch
 
 from shared.kv import KVClientPool, KVTransfer, KVTransferError, open_kv_client, start_kv_server
 from shared.kv.transfer import split_layers
+from shared.wan import WanLink
 
 from .test_kv_channel import SECRET, MemorySink, blocks, until
+from .test_kv_reconnect import GROUP, HashSink
 
 PARALLEL = 3
 
@@ -149,3 +151,34 @@ async def test_pieces_that_never_come_fail_the_request_and_free_the_reservation(
         await client.close()
     assert "r" not in sink.held and sink.aborts[0][0] == "r"
     await until(lambda: _released(server))
+
+
+async def test_link_cut_under_split_groups_resends_them_whole() -> None:
+    """Every connection (request's and lanes) reset mid-transfer by a real WAN link in drop mode."""
+    sink = HashSink()
+    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, reconnect_grace=2.0)
+    server.splits.wait_s = 0.5  # pieces of groups whose connection dropped are dropped soon
+    link = WanLink("bulk", "127.0.0.1:0", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
+    await link.start()
+    pool = KVClientPool(SECRET, parallel=PARALLEL, parallel_min_bytes=0)
+    kv = blocks(8 * GROUP, seed=1)
+    transfer = KVTransfer(pool, f"tcp://{link.listen}", "r")
+    try:
+        for g in range(8):
+            lo = g * GROUP
+            await transfer.send_blocks(list(range(lo, lo + GROUP)), kv[:, :, lo : lo + GROUP])
+            if g == 3:
+                await until(lambda: sink.imports, timeout=10)
+                await link.cut("drop")
+                asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(link.restore()))
+        await transfer.finish(b"ok")
+        await until(lambda: _released(server))
+    finally:
+        transfer.close()
+        await pool.close()
+        await link.stop()
+        await server.close()
+    assert transfer.reconnects >= 1 and sink.done == {"r": b"ok"} and sink.aborts == []
+    assert sink.imports == {h: 1 for h in range(8 * GROUP)}
+    order = torch.tensor(sink.hashes("r")).argsort()
+    assert torch.equal(sink.tensor("r")[:, :, order], kv)

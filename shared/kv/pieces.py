@@ -101,6 +101,10 @@ class SplitGroups:
             await group.changed.wait()  # the group's expiry fails it at the latest
         return group.error
 
+    def drop_all(self, reason: str) -> None:
+        for key in list(self._groups):
+            self.drop(key, reason)
+
     def drop(self, key: Key, reason: str) -> None:
         """Forget the group (delivered, or failed: reason); late pieces of it are discarded."""
         group = self._groups.pop(key, None)

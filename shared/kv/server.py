@@ -446,6 +446,7 @@ class KVServer:
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
+        self.splits.drop_all("receiver closing")
         orphans, self._orphans = self._orphans, {}
         for rid, orphan in orphans.items():
             orphan.timer.cancel()
