@@ -134,12 +134,9 @@ class KVClient:
         kv = sendable(kv, hashes)
         layers = self._layers(rid, kv, len(hashes))
         st = self._state(rid)
-        if traceparent is None:
-            traceparent = _current_traceparent()
+        traceparent = _current_traceparent() if traceparent is None else traceparent
         base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
-        first = {"hashes": list(hashes), "tp": traceparent}
-        if split is not None:
-            first["split"] = list(split)
+        first = {"hashes": list(hashes), "tp": traceparent, **({"split": list(split)} if split else {})}
         ranges = layers.ranges(0, split[1] if split is not None else None)
         try:
             async with asyncio.timeout(timeout), st.lock:
