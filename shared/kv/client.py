@@ -235,16 +235,20 @@ class KVClient:
         # A failed rid leaves _rids at once (see _drop); _aborted makes its later calls raise.
         return self._rids.setdefault(rid, _Rid())
 
-    async def _hash(self, data: memoryview, threaded: bool) -> int:
-        if threaded and self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
-            return await asyncio.to_thread(checksum, self.checksum, data)
-        return checksum(self.checksum, data)
-
     def _layers(self, rid: str, kv: torch.Tensor, n_hashes: int) -> _Layers:
         layers = _Layers.of(kv)
         if self.max_frame and layers.subframe_bytes + (64 << 10) + 9 * n_hashes > self.max_frame:
             raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
         return layers
+
+    def _hashing(self, data: memoryview, threaded: bool) -> asyncio.Future:
+        """The slice's checksum: in a worker thread (xxhash/zlib drop the GIL) when it overlaps
+        a send and is worth a thread hop, else computed now (no task per frame)."""
+        if threaded and self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
+            return asyncio.ensure_future(asyncio.to_thread(checksum, self.checksum, data))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(checksum(self.checksum, data))
+        return done
 
     async def _send_group(
         self, st: _Rid, base: dict[str, Any], first: dict[str, Any] | None, layers: _Layers, ranges: list
@@ -252,13 +256,13 @@ class KVClient:
         """The sub-frames `ranges` of one group, `first` added to the lo == 0 one; the next slice
         is hashed while this one is on the wire."""
         threaded = len(ranges) > 1  # a thread only pays off when it overlaps a send
-        hashing = asyncio.ensure_future(self._hash(layers.slice(*ranges[0]), threaded))
+        hashing = self._hashing(layers.slice(*ranges[0]), threaded)
         sent = 0
         try:
             for i, (lo, hi) in enumerate(ranges):
                 csum = await hashing
                 if i + 1 < len(ranges):
-                    hashing = asyncio.ensure_future(self._hash(layers.slice(*ranges[i + 1]), threaded))
+                    hashing = self._hashing(layers.slice(*ranges[i + 1]), threaded)
                 header = {**base, "layers": [lo, hi], "nbytes": (hi - lo) * layers.layer_bytes}
                 header["csum"] = [self.checksum, csum]
                 if lo == 0 and first is not None:

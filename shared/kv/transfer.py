@@ -149,18 +149,20 @@ class KVTransfer:
         self.bytes_sent += sum(done)
 
     async def _send_piece(self, lane: int, gid: int, kv: torch.Tensor, lo: int, hi: int) -> int:
-        """Layers [lo, hi) on a lane; again on a fresh lane while the retry budget lasts."""
+        """Layers [lo, hi) on a lane; again on a fresh lane under the retry policy (a budget of
+        its own: lane drops must not delay the request connection's reconnect)."""
+        retries, first_drop = 0, 0.0
         while True:
             try:
                 client = await self.pool.lane(self.address, lane)
                 return await client.send_piece(self.rid, gid, kv, lo, hi, timeout=self.timeout)
             except KVConnectionLost as e:
                 log.warning("kv transfer of %s to %s: lane %d dropped: %s", self.rid, self.address, lane, e)
-                self._first_drop = self._first_drop or time.monotonic()
-                delay = retry_delay(self.policy, self._retries, time.monotonic() - self._first_drop)
+                first_drop = first_drop or time.monotonic()
+                delay = retry_delay(self.policy, retries, time.monotonic() - first_drop)
                 if delay is None:
-                    raise KVTransferError(f"lane {lane} lost, {self._retries} retries failed") from None
-                self._retries += 1
+                    raise KVTransferError(f"lane {lane} lost, {retries} retries failed") from None
+                retries += 1
                 self.reconnects += 1
                 await asyncio.sleep(delay)
 
