@@ -224,7 +224,7 @@ async def _rdma_row(nbytes: int) -> tuple[Any, str | None]:
     """The rdma backend's row (bench/transport_rdma.py), or why there is none."""
     try:
         from bench import transport_rdma
-    except ImportError as e:
+    except Exception as e:  # not there, or its engine's libraries missing
         return None, f"bench.transport_rdma not importable: {e}"
     why = transport_rdma.available()
     if why is not None:
