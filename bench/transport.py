@@ -239,14 +239,23 @@ def _bench_pki() -> tuple[str, Any]:
     return pki_dir, client_context(pki.identity("sender"))
 
 
-async def _pair(raw: _RawRow, row: Any, raw_first: bool, pid: int) -> dict:
-    """One raw round and one round of `row`, in the order given; the row's CPU time."""
-    t_raw = await raw.round() if raw_first else 0.0
+async def _timed(row: Any, pid: int) -> dict:
+    """A round's seconds and the CPU seconds each end spent on it."""
     with _Cpu(pid) as cpu:
         t = await row.round()
-    if not raw_first:
-        t_raw = await raw.round()
-    return {"t": t, "raw_t": t_raw, "ratio": t_raw / t, "send_cpu": cpu.send, "recv_cpu": cpu.recv}
+    return {"t": t, "send_cpu": cpu.send, "recv_cpu": cpu.recv, "cpu": cpu.send + cpu.recv}
+
+
+async def _pair(raw: _RawRow, row: Any, raw_first: bool, pid: int) -> dict:
+    """One raw round and one round of `row`, in the order given; ratios are raw over row
+    (of seconds: the GB/s ratio, and of CPU seconds both ends spent)."""
+    if raw_first:
+        r = await _timed(raw, pid)
+        x = await _timed(row, pid)
+    else:
+        x = await _timed(row, pid)
+        r = await _timed(raw, pid)
+    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"]}
 
 
 async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup: int, pid: int) -> dict:
@@ -305,14 +314,19 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def _summary(pairs: list[dict], nbytes: int) -> dict:
-    """Median of the per-pair ratios (row GB/s over raw GB/s) and its interquartile range;
-    GB/s and CPU seconds per GB (sender: this process, receiver: the child) as medians."""
+    """Median of the per-pair ratios (row GB/s over raw GB/s) and its interquartile range, the
+    same for CPU (raw's CPU seconds over the row's: what the ratio tends to on a host whose cores
+    are all busy); GB/s and CPU seconds per GB (sender: this process, receiver: the child) as medians."""
     q1, ratio, q3 = _quartiles([p["ratio"] for p in pairs])
+    c1, cpu_ratio, c3 = _quartiles([p["cpu_ratio"] for p in pairs])
     t = statistics.median(p["t"] for p in pairs)
     return {
         "ratio_vs_raw": ratio,
         "ratio_q1": q1,
         "ratio_q3": q3,
+        "cpu_ratio_vs_raw": cpu_ratio,  # raw's CPU seconds (both ends) over the row's, per pair
+        "cpu_ratio_q1": c1,
+        "cpu_ratio_q3": c3,
         "GBps": nbytes / t / 1e9,
         "raw_GBps": nbytes / statistics.median(p["raw_t"] for p in pairs) / 1e9,
         "send_cpu_s_per_GB": statistics.median(p["send_cpu"] for p in pairs) / (nbytes / 1e9),
@@ -493,7 +507,7 @@ def _print(results: dict) -> None:
     bulk = results.get("bulk")
     if bulk:
         print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB per round, loopback,"
-              f" {bulk['pairs']} pairs per row (x raw: median of per-pair ratios [IQR])")  # fmt: skip
+              f" {bulk['pairs']} pairs per row (x raw, CPU x raw: medians of per-pair ratios [IQR])")  # fmt: skip
         for name, row in bulk["rows"].items():
             if "skipped" in row:
                 print(f"  {name:30s} skipped: {row['skipped']}")
@@ -501,6 +515,7 @@ def _print(results: dict) -> None:
             print(
                 f"  {name:30s} {row['GBps']:6.2f} GB/s (raw {row['raw_GBps']:5.2f})"
                 f"   x{row['ratio_vs_raw']:.2f} [{row['ratio_q1']:.2f}-{row['ratio_q3']:.2f}]"
+                f"   CPU x{row['cpu_ratio_vs_raw']:.2f} [{row['cpu_ratio_q1']:.2f}-{row['cpu_ratio_q3']:.2f}]"
                 f"   CPU s/GB send {row['send_cpu_s_per_GB']:.2f} recv {row['recv_cpu_s_per_GB']:.2f}"
             )
     wan = results.get("wan")
