@@ -7,7 +7,7 @@ no-op, so a resend is safe. Groups are kept (hashes and CPU tensor) until finish
 
 A large group is split along its layers over the pool's lanes to the peer (pool.parallel
 connections in all, the request's own included). A lane that drops has its piece sent again
-on a fresh lane (the same retry budget); a dropped request connection resends the whole group,
+on a fresh lane (the retry policy, a budget per piece); a dropped request connection resends the whole group,
 split afresh under a new id, so stale pieces never mix with the new ones.
 """
 
