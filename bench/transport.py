@@ -1,11 +1,16 @@
 """Transport benchmark: bulk channel vs raw socket, WAN emulator accuracy, NATS latency.
 
-    python -m bench.transport [--quick] [--size-mib 64] [--repeats 3] [--out bench/out/transport.json]
+    python -m bench.transport [--quick] [--size-mib 32] [--pairs 40] [--out bench/out/transport.json]
 
-Receivers run in a child process (as in deployment), senders here. Rows: raw socket, the bulk
-channel in plaintext over TCP and a Unix socket, over TLS 1.3 (mutual certificates), and over
-N parallel TLS connections (aggregate GB/s; x raw is per connection). CPU seconds per GB are the
-sender's (this process) and the receiver's (the child). Prints ratios, writes JSON.
+Receivers run in a child process (as in deployment), senders here. Rows: raw socket (against
+itself: the noise floor), the bulk channel in plaintext over TCP (1 and 32 frames, checksums
+on and off, and one request split over N parallel connections), over TLS 1.3 (mutual
+certificates) and over a Unix socket, and the rdma backend where bench/transport_rdma.py says
+it is available. Each row runs in many short rounds, each paired with a raw-socket round (the
+order alternates within pairs, and pairs go round-robin over the rows), so a slow spell of the
+shared host hits both sides of a pair: the figure is the median of the per-pair ratios
+(row GB/s over raw GB/s) with its interquartile range. CPU seconds per GB are the sender's (this
+process) and the receiver's (the child); they move less with the host's load than GB/s.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from bench.progress import Advance, add_quiet_option, progress
 from bench.report import save_report
 from shared.bus import NatsServer, flushed
 from shared.bus.nats_server import free_port
-from shared.kv import open_kv_client, start_kv_server
+from shared.kv import KVClientPool, KVTransfer, start_kv_server
+from shared.kv.frame import byte_view
 from shared.kv.transport import SNDBUF
 from shared.security import Pki, client_context, server_context
 from shared.security.nats_lab import NatsSecurity
@@ -62,25 +68,28 @@ class _CountingSink:
 
 
 def _raw_receiver(lsock: socket.socket, nbytes: int) -> None:
-    # Preallocated once, reused, huge pages like the bulk receiver's buffers: the best case for raw.
-    buf = mmap.mmap(-1, nbytes)
+    while True:
+        conn, _ = lsock.accept()
+        threading.Thread(target=_raw_connection, args=(conn, nbytes), daemon=True).start()
+
+
+def _raw_connection(conn: socket.socket, nbytes: int) -> None:
+    # Preallocated once, reused, private anonymous memory with huge pages, like the bulk
+    # receiver's buffers (a shared mapping would get 4 KiB shmem pages): the best case for raw.
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     mv = memoryview(buf)
-    while True:
-        conn, _ = lsock.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            while True:
-                got = 0
-                while got < nbytes:
-                    k = conn.recv_into(mv[got:])
-                    if not k:
-                        break
-                    got += k
-                if got < nbytes:
-                    break
-                conn.sendall(b"k")
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while True:
+            got = 0
+            while got < nbytes:
+                k = conn.recv_into(mv[got:])
+                if not k:
+                    return
+                got += k
+            conn.sendall(b"k")
 
 
 def _receiver_main(conn: Any, nbytes: int, unix_path: str, pki_dir: str) -> None:
@@ -135,24 +144,61 @@ class _Cpu:
         self.recv = _cpu_seconds(self.pid) - self.t0[1]
 
 
-def _raw_round(sock: socket.socket, data: memoryview) -> float:
-    t0 = time.perf_counter()
-    sock.sendall(data)
-    sock.recv(1)
-    return time.perf_counter() - t0
+class _RawRow:
+    """A blocking socket's sendall, then a one-byte ack: what the bulk channel is held against."""
+
+    def __init__(self, port: int, data: memoryview) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # the bulk channel's options
+        self.data = data
+
+    def _round(self) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(self.data)
+        self.sock.recv(1)
+        return time.perf_counter() - t0
+
+    async def round(self) -> float:
+        return await asyncio.to_thread(self._round)
+
+    async def close(self) -> None:
+        self.sock.close()
 
 
-async def _bulk_round(clients: list[Any], blocks: list[torch.Tensor], rid: str) -> float:
-    """Every client sends all blocks at once (one request each); the time until all are acked."""
+class _BulkRow:
+    """One request of `blocks` (send_blocks each, then finish), the time until it is acked.
+    With `parallel` > 1 it goes through a KVTransfer whose groups are split over that many
+    connections."""
 
-    async def one(client: Any, rid: str) -> None:
-        for i, kv in enumerate(blocks):
-            await client.send_blocks(rid, [i * 1000 + j for j in range(kv.shape[2])], kv)
-        await client.finish(rid)
+    def __init__(self, address: str, blocks: list[torch.Tensor], csum: str, tls: Any, parallel: int) -> None:
+        self.address, self.blocks, self.csum, self.tls, self.parallel = address, blocks, csum, tls, parallel
+        self.n = 0
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(c, f"{rid}-{k}") for k, c in enumerate(clients)))
-    return time.perf_counter() - t0
+    async def open(self) -> _BulkRow:
+        # Long-lived connections, as in deployment (connect + handshake are not timed).
+        self.pool = KVClientPool(SECRET, ssl=self.tls, checksum=self.csum, parallel=self.parallel,
+                                 parallel_min_bytes=0)  # fmt: skip
+        first = KVTransfer(self.pool, self.address, "warm-up")
+        await first.send_blocks([0], self.blocks[0][:, :, :1])
+        await first.finish()
+        first.close()
+        return self
+
+    async def round(self) -> float:
+        self.n += 1
+        transfer = KVTransfer(self.pool, self.address, f"bench-{self.n}")
+        t0 = time.perf_counter()
+        try:
+            for i, kv in enumerate(self.blocks):
+                await transfer.send_blocks([i * 1000 + j for j in range(kv.shape[2])], kv)
+            await transfer.finish()
+        finally:
+            transfer.close()
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        await self.pool.close()
 
 
 def _kv_tensor(nbytes: int, nblocks: int) -> torch.Tensor:
@@ -162,19 +208,28 @@ def _kv_tensor(nbytes: int, nblocks: int) -> torch.Tensor:
     return torch.randn(32, 2, nblocks, 16, 8, head_dim).to(torch.float16)
 
 
-def _bulk_variants(
-    addrs: dict, one: torch.Tensor, parallel: int
-) -> dict[str, tuple[str, list, str, bool, int]]:
-    """name: (address, the blocks one request sends, checksum, TLS, connections)."""
+def _bulk_variants(addrs: dict, one: torch.Tensor, parallel: int, tls: Any) -> dict[str, _BulkRow]:
     per_block = [one[:, :, i : i + 1].contiguous() for i in range(32)]  # as a producer would emit them
     return {
-        "bulk_tcp_1_frame": (addrs["tcp"], [one], "xxh3", False, 1),
-        "bulk_tcp_32_frames": (addrs["tcp"], per_block, "xxh3", False, 1),
-        "bulk_tcp_32_frames_nocsum": (addrs["tcp"], per_block, "none", False, 1),
-        "bulk_tls_32_frames": (addrs["tls"], per_block, "xxh3", True, 1),
-        f"bulk_tls_32_frames_x{parallel}_conns": (addrs["tls"], per_block, "xxh3", True, parallel),
-        "bulk_unix_32_frames": (addrs["unix"], per_block, "xxh3", False, 1),
+        "bulk_tcp_1_frame": _BulkRow(addrs["tcp"], [one], "xxh3", None, 1),
+        "bulk_tcp_32_frames": _BulkRow(addrs["tcp"], per_block, "xxh3", None, 1),
+        f"bulk_tcp_1_frame_x{parallel}_conns": _BulkRow(addrs["tcp"], [one], "xxh3", None, parallel),
+        "bulk_tcp_32_frames_nocsum": _BulkRow(addrs["tcp"], per_block, "none", None, 1),
+        "bulk_tls_32_frames": _BulkRow(addrs["tls"], per_block, "xxh3", tls, 1),
+        "bulk_unix_32_frames": _BulkRow(addrs["unix"], per_block, "xxh3", None, 1),
     }
+
+
+async def _rdma_row(nbytes: int) -> tuple[Any, str | None]:
+    """The rdma backend's row (bench/transport_rdma.py), or why there is none."""
+    try:
+        from bench import transport_rdma
+    except Exception as e:  # not there, or its engine's libraries missing
+        return None, f"bench.transport_rdma not importable: {e}"
+    why = transport_rdma.available()
+    if why is not None:
+        return None, why
+    return await transport_rdma.open_rdma_row(nbytes, 32), None
 
 
 def _bench_pki() -> tuple[str, Any]:
@@ -184,65 +239,99 @@ def _bench_pki() -> tuple[str, Any]:
     return pki_dir, client_context(pki.identity("sender"))
 
 
-async def bench_bulk(size: int, repeats: int, parallel: int = 4) -> dict:
+async def _timed(row: Any, pid: int) -> dict:
+    """A round's seconds and the CPU seconds each end spent on it."""
+    with _Cpu(pid) as cpu:
+        t = await row.round()
+    return {"t": t, "send_cpu": cpu.send, "recv_cpu": cpu.recv, "cpu": cpu.send + cpu.recv}
+
+
+async def _pair(raw: _RawRow, row: Any, raw_first: bool, pid: int) -> dict:
+    """One raw round and one round of `row`, in the order given; ratios are raw over row
+    (of seconds: the GB/s ratio, and of CPU seconds both ends spent)."""
+    if raw_first:
+        r = await _timed(raw, pid)
+        x = await _timed(row, pid)
+    else:
+        x = await _timed(row, pid)
+        r = await _timed(raw, pid)
+    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"]}
+
+
+async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup: int, pid: int) -> dict:
+    """Pair index by pair index over all rows, so slow spells of the host are spread over every
+    row; within a row the order alternates (raw first, then row first)."""
+    out: dict[str, list[dict]] = {name: [] for name in rows}
+    with progress("bulk pairs", total=warmup + pairs) as advance:
+        for i in range(warmup + pairs):
+            for name, row in rows.items():
+                pair = await _pair(raw, row, raw_first=i % 2 == 0, pid=pid)
+                if i >= warmup:
+                    out[name].append(pair)
+            advance()
+    return out
+
+
+async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
     pki_dir, tls = _bench_pki()
     proc = ctx.Process(target=_receiver_main, args=(child, size, unix_path, pki_dir), daemon=True)
     proc.start()
+    rows: dict[str, Any] = {}
     try:
         addrs = await asyncio.wait_for(asyncio.to_thread(parent.recv), 60)
-        one = _kv_tensor(size, 32)  # 32 blocks of 2 MiB
-        assert one.numel() * 2 == size, "size must be a multiple of 4 MiB"
-        variants = _bulk_variants(addrs, one, parallel)
-        # Long-lived connections, as in deployment (connect + handshake are not timed).
-        raw = socket.create_connection(("127.0.0.1", addrs["raw"]))
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # same socket options as the bulk channel
-        clients = {
-            k: [await open_kv_client(a, SECRET, checksum=c, ssl=tls if t else None) for _ in range(n)]
-            for k, (a, _, c, t, n) in variants.items()
-        }
-        rows: dict[str, list[dict]] = {"raw_tcp": [], **{k: [] for k in variants}}
+        one = _kv_tensor(size, 32)  # 32 blocks
+        assert one.numel() * 2 == size, "size must be a multiple of 1 MiB"
+        raw = _RawRow(addrs["raw"], byte_view(one))
+        rows["raw_tcp"] = _RawRow(addrs["raw"], byte_view(one))  # raw against raw: the noise floor
+        for name, variant in _bulk_variants(addrs, one, parallel, tls).items():
+            rows[name] = await variant.open()
+        rdma, why = await _rdma_row(size)
+        if rdma is not None:
+            rows["rdma_32_frames"] = rdma
         try:
-            # Interleaved, so background load hits raw and bulk alike; ratios are per adjacent pair.
-            with progress("bulk rounds", total=repeats + 1) as advance:
-                for r in range(repeats + 1):
-                    with _Cpu(proc.pid) as cpu:
-                        raw_t = await asyncio.to_thread(
-                            _raw_round, raw, memoryview(one.reshape(-1).view(torch.uint8).numpy())
-                        )
-                    rows["raw_tcp"].append({"t": raw_t, "bytes": size, "cpu": cpu, "ratio": 1.0})
-                    for name, (_, blocks, _, _, n) in variants.items():
-                        with _Cpu(proc.pid) as cpu:
-                            t = await _bulk_round(clients[name], blocks, f"bench-{r}")
-                        rows[name].append({"t": t, "bytes": n * size, "cpu": cpu, "ratio": raw_t / (t / n)})
-                    advance()
+            measured = await _paired_rounds(raw, rows, pairs, warmup, proc.pid)
         finally:
-            raw.close()
-            for cs in clients.values():
-                for c in cs:
-                    await c.close()
+            await raw.close()
+            for row in rows.values():
+                await row.close()
         parent.send("stop")
     finally:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    return {"bytes": size, "repeats": repeats, **{name: _summary(rs[1:]) for name, rs in rows.items()}}
+    result = {"bytes": size, "pairs": pairs, "parallel": parallel, "rows": {n: _summary(p, size) for n, p in measured.items()}}
+    if why is not None:
+        result["rows"]["rdma_32_frames"] = {"skipped": why}
+    return result
 
 
-def _summary(rounds: list[dict]) -> dict:
-    """Medians over the timed rounds (the first round, a warm-up, is left out by the caller)."""
-    nbytes = rounds[0]["bytes"]
-    best = statistics.median(r["t"] for r in rounds)
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, med, q3 = np.percentile(xs, [25, 50, 75])
+    return float(q1), float(med), float(q3)
+
+
+def _summary(pairs: list[dict], nbytes: int) -> dict:
+    """Median of the per-pair ratios (row GB/s over raw GB/s) and its interquartile range, the
+    same for CPU (raw's CPU seconds over the row's: what the ratio tends to on a host whose cores
+    are all busy); GB/s and CPU seconds per GB (sender: this process, receiver: the child) as medians."""
+    q1, ratio, q3 = _quartiles([p["ratio"] for p in pairs])
+    c1, cpu_ratio, c3 = _quartiles([p["cpu_ratio"] for p in pairs])
+    t = statistics.median(p["t"] for p in pairs)
     return {
-        "seconds": best,
-        "GBps": nbytes / best / 1e9,
-        "best_GBps": nbytes / min(r["t"] for r in rounds) / 1e9,
-        "ratio_vs_raw": statistics.median(r["ratio"] for r in rounds),
-        "send_cpu_s_per_GB": statistics.median(r["cpu"].send for r in rounds) / (nbytes / 1e9),
-        "recv_cpu_s_per_GB": statistics.median(r["cpu"].recv for r in rounds) / (nbytes / 1e9),
+        "ratio_vs_raw": ratio,
+        "ratio_q1": q1,
+        "ratio_q3": q3,
+        "cpu_ratio_vs_raw": cpu_ratio,  # raw's CPU seconds (both ends) over the row's, per pair
+        "cpu_ratio_q1": c1,
+        "cpu_ratio_q3": c3,
+        "GBps": nbytes / t / 1e9,
+        "raw_GBps": nbytes / statistics.median(p["raw_t"] for p in pairs) / 1e9,
+        "send_cpu_s_per_GB": statistics.median(p["send_cpu"] for p in pairs) / (nbytes / 1e9),
+        "recv_cpu_s_per_GB": statistics.median(p["recv_cpu"] for p in pairs) / (nbytes / 1e9),
+        "pairs": len(pairs),
     }
 
 
@@ -417,15 +506,18 @@ async def bench_nats(quick: bool) -> dict:
 def _print(results: dict) -> None:
     bulk = results.get("bulk")
     if bulk:
-        print(
-            f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB, loopback (median of {bulk['repeats']} interleaved rounds)"
-        )
-        for name, row in bulk.items():
-            if isinstance(row, dict):
-                print(
-                    f"  {name:30s} {row['GBps']:6.2f} GB/s (best {row['best_GBps']:5.2f})   x{row['ratio_vs_raw']:.2f} raw"
-                    f"   CPU s/GB send {row['send_cpu_s_per_GB']:.2f} recv {row['recv_cpu_s_per_GB']:.2f}"
-                )
+        print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB per round, loopback,"
+              f" {bulk['pairs']} pairs per row (x raw, CPU x raw: medians of per-pair ratios [IQR])")  # fmt: skip
+        for name, row in bulk["rows"].items():
+            if "skipped" in row:
+                print(f"  {name:30s} skipped: {row['skipped']}")
+                continue
+            print(
+                f"  {name:30s} {row['GBps']:6.2f} GB/s (raw {row['raw_GBps']:5.2f})"
+                f"   x{row['ratio_vs_raw']:.2f} [{row['ratio_q1']:.2f}-{row['ratio_q3']:.2f}]"
+                f"   CPU x{row['cpu_ratio_vs_raw']:.2f} [{row['cpu_ratio_q1']:.2f}-{row['cpu_ratio_q3']:.2f}]"
+                f"   CPU s/GB send {row['send_cpu_s_per_GB']:.2f} recv {row['recv_cpu_s_per_GB']:.2f}"
+            )
     wan = results.get("wan")
     if wan:
         print("\nWAN emulator bandwidth (one direction)")
@@ -448,9 +540,9 @@ def _print(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdd bench transport", description=__doc__)
-    p.add_argument("--size-mib", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--parallel", type=int, default=4, help="TLS connections of the parallel row")
+    p.add_argument("--size-mib", type=int, default=32, help="bytes per round (a multiple of 1 MiB)")
+    p.add_argument("--pairs", type=int, default=40, help="paired rounds per row (after 2 warm-up pairs)")
+    p.add_argument("--parallel", type=int, default=4, help="connections of the parallel row")
     p.add_argument("--quick", action="store_true", help="shorter WAN and NATS runs")
     p.add_argument("--only", choices=["bulk", "wan", "nats"], action="append")
     p.add_argument("--out", default="bench/out/transport.json")
@@ -461,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> dict:
         results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
         if "bulk" in only:
-            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.repeats, args.parallel)
+            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.pairs, args.parallel)
         if "wan" in only:
             results["wan"] = await bench_wan(args.quick)
         if "nats" in only:

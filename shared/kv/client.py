@@ -57,10 +57,11 @@ class _Layers:
     def subframe_bytes(self) -> int:
         return self.step * self.layer_bytes
 
-    def ranges(self) -> list[tuple[int, int]]:
-        """[lo, hi) of each sub-frame; an empty group is one empty sub-frame."""
-        starts = range(0, self.n_layers, self.step)
-        return [(lo, min(self.n_layers, lo + self.step)) for lo in starts] or [(0, 0)]
+    def ranges(self, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+        """[lo, hi) of each sub-frame of layers [lo, hi) (default: all); an empty group is one
+        empty sub-frame."""
+        hi = self.n_layers if hi is None else hi
+        return [(i, min(hi, i + self.step)) for i in range(lo, hi, self.step)] or [(lo, lo)]
 
     def slice(self, lo: int, hi: int) -> memoryview:
         return self.data[lo * self.layer_bytes : hi * self.layer_bytes]
@@ -122,24 +123,26 @@ class KVClient:
         *,
         traceparent: str | None = None,
         timeout: float = 60.0,
+        split: tuple[int, int] | None = None,
     ) -> int:
         """Send blocks of rid (kv: [L, 2, n, block_size, kv_heads, head_dim], n == len(hashes)).
         Returns bytes sent. CUDA / non-contiguous tensors are copied to contiguous CPU first.
         `traceparent` defaults to the current OpenTelemetry context's. On any failure rid is
-        forgotten here (later calls for it raise) and, unless the call was cancelled, at the receiver."""
+        forgotten here (later calls for it raise) and, unless the call was cancelled, at the receiver.
+        `split` (gid, upto): send layers [0, upto) only; the rest goes as send_piece(gid) on other
+        connections of this sender, and the receiver delivers the group once all are in."""
         kv = sendable(kv, hashes)
-        layers = _Layers.of(kv)
-        if self.max_frame and layers.subframe_bytes + (64 << 10) + 9 * len(hashes) > self.max_frame:
-            raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
+        layers = self._layers(rid, kv, len(hashes))
         st = self._state(rid)
-        if traceparent is None:
-            traceparent = _current_traceparent()
+        traceparent = _current_traceparent() if traceparent is None else traceparent
         base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+        first = {"hashes": list(hashes), "tp": traceparent, **({"split": list(split)} if split else {})}
+        ranges = layers.ranges(0, split[1] if split is not None else None)
         try:
             async with asyncio.timeout(timeout), st.lock:
                 base["seq"] = st.groups
                 st.groups += 1
-                sent = await self._send_group(st, base, hashes, traceparent, layers)
+                sent = await self._send_group(st, base, first, layers, ranges)
             if st.error:  # the receiver failed rid while we were sending
                 raise _error(st)
         except asyncio.CancelledError:
@@ -153,6 +156,22 @@ class KVClient:
             await self._forget(rid, st, notify=True)
             raise
         return sent
+
+    async def send_piece(
+        self, rid: str, gid: int, kv: torch.Tensor, lo: int, hi: int, *, timeout: float = 60.0
+    ) -> int:
+        """Layers [lo, hi) (lo >= 1) of a group that send_blocks(split=(gid, lo')) sends on
+        another connection; kv is the whole group. Returns bytes sent. Raises KVConnectionLost
+        when this connection drops (sending it again on another one is safe), KVTransferError
+        on timeout. The receiver reports a bad piece on the request's connection, not here."""
+        kv = sendable(kv, [0] * kv.shape[2])
+        layers = self._layers(rid, kv, 0)
+        base = {"kind": "piece", "rid": rid, "gid": gid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._send_group(_Rid(), base, None, layers, layers.ranges(lo, hi))
+        except TimeoutError:
+            raise KVTransferError(f"send_piece({rid}): timed out after {timeout}s") from None
 
     async def finish(self, rid: str, *, payload: bytes = b"", timeout: float = 60.0) -> None:
         """Tell the receiver rid is complete and wait for its ack (sent after sink.on_done returned).
@@ -216,29 +235,38 @@ class KVClient:
         # A failed rid leaves _rids at once (see _drop); _aborted makes its later calls raise.
         return self._rids.setdefault(rid, _Rid())
 
-    async def _hash(self, data: memoryview, threaded: bool) -> int:
+    def _layers(self, rid: str, kv: torch.Tensor, n_hashes: int) -> _Layers:
+        layers = _Layers.of(kv)
+        if self.max_frame and layers.subframe_bytes + (64 << 10) + 9 * n_hashes > self.max_frame:
+            raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
+        return layers
+
+    def _hashing(self, data: memoryview, threaded: bool) -> asyncio.Future:
+        """The slice's checksum: in a worker thread (xxhash/zlib drop the GIL) when it overlaps
+        a send and is worth a thread hop, else computed now (no task per frame)."""
         if threaded and self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
-            return await asyncio.to_thread(checksum, self.checksum, data)
-        return checksum(self.checksum, data)
+            return asyncio.ensure_future(asyncio.to_thread(checksum, self.checksum, data))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(checksum(self.checksum, data))
+        return done
 
     async def _send_group(
-        self, st: _Rid, base: dict[str, Any], hashes: list[int], traceparent: str | None, layers: _Layers
+        self, st: _Rid, base: dict[str, Any], first: dict[str, Any] | None, layers: _Layers, ranges: list
     ) -> int:
-        """The sub-frames of one group; the next slice is hashed while this one is on the wire."""
-        ranges = layers.ranges()
+        """The sub-frames `ranges` of one group, `first` added to the lo == 0 one; the next slice
+        is hashed while this one is on the wire."""
         threaded = len(ranges) > 1  # a thread only pays off when it overlaps a send
-        hashing = asyncio.ensure_future(self._hash(layers.slice(*ranges[0]), threaded))
+        hashing = self._hashing(layers.slice(*ranges[0]), threaded)
         sent = 0
         try:
             for i, (lo, hi) in enumerate(ranges):
                 csum = await hashing
                 if i + 1 < len(ranges):
-                    hashing = asyncio.ensure_future(self._hash(layers.slice(*ranges[i + 1]), threaded))
+                    hashing = self._hashing(layers.slice(*ranges[i + 1]), threaded)
                 header = {**base, "layers": [lo, hi], "nbytes": (hi - lo) * layers.layer_bytes}
                 header["csum"] = [self.checksum, csum]
-                if lo == 0:
-                    header["hashes"] = list(hashes)
-                    header["tp"] = traceparent
+                if lo == 0 and first is not None:
+                    header.update(first)
                 sent += await self._send_frame(st, header, layers.slice(lo, hi))
         finally:
             if not hashing.done():

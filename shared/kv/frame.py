@@ -9,7 +9,13 @@ Header kinds (client = KV sender, server = KV receiver):
                    dim into sub-frames of a few MiB (contiguous slices), so hashing the next slice
                    overlaps sending this one and no frame nears the size limit. `shape` is the
                    whole group's; `hashes` and `tp` (traceparent, str or nil) ride only on the
-                   first sub-frame (lo == 0).
+                   first sub-frame (lo == 0). A large group may be split over several connections
+                   of the sender: then its first sub-frame also has split [gid, upto]: this
+                   connection carries layers [0, upto), and [upto, L) come as piece frames.
+    piece    c->s  rid, gid, layers [lo, hi), dtype, shape, nbytes, csum  (lo >= 1)
+                   Layers of split group `gid` sent on another connection of the same sender;
+                   they land straight in the group's tensor, checksummed per frame, and the
+                   group is delivered by its request's connection once every layer is in.
     done     c->s  rid, payload                    all blocks of rid were sent. payload: opaque bytes
                    (msgpack bin, b"" for none) handed to sink.on_done as is; the channel does not
                    read it (the services put an encoded bus message there). It rides in the header,
@@ -98,12 +104,14 @@ class BlocksHeader:
     layer_bytes: int
     algo: str
     csum: int
+    split: tuple[int, int] | None = None  # (gid, upto) on a split group's first sub-frame
 
 
 def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
-    """Validate a blocks header (any violation drops the connection)."""
+    """Validate a blocks or piece header (any violation drops the connection)."""
     rid = field(header, "rid", str)
-    seq = field(header, "seq", int)
+    piece = header["kind"] == "piece"
+    seq = -1 if piece else field(header, "seq", int)
     dtype = DTYPES.get(field(header, "dtype", str))
     if dtype is None:
         raise FrameError(f"blocks frame: unknown dtype {header['dtype']!r}")
@@ -118,6 +126,8 @@ def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
     ):
         raise FrameError(f"blocks frame: bad layer range {layers}")
     lo, hi = layers
+    if piece and lo == 0:
+        raise FrameError("piece frame: layer 0 rides on the request's connection")
     if lo == 0:
         hashes = field(header, "hashes", list)
         if len(hashes) != shape[2] or not all(isinstance(h, int) for h in hashes):
@@ -133,7 +143,23 @@ def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
     csum = field(header, "csum", list)
     if len(csum) != 2 or not isinstance(csum[0], str) or not isinstance(csum[1], int):
         raise FrameError("blocks frame: bad csum")
-    return BlocksHeader(rid, seq, lo, hi, dtype, shape, nbytes, layer_bytes, csum[0], csum[1])
+    b = BlocksHeader(rid, seq, lo, hi, dtype, shape, nbytes, layer_bytes, csum[0], csum[1])
+    b.split = _split(header, shape[0]) if lo == 0 else None
+    return b
+
+
+def _split(header: dict[str, Any], n_layers: int) -> tuple[int, int] | None:
+    split = header.get("split")
+    if split is None:
+        return None
+    if (
+        not isinstance(split, list)
+        or len(split) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in split)
+        or not 1 <= split[1] <= n_layers
+    ):
+        raise FrameError(f"blocks frame: bad split {split!r}")
+    return split[0], split[1]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

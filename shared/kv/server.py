@@ -26,6 +26,7 @@ from shared.kv.frame import (
     pack,
     read_header,
 )
+from shared.kv.pieces import SplitGroup, SplitGroups
 from shared.kv.sink import KVSink
 from shared.kv.transport import Listener, Stream, transport_for
 
@@ -65,6 +66,8 @@ class _Group:
     nbytes: int  # reserved against the caps until delivered or dropped
     hashes: list[int]
     traceparent: str | None
+    end: int  # layers [0, end) come on this connection (all, unless split)
+    split: tuple[tuple[str, int], SplitGroup] | None = None  # key and state of a split group
     next_layer: int = 0
 
 
@@ -106,6 +109,8 @@ class _Receiver:
                     await self._on_blocks(h)
                 elif kind == "done":
                     await self._on_done(field(h, "rid", str), field(h, "payload", bytes))
+                elif kind == "piece":
+                    await self._on_piece(h)
                 elif kind == "abort":
                     await self._on_abort(field(h, "rid", str), str(h.get("reason", "")))
                 else:
@@ -176,8 +181,12 @@ class _Receiver:
             await self._fail(b.rid, f"checksum mismatch in seq={b.seq} layers [{b.lo}, {b.hi})")
             return
         group.next_layer = b.hi
-        if b.hi < b.shape[0]:
+        if group.split is not None:
+            self.server.splits.landed(group.split[0], b.lo, b.hi)
+        if b.hi < group.end:
             return  # more sub-frames of this group follow
+        if group.split is not None and not await self._pieces_in(b, group):
+            return
         self._drop_group(b.rid)  # the sink owns it from here
         self.next_seq[b.rid] = b.seq + 1
         kv, hashes, traceparent = group.kv, group.hashes, group.traceparent
@@ -201,18 +210,65 @@ class _Receiver:
             nbytes = math.prod(b.shape) * b.dtype.itemsize
             if nbytes > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
                 return f"group of shape {b.shape} is too large"
-            why = self._refusal(b, nbytes)  # before anything is allocated
-            if why is not None:
-                return why
-            kv = self.server.buffers.tensor(b.shape, b.dtype)
-            self.inflight.take(nbytes)
-            self.server.inflight.take(nbytes)
-            self.next_seq.setdefault(b.rid, expected)  # in flight from now on
-            group = self.groups[b.rid] = _Group(b.seq, kv, nbytes, list(h["hashes"]), h.get("tp"))
+            group = self._new_group(b, h, nbytes)
+            if isinstance(group, _Group):
+                self.next_seq.setdefault(b.rid, expected)  # in flight from now on
+                self.groups[b.rid] = group
             return group
-        if group is None or group.seq != b.seq or group.next_layer != b.lo or list(group.kv.shape) != b.shape:
+        if (
+            group is None
+            or group.seq != b.seq
+            or group.next_layer != b.lo
+            or b.hi > group.end
+            or list(group.kv.shape) != b.shape
+        ):
             return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
         return group
+
+    def _new_group(self, b: BlocksHeader, h: dict[str, Any], nbytes: int) -> _Group | str:
+        """A group's tensor, reserved against the caps; a split one's may exist already."""
+        hashes, tp = list(h["hashes"]), h.get("tp")
+        if b.split is not None:
+            key = (self.identity, b.split[0])
+            split = self.server.splits.get(key, b, self.inflight, lambda n: self._refusal(b, n))
+            if isinstance(split, str):
+                return split
+            return _Group(b.seq, split.kv, 0, hashes, tp, b.split[1], (key, split))
+        why = self._refusal(b, nbytes)  # before anything is allocated
+        if why is not None:
+            return why
+        kv = self.server.buffers.tensor(b.shape, b.dtype)
+        self.inflight.take(nbytes)
+        self.server.inflight.take(nbytes)
+        return _Group(b.seq, kv, nbytes, hashes, tp, b.shape[0])
+
+    async def _pieces_in(self, b: BlocksHeader, group: _Group) -> bool:
+        """Wait for the layers of a split group that other connections carry; False (rid
+        failed) if they did not all arrive intact."""
+        assert group.split is not None
+        why = await self.server.splits.wait(group.split[1], group.end)
+        if self.groups.get(b.rid) is not group:
+            return False  # taken over by another connection (release) meanwhile
+        if why is not None:
+            await self._fail(b.rid, f"seq={b.seq}: {why}")
+            return False
+        return True
+
+    async def _on_piece(self, h: dict[str, Any]) -> None:
+        """Layers of a split group, straight into its tensor; failures are the group's
+        (reported by the request's connection), never this connection's."""
+        b = check_blocks(h, self.server.max_frame_bytes)
+        key = (self.identity, field(h, "gid", int))
+        split = self.server.splits.get(key, b, self.inflight, lambda n: self._refusal(b, n))
+        if isinstance(split, str) or b.algo not in ALGOS:
+            await self._discard(b.nbytes)
+            return
+        hasher = new_hasher(b.algo)
+        await self.stream.recv_into(byte_view(split.kv)[b.lo * b.layer_bytes : b.hi * b.layer_bytes], hasher.update)
+        if hasher.value() != b.csum:
+            self.server.splits.drop(key, f"checksum mismatch in a piece, layers [{b.lo}, {b.hi})")
+        else:
+            self.server.splits.landed(key, b.lo, b.hi)
 
     def _refusal(self, b: BlocksHeader, nbytes: int) -> str | None:
         expect = self.server.expect
@@ -221,7 +277,9 @@ class _Receiver:
 
     def _drop_group(self, rid: str) -> None:
         group = self.groups.pop(rid, None)
-        if group is not None:
+        if group is not None and group.split is not None:
+            self.server.splits.drop(group.split[0], f"{rid} dropped")  # gives its reservation back
+        elif group is not None:
             self.inflight.give(group.nbytes)
             self.server.inflight.give(group.nbytes)
 
@@ -314,6 +372,7 @@ class KVServer:
         self.reconnect_grace = reconnect_grace
         self.inflight = InFlight(caps.inflight_bytes, caps.groups, "this receiver")
         self.buffers = RecvBuffers()
+        self.splits = SplitGroups(self.buffers, self.inflight)  # groups sent over several connections
         self._listener: Listener | None = None
         self._receivers: set[_Receiver] = set()
         self._orphans: dict[str, _Orphan] = {}  # rids whose connection dropped, in their grace
@@ -387,6 +446,7 @@ class KVServer:
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
+        self.splits.drop_all("receiver closing")
         orphans, self._orphans = self._orphans, {}
         for rid, orphan in orphans.items():
             orphan.timer.cancel()

@@ -4,12 +4,18 @@ When the connection under a transfer drops (reset, EOF, TLS error: not a refusal
 receiver), every group sent so far goes again on a fresh connection, then the rest. The
 receiver keeps the request through a grace period and takes a block it already holds as a
 no-op, so a resend is safe. Groups are kept (hashes and CPU tensor) until finish() is acked.
+
+A large group is split along its layers over the pool's lanes to the peer (pool.parallel
+connections in all, the request's own included). A lane that drops has its piece sent again
+on a fresh lane (the retry policy, a budget per piece); a dropped request connection resends the whole group,
+split afresh under a new id, so stale pieces never mix with the new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +27,8 @@ from shared.kv.errors import KVConnectionLost, KVTransferError
 from shared.kv.pool import KVClientPool
 
 log = logging.getLogger(__name__)
+
+_BACKGROUND: set[asyncio.Future] = set()  # pieces still being sent for a call that gave up
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,16 @@ def retry_delay(policy: RetryPolicy, retry: int, since_first_drop: float) -> flo
     if since_first_drop + delay > policy.deadline_s:
         return None
     return delay
+
+
+def split_layers(kv: torch.Tensor, parallel: int, min_bytes: int) -> list[tuple[int, int]]:
+    """Layer ranges [lo, hi) of a group over up to `parallel` connections, as even as whole
+    layers allow; one range when the group is smaller than min_bytes."""
+    n_layers = kv.shape[0]
+    nbytes = kv.numel() * kv.element_size()
+    n = min(parallel, n_layers) if nbytes >= max(min_bytes, 1) else 1
+    cuts = [round(i * n_layers / max(n, 1)) for i in range(n + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(n)] if n > 1 else [(0, n_layers)]
 
 
 @dataclass
@@ -109,7 +127,44 @@ class KVTransfer:
 
     async def _send(self, client: KVClient, group: _Group) -> None:
         kw = {"traceparent": group.traceparent, "timeout": self.timeout}
-        self.bytes_sent += await client.send_blocks(self.rid, group.hashes, group.kv, **kw)
+        ranges = split_layers(group.kv, self.pool.parallel, self.pool.parallel_min_bytes)
+        if len(ranges) == 1:
+            self.bytes_sent += await client.send_blocks(self.rid, group.hashes, group.kv, **kw)
+            return
+        gid = random.getrandbits(63)
+        # Pieces run on even if this call fails or is cancelled: the receiver's request
+        # connection waits for them, and would otherwise wait until its split timeout.
+        pieces = asyncio.gather(
+            *(self._send_piece(i, gid, group.kv, lo, hi) for i, (lo, hi) in enumerate(ranges[1:])),
+            return_exceptions=True,
+        )
+        _BACKGROUND.add(pieces)
+        pieces.add_done_callback(_BACKGROUND.discard)
+        self.bytes_sent += await client.send_blocks(self.rid, group.hashes, group.kv, split=(gid, ranges[0][1]), **kw)
+        done = await asyncio.shield(pieces)
+        failed = [e for e in done if isinstance(e, BaseException)]
+        if failed:
+            await client.abort(self.rid, f"a piece could not be sent: {failed[0]}")
+            raise KVTransferError(f"kv transfer of {self.rid} to {self.address}: {failed[0]}")
+        self.bytes_sent += sum(done)
+
+    async def _send_piece(self, lane: int, gid: int, kv: torch.Tensor, lo: int, hi: int) -> int:
+        """Layers [lo, hi) on a lane; again on a fresh lane under the retry policy (a budget of
+        its own: lane drops must not delay the request connection's reconnect)."""
+        retries, first_drop = 0, 0.0
+        while True:
+            try:
+                client = await self.pool.lane(self.address, lane)
+                return await client.send_piece(self.rid, gid, kv, lo, hi, timeout=self.timeout)
+            except KVConnectionLost as e:
+                log.warning("kv transfer of %s to %s: lane %d dropped: %s", self.rid, self.address, lane, e)
+                first_drop = first_drop or time.monotonic()
+                delay = retry_delay(self.policy, retries, time.monotonic() - first_drop)
+                if delay is None:
+                    raise KVTransferError(f"lane {lane} lost, {retries} retries failed") from None
+                retries += 1
+                self.reconnects += 1
+                await asyncio.sleep(delay)
 
     def _dropped(self, e: Exception) -> None:
         log.warning("kv transfer of %s to %s: connection dropped: %s", self.rid, self.address, e)

@@ -30,6 +30,7 @@ RECV_CHUNK = 512 << 10  # checksum each piece while it is still in cache
 SNDBUF = 4 << 20  # Linux doubles it; larger than the default autotuning cap (4 MiB)
 TLS_HANDSHAKE_TIMEOUT_S = 5.0
 TLS_CHUNK = 256 << 10  # socket reads and encrypted writes, per call
+SENDMSG_BUFS = 64  # buffers per sendmsg call (IOV_MAX is 1024)
 
 
 class Stream(Protocol):
@@ -81,9 +82,29 @@ class SocketStream:
         self._waiter: asyncio.Future | None = None
 
     async def send(self, *bufs: bytes | memoryview) -> None:
-        for buf in bufs:
-            if len(buf):
-                await self._loop.sock_sendall(self._sock, buf)  # zero-copy: slices a memoryview
+        # One sendmsg for header and payload (a header sent alone is a packet and a receiver
+        # wakeup of its own with TCP_NODELAY), straight from the tensor's memory.
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        while views:
+            try:
+                n = self._sock.sendmsg(views[:SENDMSG_BUFS])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            while n:
+                k = min(n, len(views[0]))
+                views[0] = views[0][k:]
+                n -= k
+                if not views[0]:
+                    views.pop(0)
+
+    async def _writable(self) -> None:
+        waiter = self._loop.create_future()
+        self._loop.add_writer(self._fd, lambda: waiter.done() or waiter.set_result(None))
+        try:
+            await waiter
+        finally:
+            self._loop.remove_writer(self._fd)
 
     async def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
         # Reads until EAGAIN on every readiness event, registered once per call: loop.sock_recv_into
