@@ -160,7 +160,7 @@ async def test_an_abort_that_overtakes_its_admission_still_wins(nats_server, nat
                 await asyncio.sleep(0.05)
         msg = PrepareRequest("early", PROMPT, greedy(8), hashes, Pipeline.P_MD, router="r")
         reply = await request(nc, subjects.md_prepare("0"), msg, PrepareReply, timeout=10)
-        assert not reply.ok and "aborted" in reply.error and md.jobs == {}
+        assert reply.ok and reply.missing == [] and md.jobs == {}  # it takes no part
 
         async def prepare_overtaken(m, raw) -> None:  # the abort lands while the prepare runs
             md.aborted[m.rid] = (0.0, Abort(m.rid, AbortReason.DISPATCH_FAILED), Role.ROUTER)
