@@ -141,7 +141,7 @@ class EngineService:
 
     async def _admit(
         self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]],
-        if_aborted: Callable[[Any], Any] | None,
+        if_aborted: Callable[[Any], Any] | None = None,
     ) -> None:
         if self.draining:
             # A service error: the router's request raises and it takes the request elsewhere.
@@ -155,7 +155,7 @@ class EngineService:
 
     async def _admit_new(
         self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]],
-        if_aborted: Callable[[Any], Any] | None,
+        if_aborted: Callable[[Any], Any] | None = None,
     ) -> None:
         if msg.rid in self.jobs:
             await respond(raw, reply_cls(ok=False, error=f"duplicate request id {msg.rid}"))
