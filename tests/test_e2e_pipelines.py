@@ -121,8 +121,8 @@ def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference
     assert wait_idle(system) == {}
 
 
-def test_wan_cut_falls_back_to_relay(system, reference):
-    prompt = prompt_of(300, salt=5)
+def assert_wan_cut_falls_back_to_relay(system: RunningSystem, reference: LLMEngine, salt: int) -> None:
+    prompt = prompt_of(300, salt=salt)
     with system.shaped("bulk", cut=True):
         r = complete(system, prompt, max_tokens=600, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
     assert r.status_code == 200, r.text
@@ -130,6 +130,10 @@ def test_wan_cut_falls_back_to_relay(system, reference):
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=600, ignore_eos=True)
     assert f"request {r.headers['x-request-id']}: MD not ready in time" in system.log("relay")  # the fallback ran
     assert wait_idle(system) == {}
+
+
+def test_wan_cut_falls_back_to_relay(system, reference):
+    assert_wan_cut_falls_back_to_relay(system, reference, salt=5)
 
 
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])

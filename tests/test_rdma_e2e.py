@@ -13,6 +13,7 @@ from tests.prometheus_samples import moved, scrape
 from tests.test_e2e_pipelines import (
     MD_READY_TIMEOUT_S,
     PRESET,
+    assert_wan_cut_falls_back_to_relay,
     complete,
     prompt_of,
     ref_tokens,
@@ -71,10 +72,4 @@ def test_prefix_held_by_md_is_not_written_again(system):
 
 
 def test_wan_cut_falls_back_to_relay(system, reference):  # noqa: F811
-    prompt = prompt_of(300, salt=29)
-    with system.shaped("bulk", cut=True):
-        r = complete(system, prompt, max_tokens=600, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
-    assert r.status_code == 200, r.text
-    assert r.json()["pdd"]["pipeline"] == "rld-only"
-    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=600, ignore_eos=True)
-    assert wait_idle(system) == {}
+    assert_wan_cut_falls_back_to_relay(system, reference, salt=29)
