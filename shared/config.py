@@ -114,6 +114,11 @@ class PrefillSettings(CommonSettings):
     # tcp://host:port of the WAN link every tcp:// KV peer (a main decoder) is dialed through,
     # naming the peer in a first line (shared/wan/via.py); None = dial peers directly.
     bulk_via: str | None = None
+    # A KV group of at least bulk_parallel_min_mib is split along its layers over this many
+    # connections to its main decoder (1: never split): one TCP stream's window or one lossy
+    # path then does not cap a long, fat WAN link (shared/kv/pool.py, whose defaults these are).
+    bulk_parallel: int = Field(default=4, ge=1, le=16)
+    bulk_parallel_min_mib: float = Field(default=16.0, ge=0)
 
 
 class RelaySettings(CommonSettings):

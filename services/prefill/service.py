@@ -112,7 +112,8 @@ class PrefillService(EngineService):
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
         # Peers over tcp:// are main decoders at any address: their certificates must name that identity.
         self.kv_clients = KVClientPool(settings.secret, ssl=client_tls(settings), via=settings.bulk_via,
-                                       server_name=Role.MAIN_DECODE.value)  # fmt: skip
+                                       server_name=Role.MAIN_DECODE.value, parallel=settings.bulk_parallel,
+                                       parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)))  # fmt: skip
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
         self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series
