@@ -105,6 +105,8 @@ class _Simulation:
         self.done, self.total = 0, len(workload.requests)
         self.report_every = max(1, self.total // 100)
         self.next_of: dict[int, SimRequest] = {}  # closed loop: a request's successor of the same client
+        self.wave_starts: dict[int, list[SimRequest]] = {}  # closed loop: per wave, its clients' first requests
+        self.left_in_wave: dict[int, int] = {}  # closed loop: per wave, its requests not yet ended
 
     def _prefill_events(self, instance: str, stored: list[int], evicted: list[int]) -> None:
         self.router.on_cache_events(Role.PREFILL, instance, stored, evicted)
@@ -119,12 +121,25 @@ class _Simulation:
             return
         last_of: dict[object, SimRequest] = {}
         for r in reqs:
+            self.left_in_wave[r.wave] = self.left_in_wave.get(r.wave, 0) + 1
             client = r.client if r.client is not None else ("solo", r.rid)
-            if client in last_of:
-                self.next_of[last_of[client].rid] = r
+            prev = last_of.get(client)
+            if prev is not None and prev.wave == r.wave:
+                self.next_of[prev.rid] = r
             else:
-                self.loop.at(r.arrival_s, lambda r=r: self.fleet.arrive(r))
+                self.wave_starts.setdefault(r.wave, []).append(r)
             last_of[client] = r
+        self._start_waves()
+
+    def _start_waves(self) -> None:
+        """Start the clients' first requests of every wave whose earlier waves have all ended."""
+        while self.wave_starts:
+            wave = min(self.wave_starts)
+            if any(n for w, n in self.left_in_wave.items() if w < wave):
+                return
+            now = self.loop.now
+            for r in self.wave_starts.pop(wave):
+                self.loop.at(now + r.arrival_s, lambda r=r: self.fleet.arrive(r))
 
     def _arrive_open(self, i: int) -> None:
         reqs = self.workload.requests
@@ -142,3 +157,7 @@ class _Simulation:
         nxt = self.next_of.pop(job.req.rid, None)
         if nxt is not None:  # think time after the last token reached the router
             self.loop.at(job.times.last + nxt.arrival_s, lambda: self.fleet.arrive(nxt))
+        if self.workload.closed_loop:
+            self.left_in_wave[job.req.wave] -= 1
+            if not self.left_in_wave[job.req.wave]:
+                self._start_waves()

@@ -102,17 +102,19 @@ def agentic_cases(config: dict, base: Chip) -> dict[str, Case]:
 
 def warmed(w: Workload, config: dict) -> Workload:
     """The bench's warm-up first (the shared system prompt + 64 tokens, its own client), then
-    every agent's first request WARM_S later."""
+    every agent's first request WARM_S later; the agents in the bench's waves (each agent's
+    k-th request in wave k // --wave: a wave starts when every agent ended the last one)."""
     shared = closed_loop_shared_prefix(AgenticParams.from_args(argparse.Namespace(**config)), BLOCK)
     n = (config["shared_prefix"] + 64) // BLOCK * BLOCK
     warm = SimRequest(len(w.requests), 0.0, n, WARM_OUTPUT,
                       shared + tuple(random.Random("warm").getrandbits(63) for _ in range(n // BLOCK - len(shared))),
                       client=-1, kind="warm")  # fmt: skip
-    first: set[int | None] = set()
+    done: dict[int | None, int] = {}  # requests listed so far per agent
     requests = []
     for r in w.requests:
-        requests.append(replace(r, arrival_s=r.arrival_s + WARM_S) if r.client not in first else r)
-        first.add(r.client)
+        k = done.get(r.client, 0)
+        done[r.client] = k + 1
+        requests.append(replace(r, arrival_s=r.arrival_s + (0 if k else WARM_S), wave=k // config["wave"]))
     return replace(w, requests=(warm, *requests))
 
 
