@@ -50,6 +50,12 @@ def test_agentic_scenario_from_the_recorded_config(base):
     assert any(r.block_hashes[:4] == warm.block_hashes[:4] for r in reqs)
 
 
+def test_the_agents_run_in_the_benchs_waves(base):
+    for wave, expected in ((1, [0, 0, 1, 1]), (2, [0, 0, 0, 0])):  # 2 agents, 2 requests each
+        _, *reqs = v.agentic_cases({**AGENTIC, "wave": wave}, base)["pdd"].workload.requests
+        assert [r.wave for r in reqs] == expected  # each agent's k-th request in wave k // --wave
+
+
 def test_single_scenario_from_the_recorded_config(base):
     cases = v.single_cases(SINGLE, base)
     assert {n: c.deployment.kind for n, c in cases.items()} == {"no-wan": "same-dc", "p-md": "naive",
