@@ -169,6 +169,8 @@ class DecodeInstance(Instance):
         if self._steps == 0 and not self._chunks:
             return  # idle until now
         self.busy_s += self.loop.now - self._t0
+        if self.busy_spells is not None:
+            self.busy_spells.append((self._t0, self.loop.now))
         if self._steps:
             self._settle_decode()
         else:

@@ -40,6 +40,7 @@ class SimSettings:
     max_num_seqs: int = 256
     seed: int = 0
     time_limit_s: float | None = None  # stop admitting and stop the clock here (None: run to the end)
+    busy_spells: bool = False  # record when each instance computed (SimResult.busy_spells)
 
 
 def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, settings: SimSettings | None = None,
@@ -55,8 +56,9 @@ def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, setti
     records = sorted(sim.fleet.records, key=lambda r: r.rid)
     busy = {role: sum(i.busy_s for i in insts) for role, insts in sim.roles.items()}
     bins = sim.wan.bins if sim.wan and sim.wan.bins is not None else []
+    spells = {i.name: i.busy_spells for insts in sim.roles.values() for i in insts if i.busy_spells is not None}
     return SimResult(deployment.name, workload.name, records, sim.loop.now, time.perf_counter() - started,
-                     list(bins), busy, sim.loop.events)  # fmt: skip
+                     list(bins), busy, sim.loop.events, spells)  # fmt: skip
 
 
 @contextmanager
@@ -92,6 +94,8 @@ class _Simulation:
         relays = make("rld", d.relay, DecodeInstance) if d.relay else []
         self.roles = {"prefill": prefills, "relay": relays, "decode": decodes}
         by_name: dict[str, Instance] = {i.name: i for group in self.roles.values() for i in group}
+        for inst in by_name.values() if s.busy_spells else ():
+            inst.busy_spells = []
         # One cross-DC line that every P→MD transfer shares; in one DC, a path per decoder.
         self.wan = Link(self.loop, d.wan, self.rng, bins=[]) if cross_dc else None
         in_dc = {m.name: Link(self.loop, d.wan, self.rng) for m in decodes} if not cross_dc else {}

@@ -211,21 +211,21 @@ def measured_hosts(knob: str, report: dict, cores: float) -> dict[str, HostCpu]:
     return {d: from_account(a, cores) for d, a in report["cpu"]["accounts"].items()}
 
 
-def busy_after(result: SimResult, warm_busy_s: dict[str, float], start_s: float) -> tuple[dict[str, float], float]:
-    """Per role busy seconds of the measured part of a run (from start_s, the warm-up's busy
-    seconds taken off) and that part's span."""
-    busy = {role: b - warm_busy_s.get(role, 0.0) for role, b in result.busy_s.items()}
-    return busy, result.sim_time_s - start_s
+def measured_spells(result: SimResult, warm: int) -> tuple[list[list[tuple[float, float]]], float]:
+    """Each engine's busy spells over the measured part of a run (from the first request after
+    the warm-up on; all of it if none), and that part's span."""
+    start = min((r.arrival_s for r in result.records if r.kind != "warm"), default=0.0) if warm else 0.0
+    spells = [[(max(a, start), b) for a, b in s if b > start] for s in result.busy_spells.values()]
+    return spells, result.sim_time_s - start
 
 
-def full_speed_busy(case: Case, model: ModelSpec) -> tuple[dict[str, float], float]:
-    """busy_after of a run at full speed (the warm-up's share from a run of the warm-up alone)."""
-    first = simulate(case.deployment, case.workload, model, case.settings)
-    if not case.warm:
-        return busy_after(first, {}, 0.0)
-    w = replace(case.workload, requests=case.workload.requests[: case.warm])
-    start = min(r.arrival_s for r in first.records if r.kind != "warm")
-    return busy_after(first, simulate(case.deployment, w, model, case.settings).busy_s, start)
+def full_speed_engines(case: Case, model: ModelSpec) -> tuple[float, float]:
+    """From a run at full speed, over its measured part: the engines computing at once on
+    average (their busy seconds over the span) and as a step sees them (engines_seen_busy)."""
+    result = simulate(case.deployment, case.workload, model, replace(case.settings, busy_spells=True))
+    spells, span = measured_spells(result, case.warm)
+    busy = sum(b - a for s in spells for a, b in s)
+    return (busy / span if span > 0 else 0.0), engines_seen_busy(spells)
 
 
 def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
@@ -235,13 +235,8 @@ def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
     `cores`). Returns the result, the share and that concurrency (NaN for a given share)."""
     engines = math.nan
     if share is None:
-        busy, span = full_speed_busy(case, model)
-        if host:
-            engines = engines_seen_busy(busy, span)
-            share = host.factor(engines)
-        else:
-            engines = sum(busy.values()) / span if span > 0 else 0.0
-            share = share_factor(engines, cores)
+        mean, seen = full_speed_engines(case, model)
+        engines, share = (seen, host.factor(seen)) if host else (mean, share_factor(mean, cores))
     return simulate(with_share(case.deployment, share), case.workload, model, case.settings), share, engines
 
 
