@@ -1,8 +1,9 @@
 """`pdd sim validate`: the `pdd bench e2e` scenarios in the simulator, beside the measured runs.
 
 Reads bench/out/e2e_agentic.json and e2e_single.json (`--run` makes them first), rebuilds each
-scenario's deployments and workload from the run's recorded config, simulates them with the
-`cpu-calibrated` profile (each engine with the KV pool the bench gave it) and prints, per
+scenario's deployments and workload from the run's recorded config (agentic: the bench's agents
+in its waves), simulates them with the `cpu-calibrated` profile (each engine with the KV pool
+the bench gave it) and prints, per
 deployment, the medians (and p99s) of TTFT, 2nd token, max gap and TPOT: simulated, measured,
 error, within ±25%; and per metric whether the deployments come in the same order.
 
@@ -11,7 +12,8 @@ one torch thread each, while cpu-calibrated times one engine alone on a core. St
 multiplied by one CPU-share factor per deployment (`--cpu-share`). By default (measured) it
 comes from the CPU seconds the bench recorded per deployment (shared/sim/host_cpu.py): the
 non-engine work (router, NATS, WAN emulator, the client, other tenants) takes its measured cores
-first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)).
+first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)),
+"engines a step sees busy" from the engines' busy spells in a first simulation at full speed.
 For a run that did not record CPU seconds: `auto`, max(1, the host's load average at the run's
 end / cores); with neither, or with `engines`, max(1, engines busy at once in the simulation /
 cores) (a lower bound).
