@@ -49,8 +49,9 @@ def test_p_md_across_a_wan():
 def test_a_joiner_waits_for_the_step_boundary():
     reqs = workload(request(0, 0.0, 2, 5), request(1, 0.015, 2, 5))
     a, b = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), reqs, TINY).records
-    # b's KV is in at 0.025 + IN_DC_S, in the middle of a's step that ends at 0.03 + IN_DC_S.
-    assert b.tt2t_s == pytest.approx(0.03 + IN_DC_S + 0.01 - 0.015, abs=EXACT)
+    # b's KV is in at 0.025 + IN_DC_S, in the middle of a's step that ends at 0.03 + IN_DC_S:
+    # imported then, added when the next step ends (0.04 + IN_DC_S), its first token a step later.
+    assert b.tt2t_s == pytest.approx(0.04 + IN_DC_S + 0.01 - 0.015, abs=EXACT)
     assert a.e2e_s == pytest.approx(0.01 + IN_DC_S + 0.04, abs=EXACT)  # a's steps kept their pace
 
 

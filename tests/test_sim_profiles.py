@@ -4,6 +4,7 @@ command line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,12 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, monkeypatch, capsys
     assert len(profile["points"]) == 8 and all(p["measured_s"] > 0 for p in profile["points"])
     assert "here" in profile_names()
     assert chip("here", model_spec("tiny")).step.step_s(chunk_load(64, 0)) > 0
+    assert 0.0 <= profile["machine"]["background_cores"] <= os.cpu_count()  # what it was timed beside
+
+
+def test_calibration_background_is_the_others_cpu():
+    assert calibrate.background_cores(host_busy_s=30.0, own_cpu_s=10.0, wall_s=10.0) == 2.0
+    assert calibrate.background_cores(5.0, 10.0, 10.0) == 0.0 and calibrate.background_cores(5.0, 1.0, 0.0) == 0.0
 
 
 def test_pdd_sim_help_lists_every_command(capsys):

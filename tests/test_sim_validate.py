@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,6 +51,12 @@ def test_agentic_scenario_from_the_recorded_config(base):
     assert any(r.block_hashes[:4] == warm.block_hashes[:4] for r in reqs)
 
 
+def test_the_agents_run_in_the_benchs_waves(base):
+    for wave, expected in ((1, [0, 0, 1, 1]), (2, [0, 0, 0, 0])):  # 2 agents, 2 requests each
+        _, *reqs = v.agentic_cases({**AGENTIC, "wave": wave}, base)["pdd"].workload.requests
+        assert [r.wave for r in reqs] == expected  # each agent's k-th request in wave k // --wave
+
+
 def test_single_scenario_from_the_recorded_config(base):
     cases = v.single_cases(SINGLE, base)
     assert {n: c.deployment.kind for n, c in cases.items()} == {"no-wan": "same-dc", "p-md": "naive",
@@ -73,10 +80,12 @@ def test_cpu_share_factor(base):
     d = v.with_share(v.agentic_cases(AGENTIC, base)["pdd"].deployment, 2.0)
     assert d.relay.chip.step.step_s(load) == pytest.approx(2 * base.step.step_s(load))
     assert d.decode.chip.kv_capacity_bytes == 8 * 2**20
-    # Engines busy over the measured part (from 60 s to 100 s), the warm-up's 10 busy seconds left out.
-    run = SimResult("pdd", "w", [], 100.0, 0.0, [], {"prefill": 50.0, "relay": 10.0, "decode": 90.0})
-    busy, span = v.busy_after(run, {"prefill": 4.0, "decode": 6.0}, start_s=60.0)
-    assert (busy, span) == ({"prefill": 46.0, "relay": 10.0, "decode": 84.0}, 40.0)  # 3.5 engines at once
+    # The engines' busy spells over the measured part: from the first request after the warm-up (60 s).
+    first = SimpleNamespace(arrival_s=60.0, kind="low")
+    run = SimResult("pdd", "w", [SimpleNamespace(arrival_s=0.0, kind="warm"), first], 100.0, 0.0, [],
+                    busy_spells={"p0": [(0.0, 10.0), (55.0, 70.0)], "md0": [(61.0, 100.0)]})  # fmt: skip
+    assert v.measured_spells(run, warm=1) == ([[(60.0, 70.0)], [(61.0, 100.0)]], 40.0)
+    assert v.measured_spells(run, warm=0)[1] == 100.0  # no warm-up: all of it
 
 
 def test_cpu_share_from_the_hosts_recorded_load():
@@ -152,7 +161,8 @@ def test_the_warm_up_is_not_measured(base):
     model = model_spec("small")
     case = v.agentic_cases(AGENTIC, base)["pdd"]
     result, share, engines = v.run_case(case, model, None, 2.0)
-    busy, span = v.full_speed_busy(case, model)  # engines: the mean over the measured part
-    assert engines == pytest.approx(sum(busy.values()) / span) and share == max(1.0, engines / 2.0) and sorted(r.kind for r in result.records).count("warm") == 1
+    mean, seen = v.full_speed_engines(case, model)  # engines: the mean over the measured part
+    assert engines == mean and share == max(1.0, engines / 2.0) and sorted(r.kind for r in result.records).count("warm") == 1
+    assert 1.0 <= seen <= 3.0 and mean < seen  # a step sees itself and some of the others
     records = [replace(r, ttft_s=1e6) if r.kind == "warm" else r for r in result.records]
     assert v.simulated_stats(records)["ttft_p99"] < 100.0  # the tiny prompts take well under a second

@@ -35,11 +35,13 @@ def test_background_is_the_host_busy_time_less_the_engines():
 
 
 def test_engines_a_step_sees_busy():
-    # P busy half the time, MD busy all of it: a P step sees itself and MD (2), an MD step itself
-    # and P half the time (1.5); weighted by busy time: (0.5 * 2 + 1 * 1.5) / 1.5.
-    assert engines_seen_busy({"prefill": 50.0, "decode": 100.0}, 100.0) == pytest.approx(2.5 / 1.5)
-    assert engines_seen_busy({"prefill": 30.0, "relay": 0.0}, 100.0) == 1.0  # alone: only itself
-    assert engines_seen_busy({"prefill": 0.0}, 100.0) == 0.0 and engines_seen_busy({"prefill": 1.0}, 0.0) == 0.0
+    # P busy for 50 s, MD for all 100 s: P's 50 s see 2, MD's first 50 s 2 and its last 50 s 1;
+    # weighted by busy time: (50 * 2 + 50 * 2 + 50 * 1) / 150.
+    assert engines_seen_busy([[(0.0, 50.0)], [(0.0, 100.0)]]) == pytest.approx(250 / 150)
+    # The same busy time, but P computes only while MD waits (one request P→MD): each alone.
+    assert engines_seen_busy([[(0.0, 10.0), (60.0, 100.0)], [(10.0, 60.0), (100.0, 150.0)]]) == 1.0
+    assert engines_seen_busy([[(0.0, 30.0)], []]) == 1.0  # alone: only itself
+    assert engines_seen_busy([[], []]) == 0.0 and engines_seen_busy([[(5.0, 5.0)]]) == 0.0
 
 
 def test_host_busy_ticks_leave_out_idle_and_iowait():

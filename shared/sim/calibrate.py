@@ -361,19 +361,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def background_cores(host_busy_s: float, own_cpu_s: float, wall_s: float) -> float:
+    """The other processes' CPU over a stretch, in cores: a neighbour on the other cores slows
+    a CPU-bound step's CPU time too (shared caches and memory bandwidth), so a profile says
+    what it was timed beside."""
+    return max(0.0, host_busy_s - own_cpu_s) / wall_s if wall_s > 0 else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from bench.cpu import host_busy_s
+
     args = _parse(argv)
     grid = QUICK_GRID if args.quick else GPU_GRID if args.device.startswith("cuda") else DEFAULT_GRID
     timer = Timer(args, grid)
     total = len(grid.batches) * len(grid.decode_contexts) + len(grid.chunks) * len(grid.chunk_contexts)
+    start = (host_busy_s(), time.process_time(), time.monotonic())
     with progress("calibrate", total=total) as advance:
         points = measure(timer, grid, advance)
+    busy, own, wall = (now - then for now, then in zip((host_busy_s(), time.process_time(), time.monotonic()), start, strict=True))
     clock = "process CPU time (time.process_time)" if timer.cpu_clock else "wall clock (time.perf_counter)"
     step = fit_step_cost([p.load for p in points], [p.seconds for p in points])
     print(report(points, step))
+    profile = profile_json(args, grid, points, step, clock)
+    profile["machine"]["background_cores"] = round(background_cores(busy, own, wall), 3)
+    print(f"other processes took {profile['machine']['background_cores']:.2f} cores meanwhile (a quiet host: ~0)")
     out_dir = profile_dir_for_writing()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{args.out}.json"
-    path.write_text(json.dumps(profile_json(args, grid, points, step, clock), indent=2) + "\n")
+    path.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0

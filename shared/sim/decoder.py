@@ -67,6 +67,19 @@ class DecodeInstance(Instance):
         self.extending.append(ext)
         self._poke()
 
+    def join_imported(self, seq: Seq) -> None:
+        """A sequence whose KV has just arrived. The engine runs commands between steps on its
+        one thread (shared/engine/engine_loop.py): the import runs when the step in progress
+        ends, and the add is a second command, so on a busy decoder it waits for the step that
+        began meanwhile."""
+        def imported() -> None:
+            if self.running or self.joining or self.extending:
+                self.at_boundary(lambda: self.join(seq))
+            else:
+                self.join(seq)
+
+        self.at_boundary(imported)
+
     def at_boundary(self, fn: Callable[[], None]) -> None:
         """Run fn once the step in progress ends (at once if idle), the batch settled."""
         self.actions.append(fn)
@@ -134,8 +147,8 @@ class DecodeInstance(Instance):
             load = combine(decode_load(len(self.running), self._context0),
                            *(chunk_load(k, e.seq.context) for e, k in self._chunks))  # fmt: skip
             self._event = self.loop.at(self._t0 + self.chip.step.step_s(load), self._boundary)
-        elif self.running:
-            self._steps = min(map(_remaining, self.running))
+        elif self.running:  # (an action queued at this boundary waits for the next one only)
+            self._steps = 1 if self.actions else min(map(_remaining, self.running))
             run_s = self.chip.step.decode_run_s(len(self.running), self._context0, self._steps)
             self._event = self.loop.at(self._t0 + run_s, self._boundary)
 
@@ -156,6 +169,8 @@ class DecodeInstance(Instance):
         if self._steps == 0 and not self._chunks:
             return  # idle until now
         self.busy_s += self.loop.now - self._t0
+        if self.busy_spells is not None:
+            self.busy_spells.append((self._t0, self.loop.now))
         if self._steps:
             self._settle_decode()
         else:

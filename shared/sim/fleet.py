@@ -147,9 +147,9 @@ class Fleet:
         job.md_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, self.md_token_sink(job),
                          lambda: self._md_finished(job))  # fmt: skip
         if job.pipeline is Pipeline.P_MD:
-            job.md.join(job.md_seq)
-        else:
-            self.cross(lambda: self.relaying.kv_ready(job))
+            job.md.join_imported(job.md_seq)
+        else:  # MD imports the last of it between two steps, then tells the relay
+            job.md.at_boundary(lambda: self.cross(lambda: self.relaying.kv_ready(job)))
 
     def md_token_sink(self, job: Job):
         def sink(first: float, last: float, n: int, gap: float) -> None:

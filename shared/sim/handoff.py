@@ -36,7 +36,7 @@ class Relaying:
             return
         job.rld_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, self._token_sink(job),
                           lambda: self._finished(job))  # fmt: skip
-        relay.join(job.rld_seq)
+        relay.join_imported(job.rld_seq)
         if job.md_ready:
             self._begin_handoff(job)
 

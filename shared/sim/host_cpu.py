@@ -10,9 +10,11 @@ engine step (the kernel favours tasks that slept), so the engines share what is 
     engine cores = cores - background cores
     step-time factor = max(1, engines a step sees busy / engine cores)
 
-where "engines a step sees busy" comes from the simulation at full speed: per engine role its
-busy fraction u_i, and, the roles taken as independent, a step of role i sees itself plus the
-others' mean, so the step-weighted count is sum_i u_i (1 + U - u_i) / U with U = sum_i u_i.
+where "engines a step sees busy" comes from the simulation at full speed: when each engine
+computed (its steps), and, weighted by computing time, how many engines computed at that
+moment (itself included). Taken from the simulated timeline, not from busy fractions as if
+the engines were independent: a prefill that runs while the decoder waits for its KV (one
+request P→MD) shares the cores with no other engine, whatever the decoder's share of the run.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def from_account(account: dict, cores: float) -> HostCpu:
     return HostCpu(cores, max(0.0, background))
 
 
-def engines_seen_busy(busy_s: dict[str, float], span_s: float) -> float:
-    """Engines computing at once as a step sees it (itself included): per role busy fraction u,
-    roles independent: sum u_i (1 + U - u_i) / U. 0 when nothing computed."""
-    if span_s <= 0:
-        return 0.0
-    u = [b / span_s for b in busy_s.values() if b > 0]
-    total = sum(u)
-    return sum(x * (1 + total - x) for x in u) / total if total > 0 else 0.0
+def engines_seen_busy(spells: list[list[tuple[float, float]]]) -> float:
+    """Engines computing at once as a step sees it (itself included), from each engine's busy
+    spells (start, end): the mean over computing time of how many engines compute then. 0 when
+    nothing computed."""
+    edges = sorted((t, d) for engine in spells for a, b in engine if b > a for t, d in ((a, 1), (b, -1)))
+    n, last, seen, busy = 0, 0.0, 0.0, 0.0
+    for t, d in edges:
+        seen += n * n * (t - last)  # n engines computing, each seeing n
+        busy += n * (t - last)
+        n, last = n + d, t
+    return seen / busy if busy > 0 else 0.0

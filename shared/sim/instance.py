@@ -61,6 +61,7 @@ class Instance:
         self.name, self.chip, self.loop, self.block_size = name, chip, loop, block_size
         self.pool = SimBlockPool(num_blocks)
         self.busy_s = 0.0
+        self.busy_spells: list[tuple[float, float]] | None = None  # (start, end) of each step or run, if asked for
         self.held = 0  # requests holding blocks here
         self.block_waiters: deque[_Waiter] = deque()  # first come, first served
 

@@ -57,6 +57,8 @@ class PrefillInstance(Instance):
 
     def _step_end(self) -> None:
         self.busy_s += self.loop.now - self._started if self._chunks else 0.0
+        if self.busy_spells is not None and self._chunks:
+            self.busy_spells.append((self._started, self.loop.now))
         chunks, self._chunks = self._chunks, []
         for work, k in chunks:
             work.computed += k

@@ -94,6 +94,7 @@ class SimResult:
     wan_bytes_per_s: list[float]  # bytes serialised on the WAN in each 1 s bin
     busy_s: dict[str, float] = field(default_factory=dict)  # per role: Σ instance busy seconds
     events: int = 0  # events processed
+    busy_spells: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # per instance, if asked for
 
     def summary(self) -> dict:
         """p50/p99 of each latency; WAN Gbit/s mean and p99 (of the 1 s bins); the RLD's share

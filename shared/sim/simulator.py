@@ -40,6 +40,7 @@ class SimSettings:
     max_num_seqs: int = 256
     seed: int = 0
     time_limit_s: float | None = None  # stop admitting and stop the clock here (None: run to the end)
+    busy_spells: bool = False  # record when each instance computed (SimResult.busy_spells)
 
 
 def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, settings: SimSettings | None = None,
@@ -55,8 +56,9 @@ def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, setti
     records = sorted(sim.fleet.records, key=lambda r: r.rid)
     busy = {role: sum(i.busy_s for i in insts) for role, insts in sim.roles.items()}
     bins = sim.wan.bins if sim.wan and sim.wan.bins is not None else []
+    spells = {i.name: i.busy_spells for insts in sim.roles.values() for i in insts if i.busy_spells is not None}
     return SimResult(deployment.name, workload.name, records, sim.loop.now, time.perf_counter() - started,
-                     list(bins), busy, sim.loop.events)  # fmt: skip
+                     list(bins), busy, sim.loop.events, spells)  # fmt: skip
 
 
 @contextmanager
@@ -92,6 +94,8 @@ class _Simulation:
         relays = make("rld", d.relay, DecodeInstance) if d.relay else []
         self.roles = {"prefill": prefills, "relay": relays, "decode": decodes}
         by_name: dict[str, Instance] = {i.name: i for group in self.roles.values() for i in group}
+        for inst in by_name.values() if s.busy_spells else ():
+            inst.busy_spells = []
         # One cross-DC line that every P→MD transfer shares; in one DC, a path per decoder.
         self.wan = Link(self.loop, d.wan, self.rng, bins=[]) if cross_dc else None
         in_dc = {m.name: Link(self.loop, d.wan, self.rng) for m in decodes} if not cross_dc else {}
@@ -105,6 +109,8 @@ class _Simulation:
         self.done, self.total = 0, len(workload.requests)
         self.report_every = max(1, self.total // 100)
         self.next_of: dict[int, SimRequest] = {}  # closed loop: a request's successor of the same client
+        self.wave_starts: dict[int, list[SimRequest]] = {}  # closed loop: per wave, its clients' first requests
+        self.left_in_wave: dict[int, int] = {}  # closed loop: per wave, its requests not yet ended
 
     def _prefill_events(self, instance: str, stored: list[int], evicted: list[int]) -> None:
         self.router.on_cache_events(Role.PREFILL, instance, stored, evicted)
@@ -119,12 +125,25 @@ class _Simulation:
             return
         last_of: dict[object, SimRequest] = {}
         for r in reqs:
+            self.left_in_wave[r.wave] = self.left_in_wave.get(r.wave, 0) + 1
             client = r.client if r.client is not None else ("solo", r.rid)
-            if client in last_of:
-                self.next_of[last_of[client].rid] = r
+            prev = last_of.get(client)
+            if prev is not None and prev.wave == r.wave:
+                self.next_of[prev.rid] = r
             else:
-                self.loop.at(r.arrival_s, lambda r=r: self.fleet.arrive(r))
+                self.wave_starts.setdefault(r.wave, []).append(r)
             last_of[client] = r
+        self._start_waves()
+
+    def _start_waves(self) -> None:
+        """Start the clients' first requests of every wave whose earlier waves have all ended."""
+        while self.wave_starts:
+            wave = min(self.wave_starts)
+            if any(n for w, n in self.left_in_wave.items() if w < wave):
+                return
+            now = self.loop.now
+            for r in self.wave_starts.pop(wave):
+                self.loop.at(now + r.arrival_s, lambda r=r: self.fleet.arrive(r))
 
     def _arrive_open(self, i: int) -> None:
         reqs = self.workload.requests
@@ -142,3 +161,7 @@ class _Simulation:
         nxt = self.next_of.pop(job.req.rid, None)
         if nxt is not None:  # think time after the last token reached the router
             self.loop.at(job.times.last + nxt.arrival_s, lambda: self.fleet.arrive(nxt))
+        if self.workload.closed_loop:
+            self.left_in_wave[job.req.wave] -= 1
+            if not self.left_in_wave[job.req.wave]:
+                self._start_waves()

@@ -1,8 +1,9 @@
 """`pdd sim validate`: the `pdd bench e2e` scenarios in the simulator, beside the measured runs.
 
 Reads bench/out/e2e_agentic.json and e2e_single.json (`--run` makes them first), rebuilds each
-scenario's deployments and workload from the run's recorded config, simulates them with the
-`cpu-calibrated` profile (each engine with the KV pool the bench gave it) and prints, per
+scenario's deployments and workload from the run's recorded config (agentic: the bench's agents
+in its waves), simulates them with the `cpu-calibrated` profile (each engine with the KV pool
+the bench gave it) and prints, per
 deployment, the medians (and p99s) of TTFT, 2nd token, max gap and TPOT: simulated, measured,
 error, within ±25%; and per metric whether the deployments come in the same order.
 
@@ -11,7 +12,8 @@ one torch thread each, while cpu-calibrated times one engine alone on a core. St
 multiplied by one CPU-share factor per deployment (`--cpu-share`). By default (measured) it
 comes from the CPU seconds the bench recorded per deployment (shared/sim/host_cpu.py): the
 non-engine work (router, NATS, WAN emulator, the client, other tenants) takes its measured cores
-first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)).
+first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)),
+"engines a step sees busy" from the engines' busy spells in a first simulation at full speed.
 For a run that did not record CPU seconds: `auto`, max(1, the host's load average at the run's
 end / cores); with neither, or with `engines`, max(1, engines busy at once in the simulation /
 cores) (a lower bound).
@@ -102,17 +104,19 @@ def agentic_cases(config: dict, base: Chip) -> dict[str, Case]:
 
 def warmed(w: Workload, config: dict) -> Workload:
     """The bench's warm-up first (the shared system prompt + 64 tokens, its own client), then
-    every agent's first request WARM_S later."""
+    every agent's first request WARM_S later; the agents in the bench's waves (each agent's
+    k-th request in wave k // --wave: a wave starts when every agent ended the last one)."""
     shared = closed_loop_shared_prefix(AgenticParams.from_args(argparse.Namespace(**config)), BLOCK)
     n = (config["shared_prefix"] + 64) // BLOCK * BLOCK
     warm = SimRequest(len(w.requests), 0.0, n, WARM_OUTPUT,
                       shared + tuple(random.Random("warm").getrandbits(63) for _ in range(n // BLOCK - len(shared))),
                       client=-1, kind="warm")  # fmt: skip
-    first: set[int | None] = set()
+    done: dict[int | None, int] = {}  # requests listed so far per agent
     requests = []
     for r in w.requests:
-        requests.append(replace(r, arrival_s=r.arrival_s + WARM_S) if r.client not in first else r)
-        first.add(r.client)
+        k = done.get(r.client, 0)
+        done[r.client] = k + 1
+        requests.append(replace(r, arrival_s=r.arrival_s + (0 if k else WARM_S), wave=k // config["wave"]))
     return replace(w, requests=(warm, *requests))
 
 
@@ -209,21 +213,21 @@ def measured_hosts(knob: str, report: dict, cores: float) -> dict[str, HostCpu]:
     return {d: from_account(a, cores) for d, a in report["cpu"]["accounts"].items()}
 
 
-def busy_after(result: SimResult, warm_busy_s: dict[str, float], start_s: float) -> tuple[dict[str, float], float]:
-    """Per role busy seconds of the measured part of a run (from start_s, the warm-up's busy
-    seconds taken off) and that part's span."""
-    busy = {role: b - warm_busy_s.get(role, 0.0) for role, b in result.busy_s.items()}
-    return busy, result.sim_time_s - start_s
+def measured_spells(result: SimResult, warm: int) -> tuple[list[list[tuple[float, float]]], float]:
+    """Each engine's busy spells over the measured part of a run (from the first request after
+    the warm-up on; all of it if none), and that part's span."""
+    start = min((r.arrival_s for r in result.records if r.kind != "warm"), default=0.0) if warm else 0.0
+    spells = [[(max(a, start), b) for a, b in s if b > start] for s in result.busy_spells.values()]
+    return spells, result.sim_time_s - start
 
 
-def full_speed_busy(case: Case, model: ModelSpec) -> tuple[dict[str, float], float]:
-    """busy_after of a run at full speed (the warm-up's share from a run of the warm-up alone)."""
-    first = simulate(case.deployment, case.workload, model, case.settings)
-    if not case.warm:
-        return busy_after(first, {}, 0.0)
-    w = replace(case.workload, requests=case.workload.requests[: case.warm])
-    start = min(r.arrival_s for r in first.records if r.kind != "warm")
-    return busy_after(first, simulate(case.deployment, w, model, case.settings).busy_s, start)
+def full_speed_engines(case: Case, model: ModelSpec) -> tuple[float, float]:
+    """From a run at full speed, over its measured part: the engines computing at once on
+    average (their busy seconds over the span) and as a step sees them (engines_seen_busy)."""
+    result = simulate(case.deployment, case.workload, model, replace(case.settings, busy_spells=True))
+    spells, span = measured_spells(result, case.warm)
+    busy = sum(b - a for s in spells for a, b in s)
+    return (busy / span if span > 0 else 0.0), engines_seen_busy(spells)
 
 
 def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
@@ -233,13 +237,8 @@ def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
     `cores`). Returns the result, the share and that concurrency (NaN for a given share)."""
     engines = math.nan
     if share is None:
-        busy, span = full_speed_busy(case, model)
-        if host:
-            engines = engines_seen_busy(busy, span)
-            share = host.factor(engines)
-        else:
-            engines = sum(busy.values()) / span if span > 0 else 0.0
-            share = share_factor(engines, cores)
+        mean, seen = full_speed_engines(case, model)
+        engines, share = (seen, host.factor(seen)) if host else (mean, share_factor(mean, cores))
     return simulate(with_share(case.deployment, share), case.workload, model, case.settings), share, engines
 
 

@@ -16,6 +16,9 @@ class SimRequest:
     block_hashes: tuple[int, ...]
     client: int | None = None  # closed loop: a client's requests run one after the other
     kind: str = ""  # the generator's label ("high", "low", "outlier"); "" for a replayed trace
+    # Closed loop: a client's first request of a later wave waits until every request of the
+    # earlier waves has ended (a benchmark that runs its agents in waves, as `pdd bench e2e` does).
+    wave: int = 0
 
 
 @dataclass(frozen=True)
