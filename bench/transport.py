@@ -272,7 +272,9 @@ async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup:
     return out
 
 
-async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) -> dict:
+async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2, keep: str | None = None) -> dict:
+    """`keep`: only the rows whose name contains one of these comma-separated words (raw_tcp,
+    the noise floor, always runs)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
@@ -287,8 +289,9 @@ async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) 
         raw = _RawRow(addrs["raw"], byte_view(one))
         rows["raw_tcp"] = _RawRow(addrs["raw"], byte_view(one))  # raw against raw: the noise floor
         for name, variant in _bulk_variants(addrs, one, parallel, tls).items():
-            rows[name] = await variant.open()
-        rdma, why = await _rdma_row(size)
+            if _kept(name, keep):
+                rows[name] = await variant.open()
+        rdma, why = await _rdma_row(size) if _kept("rdma_32_frames", keep) else (None, None)
         if rdma is not None:
             rows["rdma_32_frames"] = rdma
         try:
@@ -306,6 +309,10 @@ async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) 
     if why is not None:
         result["rows"]["rdma_32_frames"] = {"skipped": why}
     return result
+
+
+def _kept(name: str, keep: str | None) -> bool:
+    return keep is None or any(word in name for word in keep.split(","))
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -543,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mib", type=int, default=32, help="bytes per round (a multiple of 1 MiB)")
     p.add_argument("--pairs", type=int, default=40, help="paired rounds per row (after 2 warm-up pairs)")
     p.add_argument("--parallel", type=int, default=4, help="connections of the parallel row")
+    p.add_argument("--rows", help="bulk rows whose name contains one of these comma-separated words")
     p.add_argument("--quick", action="store_true", help="shorter WAN and NATS runs")
     p.add_argument("--only", choices=["bulk", "wan", "nats"], action="append")
     p.add_argument("--out", default="bench/out/transport.json")
@@ -553,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> dict:
         results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
         if "bulk" in only:
-            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.pairs, args.parallel)
+            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.pairs, args.parallel, keep=args.rows)
         if "wan" in only:
             results["wan"] = await bench_wan(args.quick)
         if "nats" in only:
