@@ -1,6 +1,7 @@
 """Transport benchmark: bulk channel vs raw socket, WAN emulator accuracy, NATS latency.
 
-    python -m bench.transport [--quick] [--size-mib 32] [--pairs 40] [--out bench/out/transport.json]
+    python -m bench.transport [--quick] [--size-mib 32] [--pairs 40] [--rows tcp_1,tcp_32]
+                              [--out bench/out/transport.json]
 
 Receivers run in a child process (as in deployment), senders here. Rows: raw socket (against
 itself: the noise floor), the bulk channel in plaintext over TCP (1 and 32 frames, checksums
@@ -11,6 +12,9 @@ order alternates within pairs, and pairs go round-robin over the rows), so a slo
 shared host hits both sides of a pair: the figure is the median of the per-pair ratios
 (row GB/s over raw GB/s) with its interquartile range. CPU seconds per GB are the sender's (this
 process) and the receiver's (the child); they move less with the host's load than GB/s.
+"raw rounds kept N cores busy" tells the host's state: ~1 when the two ends shared one core
+(neighbours held the other; then a row's "x raw" follows its CPU ratio), more when each end had
+a core of its own (then it follows the slower end). Runs agree when that figure does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -46,6 +51,7 @@ from shared.security.nats_lab import NatsSecurity
 
 MiB = 1 << 20
 SECRET = "bench-secret"
+RAW_TIMEOUT_S = 30
 
 
 # ---------------------------------------------------------------- receivers (child process)
@@ -151,6 +157,9 @@ class _RawRow:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # the bulk channel's options
+        # A dead receiver fails the round in the kernel (a Python timeout would add a poll per send).
+        for opt in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", RAW_TIMEOUT_S, 0))
         self.data = data
 
     def _round(self) -> float:
@@ -160,7 +169,9 @@ class _RawRow:
         return time.perf_counter() - t0
 
     async def round(self) -> float:
-        return await asyncio.to_thread(self._round)
+        # On the loop's thread, as the bulk rows send: in a worker thread the two sides of a pair
+        # ran on threads the scheduler placed differently. Nothing else runs meanwhile.
+        return self._round()
 
     async def close(self) -> None:
         self.sock.close()
@@ -255,7 +266,8 @@ async def _pair(raw: _RawRow, row: Any, raw_first: bool, pid: int) -> dict:
     else:
         x = await _timed(row, pid)
         r = await _timed(raw, pid)
-    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"]}
+    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"],
+            "raw_cores": r["cpu"] / r["t"]}  # fmt: skip
 
 
 async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup: int, pid: int) -> dict:
@@ -338,6 +350,7 @@ def _summary(pairs: list[dict], nbytes: int) -> dict:
         "raw_GBps": nbytes / statistics.median(p["raw_t"] for p in pairs) / 1e9,
         "send_cpu_s_per_GB": statistics.median(p["send_cpu"] for p in pairs) / (nbytes / 1e9),
         "recv_cpu_s_per_GB": statistics.median(p["recv_cpu"] for p in pairs) / (nbytes / 1e9),
+        "raw_cores": statistics.median(p["raw_cores"] for p in pairs),
         "pairs": len(pairs),
     }
 
@@ -515,6 +528,9 @@ def _print(results: dict) -> None:
     if bulk:
         print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB per round, loopback,"
               f" {bulk['pairs']} pairs per row (x raw, CPU x raw: medians of per-pair ratios [IQR])")  # fmt: skip
+        cores = statistics.median(row["raw_cores"] for row in bulk["rows"].values() if "raw_cores" in row)
+        print(f"  raw rounds kept {cores:.2f} cores busy: ~1 when both ends shared one core (x raw then"
+              " follows CPU x raw), more when each end had its own; compare runs whose figure agrees")  # fmt: skip
         for name, row in bulk["rows"].items():
             if "skipped" in row:
                 print(f"  {name:30s} skipped: {row['skipped']}")
