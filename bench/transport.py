@@ -169,8 +169,8 @@ class _RawRow:
         return time.perf_counter() - t0
 
     async def round(self) -> float:
-        # On the loop's thread, as the bulk rows send: in a worker thread the two sides of a pair
-        # ran on threads the scheduler placed differently. Nothing else runs meanwhile.
+        # On the loop's thread, the one the bulk rows send from, so both halves of a pair send
+        # from one thread (and raw pays no thread hand-off). Nothing else runs meanwhile.
         return self._round()
 
     async def close(self) -> None:
