@@ -1,6 +1,7 @@
 """Transport benchmark: bulk channel vs raw socket, WAN emulator accuracy, NATS latency.
 
-    python -m bench.transport [--quick] [--size-mib 32] [--pairs 40] [--out bench/out/transport.json]
+    python -m bench.transport [--quick] [--size-mib 32] [--pairs 40] [--rows tcp_1,tcp_32]
+                              [--out bench/out/transport.json]
 
 Receivers run in a child process (as in deployment), senders here. Rows: raw socket (against
 itself: the noise floor), the bulk channel in plaintext over TCP (1 and 32 frames, checksums
@@ -11,6 +12,9 @@ order alternates within pairs, and pairs go round-robin over the rows), so a slo
 shared host hits both sides of a pair: the figure is the median of the per-pair ratios
 (row GB/s over raw GB/s) with its interquartile range. CPU seconds per GB are the sender's (this
 process) and the receiver's (the child); they move less with the host's load than GB/s.
+"raw rounds kept N cores busy" tells the host's state: ~1 when the two ends shared one core
+(neighbours held the other; then a row's "x raw" follows its CPU ratio), more when each end had
+a core of its own (then it follows the slower end). Runs agree when that figure does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -46,6 +51,7 @@ from shared.security.nats_lab import NatsSecurity
 
 MiB = 1 << 20
 SECRET = "bench-secret"
+RAW_TIMEOUT_S = 30
 
 
 # ---------------------------------------------------------------- receivers (child process)
@@ -151,6 +157,9 @@ class _RawRow:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)  # the bulk channel's options
+        # A dead receiver fails the round in the kernel (a Python timeout would add a poll per send).
+        for opt in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", RAW_TIMEOUT_S, 0))
         self.data = data
 
     def _round(self) -> float:
@@ -160,7 +169,9 @@ class _RawRow:
         return time.perf_counter() - t0
 
     async def round(self) -> float:
-        return await asyncio.to_thread(self._round)
+        # On the loop's thread, the one the bulk rows send from, so both halves of a pair send
+        # from one thread (and raw pays no thread hand-off). Nothing else runs meanwhile.
+        return self._round()
 
     async def close(self) -> None:
         self.sock.close()
@@ -255,7 +266,8 @@ async def _pair(raw: _RawRow, row: Any, raw_first: bool, pid: int) -> dict:
     else:
         x = await _timed(row, pid)
         r = await _timed(raw, pid)
-    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"]}
+    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"],
+            "raw_cores": r["cpu"] / r["t"]}  # fmt: skip
 
 
 async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup: int, pid: int) -> dict:
@@ -272,7 +284,9 @@ async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup:
     return out
 
 
-async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) -> dict:
+async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2, keep: str | None = None) -> dict:
+    """`keep`: only the rows whose name contains one of these comma-separated words (raw_tcp,
+    the noise floor, always runs)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     unix_path = os.path.join(tempfile.mkdtemp(prefix="pdd-bench-"), "kv.sock")
@@ -287,8 +301,9 @@ async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) 
         raw = _RawRow(addrs["raw"], byte_view(one))
         rows["raw_tcp"] = _RawRow(addrs["raw"], byte_view(one))  # raw against raw: the noise floor
         for name, variant in _bulk_variants(addrs, one, parallel, tls).items():
-            rows[name] = await variant.open()
-        rdma, why = await _rdma_row(size)
+            if _kept(name, keep):
+                rows[name] = await variant.open()
+        rdma, why = await _rdma_row(size) if _kept("rdma_32_frames", keep) else (None, None)
         if rdma is not None:
             rows["rdma_32_frames"] = rdma
         try:
@@ -306,6 +321,10 @@ async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2) 
     if why is not None:
         result["rows"]["rdma_32_frames"] = {"skipped": why}
     return result
+
+
+def _kept(name: str, keep: str | None) -> bool:
+    return keep is None or any(word in name for word in keep.split(","))
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -331,6 +350,7 @@ def _summary(pairs: list[dict], nbytes: int) -> dict:
         "raw_GBps": nbytes / statistics.median(p["raw_t"] for p in pairs) / 1e9,
         "send_cpu_s_per_GB": statistics.median(p["send_cpu"] for p in pairs) / (nbytes / 1e9),
         "recv_cpu_s_per_GB": statistics.median(p["recv_cpu"] for p in pairs) / (nbytes / 1e9),
+        "raw_cores": statistics.median(p["raw_cores"] for p in pairs),
         "pairs": len(pairs),
     }
 
@@ -508,6 +528,9 @@ def _print(results: dict) -> None:
     if bulk:
         print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB per round, loopback,"
               f" {bulk['pairs']} pairs per row (x raw, CPU x raw: medians of per-pair ratios [IQR])")  # fmt: skip
+        cores = statistics.median(row["raw_cores"] for row in bulk["rows"].values() if "raw_cores" in row)
+        print(f"  raw rounds kept {cores:.2f} cores busy: ~1 when both ends shared one core (x raw then"
+              " follows CPU x raw), more when each end had its own; compare runs whose figure agrees")  # fmt: skip
         for name, row in bulk["rows"].items():
             if "skipped" in row:
                 print(f"  {name:30s} skipped: {row['skipped']}")
@@ -543,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mib", type=int, default=32, help="bytes per round (a multiple of 1 MiB)")
     p.add_argument("--pairs", type=int, default=40, help="paired rounds per row (after 2 warm-up pairs)")
     p.add_argument("--parallel", type=int, default=4, help="connections of the parallel row")
+    p.add_argument("--rows", help="bulk rows whose name contains one of these comma-separated words")
     p.add_argument("--quick", action="store_true", help="shorter WAN and NATS runs")
     p.add_argument("--only", choices=["bulk", "wan", "nats"], action="append")
     p.add_argument("--out", default="bench/out/transport.json")
@@ -553,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> dict:
         results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
         if "bulk" in only:
-            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.pairs, args.parallel)
+            results["bulk"] = await bench_bulk(args.size_mib * MiB, args.pairs, args.parallel, keep=args.rows)
         if "wan" in only:
             results["wan"] = await bench_wan(args.quick)
         if "nats" in only:

@@ -121,7 +121,6 @@ async def test_many_requests_multiplexed_on_one_connection(kv_pair) -> None:
 
 async def test_unix_fast_path_and_large_groups_split_by_layer(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(kv_client, "SUBFRAME_BYTES", 3000)  # force many sub-frames per group
-    monkeypatch.setattr(kv_client, "THREAD_CHECKSUM_BYTES", 1000)  # and the threaded hashing path
     sink = MemorySink()
     server = await start_kv_server(f"unix://{tmp_path}/kv.sock", SECRET, sink)
     assert server.address == f"unix://{tmp_path}/kv.sock"

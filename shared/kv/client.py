@@ -23,7 +23,6 @@ from shared.kv.transport import Stream, transport_for
 log = logging.getLogger(__name__)
 
 SUBFRAME_BYTES = 4 << 20  # a group is cut along layers into frames of about this size
-THREAD_CHECKSUM_BYTES = 1 << 20  # hash bigger slices in a worker thread (xxhash/zlib drop the GIL)
 CONTROL_TIMEOUT_S = 10.0
 ABORTED_MEMORY = 4096  # aborted rids remembered, so a producer still running gets an error
 
@@ -241,36 +240,21 @@ class KVClient:
             raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
         return layers
 
-    def _hashing(self, data: memoryview, threaded: bool) -> asyncio.Future:
-        """The slice's checksum: in a worker thread (xxhash/zlib drop the GIL) when it overlaps
-        a send and is worth a thread hop, else computed now (no task per frame)."""
-        if threaded and self.checksum != "none" and len(data) >= THREAD_CHECKSUM_BYTES:
-            return asyncio.ensure_future(asyncio.to_thread(checksum, self.checksum, data))
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(checksum(self.checksum, data))
-        return done
-
     async def _send_group(
         self, st: _Rid, base: dict[str, Any], first: dict[str, Any] | None, layers: _Layers, ranges: list
     ) -> int:
-        """The sub-frames `ranges` of one group, `first` added to the lo == 0 one; the next slice
-        is hashed while this one is on the wire."""
-        threaded = len(ranges) > 1  # a thread only pays off when it overlaps a send
-        hashing = self._hashing(layers.slice(*ranges[0]), threaded)
+        """The sub-frames `ranges` of one group, `first` added to the lo == 0 one. Each slice is
+        hashed right before it is sent, on this thread: the copy into the socket then reads it
+        from cache (hashing in a worker thread read it from memory twice and cost a GIL hand-off
+        per frame, more than it overlapped on a busy host)."""
         sent = 0
-        try:
-            for i, (lo, hi) in enumerate(ranges):
-                csum = await hashing
-                if i + 1 < len(ranges):
-                    hashing = self._hashing(layers.slice(*ranges[i + 1]), threaded)
-                header = {**base, "layers": [lo, hi], "nbytes": (hi - lo) * layers.layer_bytes}
-                header["csum"] = [self.checksum, csum]
-                if lo == 0 and first is not None:
-                    header.update(first)
-                sent += await self._send_frame(st, header, layers.slice(lo, hi))
-        finally:
-            if not hashing.done():
-                hashing.cancel()
+        for lo, hi in ranges:
+            data = layers.slice(lo, hi)
+            csum = checksum(self.checksum, data)
+            header = {**base, "layers": [lo, hi], "nbytes": len(data), "csum": [self.checksum, csum]}
+            if lo == 0 and first is not None:
+                header.update(first)
+            sent += await self._send_frame(st, header, data)
         return sent
 
     def _done_frame(self, rid: str, payload: bytes) -> dict[str, Any]:

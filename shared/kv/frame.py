@@ -6,8 +6,8 @@ Header kinds (client = KV sender, server = KV receiver):
     hello / auth / welcome / denied     handshake (see auth.py)
     blocks   c->s  rid, seq, hashes, layers [lo, hi), dtype, shape, nbytes, csum [algo, value], tp
                    One send_blocks() call is one seq (a "group"); a big group is cut along the layer
-                   dim into sub-frames of a few MiB (contiguous slices), so hashing the next slice
-                   overlaps sending this one and no frame nears the size limit. `shape` is the
+                   dim into sub-frames of a few MiB (contiguous slices), so a slice is still in
+                   cache when it is sent after hashing and no frame nears the size limit. `shape` is the
                    whole group's; `hashes` and `tp` (traceparent, str or nil) ride only on the
                    first sub-frame (lo == 0). A large group may be split over several connections
                    of the sender: then its first sub-frame also has split [gid, upto]: this
