@@ -63,6 +63,9 @@ class Instance:
         self.busy_s = 0.0
         self.held = 0  # requests holding blocks here
         self.block_waiters: deque[_Waiter] = deque()  # first come, first served
+        # Its load figures (load_counts, free blocks, held) may have moved since the router
+        # last read them: set by whatever moves them, cleared by the router.
+        self.load_changed = True
 
     def load_counts(self) -> tuple[int, int]:
         """(running, waiting) as the instance reports them."""
@@ -72,6 +75,7 @@ class Instance:
         """Blocks for `tokens` tokens whose full prompt blocks are `hashes`: cached ones are
         shared, the rest allocated. Waits (in order) while they do not fit."""
         self.block_waiters.append(_Waiter(hashes, tokens, on_blocks))
+        self.load_changed = True
         if len(self.block_waiters) == 1:
             self._admit_waiters()
 
@@ -89,6 +93,7 @@ class Instance:
             self.block_waiters.popleft()
             self.pool.touch_many(hits)
             self.held += 1
+            self.load_changed = True
             w.on_blocks(Blocks(hits + self.pool.allocate_many(fresh), len(hits), len(hits)))
 
     def register(self, blocks: Blocks, hashes: tuple[int, ...], upto: int) -> None:
@@ -97,12 +102,14 @@ class Instance:
         if hi > lo:
             blocks.ids[lo:hi] = self.pool.register_or_share_many(blocks.ids[lo:hi], hashes[lo:hi])
             blocks.registered = hi
+            self.load_changed = True  # (a twin's block shared frees this one)
 
     def free(self, blocks: Blocks) -> None:
         """The request is done here: its blocks return to the pool (hashed ones stay cached)."""
         self.pool.release_many(blocks.ids)
         blocks.ids = []
         self.held -= 1
+        self.load_changed = True
         self._admit_waiters()
 
     def drain_events(self) -> tuple[list[int], list[int]]:
