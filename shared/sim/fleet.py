@@ -188,6 +188,10 @@ class Fleet:
         for key, at in job.assigned:
             self.router.assignments.finished(key, at)
         self.records.append(job.record())
+        # Nothing reads these after the end, and each ties the job in a cycle through its
+        # callbacks: dropped, the job is freed as it ends, not by a collection of the whole heap.
+        job.md_seq = job.rld_seq = None
+        job.wan_transfers = []
         self.on_finished(job)
 
 
