@@ -153,7 +153,6 @@ class Fleet:
 
     def md_token_sink(self, job: Job):
         def sink(first: float, last: float, n: int, gap: float) -> None:
-            job.md_tokens += n
             job.times.add(first + job.md_delay_s, last + job.md_delay_s, n, gap)
 
         return sink
