@@ -54,6 +54,8 @@ class _Waiter:
     hashes: tuple[int, ...]
     tokens: int
     on_blocks: Callable[[Blocks], None]
+    hits: list[int] | None = None  # its prefix cache hits when it last tried, valid until a block is registered
+    hits_after: int = -1  # ... the instance's registrations then
 
 
 class Instance:
@@ -66,6 +68,9 @@ class Instance:
         # Its load figures (load_counts, free blocks, held) may have moved since the router
         # last read them: set by whatever moves them, cleared by the router.
         self.load_changed = True
+        # Blocks registered so far: only a registration adds to a waiter's hits (blocks are
+        # evicted only as one is admitted, which takes the next waiter's turn anyway).
+        self.registrations = 0
 
     def load_counts(self) -> tuple[int, int]:
         """(running, waiting) as the instance reports them."""
@@ -82,7 +87,10 @@ class Instance:
     def _admit_waiters(self) -> None:
         while self.block_waiters:
             w = self.block_waiters[0]
-            hits = self.pool.lookup(w.hashes)
+            hits = w.hits
+            if hits is None or w.hits_after != self.registrations:
+                hits = w.hits = self.pool.lookup(w.hashes)
+                w.hits_after = self.registrations
             fresh = blocks_for(w.tokens, self.block_size) - len(hits)
             room = len(self.pool.free)
             # (cost_of(hits) ≤ len(hits): it need not be counted when even that fits)
@@ -103,6 +111,7 @@ class Instance:
             blocks.ids[lo:hi] = self.pool.register_or_share_many(blocks.ids[lo:hi], hashes[lo:hi])
             blocks.registered = hi
             self.load_changed = True  # (a twin's block shared frees this one)
+            self.registrations += 1
 
     def free(self, blocks: Blocks) -> None:
         """The request is done here: its blocks return to the pool (hashed ones stay cached)."""
