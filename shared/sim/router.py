@@ -45,6 +45,8 @@ class SimRouter:
             self._link_views = self._idle_links(mds)
         links, last = self._link_views.copy(), self._backlog_views
         for link in self._kv_links:
+            if not link.queue:
+                continue  # (nothing queued toward any MD: most of a same-DC fleet's paths)
             for md, backlog in link.backlogs().items():
                 if backlog and md in links:
                     view = last.get(md)
