@@ -3,9 +3,10 @@
 The goal: one hour of traffic at 100 instances simulated in under 60 s of CPU. The fleets:
 PDD with 50 P + 6 RLD on gpu-a in dc-a and 44 MD on gpu-b in dc-b behind one WAN line, and
 same-DC PD with 50 P + 50 D on gpu-a. The traffic is the paper-like agentic mix (PAPER preset,
-open loop) at a rate the PDD fleet sustains: by default the SLA goodput of a short probe run
-(the highest rate at which it meets the SLA over --probe-s of traffic), or --rate. Both fleets
-serve the same requests. CPU is time.process_time() of simulate() alone (the simulator runs
+open loop) at --rate, or by default at the SLA goodput of short probe runs (the highest rate at
+which PDD meets the SLA over --probe-s of traffic). That rate is a load to time, not one PDD
+sustains for an hour: over the hour far fewer requests meet the SLA (the table's "SLA met").
+Both fleets serve the same requests. CPU is time.process_time() of simulate() alone (the simulator runs
 on one thread); making the workload is timed apart.
 
     python -m bench.sim [--quick] [--rate RPS] [--duration 3600] [--model NAME]

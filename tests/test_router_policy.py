@@ -12,6 +12,7 @@ from services.router.policy import (
     choose_prefill,
     comparable_bandwidths,
     estimate_wan_seconds,
+    load_from,
     load_of,
     queued_ahead,
     resume_candidates,
@@ -232,16 +233,8 @@ def test_sessions_that_settled_unevenly_are_caught_by_the_recent_count():
     assert choose_main_decode(even, {"a": 0.0, "b": 1.0}, W) == "a"
 
 
-def test_a_load_made_in_one_go_equals_the_dataclass():
+def test_a_load_from_its_figures_equals_the_dataclasss():
     fields = ("md0", 3, 1, 100, 400, 5, 2, 1.5)
-    fast, made = InstanceLoad.of(*fields), InstanceLoad(*fields)
-    assert fast == made and hash(fast) == hash(made) and repr(fast) == repr(made)
-    assert load_of(fast) == load_of(made) == 5 + 2 + 0.75
-    assert load_of(InstanceLoad.of("p0", 0, 0, 0, 0, 0, 0, 0.0)) == 0.0  # pool size unknown
-
-
-def test_a_load_with_another_recent_count_equals_the_dataclass():
-    base = InstanceLoad.of("md0", 3, 1, 100, 400, 5, 2, 1.5)
-    moved = base.with_recent(0.25)
-    assert moved == InstanceLoad("md0", 3, 1, 100, 400, 5, 2, 0.25) and moved is not base
-    assert load_of(moved) == load_of(base) and base.recent == 1.5  # the original stays as it was
+    assert load_from(*fields[1:7]) == load_of(InstanceLoad(*fields)) == 5 + 2 + 0.75
+    assert load_from(4, 3, 10, 40, 5, 0) == load_of(InstanceLoad("d0", 4, 3, 10, 40, 5)) == 7 + 0.75
+    assert load_from(0, 0, 0, 0, 0, 0) == 0.0  # pool size unknown

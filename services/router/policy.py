@@ -15,6 +15,7 @@ one request of load is worth. The relay is the least loaded one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from shared.bus.messages import Pipeline, Role
 from shared.kv.link_estimator import estimate_wan_seconds
@@ -73,27 +74,6 @@ class InstanceLoad:
     def __post_init__(self) -> None:
         object.__setattr__(self, "load", _load(self))  # once: a route weighs each candidate several times
 
-    @classmethod
-    def of(cls, instance: str, running: int, waiting: int, free_blocks: int, num_blocks: int, held: int,
-           pending: int, recent: float) -> InstanceLoad:  # fmt: skip
-        """InstanceLoad(...) of every field, made without the frozen dataclass's setattr per
-        field (three times faster: a fleet simulation makes a hundred per request)."""
-        self = object.__new__(cls)
-        fields = {"instance": instance, "running": running, "waiting": waiting, "free_blocks": free_blocks,
-                  "num_blocks": num_blocks, "held": held, "pending": pending, "recent": recent}  # fmt: skip
-        object.__setattr__(self, "__dict__", fields)
-        fields["load"] = _load(self)
-        return self
-
-    def with_recent(self, recent: float) -> InstanceLoad:
-        """This load with another recent count (its load does not depend on it): a router that
-        sees nothing else of an instance change since its last route remakes only that."""
-        other = object.__new__(type(self))
-        fields = self.__dict__.copy()
-        fields["recent"] = recent
-        object.__setattr__(other, "__dict__", fields)
-        return other
-
 
 @dataclass(frozen=True)
 class RouteWeights:
@@ -123,15 +103,24 @@ def load_of(c: InstanceLoad) -> float:
 
 def _load(c: InstanceLoad) -> float:
     """load_of(c), as the InstanceLoad computes it when made."""
-    used = 1.0 - c.free_blocks / c.num_blocks if c.num_blocks else 0.0
-    busy = c.running + c.waiting
-    return (busy if busy >= c.held else c.held) + c.pending + used  # max(), without the call
+    return load_from(c.running, c.waiting, c.free_blocks, c.num_blocks, c.held, c.pending)
 
 
-def _bound(values: list[float], balance_factor: float) -> float:
-    """balance_factor × the mean (one more request included) + BOUND_SLACK: a value fits when
-    it stays within this with one more."""
-    return balance_factor * (sum(values) + 1) / len(values) + BOUND_SLACK
+def load_from(running: int, waiting: int, free_blocks: int, num_blocks: int, held: int, pending: int) -> float:
+    """load_of() of an instance with these figures (InstanceLoad's fields of the same names):
+    for a caller that keeps its own candidates, such as the fleet simulator's."""
+    used = 1.0 - free_blocks / num_blocks if num_blocks else 0.0
+    busy = running + waiting
+    return (busy if busy >= held else held) + pending + used  # max(), without the call
+
+
+def _bound(total: float, count: int, balance_factor: float) -> float:
+    """balance_factor × the mean of `count` values summing to `total` (one more request
+    included) + BOUND_SLACK: a value fits when it stays within this with one more."""
+    return balance_factor * (total + 1) / count + BOUND_SLACK
+
+
+_load_attr, _recent_attr = attrgetter("load"), attrgetter("recent")  # (sums over candidates without a Python step each)
 
 
 def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[InstanceLoad]:
@@ -141,8 +130,9 @@ def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[
     unevenly while short requests left every moment nearly idle."""
     if not candidates:
         return []
-    now = _bound([c.load for c in candidates], balance_factor)  # (load_of, without the call)
-    lately = _bound([c.recent for c in candidates], balance_factor)
+    n = len(candidates)
+    now = _bound(sum(map(_load_attr, candidates)), n, balance_factor)  # (load_of, without the call)
+    lately = _bound(sum(map(_recent_attr, candidates)), n, balance_factor)
     return [c for c in candidates if c.load + 1 <= now and c.recent + 1 <= lately] or candidates
 
 
@@ -151,11 +141,10 @@ def _rank_key(costs: dict[str, float], eligible: set[str]):
     return lambda c: (c.instance not in eligible, costs[c.instance], c.load, c.instance)
 
 
-def _cheapest(candidates: list[InstanceLoad], costs: dict[str, float], eligible: set[str]) -> InstanceLoad:
-    """min(candidates, key=_rank_key(costs, eligible)) without a key per candidate: the
-    cheapest of the eligible ones (all of them if none is), ties by load, then name."""
-    pool = [c for c in candidates if c.instance in eligible] or candidates
-    low = min([costs[c.instance] for c in pool])
+def _cheapest(pool: list[InstanceLoad], costs: dict[str, float]) -> InstanceLoad:
+    """min(pool, key=cost, then load, then name) without a key per candidate (`pool`: those
+    within the load bound, within_bound; `costs`: of each of them)."""
+    low = min(costs.values())
     tied = [c for c in pool if costs[c.instance] == low]
     return tied[0] if len(tied) == 1 else min(tied, key=lambda c: (c.load, c.instance))
 
@@ -198,6 +187,8 @@ def comparable_bandwidths(bandwidths: dict[str, float]) -> dict[str, float]:
     """Each MD's bandwidth for comparing costs: the best one for every MD whose estimate is
     within SAME_LINK_WITHIN of it, its own only when its link is clearly slower."""
     best = max(bandwidths.values(), default=0.0)
+    if bandwidths and min(bandwidths.values()) * SAME_LINK_WITHIN >= best:
+        return dict.fromkeys(bandwidths, best)  # (all of them: one line, most often)
     return {m: best if bw * SAME_LINK_WITHIN >= best else bw for m, bw in bandwidths.items()}
 
 
@@ -208,6 +199,8 @@ def queued_ahead(compared: dict[str, float], backlogs: dict[str, int]) -> dict[s
     behind its own."""
     best = max(compared.values(), default=0.0)
     shared = sum(b for m, b in backlogs.items() if compared[m] == best)
+    if compared and min(compared.values()) == best:
+        return dict.fromkeys(compared, shared)  # (every MD behind the fastest line)
     return {m: shared if bw == best else backlogs[m] for m, bw in compared.items()}
 
 
@@ -227,26 +220,25 @@ def choose_main_decode(
     lands where it first did."""
     if not candidates:
         return None
-    costs, eligible = md_costs(candidates, wan_s, w), _eligible(candidates, w.balance_factor)
-    key = _rank_key(costs, eligible)
-    best = _cheapest(candidates, costs, eligible)  # only the near ones need ranking among themselves
-    near = [c for c in candidates if (c.instance in eligible) == (best.instance in eligible)
-            and costs[c.instance] - costs[best.instance] <= w.load * (1 + 1e-9)]  # fmt: skip
-    return sorted(near, key=key)[spread_key % len(near)].instance
+    pool = within_bound(candidates, w.balance_factor)  # (only these are ranked: the rest come after)
+    costs = md_costs(pool, wan_s, w)
+    low, margin = min(costs.values()), w.load * (1 + 1e-9)
+    near = [c for c in pool if costs[c.instance] - low <= margin]  # only the near ones need ranking
+    if len(near) > 1:
+        near.sort(key=lambda c: (costs[c.instance], c.load, c.instance))
+    return near[spread_key % len(near)].instance
 
 
 def choose_prefill(
     candidates: list[InstanceLoad], prompt_tokens: int, cached_tokens: dict[str, int], w: RouteWeights
 ) -> str | None:
     """The cheapest P within the load bound: prefill compute for what it has not cached, plus load."""
-    per_token, per_load = w.prefill, w.load
-    costs = {
-        c.instance: per_token * max(prompt_tokens - cached_tokens.get(c.instance, 0), 0) + per_load * c.load
-        for c in candidates
-    }
     if not candidates:
         return None
-    return _cheapest(candidates, costs, _eligible(candidates, w.balance_factor)).instance
+    pool = within_bound(candidates, w.balance_factor)
+    per_token, per_load, cached = w.prefill, w.load, cached_tokens.get
+    costs = {c.instance: per_token * max(prompt_tokens - cached(c.instance, 0), 0) + per_load * c.load for c in pool}
+    return _cheapest(pool, costs).instance
 
 
 def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:

@@ -8,6 +8,7 @@ hundred instances would otherwise walk it a hundred times per request)."""
 from __future__ import annotations
 
 from itertools import islice, takewhile
+from operator import eq, truth
 
 # Instances still holding a prompt's prefix below which each one's run is counted on its own
 # (a set test per block for many of them at once costs less than one walk each).
@@ -75,7 +76,6 @@ class PrefixIndex:
         live = self._holders.get(hashes[0])
         if not live:
             return out
-        live = set(live)
         holders = self._holders
         n = self._common_run(hashes, live)
         for h in islice(hashes, n, None):
@@ -84,8 +84,7 @@ class PrefixIndex:
             held = holders.get(h, ())
             if not live.issubset(held):  # (no new set while every instance still holds the prefix)
                 still = live.intersection(held)
-                for instance in live.difference(still):
-                    out[instance] = n
+                out.update(dict.fromkeys(live.difference(still), n))
                 if not still:
                     return out
                 live = still
@@ -97,10 +96,10 @@ class PrefixIndex:
 
     def _common_run(self, hashes: list[int], live: set[str]) -> int:
         """How many blocks from the start of `hashes` every instance of `live` (the holders of
-        the first) holds: as remembered for this first block if the prompt runs through the
-        remembered end, and further (and remembered, if longer)."""
+        the first) holds: as far as the prompt runs along the run remembered for this first
+        block, and further (and remembered, if longer)."""
         known = self._common.get(hashes[0], ())
-        n = len(known) if known and tuple(hashes[: len(known)]) == known else 1
+        n = max(len(list(takewhile(truth, map(eq, hashes, known)))), 1)  # (the prompt's length along it)
         holders = self._holders
         for h in islice(hashes, n, None):
             if not live.issubset(holders.get(h, ())):

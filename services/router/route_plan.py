@@ -74,6 +74,12 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
     blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
     queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
+    lines = set(zip(queued.values(), compared.values(), strict=True))
+    if len(lines) == 1:  # every MD waits behind one queue on one line: the cost is the prefix's
+        ((ahead, bandwidth),), bs, kvbpt = lines, ctx.block_size, ctx.kv_bytes_per_token
+        by_prefix = {n: wan_cost_s(missing_kv_bytes(prompt_tokens, n * bs, kvbpt), ahead, bandwidth)
+                     for n in {0, *cached.values()}}  # fmt: skip
+        return {md: by_prefix[cached.get(md, 0)] for md in links}
     seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
     out = {}
     for md in links:
@@ -103,7 +109,7 @@ def md_weights(ctx: RouteContext, prompt_tokens: int) -> RouteWeights:
 
 def plan_prefill(ctx: RouteContext, prompt_tokens: int, hashes: list[int], prefills: list[InstanceLoad]) -> str | None:
     blocks = ctx.prefill_index.cached_prefix_blocks_all(hashes)
-    cached = {p.instance: blocks.get(p.instance, 0) * ctx.block_size for p in prefills}
+    cached = {p: n * ctx.block_size for p, n in blocks.items()}  # (absent: 0 tokens)
     # Load weighed against this request's whole prefill.
     weights = request_weights(ctx.weights, ctx.settings.prefill_weight * prompt_tokens)
     return choose_prefill(prefills, prompt_tokens, cached, weights)

@@ -61,10 +61,12 @@ class DecodeInstance(Instance):
     # ---- what others ask -----------------------------------------------------------------
     def join(self, seq: Seq) -> None:
         self.joining.append(seq)
+        self.load_changed = True
         self._poke()
 
     def extend(self, ext: Extend) -> None:
         self.extending.append(ext)
+        self.load_changed = True
         self._poke()
 
     def join_imported(self, seq: Seq) -> None:
@@ -87,6 +89,7 @@ class DecodeInstance(Instance):
 
     def remove(self, seq: Seq) -> None:
         """Stop a sequence (only from an at_boundary action)."""
+        self.load_changed = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.joining:
@@ -136,6 +139,7 @@ class DecodeInstance(Instance):
             fn()
         while self.joining and len(self.running) < self.max_num_seqs:
             self.running.append(self.joining.popleft())
+        self.load_changed = True
         self._in_boundary = False
         self._plan()
 

@@ -31,15 +31,14 @@ class EventLoop:
     def run(self, until: float | None = None) -> None:
         """Run events until none is left, or until the next one is later than `until` (the
         clock then stops at `until`)."""
-        heap = self._heap
+        heap, cancelled, pop = self._heap, self._cancelled, heapq.heappop
         while heap:
-            t, seq, fn = heap[0]
-            if until is not None and t > until:
+            if until is not None and heap[0][0] > until:
                 self.now = until
                 return
-            heapq.heappop(heap)
-            if seq in self._cancelled:
-                self._cancelled.discard(seq)
+            t, seq, fn = pop(heap)
+            if seq in cancelled:
+                cancelled.discard(seq)
                 continue
             self.now = t
             self.events += 1

@@ -153,7 +153,6 @@ class Fleet:
 
     def md_token_sink(self, job: Job):
         def sink(first: float, last: float, n: int, gap: float) -> None:
-            job.md_tokens += n
             job.times.add(first + job.md_delay_s, last + job.md_delay_s, n, gap)
 
         return sink
@@ -188,6 +187,10 @@ class Fleet:
         for key, at in job.assigned:
             self.router.assignments.finished(key, at)
         self.records.append(job.record())
+        # Nothing reads these after the end, and each ties the job in a cycle through its
+        # callbacks: dropped, the job is freed as it ends, not by a collection of the whole heap.
+        job.md_seq = job.rld_seq = None
+        job.wan_transfers = []
         self.on_finished(job)
 
 

@@ -34,18 +34,11 @@ class Relaying:
         if job.done:
             self._free(job)
             return
-        job.rld_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, self._token_sink(job),
-                          lambda: self._finished(job))  # fmt: skip
+        # The router is beside the relay: its tokens reach it as they come.
+        job.rld_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, job.times.add, lambda: self._finished(job))
         relay.join_imported(job.rld_seq)
         if job.md_ready:
             self._begin_handoff(job)
-
-    def _token_sink(self, job: Job):
-        def sink(first: float, last: float, n: int, gap: float) -> None:
-            job.rld_tokens += n
-            job.times.add(first, last, n, gap)  # the router is beside the relay
-
-        return sink
 
     def _finished(self, job: Job) -> None:
         """The relay produced the last token while it held the request: the filter at work."""

@@ -54,6 +54,8 @@ class _Waiter:
     hashes: tuple[int, ...]
     tokens: int
     on_blocks: Callable[[Blocks], None]
+    hits: list[int] | None = None  # its prefix cache hits when it last tried, valid until a block is registered
+    hits_after: int = -1  # ... the instance's registrations then
 
 
 class Instance:
@@ -64,6 +66,12 @@ class Instance:
         self.busy_spells: list[tuple[float, float]] | None = None  # (start, end) of each step or run, if asked for
         self.held = 0  # requests holding blocks here
         self.block_waiters: deque[_Waiter] = deque()  # first come, first served
+        # Its load figures (load_counts, free blocks, held) may have moved since the router
+        # last read them: set by whatever moves them, cleared by the router.
+        self.load_changed = True
+        # Blocks registered so far: only a registration adds to a waiter's hits (blocks are
+        # evicted only as one is admitted, which takes the next waiter's turn anyway).
+        self.registrations = 0
 
     def load_counts(self) -> tuple[int, int]:
         """(running, waiting) as the instance reports them."""
@@ -73,13 +81,17 @@ class Instance:
         """Blocks for `tokens` tokens whose full prompt blocks are `hashes`: cached ones are
         shared, the rest allocated. Waits (in order) while they do not fit."""
         self.block_waiters.append(_Waiter(hashes, tokens, on_blocks))
+        self.load_changed = True
         if len(self.block_waiters) == 1:
             self._admit_waiters()
 
     def _admit_waiters(self) -> None:
         while self.block_waiters:
             w = self.block_waiters[0]
-            hits = self.pool.lookup(w.hashes)
+            hits = w.hits
+            if hits is None or w.hits_after != self.registrations:
+                hits = w.hits = self.pool.lookup(w.hashes)
+                w.hits_after = self.registrations
             fresh = blocks_for(w.tokens, self.block_size) - len(hits)
             room = len(self.pool.free)
             # (cost_of(hits) ≤ len(hits): it need not be counted when even that fits)
@@ -90,6 +102,7 @@ class Instance:
             self.block_waiters.popleft()
             self.pool.touch_many(hits)
             self.held += 1
+            self.load_changed = True
             w.on_blocks(Blocks(hits + self.pool.allocate_many(fresh), len(hits), len(hits)))
 
     def register(self, blocks: Blocks, hashes: tuple[int, ...], upto: int) -> None:
@@ -98,12 +111,15 @@ class Instance:
         if hi > lo:
             blocks.ids[lo:hi] = self.pool.register_or_share_many(blocks.ids[lo:hi], hashes[lo:hi])
             blocks.registered = hi
+            self.load_changed = True  # (a twin's block shared frees this one)
+            self.registrations += 1
 
     def free(self, blocks: Blocks) -> None:
         """The request is done here: its blocks return to the pool (hashed ones stay cached)."""
         self.pool.release_many(blocks.ids)
         blocks.ids = []
         self.held -= 1
+        self.load_changed = True
         self._admit_waiters()
 
     def drain_events(self) -> tuple[list[int], list[int]]:

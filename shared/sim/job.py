@@ -46,8 +46,6 @@ class Job:
     mode: HandoffMode | None = None
     handed: int = 0  # output tokens sent to MD
     rounds: int = 0  # catch-up batches sent before the final one
-    rld_tokens: int = 0
-    md_tokens: int = 0
     filtered: bool = False
     done: bool = False
 
@@ -67,7 +65,12 @@ class Job:
             rid=r.rid, kind=r.kind, client=r.client, arrival_s=self.times.arrival, input_tokens=r.input_tokens,
             output_tokens=r.output_tokens, pipeline=pipeline.value, hit_rate=self.hit_rate,
             prefill_hit=self.prefill_hit, **latencies(self.times), wan_bytes=self.wan_bytes,
-            rld_tokens=self.rld_tokens, md_tokens=self.md_tokens,
+            rld_tokens=_produced(self.rld_seq), md_tokens=_produced(self.md_seq),
             handoff_mode=self.mode.value if self.mode else None, filtered=self.filtered,
             prefill=self.prefill.name, decode=self.md.name, relay=self.relay.name if self.relay else None,
         )  # fmt: skip
+
+
+def _produced(seq: Seq | None) -> int:
+    """Tokens a decoder produced for the request (each reached the router by the sequence's sink)."""
+    return seq.produced if seq is not None else 0

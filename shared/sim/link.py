@@ -38,7 +38,7 @@ class Link:
     def __init__(self, loop: EventLoop, spec: LinkSpec, rng: random.Random, bins: list[float] | None = None):
         self.loop, self.spec, self.rng = loop, spec, rng
         self.bins = bins  # bytes serialised per 1 s bin, if counted
-        self.queue: deque[Transfer] = deque()  # the head is on the wire
+        self.queue: deque[Transfer] = deque()  # the head is on the wire; aborted ones behind it wait to be skipped
         self._head_event: int | None = None
         self._last_landing = 0.0
         self._queued_to: dict[str, int] = {}  # bytes in the queue per destination
@@ -56,7 +56,7 @@ class Link:
     def backlog(self) -> int:
         """Bytes queued and not yet serialised."""
         head = self.queue[0] if self.queue else None
-        unsent = sum(t.nbytes for t in self.queue)
+        unsent = sum(t.nbytes for t in self.queue if not t.aborted)
         if head is not None and head.started_at is not None:
             unsent -= self._sent_by(head, self.loop.now)
         return unsent
@@ -99,16 +99,19 @@ class Link:
             self.loop.cancel(self._head_event)
             self.queue.popleft()
             self._start_head()
-        else:
-            self.queue.remove(t)
+        # (one behind the head stays in the queue, skipped when it comes to the head: a long
+        # queue is not searched for it)
 
     def _sent_by(self, t: Transfer, now: float) -> int:
         return min(t.nbytes, round((now - t.started_at) * self.spec.bandwidth_Bps))
 
     def _start_head(self) -> None:
-        if not self.queue:
+        queue = self.queue
+        while queue and queue[0].aborted:
+            queue.popleft()
+        if not queue:
             return
-        head = self.queue[0]
+        head = queue[0]
         head.started_at = self.loop.now
         self._head_event = self.loop.after(head.nbytes / self.spec.bandwidth_Bps, self._head_sent)
 

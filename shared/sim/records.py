@@ -40,7 +40,7 @@ class TokenTimes:
         self.count = count + n
 
 
-@dataclass
+@dataclass(slots=True)  # (tens of thousands a run: one object each, without a __dict__)
 class RequestRecord:
     rid: int
     kind: str

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.router.assignments import Assignments
-from services.router.policy import InstanceLoad
+from services.router.policy import load_from
 from services.router.prefix_index import PrefixIndex
 from services.router.route_plan import LinkView, RouteContext, RoutePlan, plan_route
 from shared.bus.messages import Role
@@ -38,13 +38,15 @@ class SimRouter:
         loads = (mds, self._loads(Role.RELAY, now, recent), self._loads(Role.PREFILL, now, recent))
         return plan_route(self.ctx, req.input_tokens, list(req.block_hashes), loads, self._links(mds))
 
-    def _links(self, mds: list[InstanceLoad]) -> dict[str, LinkView]:
+    def _links(self, mds: list[_Member]) -> dict[str, LinkView]:
         """Each MD's link as the router sees it (MDs behind one line share its view but for
         what is queued toward each)."""
         if self._link_views is None:
             self._link_views = self._idle_links(mds)
         links, last = self._link_views.copy(), self._backlog_views
         for link in self._kv_links:
+            if not link.queue:
+                continue  # (nothing queued toward any MD: most of a same-DC fleet's paths)
             for md, backlog in link.backlogs().items():
                 if backlog and md in links:
                     view = last.get(md)
@@ -53,7 +55,7 @@ class SimRouter:
                     links[md] = view
         return links
 
-    def _idle_links(self, mds: list[InstanceLoad]) -> dict[str, LinkView]:
+    def _idle_links(self, mds: list[_Member]) -> dict[str, LinkView]:
         """Each MD's link with nothing queued (one view per link), in the order of `mds`; the
         distinct links into self._kv_links."""
         views: dict[Link, LinkView] = {}
@@ -64,29 +66,24 @@ class SimRouter:
         self._kv_links = list(views)
         return {m.instance: views[self.kv_link(m.instance)] for m in mds}
 
-    def _loads(self, role: Role, reported_at: float, recent: dict[tuple[str, str], float]) -> list[InstanceLoad]:
+    def _loads(self, role: Role, reported_at: float, recent: dict[tuple[str, str], float]) -> list[_Member]:
         """Each instance's load as its last report (received at reported_at) and this router's
-        own sends show it (`recent`: Assignments.recent_all). An instance whose figures but the
-        recent count did not change since the last route keeps its load (with_recent)."""
+        own sends show it (`recent`: Assignments.recent_all), kept one object per instance and
+        updated in place: remade where the instance's figures may have moved or sends are
+        pending (the router service makes InstanceLoads from its reports; the policy reads
+        both alike)."""
         members = self._members.get(role)
         if members is None:
             members = self._members[role] = [_Member(i, (role.value, i.name)) for i in self.instances.get(role, [])]
-        pending, unreported, make = self.assignments.pending, self.assignments.unreported(), InstanceLoad.of
-        out = []
+        pending, unreported = self.assignments.pending, self.assignments.unreported()
         for m in members:
             inst, key = m.inst, m.key
-            running, waiting = inst.load_counts()
-            figures = (running, waiting, len(m.pool.free), inst.held, pending(key, reported_at) if key in unreported else 0)
-            now = recent.get(key, 0.0)
-            load = m.load
-            if figures != m.figures:
-                m.figures = figures
-                load = make(m.name, running, waiting, figures[2], m.pool.num_blocks, figures[3], figures[4], now)
-            elif load.recent != now:
-                load = load.with_recent(now)
-            m.load = load
-            out.append(load)
-        return out
+            if key in unreported:
+                m.update(pending(key, reported_at))
+            elif inst.load_changed or m.pending:
+                m.update(0)
+            m.recent = recent.get(key, 0.0)
+        return members
 
     def on_cache_events(self, role: Role, instance: str, stored: list[int], evicted: list[int]) -> None:
         index = self.ctx.index if role is Role.MAIN_DECODE else self.ctx.prefill_index
@@ -94,12 +91,21 @@ class SimRouter:
 
 
 class _Member:
-    """One instance as the router weighs it: its last load and the figures it was made of."""
+    """One instance as the router weighs it: an InstanceLoad (the fields the policy reads, and
+    its load_of) that the router updates in place instead of making one per route."""
 
-    __slots__ = ("inst", "key", "name", "pool", "figures", "load")
+    __slots__ = ("inst", "key", "instance", "running", "waiting", "free_blocks", "num_blocks", "held", "pending",
+                 "recent", "load")  # fmt: skip
 
     def __init__(self, inst: Instance, key: tuple[str, str]) -> None:
-        self.inst, self.key, self.name = inst, key, inst.name  # key: its Assignments key
-        self.pool = inst.pool
-        self.figures: tuple | None = None  # (running, waiting, free blocks, held, pending)
-        self.load: InstanceLoad | None = None
+        self.inst, self.key, self.instance = inst, key, inst.name  # key: its Assignments key
+        self.num_blocks, self.recent = inst.pool.num_blocks, 0.0
+        self.update(0)
+
+    def update(self, pending: int) -> None:
+        """The instance's figures now, with `pending` requests sent since its report."""
+        inst = self.inst
+        inst.load_changed = False
+        self.running, self.waiting = inst.load_counts()
+        self.free_blocks, self.held, self.pending = len(inst.pool.free), inst.held, pending
+        self.load = load_from(self.running, self.waiting, self.free_blocks, self.num_blocks, self.held, pending)

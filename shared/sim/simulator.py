@@ -48,9 +48,9 @@ def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, setti
     """Serve `workload` on `deployment`; on_progress(fraction of requests done) now and then."""
     started = time.perf_counter()
     s = settings or SimSettings()
-    sim = _Simulation(deployment, workload, model, s, on_progress or (lambda f: None))
-    sim.start()
-    with _cyclic_gc_paused():
+    with _cyclic_gc_paused():  # (from the fleet's making on: its KV blocks alone are 200k objects or more)
+        sim = _Simulation(deployment, workload, model, s, on_progress or (lambda f: None))
+        sim.start()
         sim.loop.run(s.time_limit_s)
     sim.on_progress(1.0)
     records = sorted(sim.fleet.records, key=lambda r: r.rid)
