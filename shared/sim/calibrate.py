@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.cpu import host_busy_s
 from bench.progress import add_quiet_option, progress
 from shared.sim.profiles import load_profile, model_spec, profile_dir_for_writing, step_cost_to_json
 from shared.sim.step_cost import Linear, StepCost, StepLoad, chunk_load, decode_load
@@ -369,16 +370,14 @@ def background_cores(host_busy_s: float, own_cpu_s: float, wall_s: float) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.cpu import host_busy_s
-
     args = _parse(argv)
     grid = QUICK_GRID if args.quick else GPU_GRID if args.device.startswith("cuda") else DEFAULT_GRID
     timer = Timer(args, grid)
     total = len(grid.batches) * len(grid.decode_contexts) + len(grid.chunks) * len(grid.chunk_contexts)
-    start = (host_busy_s(), time.process_time(), time.monotonic())
+    busy0, own0, wall0 = host_busy_s(), time.process_time(), time.monotonic()
     with progress("calibrate", total=total) as advance:
         points = measure(timer, grid, advance)
-    busy, own, wall = (now - then for now, then in zip((host_busy_s(), time.process_time(), time.monotonic()), start, strict=True))
+    busy, own, wall = host_busy_s() - busy0, time.process_time() - own0, time.monotonic() - wall0
     clock = "process CPU time (time.process_time)" if timer.cpu_clock else "wall clock (time.perf_counter)"
     step = fit_step_cost([p.load for p in points], [p.seconds for p in points])
     print(report(points, step))
