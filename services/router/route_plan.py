@@ -74,12 +74,6 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
     blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
     queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
-    lines = set(zip(queued.values(), compared.values(), strict=True))
-    if len(lines) == 1:  # every MD waits behind one queue on one line: the cost is the prefix's
-        ((ahead, bandwidth),), bs, kvbpt = lines, ctx.block_size, ctx.kv_bytes_per_token
-        by_prefix = {n: wan_cost_s(missing_kv_bytes(prompt_tokens, n * bs, kvbpt), ahead, bandwidth)
-                     for n in {0, *cached.values()}}  # fmt: skip
-        return {md: by_prefix[cached.get(md, 0)] for md in links}
     seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
     out = {}
     for md in links:
