@@ -18,7 +18,6 @@ from operator import attrgetter
 from shared.sim.chip import Chip
 from shared.sim.events import EventLoop
 from shared.sim.instance import Instance
-from shared.sim.step_cost import chunk_load, combine, decode_load
 
 TokenSink = Callable[[float, float, int, float], None]  # (first time, last time, tokens, largest gap between them)
 
@@ -121,11 +120,12 @@ class DecodeInstance(Instance):
         step, n = self.chip.step, len(self.running)
         elapsed = self.loop.now - self._t0
         done = step.decode_steps_within(n, self._context0, elapsed)
-        cut = done if done >= 1 and step.decode_run_s(n, self._context0, done) == elapsed else done + 1
+        lines = step.decode_lines(n, self._context0)  # (decode_run_s of the run, part by part)
+        cut = done if done >= 1 and step.run_s(lines, done) == elapsed else done + 1
         if cut < self._steps:
             self.loop.cancel(self._event)
             self._steps = cut
-            self._event = self.loop.at(self._t0 + step.decode_run_s(n, self._context0, cut), self._boundary)
+            self._event = self.loop.at(self._t0 + step.run_s(lines, cut), self._boundary)
 
     def _boundary(self) -> None:
         self._event = None
@@ -148,9 +148,9 @@ class DecodeInstance(Instance):
         self._context0 = sum(map(_context, self.running))
         if self.extending:
             self._steps, self._chunks = 0, self._extend_chunks()
-            load = combine(decode_load(len(self.running), self._context0),
-                           *(chunk_load(k, e.seq.context) for e, k in self._chunks))  # fmt: skip
-            self._event = self.loop.at(self._t0 + self.chip.step.step_s(load), self._boundary)
+            step_s = self.chip.step.chunks_s([(k, e.seq.context) for e, k in self._chunks], len(self.running),
+                                             self._context0)  # fmt: skip
+            self._event = self.loop.at(self._t0 + step_s, self._boundary)
         elif self.running:  # (an action queued at this boundary waits for the next one only)
             self._steps = 1 if self.actions else min(map(_remaining, self.running))
             run_s = self.chip.step.decode_run_s(len(self.running), self._context0, self._steps)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from shared.sim.chip import Chip
 from shared.sim.events import EventLoop
 from shared.sim.instance import Blocks, Instance
-from shared.sim.step_cost import chunk_load, combine
 
 CacheEvents = Callable[[str, list[int], list[int]], None]  # (instance, stored, evicted)
 
@@ -84,9 +83,9 @@ class PrefillInstance(Instance):
         if not self._chunks:
             self._event = None
             return
-        load = combine(*(chunk_load(k, w.computed) for w, k in self._chunks))
+        step_s = self.chip.step.chunks_s([(k, w.computed) for w, k in self._chunks])
         self._started = self.loop.now
-        self._event = self.loop.at(self.loop.now + self.chip.step.step_s(load), self._step_end)
+        self._event = self.loop.at(self.loop.now + step_s, self._step_end)
 
     def _publish_cache_events(self) -> None:
         stored, evicted = self.drain_events()

@@ -13,6 +13,7 @@ closed form, which lets the simulator jump over thousands of decode steps in one
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -52,12 +53,16 @@ class Linear:
     per_seq: float = 0.0
 
     def __call__(self, x: StepLoad) -> float:
-        return (self.const + self.per_token * x.tokens + self.per_attn * x.attn
-                + self.per_kv_read * x.kv_read + self.per_seq * x.seqs)  # fmt: skip
+        return self.of(x.tokens, x.attn, x.kv_read, x.seqs)
+
+    def of(self, tokens: int, attn: int, kv_read: int, seqs: int) -> float:
+        """self(StepLoad(tokens, attn, kv_read, seqs)), without making the load."""
+        return (self.const + self.per_token * tokens + self.per_attn * attn
+                + self.per_kv_read * kv_read + self.per_seq * seqs)  # fmt: skip
 
     def decode_line(self, seqs: int, context_sum: int) -> tuple[float, float]:
         """(a, b): this term for decode step i of a run is a + b·i."""
-        a = self(decode_load(seqs, context_sum))
+        a = self.of(seqs, context_sum + seqs, context_sum, seqs)  # (decode_load's fields)
         b = (self.per_attn + self.per_kv_read) * seqs
         return a, b
 
@@ -68,6 +73,9 @@ def _sum_line(a: float, b: float, i0: int, i1: int) -> float:
     return n * a + b * n * (i0 + i1 - 1) / 2 if n > 0 else 0.0
 
 
+DecodeLines = tuple[float, float, float, float]  # (a, b) of the compute term, then of the memory term
+
+
 @dataclass(frozen=True)
 class StepCost:
     overhead_s: float
@@ -75,18 +83,42 @@ class StepCost:
     memory: Linear
 
     def step_s(self, load: StepLoad) -> float:
-        return self.overhead_s + max(self.compute(load), self.memory(load))
+        return self.step_s_of(load.tokens, load.attn, load.kv_read, load.seqs)
+
+    def step_s_of(self, tokens: int, attn: int, kv_read: int, seqs: int) -> float:
+        """step_s(StepLoad(tokens, attn, kv_read, seqs)), without making the load."""
+        compute, memory = self.compute.of(tokens, attn, kv_read, seqs), self.memory.of(tokens, attn, kv_read, seqs)
+        return self.overhead_s + (memory if memory > compute else compute)  # (max(), without the call)
+
+    def chunks_s(self, chunks: Iterable[tuple[int, int]], decode_seqs: int = 0, decode_context: int = 0) -> float:
+        """step_s of one step computing `chunks` ((new tokens, context) each: chunk_load) beside
+        `decode_seqs` decoding sequences whose contexts sum to decode_context (decode_load)."""
+        tokens, attn, kv_read, seqs = decode_seqs, decode_context + decode_seqs, decode_context, decode_seqs
+        for new, context in chunks:
+            tokens += new
+            attn += new * context + new * (new + 1) // 2
+            kv_read += context
+            seqs += 1
+        return self.step_s_of(tokens, attn, kv_read, seqs)
 
     def decode_step_s(self, seqs: int, context_sum: int, i: int = 0) -> float:
         """Step i (from 0) of a decode run starting at context_sum."""
-        return self.step_s(decode_load(seqs, context_sum + i * seqs))
+        context_sum += i * seqs
+        return self.step_s_of(seqs, context_sum + seqs, context_sum, seqs)  # (decode_load's fields)
+
+    def decode_lines(self, seqs: int, context_sum: int) -> DecodeLines:
+        """The compute and memory terms of a decode run's steps as lines (decode_line of each)."""
+        return (*self.compute.decode_line(seqs, context_sum), *self.memory.decode_line(seqs, context_sum))
 
     def decode_run_s(self, seqs: int, context_sum: int, steps: int) -> float:
         """Exact seconds of `steps` decode steps of `seqs` sequences starting at context_sum."""
         if steps <= 0 or seqs <= 0:
             return 0.0
-        ac, bc = self.compute.decode_line(seqs, context_sum)
-        am, bm = self.memory.decode_line(seqs, context_sum)
+        return self.run_s(self.decode_lines(seqs, context_sum), steps)
+
+    def run_s(self, lines: DecodeLines, steps: int) -> float:
+        """decode_run_s of a run whose decode_lines are `lines` (steps > 0)."""
+        ac, bc, am, bm = lines
         # compute - memory = (ac - am) + (bc - bm)·i changes sign at most once: split there.
         da, db = ac - am, bc - bm
         if db == 0:
@@ -103,10 +135,11 @@ class StepCost:
         first = self.decode_step_s(seqs, context_sum)
         if first <= 0:
             raise ValueError("a decode step must take time")
+        lines, run_s = self.decode_lines(seqs, context_sum), self.run_s
         lo, hi = 0, int(budget_s / first) + 1  # steps never get cheaper, so no more than this
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.decode_run_s(seqs, context_sum, mid) <= budget_s:
+            if run_s(lines, mid) <= budget_s:
                 lo = mid
             else:
                 hi = mid - 1
