@@ -116,25 +116,26 @@ def test_closed_loop_the_next_request_follows_the_last_token_after_the_think_tim
     assert b.arrival_s == pytest.approx(0.2 + a.e2e_s + 0.5, abs=EXACT)
 
 
-def test_a_large_pool_made_on_demand_behaves_as_the_engine_pool():
-    """Above EAGER_BLOCKS a simulated pool makes its blocks when first used; the same
-    allocations, hits, releases and evictions as the engine's own pool (which it is below)."""
+def test_the_simulated_pool_behaves_as_the_engine_pool():
+    """The simulator's pool (per-block state in flat lists, a request's blocks in passes over
+    them) makes the same allocations, hits, shares, releases and evictions as the engine's
+    own pool, and keeps the same LRU order."""
     import random
 
     from shared.engine.block_pool import BlockPool
-    from shared.sim.instance import EAGER_BLOCKS, SimBlockPool
+    from shared.sim.block_pool import SimBlockPool
 
-    n, rng = EAGER_BLOCKS + 40, random.Random(3)
+    n, rng = 1200, random.Random(3)
     sim, engine = SimBlockPool(n), BlockPool(n)
-    assert isinstance(sim.blocks, dict) and isinstance(SimBlockPool(EAGER_BLOCKS).blocks, list)
     held: list[list[int]] = []
-    for _ in range(400):
+    for _ in range(600):
         hashes = [rng.randrange(60) * 1000 + i for i in range(rng.randrange(1, 6))]  # chains of a few prefixes
-        if held and (rng.random() < 0.4 or sim.num_free < 20_000):
+        r = rng.random()
+        if held and (r < 0.4 or sim.num_free < 400):
             bids = held.pop(rng.randrange(len(held)))
             sim.release_many(bids)
             engine.release_many(bids)
-        elif rng.random() < 0.5:
+        elif r < 0.6:
             hits = sim.lookup(hashes)
             assert hits == engine.lookup(hashes) and sim.cost_of(hits) == engine.cost_of(hits)
             for pool in (sim, engine):
@@ -144,9 +145,17 @@ def test_a_large_pool_made_on_demand_behaves_as_the_engine_pool():
             bids = sim.register_or_share_many(hits + fresh[: len(hashes) - len(hits)], hashes)
             assert bids == engine.register_or_share_many(hits + fresh[: len(hashes) - len(hits)], hashes)
             held.append(bids + fresh[len(hashes) - len(hits):])
+        elif r < 0.8:  # computed without a lookup: blocks whose twin is cached are shared
+            fresh = sim.allocate_many(len(hashes))
+            assert fresh == engine.allocate_many(len(fresh))
+            bids = sim.register_or_share_many(fresh, hashes)
+            assert bids == engine.register_or_share_many(fresh, hashes)
+            held.append(bids)
         else:
-            big = sim.allocate_many(rng.randrange(1000, 4000))  # reaches blocks never used yet
+            big = sim.allocate_many(rng.randrange(50, 400))  # evicts cached blocks
             assert big == engine.allocate_many(len(big))
             held.append(big)
-        assert sim.drain_events() == engine.drain_events() and list(sim.free)[:50] == list(engine.free)[:50]
+        events = engine.drain_events()
+        split = [h for kind, h in events if kind == "stored"], [h for kind, h in events if kind == "evicted"]
+        assert sim.drain_events() == split and list(sim.free) == list(engine.free)
     assert sim.num_free == engine.num_free and sim.num_cached == engine.num_cached

@@ -1,43 +1,16 @@
 """What every simulated engine instance has: a chip, a KV block pool with its prefix cache
-(the engine's own BlockPool), and the seconds it spent computing."""
+(the engine's BlockPool as block_pool.py keeps it), and the seconds it spent computing."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.engine.block_pool import Block, BlockPool, blocks_for
+from shared.engine.block_pool import blocks_for
+from shared.sim.block_pool import SimBlockPool
 from shared.sim.chip import Chip
 from shared.sim.events import EventLoop
-
-
-class _BlocksOnDemand(dict):
-    """Block objects made when first used: a fleet's pools of small blocks hold millions of
-    them, most never touched in a short run."""
-
-    def __missing__(self, bid: int) -> Block:
-        block = self[bid] = Block(bid)
-        return block
-
-
-# Up to this many blocks a pool is the engine's own list of blocks (indexed faster than
-# blocks made on demand); a larger one makes its blocks when first used.
-EAGER_BLOCKS = 1 << 15
-
-
-class SimBlockPool(BlockPool):
-    """The engine's BlockPool (its prefix cache and LRU as they are), built in O(1) per block
-    when it is large."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if 0 < num_blocks <= EAGER_BLOCKS:  # (the engine refuses a pool of none)
-            super().__init__(num_blocks)
-            return
-        super().__init__(1)
-        self.num_blocks = num_blocks
-        self.blocks = _BlocksOnDemand()
-        self.free = OrderedDict.fromkeys(range(num_blocks))
 
 
 @dataclass(eq=False, slots=True)
@@ -123,7 +96,5 @@ class Instance:
         self._admit_waiters()
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        events = self.pool.drain_events()
-        if not events:
-            return [], []
-        return [h for kind, h in events if kind == "stored"], [h for kind, h in events if kind != "stored"]
+        """(stored, evicted): the prefix cache's events since the last drain."""
+        return self.pool.drain_events()
