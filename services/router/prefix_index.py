@@ -19,7 +19,10 @@ MAX_COMMON = 1024  # first blocks whose common run is remembered (beyond: forget
 class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[str, set[int]] = {}
-        self._holders: dict[int, set[str]] = {}  # block hash -> instances holding it
+        # block hash -> instances holding it. Most blocks have one holder: theirs is that
+        # instance's one shared frozenset (_alone), not a set each; a second holder makes it a set.
+        self._holders: dict[int, set[str] | frozenset[str]] = {}
+        self._alone: dict[str, frozenset[str]] = {}
         # Per first block: a run of blocks from it that every instance holding it holds too (a
         # shared system prompt's); forgotten when who holds one of them changes.
         self._common: dict[int, tuple[int, ...]] = {}
@@ -33,13 +36,7 @@ class PrefixIndex:
         new = set(stored).difference(blocks)
         if new:
             blocks.update(new)
-            holders = self._holders
-            for h in new:
-                held_by = holders.get(h)
-                if held_by is None:
-                    holders[h] = {instance}
-                else:
-                    held_by.add(instance)
+            self._add_holder(instance, new)
             if self._common_on and not self._common_on.isdisjoint(new):
                 self._forget_common()
         gone = blocks.intersection(evicted) if evicted else ()
@@ -47,11 +44,29 @@ class PrefixIndex:
             blocks.difference_update(gone)
             self._drop_holder(instance, gone)
 
+    def _add_holder(self, instance: str, blocks: set[int]) -> None:
+        """`instance` holds `blocks` now (it did not before)."""
+        holders = self._holders
+        alone = self._alone.get(instance)
+        if alone is None:
+            alone = self._alone[instance] = frozenset((instance,))
+        shared = holders.keys() & blocks
+        holders.update(dict.fromkeys(blocks.difference(shared) if shared else blocks, alone))
+        for h in shared:
+            held_by = holders[h]
+            if type(held_by) is frozenset:
+                holders[h] = {*held_by, instance}
+            else:
+                held_by.add(instance)
+
     def _drop_holder(self, instance: str, blocks: set[int]) -> None:
         """`instance` no longer holds `blocks`."""
-        holders = self._holders
+        holders, alone = self._holders, self._alone.get(instance)
         for h in blocks:
             held_by = holders[h]
+            if held_by is alone:
+                del holders[h]
+                continue
             held_by.discard(instance)
             if not held_by:
                 del holders[h]
