@@ -198,9 +198,9 @@ def queued_ahead(compared: dict[str, float], backlogs: dict[str, int]) -> dict[s
     split of one line's queue would only be noise between them. An MD on a slower line waits
     behind its own."""
     best = max(compared.values(), default=0.0)
+    if compared and min(compared.values()) == best:  # every MD behind the fastest line
+        return dict.fromkeys(compared, sum(backlogs.values()))
     shared = sum(b for m, b in backlogs.items() if compared[m] == best)
-    if compared and min(compared.values()) == best:
-        return dict.fromkeys(compared, shared)  # (every MD behind the fastest line)
     return {m: shared if bw == best else backlogs[m] for m, bw in compared.items()}
 
 
