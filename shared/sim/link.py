@@ -41,7 +41,7 @@ class Link:
         self.queue: deque[Transfer] = deque()  # the head is on the wire; aborted ones behind it wait to be skipped
         self._head_event: int | None = None
         self._last_landing = 0.0
-        self._queued_to: dict[str, int] = {}  # bytes in the queue per destination
+        self._queued_to: dict[str, int] = {}  # bytes in the queue per destination (none: absent)
 
     def delay(self) -> float:
         """One crossing's propagation time."""
@@ -73,7 +73,7 @@ class Link:
         """backlog_to() of every destination with bytes queued and not yet serialised (absent: 0)."""
         if not self.queue:
             return {}  # (every count is 0 then)
-        out = {dest: n for dest, n in self._queued_to.items() if n}
+        out = dict(self._queued_to)
         head = self.queue[0] if self.queue else None
         if head is not None and head.dest in out and head.started_at is not None:
             out[head.dest] -= self._sent_by(head, self.loop.now)
@@ -81,7 +81,8 @@ class Link:
 
     def send(self, nbytes: int, on_landed: Callable[[], None], dest: str = "") -> Transfer:
         t = Transfer(nbytes, on_landed, dest, queued=True)
-        self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes
+        if nbytes:
+            self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes
         self.queue.append(t)
         if len(self.queue) == 1:
             self._start_head()
@@ -92,7 +93,7 @@ class Link:
         if not t.queued:
             return
         t.aborted, t.queued = True, False
-        self._queued_to[t.dest] -= t.nbytes
+        self._unqueue(t)
         if t is self.queue[0] and t.started_at is not None:
             t.sent = self._sent_by(t, self.loop.now)
             self._count(t.started_at, self.loop.now, t.sent)
@@ -101,6 +102,15 @@ class Link:
             self._start_head()
         # (one behind the head stays in the queue, skipped when it comes to the head: a long
         # queue is not searched for it)
+
+    def _unqueue(self, t: Transfer) -> None:
+        """t's bytes leave the count of what is queued toward its destination."""
+        if t.nbytes:
+            left = self._queued_to[t.dest] - t.nbytes
+            if left:
+                self._queued_to[t.dest] = left
+            else:
+                del self._queued_to[t.dest]  # (the router reads them all per request: keep only those queued)
 
     def _sent_by(self, t: Transfer, now: float) -> int:
         return min(t.nbytes, round((now - t.started_at) * self.spec.bandwidth_Bps))
@@ -118,7 +128,7 @@ class Link:
     def _head_sent(self) -> None:
         t = self.queue.popleft()
         t.sent, t.queued = t.nbytes, False
-        self._queued_to[t.dest] -= t.nbytes
+        self._unqueue(t)
         self._count(t.started_at, self.loop.now, t.nbytes)
         landing = max(self.loop.now + self.delay(), self._last_landing)
         self._last_landing = landing
