@@ -95,6 +95,13 @@ class SimBlockPool:
         that hash (a twin computed concurrently, or imported), take a reference on that one
         and release this one. Returns the blocks to use from now on."""
         cached, hash_of, stored, out = self._cached, self.hash_of, self._stored, []
+        if cached.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes) == len(bids):
+            # Hashes new to the cache, each once (the common case): all stored, in order.
+            for bid, h in zip(bids, hashes, strict=True):
+                hash_of[bid] = h
+            cached.update(zip(hashes, bids, strict=True))
+            stored += hashes
+            return list(bids)
         for bid, h in zip(bids, hashes, strict=True):
             other = cached.get(h)
             if other is None:
