@@ -73,6 +73,17 @@ def test_a_decode_run_fast_forwarded_equals_its_steps():
 
 
 
+def test_the_steps_within_a_budget_are_the_most_whose_run_fits():
+    """decode_steps_within against decode_run_s counted one step count at a time, over both
+    regimes (compute-bound early, memory-bound later) and budgets on and next to a run's end."""
+    step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
+    for seqs, context in ((1, 100), (8, 4000), (64, 0)):  # (64 from 0: compute-bound for its first ~45 steps)
+        ends = [step.decode_run_s(seqs, context, k) for k in range(400)]
+        for k in (1, 2, 7, 50, 200, 398):
+            for budget in (ends[k], ends[k] * (1 - 1e-12), (ends[k] + ends[k + 1]) / 2):
+                assert step.decode_steps_within(seqs, context, budget) == max(i for i, e in enumerate(ends) if e <= budget)
+
+
 def test_a_run_cut_by_a_joiner_goes_on_from_the_context_it_reached():
     step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
     loop = EventLoop()

@@ -73,6 +73,14 @@ def _sum_line(a: float, b: float, i0: int, i1: int) -> float:
     return n * a + b * n * (i0 + i1 - 1) / 2 if n > 0 else 0.0
 
 
+def _surely_within(first: float, slope: float, budget_s: float) -> int:
+    """Decode steps that fit within budget_s when the first takes `first` and each later one
+    at most `slope` more than the one before: k·first + slope·k²/2 <= budget_s."""
+    if slope <= 0:
+        return int(budget_s / first)
+    return int((math.sqrt(first * first + 2 * slope * budget_s) - first) / slope)
+
+
 DecodeLines = tuple[float, float, float, float]  # (a, b) of the compute term, then of the memory term
 
 
@@ -136,7 +144,9 @@ class StepCost:
         if first <= 0:
             raise ValueError("a decode step must take time")
         lines, run_s = self.decode_lines(seqs, context_sum), self.run_s
-        lo, hi = 0, int(budget_s / first) + 1  # steps never get cheaper, so no more than this
+        hi = int(budget_s / first) + 1  # steps never get cheaper, so no more than this
+        lo = min(_surely_within(first, max(lines[1], lines[3]), budget_s), hi)
+        lo = lo if lo > 0 and run_s(lines, lo) <= budget_s else 0  # (checked: the bound is in real numbers)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if run_s(lines, mid) <= budget_s:
