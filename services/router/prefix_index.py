@@ -29,7 +29,9 @@ class PrefixIndex:
         self._common_on: set[int] = set()  # the blocks of those runs
 
     def apply(self, instance: str, stored: list[int], evicted: list[int], reset: bool = False) -> None:
-        blocks = self._blocks.setdefault(instance, set())
+        blocks = self._blocks.get(instance)
+        if blocks is None:  # (not setdefault: that makes a set on every call)
+            blocks = self._blocks[instance] = set()
         if reset:
             self._drop_holder(instance, blocks)
             blocks.clear()
