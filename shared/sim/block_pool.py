@@ -38,10 +38,6 @@ class SimBlockPool:
     def num_free(self) -> int:
         return len(self.free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the leading run of `hashes` present in the cache."""
         return list(takewhile(_is_block, map(self._cached.get, hashes)))
