@@ -14,7 +14,8 @@ Inputs
 The simulation (simulator.py: simulate)
   events.py       the clock: a heap of (time, insertion order, callback)
   link.py         a network path: FIFO KV serialisation, propagation delay, seeded jitter
-  instance.py     an engine's KV block pool (the engine's BlockPool) and admission by blocks
+  instance.py     an engine's KV blocks and admission by blocks
+  block_pool.py   its KV block pool: the engine's BlockPool exactly, in fewer steps per block
   prefill.py      P: chunked prefill within a token budget, KV streamed as it is computed
   decoder.py      D / MD / RLD: continuous batching, decode runs advanced in one event each
   router.py       the router service's route plan over loads, prefix indexes and link figures

@@ -48,7 +48,7 @@ def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, setti
     """Serve `workload` on `deployment`; on_progress(fraction of requests done) now and then."""
     started = time.perf_counter()
     s = settings or SimSettings()
-    with _cyclic_gc_paused():  # (from the fleet's making on: its KV blocks alone are 200k objects or more)
+    with _cyclic_gc_paused():  # (from the fleet's making on: its prefix caches and indexes are millions of objects)
         sim = _Simulation(deployment, workload, model, s, on_progress or (lambda f: None))
         sim.start()
         sim.loop.run(s.time_limit_s)
@@ -64,7 +64,7 @@ def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, setti
 @contextmanager
 def _cyclic_gc_paused() -> Iterator[None]:
     """No cyclic garbage collection during a run: each pass would walk the fleet's millions
-    of live objects (KV blocks, prefix caches) for the little cyclic garbage that finished
+    of live objects (prefix caches, the router's indexes) for the little cyclic garbage that finished
     requests leave, a quarter or more of a long run's CPU. That garbage waits for the first
     collection after the run."""
     enabled = gc.isenabled()
