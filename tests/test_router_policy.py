@@ -14,10 +14,14 @@ from services.router.policy import (
     estimate_wan_seconds,
     load_from,
     load_of,
+    missing_kv_bytes,
     queued_ahead,
     resume_candidates,
+    wan_cost_s,
     within_bound,
 )
+from services.router.prefix_index import PrefixIndex
+from services.router.route_plan import LinkView, RouteContext, md_wan_costs
 from shared.bus.messages import Pipeline, Role
 from shared.config import RouterSettings
 
@@ -221,6 +225,8 @@ def test_mds_behind_one_line_wait_behind_all_of_its_queue():
     queued = queued_ahead(compared, {"a": 4096, "b": 0, "far": 100})
     assert queued == {"a": 4096, "b": 4096, "far": 100}  # a's queue delays b's transfer just as much
     assert queued_ahead({}, {}) == {}
+    one_line = {"a": 50e6, "b": 50e6}
+    assert queued_ahead(one_line, {"a": 4096, "b": 100}) == {"a": 4196, "b": 4196}  # each behind all of it
 
 
 def test_sessions_that_settled_unevenly_are_caught_by_the_recent_count():
@@ -238,3 +244,18 @@ def test_a_load_from_its_figures_equals_the_dataclasss():
     assert load_from(*fields[1:7]) == load_of(InstanceLoad(*fields)) == 5 + 2 + 0.75
     assert load_from(4, 3, 10, 40, 5, 0) == load_of(InstanceLoad("d0", 4, 3, 10, 40, 5)) == 7 + 0.75
     assert load_from(0, 0, 0, 0, 0, 0) == 0.0  # pool size unknown
+
+
+@pytest.mark.parametrize("slow_b", [False, True], ids=["one line", "b on a slower line"])
+def test_md_wan_costs_are_each_mds_wan_cost(slow_b):
+    """Per MD: wan_cost_s of what it lacks, behind the queue it waits behind (queued_ahead) at
+    its comparable bandwidth, whether every MD shares one line or not."""
+    ctx = RouteContext(S, PrefixIndex(), PrefixIndex(), 16, 1000)
+    line = LinkView(1e6, 0.01)
+    links = {"a": line, "b": LinkView(0.2e6, 0.05) if slow_b else line, "c": LinkView(1e6, 0.01, 5000), "d": line}
+    cached = {"a": 3, "c": 1, "d": 3, "gone": 2}  # (blocks; "gone" is no MD any more)
+    compared = comparable_bandwidths({m: link.bandwidth for m, link in links.items()})
+    queued = queued_ahead(compared, {m: link.backlog for m, link in links.items()})
+    expected = {m: wan_cost_s(missing_kv_bytes(100, cached.get(m, 0) * 16, 1000), queued[m], compared[m]) for m in links}
+    assert md_wan_costs(ctx, 100, cached, links) == expected
+    assert len(set(expected.values())) == 3  # (a and d alike, b, c)

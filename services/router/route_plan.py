@@ -75,7 +75,6 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
     blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
     queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
-    seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
 
     def cost(figures: tuple[int, int, float]) -> float:
         n, ahead, bandwidth = figures
@@ -90,6 +89,7 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
         mine = cached if cached.keys() <= out.keys() else {md: n for md, n in cached.items() if md in out}
         out.update(zip(mine, map(by_blocks.__getitem__, mine.values()), strict=True))
         return out
+    seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
     out = {}
     for md in links:
         figures = (cached.get(md, 0), queued[md], compared[md])
