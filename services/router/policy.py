@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import NamedTuple
 
 from shared.bus.messages import Pipeline, Role
 from shared.kv.link_estimator import estimate_wan_seconds
@@ -75,8 +76,7 @@ class InstanceLoad:
         object.__setattr__(self, "load", _load(self))  # once: a route weighs each candidate several times
 
 
-@dataclass(frozen=True)
-class RouteWeights:
+class RouteWeights(NamedTuple):  # (a tuple: several are made per route, cheaper than a frozen dataclass)
     """The cost's weights (RouterSettings documents their units)."""
 
     overlap: float  # per second of WAN transfer to MD

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import countOf
+from typing import NamedTuple
 
 from shared.bus.messages import Pipeline
 from shared.config import RouterSettings
@@ -27,8 +28,7 @@ from .policy import (
 from .prefix_index import PrefixIndex
 
 
-@dataclass(frozen=True)
-class LinkView:
+class LinkView(NamedTuple):  # (a tuple: made per route and MD with bytes queued, cheaper than a frozen dataclass)
     """What the router knows of the KV path toward one MD."""
 
     bandwidth: float  # bytes/s
