@@ -237,8 +237,7 @@ def choose_prefill(
         return None
     pool = within_bound(candidates, w.balance_factor)
     per_token, per_load, cached = w.prefill, w.load, cached_tokens.get
-    costs = {c.instance: per_token * (left if (left := prompt_tokens - cached(c.instance, 0)) > 0 else 0) + per_load * c.load
-             for c in pool}  # (max(left, 0), without the call)
+    costs = {c.instance: per_token * max(prompt_tokens - cached(c.instance, 0), 0) + per_load * c.load for c in pool}
     return _cheapest(pool, costs).instance
 
 
