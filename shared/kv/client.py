@@ -84,8 +84,9 @@ def _current_traceparent() -> str | None:
 
 
 async def _take(lock: asyncio.Lock, deadline: float | None) -> None:
-    """Acquire `lock`, giving up (TimeoutError) at loop time `deadline`. A free lock is taken
-    at once with no timer: a timer per frame costs more than the rest of the frame's Python."""
+    """Acquire `lock`, giving up (TimeoutError) at loop time `deadline`. The timer is armed only
+    while the lock is held: one per frame cost more than the rest of the frame's Python. (A lock
+    just handed to a waiter is waited for without one; that waiter's own deadline bounds it.)"""
     if not lock.locked():
         await lock.acquire()
         return
