@@ -13,7 +13,7 @@ import shared.kv.client as kv_client
 import shared.kv.server as kv_server
 from shared.kv import KVTransferError, open_kv_client, start_kv_server
 from shared.kv.auth import client_handshake
-from shared.kv.checksum import checksum
+from shared.kv.checksum import ALGOS, checksum, new_hasher
 from shared.kv.frame import PREFIX, byte_view, pack, read_header
 from shared.kv.transport import transport_for
 
@@ -79,6 +79,19 @@ async def kv_pair():
     finally:
         await client.close()
         await server.close()
+
+
+def test_one_shot_checksum_equals_the_receivers_chunked_one() -> None:
+    """The sender hashes a frame at once, the receiver chunk by chunk as it lands."""
+    data = byte_view(blocks(3, seed=7))
+    for algo in ALGOS:
+        hasher = new_hasher(algo)
+        for i in range(0, len(data), 1000):
+            hasher.update(data[i : i + 1000])
+        assert checksum(algo, data) == hasher.value(), algo
+    flipped = bytearray(data)
+    flipped[5] ^= 1
+    assert all(checksum(a, flipped) != checksum(a, data) for a in ALGOS if a != "none")
 
 
 async def test_thousand_blocks_bit_exact(kv_pair) -> None:
@@ -214,12 +227,12 @@ async def test_flipped_byte_is_detected_and_reported(kv_pair) -> None:
     # The same fault through KVClient: its finish() raises with the receiver's reason.
     real_send = client._stream.send
 
-    async def corrupting_send(*bufs):
+    async def corrupting_send(*bufs, **kw):
         if len(bufs) == 2:
             bad = bytearray(bufs[1])
             bad[-1] ^= 0x80
             bufs = (bufs[0], bad)
-        await real_send(*bufs)
+        await real_send(*bufs, **kw)
 
     client._stream.send = corrupting_send
     await client.send_blocks("bad2", [1, 2], blocks(2))
@@ -397,6 +410,30 @@ async def test_finish_times_out_when_the_receiver_hangs(kv_pair) -> None:
     with pytest.raises(KVTransferError, match="no ack"):
         await client.finish("slow", timeout=0.3)
     assert 0.25 < time.perf_counter() - t0 < 2
+
+
+async def test_send_blocks_times_out_when_the_receiver_stops_reading(kv_pair) -> None:
+    """A send that waits on a full socket, and one queued behind it, each give up at their own
+    deadline (no timer is armed while nothing waits, so this is where the timeouts live)."""
+    sink, _, client = kv_pair
+    stuck = asyncio.Event()
+
+    async def stuck_sink(rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
+        stuck.set()
+        await asyncio.sleep(3600)  # the receiver reads nothing more on this connection
+
+    sink.on_blocks = stuck_sink
+    await client.send_blocks("a", [1], blocks(1))
+    await asyncio.wait_for(stuck.wait(), 5)
+    big = blocks(4096)  # 32 MiB: more than the socket buffers hold
+    blocked = asyncio.create_task(client.send_blocks("b", list(range(4096)), big, timeout=1.5))
+    await asyncio.sleep(0.2)  # "b" holds the write lock, waiting for room
+    # Queued behind "b": its own timeout, not the channel failing when "b" gives up.
+    with pytest.raises(KVTransferError, match=r"send_blocks\(c\): timed out after 0.3s"):
+        await asyncio.wait_for(client.send_blocks("c", [1], blocks(1), timeout=0.3), 5)
+    with pytest.raises(KVTransferError, match=r"send_blocks\(b\): timed out after 1.5s"):
+        await asyncio.wait_for(blocked, 5)
+    assert client.closed  # a frame cut short leaves the stream unusable
 
 
 async def test_oversized_header_and_frame_drop_the_connection() -> None:

@@ -66,12 +66,12 @@ async def test_corrupted_piece_is_detected_and_nothing_delivered(split_pair) -> 
     lane = await pool.lane(server.address, 1)
     real_send = lane._stream.send
 
-    async def corrupting_send(*bufs):  # a bit flipped on the wire, after the checksum
+    async def corrupting_send(*bufs, **kw):  # a bit flipped on the wire, after the checksum
         if len(bufs) == 2:
             bad = bytearray(bufs[1])
             bad[len(bad) // 2] ^= 0x10
             bufs = (bufs[0], bad)
-        await real_send(*bufs)
+        await real_send(*bufs, **kw)
 
     lane._stream.send = corrupting_send
     transfer = KVTransfer(pool, server.address, "bad")
@@ -119,8 +119,8 @@ async def test_dropped_lane_is_retried_on_a_fresh_one(split_pair) -> None:
     lane = await pool.lane(server.address, 0)
     real_send = lane._stream.send
 
-    async def dropping_send(*bufs):  # the connection dies half-way through a piece
-        await real_send(bufs[0], memoryview(bufs[1])[: len(bufs[1]) // 2])
+    async def dropping_send(*bufs, **kw):  # the connection dies half-way through a piece
+        await real_send(bufs[0], memoryview(bufs[1])[: len(bufs[1]) // 2], **kw)
         lane._stream.abort()
         raise ConnectionResetError("connection reset by peer")
 

@@ -70,8 +70,9 @@ def sendable(kv: torch.Tensor, hashes: list[int]) -> torch.Tensor:
     """kv checked against its hashes, as a contiguous CPU tensor."""
     if kv.dim() != 6 or kv.shape[2] != len(hashes):
         raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(hashes)} block hashes")
-    kv = kv.detach()
-    if kv.device.type != "cpu":
+    if kv.requires_grad:
+        kv = kv.detach()
+    if not kv.is_cpu:
         kv = kv.cpu()
     return kv.contiguous()
 
@@ -80,6 +81,17 @@ def _current_traceparent() -> str | None:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return carrier.get("traceparent")
+
+
+async def _take(lock: asyncio.Lock, deadline: float | None) -> None:
+    """Acquire `lock`, giving up (TimeoutError) at loop time `deadline`. The timer is armed only
+    while the lock is held: one per frame cost more than the rest of the frame's Python. (A lock
+    just handed to a waiter is waited for without one; that waiter's own deadline bounds it.)"""
+    if not lock.locked():
+        await lock.acquire()
+        return
+    async with asyncio.timeout_at(deadline):
+        await lock.acquire()
 
 
 def _error(st: _Rid) -> KVTransferError:
@@ -137,11 +149,15 @@ class KVClient:
         base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
         first = {"hashes": list(hashes), "tp": traceparent, **({"split": list(split)} if split else {})}
         ranges = layers.ranges(0, split[1] if split is not None else None)
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout), st.lock:
+            await _take(st.lock, deadline)
+            try:
                 base["seq"] = st.groups
                 st.groups += 1
-                sent = await self._send_group(st, base, first, layers, ranges)
+                sent = await self._send_group(st, base, first, layers, ranges, deadline)
+            finally:
+                st.lock.release()
             if st.error:  # the receiver failed rid while we were sending
                 raise _error(st)
         except asyncio.CancelledError:
@@ -166,9 +182,9 @@ class KVClient:
         kv = sendable(kv, [0] * kv.shape[2])
         layers = self._layers(rid, kv, 0)
         base = {"kind": "piece", "rid": rid, "gid": gid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                return await self._send_group(_Rid(), base, None, layers, layers.ranges(lo, hi))
+            return await self._send_group(_Rid(), base, None, layers, layers.ranges(lo, hi), deadline)
         except TimeoutError:
             raise KVTransferError(f"send_piece({rid}): timed out after {timeout}s") from None
 
@@ -241,12 +257,18 @@ class KVClient:
         return layers
 
     async def _send_group(
-        self, st: _Rid, base: dict[str, Any], first: dict[str, Any] | None, layers: _Layers, ranges: list
+        self,
+        st: _Rid,
+        base: dict[str, Any],
+        first: dict[str, Any] | None,
+        layers: _Layers,
+        ranges: list,
+        deadline: float,
     ) -> int:
-        """The sub-frames `ranges` of one group, `first` added to the lo == 0 one. Each slice is
-        hashed right before it is sent, on this thread: the copy into the socket then reads it
-        from cache (hashing in a worker thread read it from memory twice and cost a GIL hand-off
-        per frame, more than it overlapped on a busy host)."""
+        """The sub-frames `ranges` of one group, `first` added to the lo == 0 one, all in the kernel
+        by loop time `deadline`. Each slice is hashed right before it is sent, on this thread: the
+        copy into the socket then reads it from cache (hashing in a worker thread read it from
+        memory twice and cost a GIL hand-off per frame, more than it overlapped on a busy host)."""
         sent = 0
         for lo, hi in ranges:
             data = layers.slice(lo, hi)
@@ -254,7 +276,7 @@ class KVClient:
             header = {**base, "layers": [lo, hi], "nbytes": len(data), "csum": [self.checksum, csum]}
             if lo == 0 and first is not None:
                 header.update(first)
-            sent += await self._send_frame(st, header, data)
+            sent += await self._send_frame(st, header, data, deadline=deadline)
         return sent
 
     def _done_frame(self, rid: str, payload: bytes) -> dict[str, Any]:
@@ -293,22 +315,31 @@ class KVClient:
                     )
 
     async def _send_frame(
-        self, st: _Rid, header: dict, payload: memoryview | None = None, force: bool = False
+        self,
+        st: _Rid,
+        header: dict,
+        payload: memoryview | None = None,
+        force: bool = False,
+        deadline: float | None = None,
     ) -> int:
-        """One whole frame under the write lock. Interrupted mid-frame (timeout, cancel), the stream
-        is unusable: the channel fails and every pending call raises."""
+        """One whole frame under the write lock, in the kernel by loop time `deadline` (else
+        TimeoutError). Interrupted mid-frame (timeout, cancel), the stream is unusable: the
+        channel fails and every pending call raises."""
         hdr = pack(header)
         writing = False
         try:
-            async with self._wlock:
+            await _take(self._wlock, deadline)
+            try:
                 if self.closed:
                     raise self._closed_error()
                 if st.error and not force:
                     raise _error(st)
                 writing = True
-                await self._stream.send(hdr, *([payload] if payload is not None else []))
+                await self._stream.send(hdr, *([payload] if payload is not None else []), deadline=deadline)
                 writing = False
-        except asyncio.CancelledError:
+            finally:
+                self._wlock.release()
+        except (asyncio.CancelledError, TimeoutError):  # TimeoutError before OSError: it is one
             if writing:
                 self._fail_all(f"{header['kind']} frame interrupted")
             raise

@@ -54,8 +54,9 @@ def split_layers(kv: torch.Tensor, parallel: int, min_bytes: int) -> list[tuple[
     """Layer ranges [lo, hi) of a group over up to `parallel` connections, as even as whole
     layers allow; one range when the group is smaller than min_bytes."""
     n_layers = kv.shape[0]
-    nbytes = kv.numel() * kv.element_size()
-    n = min(parallel, n_layers) if nbytes >= max(min_bytes, 1) else 1
+    if parallel <= 1 or kv.nbytes < max(min_bytes, 1):
+        return [(0, n_layers)]
+    n = min(parallel, n_layers)
     cuts = [round(i * n_layers / max(n, 1)) for i in range(n + 1)]
     return [(cuts[i], cuts[i + 1]) for i in range(n)] if n > 1 else [(0, n_layers)]
 

@@ -40,8 +40,10 @@ class Stream(Protocol):
     def identity(self) -> str:
         """Who the peer is, the same on each of its connections (`peer` names one connection)."""
 
-    async def send(self, *bufs: bytes | memoryview) -> None:
-        """Write all bytes, in order (returns once they are in the kernel: TCP backpressure)."""
+    async def send(self, *bufs: bytes | memoryview, deadline: float | None = None) -> None:
+        """Write all bytes, in order (returns once they are in the kernel: TCP backpressure).
+        `deadline`: the loop time (loop.time()) past which a send still waiting raises
+        TimeoutError, the stream then unusable (None: no limit)."""
 
     async def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
         """Fill `view` exactly; raises ConnectionError at EOF."""
@@ -80,8 +82,9 @@ class SocketStream:
         self._got = 0
         self._on_chunk: Callable[[memoryview], None] | None = None
         self._waiter: asyncio.Future | None = None
+        self._watching = False  # the loop calls _on_readable when the socket is readable
 
-    async def send(self, *bufs: bytes | memoryview) -> None:
+    async def send(self, *bufs: bytes | memoryview, deadline: float | None = None) -> None:
         # One sendmsg for header and payload (a header sent alone is a packet and a receiver
         # wakeup of its own with TCP_NODELAY), straight from the tensor's memory.
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
@@ -89,7 +92,7 @@ class SocketStream:
             try:
                 n = self._sock.sendmsg(views[:SENDMSG_BUFS])
             except (BlockingIOError, InterruptedError):
-                await self._writable()
+                await self._writable(deadline)
                 continue
             while n:
                 k = min(n, len(views[0]))
@@ -98,31 +101,43 @@ class SocketStream:
                 if not views[0]:
                     views.pop(0)
 
-    async def _writable(self) -> None:
+    async def _writable(self, deadline: float | None) -> None:
+        # The deadline's timer is armed only here, when a send has to wait: on a fast link
+        # most never do, and a timer per frame would cost more than the rest of its Python.
         waiter = self._loop.create_future()
         self._loop.add_writer(self._fd, lambda: waiter.done() or waiter.set_result(None))
         try:
-            await waiter
+            async with asyncio.timeout_at(deadline):
+                await waiter
         finally:
             self._loop.remove_writer(self._fd)
 
     async def recv_into(self, view: memoryview, on_chunk: Callable[[memoryview], None] | None = None) -> None:
-        # Reads until EAGAIN on every readiness event, registered once per call: loop.sock_recv_into
-        # would pay a future + two epoll_ctl per chunk, ~20% of loopback goodput.
+        # Reads until EAGAIN on every readiness event: loop.sock_recv_into would pay a future +
+        # two epoll_ctl per chunk, ~20% of loopback goodput. The reader stays registered after
+        # a call, so a receiver waiting for frame after frame pays no epoll_ctl at all; it is
+        # removed only when the socket turns readable with no call waiting.
         self._view, self._got, self._on_chunk = view, 0, on_chunk
         if self._pump():
             return
         self._waiter = self._loop.create_future()
-        self._loop.add_reader(self._fd, self._on_readable)
+        if not self._watching:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._watching = True
         try:
             await self._waiter
         finally:
-            self._loop.remove_reader(self._fd)
             self._waiter = None
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._loop.remove_reader(self._fd)
+            self._watching = False
 
     def _on_readable(self) -> None:
         waiter = self._waiter
         if waiter is None or waiter.done():
+            self._unwatch()  # level-triggered: it would fire again on every turn of the loop
             return
         try:
             if self._pump():
@@ -160,6 +175,7 @@ class SocketStream:
 
     def close(self) -> None:
         self.abort()
+        self._unwatch()  # before the fd number can be reused by another socket
         self._sock.close()
 
 
@@ -206,12 +222,12 @@ class TLSStream(SocketStream):
             got += k
         return got
 
-    async def send(self, *bufs: bytes | memoryview) -> None:
+    async def send(self, *bufs: bytes | memoryview, deadline: float | None = None) -> None:
         for buf in bufs:
             view = memoryview(buf).cast("B")
             for i in range(0, len(view), TLS_CHUNK):
                 self._tls.write(view[i : i + TLS_CHUNK])
-                await self._loop.sock_sendall(self._sock, self._out.read())
+                await super().send(self._out.read(), deadline=deadline)
 
 
 async def _tls_handshake(
