@@ -5,7 +5,6 @@ and the fleet simulator (shared/sim) both route through `plan_route`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import countOf
 from typing import NamedTuple
 
 from shared.bus.messages import Pipeline
@@ -75,25 +74,15 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
     blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
     queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
-
-    def cost(figures: tuple[int, int, float]) -> float:
-        n, ahead, bandwidth = figures
-        lacks = missing_kv_bytes(prompt_tokens, n * ctx.block_size, ctx.kv_bytes_per_token)
-        return wan_cost_s(lacks, ahead, bandwidth)
-
-    ahead, bandwidth = next(iter(queued.values()), 0), next(iter(compared.values()), 0.0)
-    if countOf(queued.values(), ahead) == countOf(compared.values(), bandwidth) == len(links) > 0:
-        # One line (the common case): each MD's cost follows from its cached prefix alone.
-        out = dict.fromkeys(links, cost((0, ahead, bandwidth)))
-        by_blocks = {n: cost((n, ahead, bandwidth)) for n in set(cached.values())}
-        mine = cached if cached.keys() <= out.keys() else {md: n for md, n in cached.items() if md in out}
-        out.update(zip(mine, map(by_blocks.__getitem__, mine.values()), strict=True))
-        return out
     seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
     out = {}
     for md in links:
         figures = (cached.get(md, 0), queued[md], compared[md])
-        out[md] = seen[figures] if figures in seen else seen.setdefault(figures, cost(figures))
+        if figures not in seen:
+            n, ahead, bandwidth = figures
+            lacks = missing_kv_bytes(prompt_tokens, n * ctx.block_size, ctx.kv_bytes_per_token)
+            seen[figures] = wan_cost_s(lacks, ahead, bandwidth)
+        out[md] = seen[figures]
     return out
 
 
