@@ -64,6 +64,26 @@ def test_roofline_prefill_chunk_by_hand():
     assert step.step_s(load) == pytest.approx(0.002 + compute_s, rel=1e-12)
 
 
+def test_a_mixed_step_by_hand():
+    """Two chunks beside 8 decoding sequences: one step whose load is the sum of its parts."""
+    step = chip("h100-sxm", model_spec("llama-3.1-8b")).step
+    tokens = 8 + 512 + 64  # a token per decoding sequence, then the chunks' new tokens
+    pairs = (8000 + 8) + (512 * 0 + 512 * 513 // 2) + (64 * 3000 + 64 * 65 // 2)
+    kv_read = 8000 + 0 + 3000
+    compute_s = (tokens * 15_009_316_864 + pairs * 524_288) / (989e12 * 0.6)
+    memory_s = (16_059_990_016 + 131072 * (kv_read + tokens)) / (3.35e12 * 0.8)
+    assert step.chunks_s([(512, 0), (64, 3000)], 8, 8000) == pytest.approx(0.002 + compute_s, rel=1e-12)
+    assert compute_s > memory_s
+    # A short extend beside long decodes: bandwidth-bound, so the chunk's context read counts.
+    tokens, kv_read = 64 + 16, 64 * 8000 + 20_000
+    pairs = (64 * 8000 + 64) + (16 * 20_000 + 16 * 17 // 2)
+    compute_s = (tokens * 15_009_316_864 + pairs * 524_288) / (989e12 * 0.6)
+    memory_s = (16_059_990_016 + 131072 * (kv_read + tokens)) / (3.35e12 * 0.8)
+    assert memory_s > compute_s
+    assert step.chunks_s([(16, 20_000)], 64, 64 * 8000) == pytest.approx(0.002 + memory_s, rel=1e-12)
+    assert step.chunks_s([], 8, 8000) == step.step_s(decode_load(8, 8000))
+
+
 def test_kv_capacity_is_usable_memory_less_weights():
     assert chip("h100-sxm", model_spec("llama-3.1-8b")).kv_capacity_bytes == int(80e9 * 0.9) - 16_059_990_016
     assert chip("h200-sxm", model_spec("qwen2.5-32b")).kv_capacity_bytes == int(141e9 * 0.9) - 65_525_514_240

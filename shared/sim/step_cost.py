@@ -27,19 +27,17 @@ class StepLoad:
 
 def chunk_load(new_tokens: int, context: int) -> StepLoad:
     """One sequence computing `new_tokens` tokens after `context` cached ones (prefill or extend)."""
-    attn = new_tokens * context + new_tokens * (new_tokens + 1) // 2
-    return StepLoad(tokens=new_tokens, attn=attn, kv_read=context, seqs=1)
+    return StepLoad(tokens=new_tokens, attn=chunk_attn(new_tokens, context), kv_read=context, seqs=1)
+
+
+def chunk_attn(new_tokens: int, context: int) -> int:
+    """A chunk's query-key pairs: each new token attends to the context and the new tokens up to itself."""
+    return new_tokens * context + new_tokens * (new_tokens + 1) // 2
 
 
 def decode_load(seqs: int, context_sum: int) -> StepLoad:
     """`seqs` sequences decoding one token each, their contexts summing to context_sum."""
     return StepLoad(tokens=seqs, attn=context_sum + seqs, kv_read=context_sum, seqs=seqs)
-
-
-def combine(*loads: StepLoad) -> StepLoad:
-    """The load of one step that batches several sequences' work."""
-    return StepLoad(sum(x.tokens for x in loads), sum(x.attn for x in loads),
-                    sum(x.kv_read for x in loads), sum(x.seqs for x in loads))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,7 +102,7 @@ class StepCost:
         tokens, attn, kv_read, seqs = decode_seqs, decode_context + decode_seqs, decode_context, decode_seqs
         for new, context in chunks:
             tokens += new
-            attn += new * context + new * (new + 1) // 2
+            attn += chunk_attn(new, context)
             kv_read += context
             seqs += 1
         return self.step_s_of(tokens, attn, kv_read, seqs)
