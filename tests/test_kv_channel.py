@@ -427,7 +427,7 @@ async def test_send_blocks_times_out_when_the_receiver_stops_reading(kv_pair) ->
     await asyncio.wait_for(stuck.wait(), 5)
     big = blocks(4096)  # 32 MiB: more than the socket buffers hold
     blocked = asyncio.create_task(client.send_blocks("b", list(range(4096)), big, timeout=1.5))
-    await asyncio.sleep(0.2)  # "b" holds the write lock, waiting for room
+    await until(lambda: client._wlock.locked())  # "b" holds the write lock, waiting for room
     # Queued behind "b": its own timeout, not the channel failing when "b" gives up.
     with pytest.raises(KVTransferError, match=r"send_blocks\(c\): timed out after 0.3s"):
         await asyncio.wait_for(client.send_blocks("c", [1], blocks(1), timeout=0.3), 5)
