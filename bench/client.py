@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from bench.progress import progress
-from shared.bus.nats_server import free_port
+from shared.ports import free_port
 from shared.system import RunningSystem, start_system
 from shared.wan import WanControl
 

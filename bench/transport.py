@@ -42,10 +42,10 @@ from bench.client import start_wan
 from bench.progress import Advance, add_quiet_option, progress
 from bench.report import save_report
 from shared.bus import NatsServer, flushed
-from shared.bus.nats_server import free_port
 from shared.kv import KVClientPool, KVTransfer, start_kv_server
 from shared.kv.frame import byte_view
 from shared.kv.transport import SNDBUF
+from shared.ports import free_port
 from shared.security import Pki, client_context, server_context
 from shared.security.nats_lab import NatsSecurity
 

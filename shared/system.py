@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,35 +15,9 @@ from pathlib import Path
 import httpx
 
 from shared.launch import PORT_BLOCK, UpOptions, router_urls, service_specs, with_base_port
+from shared.ports import free_port_block
 from shared.security.credentials import Credentials
 from shared.supervisor import read_pid
-
-_handed_out: set[int] = set()
-_port_lock = threading.Lock()
-
-
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports, below the kernel's ephemeral range (so
-    outgoing connections cannot take them meanwhile) and never one this process handed out."""
-    with _port_lock:
-        for _ in range(500):
-            base = random.randrange(20000, 32000 - n, n)  # blocks of one size never overlap
-            if base in _handed_out:
-                continue
-            socks = []
-            try:
-                for i in range(n):
-                    sock = socket.socket()
-                    sock.bind(("127.0.0.1", base + i))
-                    socks.append(sock)
-            except OSError:
-                continue
-            finally:
-                for sock in socks:
-                    sock.close()
-            _handed_out.add(base)
-            return base
-    raise RuntimeError("no free port block")
 
 
 @dataclass

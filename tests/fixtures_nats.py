@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from shared.bus import NatsServer
-from shared.bus.nats_server import free_port
+from shared.ports import free_port
 from shared.security.nats_lab import TEST_USER, NatsSecurity  # noqa: F401 (tests import them from here)
 from shared.wan import WanControl, WanEmulator, WanLink
 

@@ -17,8 +17,8 @@ from nats.aio.msg import Msg
 
 from shared.bus import NatsServer, connect, flushed
 from shared.bus.nats_config import NatsConfig, NatsUser
-from shared.bus.nats_server import free_port
 from shared.bus.permissions import Permissions
+from shared.ports import free_port
 from shared.security.pki import Identity, Pki, client_context
 from tests.fixtures_nats import TEST_USER, NatsSecurity, Supercluster, nats_supercluster  # noqa: F401
 

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,15 +15,10 @@ import pytest
 
 from shared import up
 from shared.launch import NatsSpec, ProcessSpec, UpOptions
+from shared.ports import free_port
 from shared.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
 
 FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, stable_after_s=30, crash_loop_crashes=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _py(name: str, code: str) -> ProcessSpec:
@@ -199,11 +193,11 @@ async def test_crash_loop_stops_supervising_with_the_childs_log(tmp_path: Path) 
 
 @pytest.fixture
 def fake_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> UpOptions:
-    opts = UpOptions(router_port=_free_port(), workdir=tmp_path / "pdd")
+    opts = UpOptions(router_port=free_port(), workdir=tmp_path / "pdd")
     specs = [_py("wan", "import time; time.sleep(60)"), _fake_router(tmp_path, opts.router_port)]
     monkeypatch.setattr(up, "service_specs", lambda o: specs)
     # One real nats-server (no gateway: the stand-in wan forwards nothing).
-    nats = NatsSpec("nats-a", "dc-a", _free_port(), _free_port())
+    nats = NatsSpec("nats-a", "dc-a", free_port(), free_port())
     monkeypatch.setattr(up, "nats_specs", lambda o: [nats])
     return opts
 
@@ -234,9 +228,9 @@ async def test_up_starts_every_node_of_a_cluster_and_waits_for_its_routes(
 ) -> None:
     # Two routed nodes of dc-a (no gateway: the stand-in wan forwards nothing). `pdd is up`
     # comes only once each node is routed to the other.
-    cluster_ports = [_free_port(), _free_port()]
+    cluster_ports = [free_port(), free_port()]
     routes = [f"nats-route://127.0.0.1:{p}" for p in cluster_ports]
-    nodes = [NatsSpec(f"nats-a-{c}", "dc-a", _free_port(), _free_port(), cluster="nats-a",
+    nodes = [NatsSpec(f"nats-a-{c}", "dc-a", free_port(), free_port(), cluster="nats-a",
                       cluster_port=cluster_ports[c], routes=routes) for c in range(2)]  # fmt: skip
     monkeypatch.setattr(up, "nats_specs", lambda o: nodes)
     task = await _run_up_until_up(fake_system, [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.bus.nats_server import free_port
+from shared.ports import free_port
 from shared.telemetry import metrics
 from shared.telemetry.span_store import SpanRecord
 from shared.telemetry.waterfall import render_waterfall, trace_to_json

