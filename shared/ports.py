@@ -12,6 +12,8 @@ import socket
 import threading
 
 LOW, HIGH = 20000, 32000
+SINGLES = 28000  # single ports from [SINGLES, HIGH), blocks from below: scattered singles would
+# leave no room for a long block, and blocks start at multiples of their size for the same reason
 
 _handed_out: set[int] = set()
 _lock = threading.Lock()
@@ -21,7 +23,7 @@ def free_port_block(n: int, host: str = "127.0.0.1") -> int:
     """A base port with n consecutive ports free now and never handed out by this process."""
     with _lock:
         for _ in range(500):
-            base = random.randrange(LOW, HIGH - n)
+            base = random.randrange(SINGLES, HIGH) if n == 1 else random.randrange(LOW, SINGLES - n, n)
             block = range(base, base + n)
             if not _handed_out.isdisjoint(block) or not _bindable(host, block):
                 continue

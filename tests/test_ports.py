@@ -35,3 +35,10 @@ def test_a_bound_port_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None
         assert free_port() == other
     finally:
         held.close()
+
+
+def test_many_single_ports_leave_room_for_long_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared.ports, "_handed_out", set())  # this test's own allocations only
+    singles = [free_port() for _ in range(500)]
+    blocks = [free_port_block(110) for _ in range(50)]
+    assert len(set(singles)) == 500 and len(set(blocks)) == 50
