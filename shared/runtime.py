@@ -118,10 +118,33 @@ async def serve_service(name: str, settings, factory) -> None:
         if await shutdown == signal.SIGTERM and hasattr(service, "drain"):
             await service.drain(settings.drain_timeout_s)
     finally:
-        await micro.stop()
-        await service.stop()
-        try:
-            await nc.drain()
-        except Exception:  # NATS already gone (e.g. stopped first): just close
-            await nc.close()
+        await _leave(nc, micro, service)
         shutdown_tracing()
+
+
+LEAVE_NATS_S = 3.0  # each NATS step of leaving; the supervisor kills a child after 10 s
+
+
+async def _leave(nc, micro, service) -> None:
+    """Deregister, stop the service, drain the connection. With NATS unreachable (stopped first,
+    or down) the NATS steps are skipped, and bounded otherwise, instead of each waiting out a flush
+    timeout, so the service stops (and exits 0) within the supervisor's grace either way."""
+    if nc.is_connected:
+        try:
+            async with asyncio.timeout(LEAVE_NATS_S):
+                await micro.stop()
+        except Exception as e:
+            log.warning("leaving the service registry failed: %r", e)
+    await service.stop()
+    if nc.is_connected:
+        try:
+            async with asyncio.timeout(LEAVE_NATS_S):
+                await nc.drain()
+            return
+        except Exception as e:
+            log.warning("draining the NATS connection failed: %r", e)
+    try:
+        async with asyncio.timeout(LEAVE_NATS_S):
+            await nc.close()
+    except Exception as e:  # nats-py's close can trip over a TLS transport that is already gone
+        log.info("closing the NATS connection: %r", e)

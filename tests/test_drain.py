@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,17 +139,23 @@ async def test_an_idle_instance_drains_at_once_then_refuses_work(nats_server, na
         await nc.close()
 
 
-async def test_sigterm_announces_the_drain_and_exits_zero(nats_server, nats_security, tmp_path) -> None:
+async def _md_process(nats_server, nats_security, tmp_path) -> tuple[asyncio.subprocess.Process, Path]:
+    """A main decode service process on `nats_server`, its output in the returned log file."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
     env.update(_credentials_env("main_decode", nats_security.creds.dir))
     env.update({"PDD_MD_NATS_URL": nats_server.url, "PDD_MD_INSTANCE": "0", "PDD_MD_BULK_ADDRESS": "tcp://127.0.0.1:0",
                 "PDD_MD_ENGINE__KV_MEMORY_MB": "1", "PDD_TRACE_DIR": str(tmp_path)})  # fmt: skip
-    nc = await nats_security.connect(nats_server, "sigterm-test")
-    reports = await _queue(nc, subjects.load("main_decode", "0"), LoadReport)
     log = tmp_path / "md.log"
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.main_decode", env=env, cwd=tmp_path,
                                                     stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    return proc, log
+
+
+async def test_sigterm_announces_the_drain_and_exits_zero(nats_server, nats_security, tmp_path) -> None:
+    nc = await nats_security.connect(nats_server, "sigterm-test")
+    reports = await _queue(nc, subjects.load("main_decode", "0"), LoadReport)
+    proc, log = await _md_process(nats_server, nats_security, tmp_path)
     try:
         await _first(reports, lambda r: not r.draining)  # up and heartbeating
         proc.send_signal(signal.SIGTERM)
@@ -160,3 +167,25 @@ async def test_sigterm_announces_the_drain_and_exits_zero(nats_server, nats_secu
             proc.kill()
             await asyncio.wait_for(proc.wait(), WAIT_S)
         await nc.close()
+
+
+async def test_sigterm_after_nats_went_away_still_exits_zero_at_once(nats_server, nats_security, tmp_path) -> None:
+    """NATS stopped first (a terminal's Ctrl-C reaching it too, or a crash): leaving must not wait
+    out flush timeouts, or the supervisor kills the service after its 10 s grace."""
+    nc = await nats_security.connect(nats_server, "sigterm-test")
+    reports = await _queue(nc, subjects.load("main_decode", "0"), LoadReport)
+    proc, log = await _md_process(nats_server, nats_security, tmp_path)
+    try:
+        await _first(reports, lambda r: not r.draining)  # up and heartbeating
+        await nc.close()
+        await nats_server.stop()
+        async with asyncio.timeout(WAIT_S):
+            while "nats main_decode-0: disconnected" not in log.read_text():
+                await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 8)
+        assert code == 0, log.read_text()[-2000:]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), WAIT_S)

@@ -88,7 +88,7 @@ def _instances(system: RunningSystem) -> dict:
 def test_killing_pdd_up_takes_every_child_with_it(system: RunningSystem) -> None:
     pids = {name: read_pid(system.workdir, name) for name in CHILDREN}
     assert all(pids.values()), pids
-    os.kill(system.proc.pid, signal.SIGKILL)  # the process only: its NATS servers share its group
+    os.kill(system.proc.pid, signal.SIGKILL)
     system.proc.wait(timeout=10)
     deadline = time.monotonic() + 15
     while not all(_gone(pid) for pid in pids.values()) and time.monotonic() < deadline:

@@ -1,13 +1,17 @@
-"""`pdd up --smoke` end to end: the real processes from shared/launch.py, on a free port block."""
+"""`pdd up` end to end: the real processes from shared/launch.py, on a free port block; up, one
+request, and down again (by itself, and by a terminal's Ctrl-C)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from shared.launch import PORT_BLOCK
 from shared.ports import free_port_block
+from shared.system import start_system
 
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:
@@ -20,3 +24,19 @@ def test_pdd_up_smoke(tmp_path: Path) -> None:
     assert "POST /v1/completions -> 200" in out
     assert "pdd up: stopping" in out
     assert (tmp_path / "traces").is_dir()  # the services wrote spans to the local store
+
+
+def test_ctrl_c_stops_every_service_cleanly_before_nats(tmp_path: Path) -> None:
+    system = start_system(tmp_path)
+    try:
+        os.killpg(system.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: its whole foreground group
+        code = system.proc.wait(timeout=60)
+    finally:
+        system.stop()
+    log = (tmp_path / "pdd-up.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "did not stop" not in log and "failed" not in log, log[-3000:]  # nothing killed after its grace
+    for name in ("prefill", "relay", "main_decode", "router"):
+        service_log = system.log(name)
+        assert "Traceback" not in service_log, service_log[-3000:]
+        assert "WARNING shared.bus.connection" not in service_log, service_log[-3000:]  # NATS was up as it left

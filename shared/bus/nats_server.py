@@ -140,6 +140,9 @@ class NatsServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # Its own process group: a terminal's Ctrl-C (or a SIGTERM to `pdd up`'s group) must
+            # not stop it before the services that use it have left; `pdd up` stops it after them.
+            start_new_session=True,
             preexec_fn=die_with_parent,  # atexit cannot run when the parent is SIGKILLed
         )
         atexit.register(self._kill_sync)
