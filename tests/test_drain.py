@@ -37,6 +37,7 @@ from shared.bus.messages import (
 from shared.config import MainDecodeSettings, PrefillSettings, RelaySettings
 from shared.launch import _credentials_env
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
+from tests.polling import until
 
 PROMPT = [(i * 5 + 3) % 250 for i in range(40)]
 WAIT_S = 30  # bound on every wait of the test
@@ -179,9 +180,7 @@ async def test_sigterm_after_nats_went_away_still_exits_zero_at_once(nats_server
         await _first(reports, lambda r: not r.draining)  # up and heartbeating
         await nc.close()
         await nats_server.stop()
-        async with asyncio.timeout(WAIT_S):
-            while "nats main_decode-0: disconnected" not in log.read_text():
-                await asyncio.sleep(0.05)
+        await until(lambda: "nats main_decode-0: disconnected" in log.read_text(), WAIT_S)
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 8)
         assert code == 0, log.read_text()[-2000:]

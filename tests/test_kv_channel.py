@@ -16,6 +16,7 @@ from shared.kv.auth import client_handshake
 from shared.kv.checksum import ALGOS, checksum, new_hasher
 from shared.kv.frame import PREFIX, byte_view, pack, read_header
 from shared.kv.transport import transport_for
+from tests.polling import until
 
 SECRET = "test-secret"
 L, BS, H, D = 4, 16, 2, 16  # one block: 4 layers x 2 x 16 tokens x 2 heads x 16 dims fp16 = 8 KiB
@@ -58,15 +59,6 @@ class MemorySink:
 
     def hashes(self, rid: str) -> list[int]:
         return [h for hs, _ in self.held[rid] for h in hs]
-
-
-async def until(cond, timeout: float = 5.0) -> None:
-    """Poll a condition on state the sink/server change from their own tasks."""
-    async with asyncio.timeout(timeout):
-        while True:
-            if cond():
-                return
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 
 from shared.kv import KVClientPool, KVTransfer, KVTransferError, open_kv_client, start_kv_server
 from shared.kv.transfer import split_layers
+from shared.ports import free_port
 from shared.wan import WanLink
 
 from .test_kv_channel import SECRET, MemorySink, blocks, until
@@ -158,7 +159,7 @@ async def test_link_cut_under_split_groups_resends_them_whole() -> None:
     sink = HashSink()
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, reconnect_grace=2.0)
     server.splits.wait_s = 3.0  # leftover pieces of the cut connections go sooner than by default
-    link = WanLink("bulk", "127.0.0.1:0", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
+    link = WanLink("bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
     await link.start()
     pool = KVClientPool(SECRET, parallel=PARALLEL, parallel_min_bytes=0)
     kv = blocks(8 * GROUP, seed=1)

@@ -22,6 +22,7 @@ from shared.kv import (
 )
 from shared.kv.pool import keep_idle_for
 from shared.kv.transfer import retry_delay
+from shared.ports import free_port
 from shared.wan import WanLink
 
 from .test_kv_channel import SECRET, MemorySink, blocks, until
@@ -50,7 +51,7 @@ class HashSink(MemorySink):
 async def wan_kv():
     sink = HashSink()
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, reconnect_grace=2.0)
-    link = WanLink("bulk", "127.0.0.1:0", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
+    link = WanLink("bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
     await link.start()
     pool = KVClientPool(SECRET)
     try:

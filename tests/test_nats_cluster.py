@@ -8,7 +8,6 @@ import itertools
 import json
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,9 @@ from shared.bus.permissions import Permissions
 from shared.ports import free_port
 from shared.security.pki import Identity, Pki, client_context
 from tests.fixtures_nats import TEST_USER, NatsSecurity, Supercluster, nats_supercluster  # noqa: F401
+from tests.polling import until
 
 SUBJECT = "pdd.test.cluster"
-
-
-async def _until(cond: Callable[[], bool], timeout: float) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():  # noqa: ASYNC110 (polls a process or a log file: nothing to await)
-            await asyncio.sleep(0.02)
 
 
 def _block(text: str, name: str, indent: str = "") -> str:
@@ -122,7 +116,7 @@ async def test_a_node_refuses_a_route_from_a_node_with_a_foreign_certificate(
     await node.start()
     try:
         await intruder.start()
-        await _until(lambda: "certificate signed by unknown authority" in node.log_path.read_text(), 10)
+        await until(lambda: "certificate signed by unknown authority" in node.log_path.read_text(), 10)
         with pytest.raises(TimeoutError):  # a route that came up would stay until a node stops
             await node.wait_routes(1, timeout=0.5)
     finally:
@@ -159,7 +153,7 @@ async def _delivered(pub: Client, got: asyncio.Queue, tag: str, timeout: float) 
 async def _sigkill(node: NatsServer) -> None:
     assert node.pid is not None
     os.kill(node.pid, signal.SIGKILL)
-    await _until(lambda: node.returncode is not None, 5)
+    await until(lambda: node.returncode is not None, 5)
     assert node.returncode == -signal.SIGKILL
     await node.stop()  # cleans its directory up
 

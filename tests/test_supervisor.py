@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from shared import up
 from shared.launch import NatsSpec, ProcessSpec, UpOptions
 from shared.ports import free_port
 from shared.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
+from tests.polling import until
 
 FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, stable_after_s=30, crash_loop_crashes=3)
 
@@ -48,12 +48,6 @@ def _gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return "State:\tZ" in status  # a zombie waiting for init to reap it is dead too
-
-
-async def _until(what: Callable[[], object], timeout_s: float = 20) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not what():  # noqa: ASYNC110 (polls processes and files: nothing to await)
-            await asyncio.sleep(0.02)
 
 
 def _delays(caplog, name: str) -> list[str]:
@@ -114,11 +108,11 @@ async def test_stubborn_group_is_killed(tmp_path: Path) -> None:
     )
     sup = Supervisor(tmp_path, grace_s=0.5)
     (child,) = await sup.start_all([_py("stubborn", code)])
-    await _until(lambda: child.log_path.read_text().strip())
+    await until(lambda: child.log_path.read_text().strip())
     grandchild = int(child.log_path.read_text())
     await sup.stop_all()
     assert _gone(child.pid)
-    await _until(lambda: _gone(grandchild))  # SIGKILL of the group reaches the grandchild asynchronously
+    await until(lambda: _gone(grandchild))  # SIGKILL of the group reaches the grandchild asynchronously
 
 
 async def test_exited_child_is_restarted_with_backoff_and_a_new_pid_file(tmp_path: Path, caplog) -> None:
@@ -135,15 +129,15 @@ async def test_exited_child_is_restarted_with_backoff_and_a_new_pid_file(tmp_pat
     caplog.set_level(logging.INFO, logger="shared.supervisor")
     task = asyncio.create_task(sup.supervise(poll_s=0.02))
     try:
-        await _until(lambda: runs.exists() and len(runs.read_text()) == 3 and child.running)
-        await _until(lambda: read_pid(tmp_path, "flaky") == child.pid)
+        await until(lambda: runs.exists() and len(runs.read_text()) == 3 and child.running)
+        await until(lambda: read_pid(tmp_path, "flaky") == child.pid)
         assert child.pid != first
         assert _delays(caplog, "flaky") == ["0.05s", "0.1s"]
         assert "flaky exited with code 3" in caplog.text and "run 1" in caplog.text  # why, with the log tail
         assert child.log_path.read_text().split() == ["run", "0", "run", "1", "run", "2"]  # appended
         os.kill(child.pid, signal.SIGKILL)  # a signal is named too; the backoff keeps doubling
-        await _until(lambda: "flaky was killed by SIGKILL" in caplog.text)
-        await _until(lambda: child.running and read_pid(tmp_path, "flaky") == child.pid)
+        await until(lambda: "flaky was killed by SIGKILL" in caplog.text)
+        await until(lambda: child.running and read_pid(tmp_path, "flaky") == child.pid)
         assert _delays(caplog, "flaky") == ["0.05s", "0.1s", "0.2s"]
     finally:
         task.cancel()
@@ -165,10 +159,10 @@ async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Pat
     try:
         first = killed.pid
         os.kill(killed.pid, signal.SIGTERM)
-        await _until(lambda: killed.running and killed.pid != first and read_pid(tmp_path, "relay") == killed.pid)
-        await _until(lambda: "ready" in scaled_in.log_path.read_text())  # its handler is in place
+        await until(lambda: killed.running and killed.pid != first and read_pid(tmp_path, "relay") == killed.pid)
+        await until(lambda: "ready" in scaled_in.log_path.read_text())  # its handler is in place
         os.kill(scaled_in.pid, signal.SIGTERM)
-        await _until(lambda: "relay-1 stopped cleanly; not restarted" in caplog.text)
+        await until(lambda: "relay-1 stopped cleanly; not restarted" in caplog.text)
         assert scaled_in.returncode == 0 and scaled_in not in sup.children and killed in sup.children
         assert read_pid(tmp_path, "relay-1") is None
         assert _delays(caplog, "relay") == ["0.05s"] and _delays(caplog, "relay-1") == []
@@ -204,7 +198,7 @@ def fake_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> UpOptions:
 
 async def _run_up_until_up(opts: UpOptions, lines: list[str]) -> asyncio.Task[int]:
     task = asyncio.create_task(up.run_up(opts, start_timeout_s=20, restart=FAST, out=lines.append))
-    await _until(lambda: task.done() or any("pdd is up" in line for line in lines), 30)
+    await until(lambda: task.done() or any("pdd is up" in line for line in lines), 30)
     assert not task.done(), task.result()
     return task
 
@@ -249,7 +243,7 @@ async def test_up_restarts_a_killed_nats_server_on_its_port(fake_system: UpOptio
     try:
         old = read_pid(fake_system.workdir, "nats-a")
         os.kill(old, signal.SIGKILL)
-        await _until(lambda: read_pid(fake_system.workdir, "nats-a") not in (None, old))
+        await until(lambda: read_pid(fake_system.workdir, "nats-a") not in (None, old))
         port = up.nats_specs(fake_system)[0].port
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
         assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"INFO")

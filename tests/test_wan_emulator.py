@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shared.kv import KVTransferError, open_kv_client, start_kv_server
+from shared.ports import free_port
 from shared.wan import WanControl, WanEmulator, WanLink
 
 
@@ -30,7 +31,7 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 async def echo_wan():
     server = await asyncio.start_server(_echo, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    wan = WanEmulator([WanLink("echo", "127.0.0.1:0", f"127.0.0.1:{port}")])
+    wan = WanEmulator([WanLink("echo", f"127.0.0.1:{free_port()}", f"127.0.0.1:{port}")])
     await wan.start()
     try:
         yield wan, WanControl(wan.control_url), wan.links["echo"].listen_port
@@ -47,7 +48,7 @@ async def _rtt(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: in
         await writer.drain()
         await asyncio.wait_for(reader.readexactly(1), 5)
         samples.append(time.perf_counter() - t0)
-    return sorted(samples)[n // 2]
+    return min(samples)  # every sample carries the delay; a stall of the busy box only adds to some
 
 
 async def test_delay_is_added_per_direction_and_changes_at_runtime(echo_wan) -> None:
@@ -86,7 +87,7 @@ async def test_bandwidth_cap() -> None:
     wan = WanEmulator([link], control=None)
     await wan.start()
     try:
-        payload = b"z" * 1_000_000  # 0.4 s at 20 Mbit/s
+        payload = b"z" * 2_000_000  # 0.8 s at 20 Mbit/s
         reader, writer = await asyncio.open_connection("127.0.0.1", link.listen_port)
         t0 = time.perf_counter()
         writer.write(payload)
@@ -95,7 +96,7 @@ async def test_bandwidth_cap() -> None:
         writer.close()
         await asyncio.wait_for(finished.wait(), 5)
         mbps = got["bytes"] * 8 / (got["t"] - t0) / 1e6
-        assert got["bytes"] == len(payload) and 18 <= mbps <= 21, mbps
+        assert got["bytes"] == len(payload) and 16 <= mbps <= 21, mbps  # the cap holds; a stalled read only lowers
     finally:
         await wan.stop()
         server.close()
@@ -215,7 +216,7 @@ class _Sink:
 
 async def test_kv_channel_over_a_cut_wan_fails_within_its_timeout() -> None:
     server = await start_kv_server("tcp://127.0.0.1:0", "s", _Sink())
-    link = WanLink("bulk", "127.0.0.1:0", server.address.removeprefix("tcp://"), delay_ms=2)
+    link = WanLink("bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), delay_ms=2)
     wan = WanEmulator([link], control=None)
     await wan.start()
     kv = torch.zeros(2, 2, 4, 16, 2, 16, dtype=torch.float16)

@@ -370,7 +370,10 @@ class WanLink:
 
     async def cut(self, mode: CutMode = "drop") -> None:
         """drop: reset every connection and refuse new ones. blackhole: hold everything silent
-        (no byte moves either way, new connections hang) until restore()."""
+        (no byte moves either way, new connections hang) until restore(). A drop releases the
+        listening port and restore() binds it again: a port in the kernel's ephemeral range (one
+        picked by binding to 0) may be taken meanwhile, so links that are cut get one from
+        shared.ports."""
         if mode not in CUT_MODES:
             raise ValueError(f"cut mode must be one of {CUT_MODES}")
         self.cut_mode = mode
