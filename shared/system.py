@@ -105,16 +105,25 @@ def start_system(workdir: Path, env: dict[str, str] | None = None, *, delay_ms: 
 
 
 def _wait_healthy(system: RunningSystem, timeout_s: float) -> bool:
-    """Poll every router's /health until all answer 200 (False on timeout); raise if `pdd up` exits."""
+    """Poll every router until it answers /health with 200 and lists every instance asked for
+    (its counts in /health: a 200 needs only prefill and MD, and a relay not yet heard from
+    would turn a forced p-rld-md into p-md). False on timeout; raise if `pdd up` exits."""
     deadline, pending = time.monotonic() + timeout_s, list(system.router_urls)
     while pending and time.monotonic() < deadline:
         if system.proc.poll() is not None:
             raise RuntimeError(f"pdd up exited early:\n{(system.workdir / 'pdd-up.log').read_text()[-4000:]}")
         try:
-            if httpx.get(f"{pending[0]}/health", timeout=2).status_code == 200:
+            if _sees_everything(pending[0], system.opts):
                 pending.pop(0)
                 continue
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     return not pending
+
+
+def _sees_everything(router_url: str, opts: UpOptions) -> bool:
+    r = httpx.get(f"{router_url}/health", timeout=2)
+    live = r.json().get("instances", {}) if r.status_code == 200 else {}
+    wanted = {"prefill": opts.prefill, "relay": opts.relay, "main_decode": opts.md}
+    return bool(live) and all(live.get(role, 0) >= n for role, n in wanted.items())

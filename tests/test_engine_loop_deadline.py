@@ -73,7 +73,7 @@ async def test_a_running_call_past_its_deadline_raises_and_still_finishes(loop) 
         done.set()
 
     with pytest.raises(TimeoutError, match="still running"):
-        await loop.call(slow_admit, timeout_s=0.2)
+        await loop.call(slow_admit, timeout_s=1.0)  # long enough for the engine thread to pick it up
     release.set()
     assert await asyncio.to_thread(done.wait, WAIT_S)
     assert await loop.call(lambda: "slow" in loop.engine.seqs) is True

@@ -35,6 +35,7 @@ from shared.config import MainDecodeSettings, PrefillSettings, RdmaSettings
 from shared.kv.checksum import DEFAULT_ALGO
 from shared.kv.rdma_engine import unavailable
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
+from tests.polling import until
 
 why = unavailable()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"rdma extra not usable: {why}")
@@ -155,8 +156,8 @@ async def test_a_failed_write_falls_back_to_tcp(services, reference) -> None:
     before = sample("pdd_kv_rdma_fallbacks_total", reason="write")
     assert await run_request(md, nc, "r4") == reference
     assert sample("pdd_kv_rdma_fallbacks_total", reason="write") == before + 1
-    await asyncio.sleep(TCP_MODE.quarantine_s + 0.5)  # slots offered and never written: out of use until then
-    assert md.rdma.quarantined == {} and md.engine.transfer.pins == {}
+    # slots offered and never written stay out of use for quarantine_s, then go back to the pool
+    await until(lambda: md.rdma.quarantined == {} and md.engine.transfer.pins == {}, TCP_MODE.quarantine_s + WAIT_S)
 
 
 async def offer(nc, md: MainDecodeService, rid: str, hashes: list[int]) -> RdmaSlots:

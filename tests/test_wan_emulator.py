@@ -229,7 +229,7 @@ async def test_kv_channel_over_a_cut_wan_fails_within_its_timeout() -> None:
         t0 = time.perf_counter()
         with pytest.raises(KVTransferError, match="no ack"):
             await client.finish("r2", timeout=0.5)
-        assert time.perf_counter() - t0 < 1.5
+        assert time.perf_counter() - t0 < 5  # its own timeout, not the channel's 30 s
         await link.restore()
         await client.close()
 
