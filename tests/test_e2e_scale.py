@@ -108,23 +108,11 @@ def test_sessions_stay_on_their_md_within_the_load_bound(system: RunningSystem) 
     assert max(load.get("0", 0), load.get("1", 0)) <= 1.5 * mean, where
 
 
-class Results(list):
-    """Each request's MD (or its exception), in completion order; `sent` pairs each with the
-    monotonic time the request was sent."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: list[tuple[float, object]] = []
-
-    def add(self, t_sent: float, result: object) -> None:
-        self.sent.append((t_sent, result))
-        self.append(result)
-
-
 @contextmanager
-def traffic(system: RunningSystem) -> Iterator[Results]:
-    """Requests to both routers back to back until the block ends: every result recorded."""
-    results = Results()
+def traffic(system: RunningSystem) -> Iterator[list[tuple[float, object]]]:
+    """Requests to both routers back to back until the block ends: each one's (monotonic time
+    it was sent, its MD or its exception), in the order they ended."""
+    results: list[tuple[float, object]] = []
     stop = threading.Event()
 
     def client(k: int) -> None:
@@ -135,9 +123,9 @@ def traffic(system: RunningSystem) -> Iterator[Results]:
             try:
                 prompt = [random.Random(f"{k}-{n}").randrange(1, 250) for _ in range(40)]  # new every time
                 body = complete(system.router_urls[k % 2], prompt, 24)
-                results.add(t_sent, body["pdd"]["instances"]["main_decode"])
+                results.append((t_sent, body["pdd"]["instances"]["main_decode"]))
             except Exception as e:  # recorded: the test fails on it
-                results.add(t_sent, e)
+                results.append((t_sent, e))
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
     for th in threads:
@@ -171,7 +159,7 @@ def test_an_md_joins_and_leaves_under_traffic(system: RunningSystem) -> None:
     try:
         with traffic(system) as results:
             assert wait_for(lambda: "main_decode/2" in system.instances(), 60), "the new MD never registered"
-            assert wait_for(lambda: "2" in results, 60), "the new MD never got a request"
+            assert wait_for(lambda: any(md == "2" for _, md in results), 60), "the new MD never got a request"
             proc.send_signal(signal.SIGTERM)
             t_term = time.monotonic()
             assert wait_for(lambda: system.instances().get("main_decode/2", {"draining": True})["draining"], 3.0)
@@ -180,12 +168,12 @@ def test_an_md_joins_and_leaves_under_traffic(system: RunningSystem) -> None:
             assert wait_for(lambda: len(results) >= n_then + 15, 60), "traffic stopped"
             # a request sent once it is out goes elsewhere (a draining MD refuses it even where
             # a router has not heard yet); only those sent before may still end on it
-            assert [t for t, md in results.sent if md == "2" and t > t_term + out_at] == []
+            assert [t for t, md in results if md == "2" and t > t_term + out_at] == []
         assert proc.wait(timeout=40) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    failed = [r for r in results if isinstance(r, Exception)]
+    failed = [r for _, r in results if isinstance(r, Exception)]
     assert not failed, failed[:3]
     assert out_at <= 3.0
 
@@ -199,5 +187,5 @@ def test_killing_a_nats_node_per_datacenter_fails_no_request(system: RunningSyst
             os.kill(pid, signal.SIGKILL)
         n_then = len(results)
         assert wait_for(lambda: len(results) >= n_then + 15, 60), "traffic stopped after the kill"
-    failed = [r for r in results if isinstance(r, Exception)]
+    failed = [r for _, r in results if isinstance(r, Exception)]
     assert not failed, failed[:3]

@@ -13,8 +13,9 @@ from shared.kv import KVClientPool, KVTransfer, KVTransferError, open_kv_client,
 from shared.kv.transfer import split_layers
 from shared.ports import free_port
 from shared.wan import WanLink
+from tests.polling import until
 
-from .test_kv_channel import SECRET, MemorySink, blocks, until
+from .test_kv_channel import SECRET, MemorySink, blocks
 from .test_kv_reconnect import GROUP, HashSink
 
 PARALLEL = 3

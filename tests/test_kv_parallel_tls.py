@@ -11,8 +11,9 @@ import torch
 
 from shared.kv import KVClientPool, KVTransfer, open_kv_client, start_kv_server
 from shared.security import Pki, client_context, server_context
+from tests.polling import until
 
-from .test_kv_channel import SECRET, MemorySink, blocks, until
+from .test_kv_channel import SECRET, MemorySink, blocks
 
 PARALLEL = 3
 

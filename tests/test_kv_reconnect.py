@@ -24,8 +24,9 @@ from shared.kv.pool import keep_idle_for
 from shared.kv.transfer import retry_delay
 from shared.ports import free_port
 from shared.wan import WanLink
+from tests.polling import until
 
-from .test_kv_channel import SECRET, MemorySink, blocks, until
+from .test_kv_channel import SECRET, MemorySink, blocks
 from .test_kv_md_trust import md, prepare  # noqa: F401 (md is a fixture)
 
 GROUP = 64  # blocks per group: 512 KiB

@@ -18,8 +18,9 @@ from shared.kv.checksum import checksum
 from shared.kv.frame import pack, read_header
 from shared.kv.transport import transport_for
 from shared.security import Pki, client_context, server_context
+from tests.polling import until
 
-from .test_kv_channel import BS, SECRET, D, H, L, MemorySink, blocks, until
+from .test_kv_channel import BS, SECRET, D, H, L, MemorySink, blocks
 
 MiB = 1 << 20
 BLOCK_BYTES = L * 2 * BS * H * D * 2  # one float16 block: 8 KiB

@@ -4,6 +4,7 @@ zlib crc32 (~2 GB/s here, which alone would halve loopback goodput). The frame n
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 try:
@@ -50,22 +51,23 @@ class _Xxh3:
         return self._h.intdigest()
 
 
+_HASHERS: dict[str, Callable[[], Hasher]] = {"crc32": _Crc32, "none": _Nothing}
+_ONE_SHOT: dict[str, Callable[[memoryview | bytes], int]] = {"crc32": zlib.crc32, "none": lambda data: 0}
+if xxhash is not None:
+    _HASHERS["xxh3"], _ONE_SHOT["xxh3"] = _Xxh3, xxhash.xxh3_64_intdigest
+
+
 def new_hasher(algo: str) -> Hasher:
-    if algo == "xxh3" and xxhash is not None:
-        return _Xxh3()
-    if algo == "crc32":
-        return _Crc32()
-    if algo == "none":
-        return _Nothing()
-    raise ValueError(f"unsupported checksum {algo!r}")
+    return _of(_HASHERS, algo)()
 
 
 def checksum(algo: str, data: memoryview | bytes) -> int:
     """One-shot checksum of `data` (same value as a hasher fed the same bytes)."""
-    if algo == "xxh3" and xxhash is not None:
-        return xxhash.xxh3_64_intdigest(data)
-    if algo == "crc32":
-        return zlib.crc32(data)
-    if algo == "none":
-        return 0
-    raise ValueError(f"unsupported checksum {algo!r}")
+    return _of(_ONE_SHOT, algo)(data)
+
+
+def _of(table: dict, algo: str):
+    try:
+        return table[algo]
+    except KeyError:
+        raise ValueError(f"unsupported checksum {algo!r}") from None

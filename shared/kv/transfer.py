@@ -57,8 +57,8 @@ def split_layers(kv: torch.Tensor, parallel: int, min_bytes: int) -> list[tuple[
     if parallel <= 1 or kv.nbytes < max(min_bytes, 1):
         return [(0, n_layers)]
     n = min(parallel, n_layers)
-    cuts = [round(i * n_layers / max(n, 1)) for i in range(n + 1)]
-    return [(cuts[i], cuts[i + 1]) for i in range(n)] if n > 1 else [(0, n_layers)]
+    cuts = [round(i * n_layers / n) for i in range(n + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(n)]
 
 
 @dataclass
