@@ -33,15 +33,16 @@ WORKDIR /app
 # Dependencies in their own layer (installed from pyproject.toml with empty packages), so
 # editing the source does not reinstall them; torch is already met.
 COPY pyproject.toml README.md ./
-RUN mkdir -p shared services bench \
-    && touch shared/__init__.py services/__init__.py bench/__init__.py \
+RUN mkdir -p shared services bench pdd \
+    && touch shared/__init__.py services/__init__.py bench/__init__.py pdd/__init__.py \
     && pip install . \
     && pip uninstall -y pdd \
-    && rm -rf shared services bench build ./*.egg-info
+    && rm -rf shared services bench pdd build ./*.egg-info
 
 COPY shared shared
 COPY services services
 COPY bench bench
+COPY pdd pdd
 RUN pip install --no-deps . && rm -rf build ./*.egg-info
 
 # Unprivileged user. Named volumes take the owner of the directory they are mounted on:

@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 
 from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
-from bench.progress import Advance, add_quiet_option, progress
-from bench.report import pyplot, save_report
-from shared.system import RunningSystem, start_system
+from pdd.benchkit.progress import Advance, add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
+from pdd.system import RunningSystem, start_system
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32

@@ -37,10 +37,10 @@ from pathlib import Path
 import httpx
 
 from bench.client import Timed, pct, random_tokens, stream_completion
-from bench.progress import add_quiet_option, progress
-from bench.report import pyplot, save_report
-from shared.supervisor import read_pid
-from shared.system import RunningSystem, start_system
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
+from pdd.supervisor import read_pid
+from pdd.system import RunningSystem, start_system
 
 PIPELINES = ("p-md", "p-rld-md")
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.progress import progress
+from pdd.benchkit.progress import progress
 from shared.ports import free_port
-from shared.system import RunningSystem, start_system
+from pdd.system import RunningSystem, start_system
 from shared.wan import WanControl
 
 WAN_LINKS = ("bulk", "gw-ab", "gw-ba")

@@ -26,7 +26,7 @@ includes the KV crossing the WAN; where P→MD waits for the KV shows in the tim
 
 Writes bench/out/e2e_<scenario>.json (+ e2e_agentic_ttft_cdf.png, e2e_agentic_by_hit.png); its
 "cpu" holds, per deployment (variant), the CPU seconds of each process over that deployment's
-timed runs and the host's busy CPU seconds (bench/cpu.py), which `pdd sim validate` charges.
+timed runs and the host's busy CPU seconds (pdd/benchkit/cpu.py), which `pdd sim validate` charges.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from bench.client import (
     stream_completion,
     wan_counters,
 )
-from bench.cpu import Meter
-from bench.progress import Advance, add_quiet_option, progress
-from bench.report import pyplot, save_report
-from shared.sim.agentic import AgenticParams, Step, make_plans, prompt_shape
+from pdd.benchkit.cpu import Meter
+from pdd.benchkit.progress import Advance, add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
+from pdd.sim.agentic import AgenticParams, Step, make_plans, prompt_shape
 
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
 BLOCK = 16

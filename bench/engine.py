@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from bench.progress import add_quiet_option, progress
-from bench.report import pyplot, save_report
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, Mode, SamplingParams
 from shared.model.export_hf import save_hf
@@ -97,7 +97,7 @@ def kv_accounting(engine: LLMEngine) -> dict:
 
 
 def run_ours_mixed(engine: LLMEngine, reqs: list[tuple[list[int], int]], device: str) -> tuple[float, dict]:
-    engine.transfer.reset_prefix_cache()  # no help from an earlier repetition
+    engine.exchange.reset_prefix_cache()  # no help from an earlier repetition
     _sync(device)
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(reqs):
@@ -135,7 +135,7 @@ def run_hf_mixed(hf, reqs: list[tuple[list[int], int]], batch: int, device: str)
 
 
 def sweep_ours(engine: LLMEngine, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, float]:
-    engine.transfer.reset_prefix_cache()
+    engine.exchange.reset_prefix_cache()
     rng = random.Random(batch)
     for i in range(batch):
         prompt = [rng.randrange(256) for _ in range(prompt_len)]

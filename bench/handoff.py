@@ -3,7 +3,7 @@
 Two ways, measured side by side, repetition by repetition (alternating which goes first):
   (a) KV: ship the incremental KV of those tokens over the emulated WAN on the real bulk
       channel (`open_kv_client` -> WAN link -> `start_kv_server`), then copy it into MD's
-      KV pool (`LLMEngine.transfer.import_blocks`). Latency: send start -> blocks in MD's pool.
+      KV pool (`LLMEngine.exchange.import_blocks`). Latency: send start -> blocks in MD's pool.
   (b) token IDs: publish a `HandoffBatch` with the 100 IDs on nats-a; it crosses the NATS
       gateway (through WAN links) to MD on nats-b, which runs one extend pass over them
       (`add_request(mode=Mode.HOLD)` beforehand, `extend(rid, ids, final=True)` then steps)
@@ -42,14 +42,14 @@ import numpy as np
 import torch
 
 from bench.client import start_wan
-from bench.progress import add_quiet_option, progress
-from bench.report import pyplot, save_report
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
 from shared.bus import decode, encode, flushed
 from shared.bus.messages import HandoffBatch, HandoffMode
 from shared.bus.nats_server import free_port
 from shared.security import Identity, client_context, server_context
 from shared.security.credentials import Credentials
-from shared.security.nats_lab import NatsSecurity
+from pdd.benchkit.nats_lab import NatsSecurity
 
 SECRET = "bench-handoff"
 SUBJECT = "bench.handoff"
@@ -88,12 +88,12 @@ class _MDSide:
         while e.has_unfinished():
             ref += [o.token_id for o in e.step() if o.token_id is not None]
         self.reference = ref
-        e.transfer.reset_prefix_cache()  # forget the generated tokens' blocks: the extend must compute them
+        e.exchange.reset_prefix_cache()  # forget the generated tokens' blocks: the extend must compute them
         # The prompt's KV, as MD holds it once the prompt has crossed the WAN: pinned.
         e.add_request("ctx", self.prompt, self.params, mode=Mode.HOLD)
         while e.has_unfinished():
             e.step()
-        e.transfer.pin_blocks("ctx", e.block_hashes(self.prompt))
+        e.exchange.pin_blocks("ctx", e.block_hashes(self.prompt))
         e.abort("ctx")
         self.kv_t0: float | None = None
 
@@ -103,7 +103,7 @@ class _MDSide:
             return  # another request's KV (cross traffic): not ours to keep
         t_arrive = time.monotonic()
         t = time.perf_counter()
-        self.engine.transfer.import_blocks(hashes, kv)  # the device copy into MD's pool
+        self.engine.exchange.import_blocks(hashes, kv)  # the device copy into MD's pool
         copy_s = time.perf_counter() - t
         self.conn.send(("kv", rid, t_arrive, time.monotonic(), copy_s, kv.numel() * kv.element_size()))
 
@@ -119,7 +119,7 @@ class _MDSide:
         from shared.engine import Mode
 
         e = self.engine
-        e.transfer.reset_prefix_cache()  # drop blocks of earlier repetitions (KV imports, extends)
+        e.exchange.reset_prefix_cache()  # drop blocks of earlier repetitions (KV imports, extends)
         e.add_request(rid, self.prompt, self.params, mode=Mode.HOLD)
         while e.has_unfinished():
             e.step()

@@ -36,11 +36,11 @@ import httpx
 
 from bench.client import pct, random_tokens, service_env, start_systems, stop_all, stream_completion
 from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans
-from bench.progress import Advance, add_quiet_option, progress
-from bench.report import pyplot, save_report
+from pdd.benchkit.progress import Advance, add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
 from shared.engine.hashing import block_hashes
 from shared.model.presets import preset_config
-from shared.sim.agentic import AgenticParams
+from pdd.sim.agentic import AgenticParams
 
 DEPLOYMENTS = {"1x1x1": 1, "2x2x2": 2}
 ROLES = ("prefill", "relay", "main_decode")

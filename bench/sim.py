@@ -20,17 +20,17 @@ import argparse
 import os
 import time
 
-from bench.progress import add_quiet_option, progress
-from bench.report import save_report
-from shared.sim.agentic import PAPER, agentic_open_loop
-from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, pdd, same_dc
-from shared.sim.goodput import sla_goodput
-from shared.sim.model_spec import ModelSpec
-from shared.sim.profiles import chip, model_names, model_spec
-from shared.sim.records import SimResult
-from shared.sim.simulator import simulate
-from shared.sim.sla import Sla
-from shared.sim.workload import Workload
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import save_report
+from pdd.sim.agentic import PAPER, agentic_open_loop
+from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, pdd, same_dc
+from pdd.sim.goodput import sla_goodput
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.profiles import chip, model_names, model_spec
+from pdd.sim.records import SimResult
+from pdd.sim.simulator import simulate
+from pdd.sim.sla import Sla
+from pdd.sim.workload import Workload
 
 GOAL_CPU_S = 60.0  # per simulated hour
 HOUR_S = 3600.0

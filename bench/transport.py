@@ -39,15 +39,15 @@ import numpy as np
 import torch
 
 from bench.client import start_wan
-from bench.progress import Advance, add_quiet_option, progress
-from bench.report import save_report
+from pdd.benchkit.progress import Advance, add_quiet_option, progress
+from pdd.benchkit.report import save_report
 from shared.bus import NatsServer, flushed
 from shared.kv import KVClientPool, KVTransfer, start_kv_server
 from shared.kv.frame import byte_view
 from shared.kv.transport import SNDBUF
 from shared.ports import free_port
 from shared.security import Pki, client_context, server_context
-from shared.security.nats_lab import NatsSecurity
+from pdd.benchkit.nats_lab import NatsSecurity
 
 MiB = 1 << 20
 SECRET = "bench-secret"

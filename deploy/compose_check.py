@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.system import start_system  # noqa: E402
+from pdd.system import start_system  # noqa: E402
 
 PROJECT = "pdd"  # compose.yaml's `name`
 URL = "http://127.0.0.1:8000"  # the router's published port

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.catalog import bench_names, benches, listing
-from shared.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
+from pdd.benchkit.catalog import bench_names, benches, listing
+from pdd.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
 FORWARDING = ("wan", "bench", "chaos", "sim")  # subcommands whose extra arguments belong to another main()
 COUNT_HELP = {
@@ -114,24 +114,24 @@ def up_options(args: argparse.Namespace) -> UpOptions:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.up import run_up  # lazy: pulls in httpx and the NATS launcher
+    from pdd.up import run_up  # lazy: pulls in httpx and the NATS launcher
 
     return asyncio.run(run_up(up_options(args), smoke=args.smoke, start_timeout_s=args.start_timeout))
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from shared.launch import COMPOSE_HOSTS, nats_specs
+    from pdd.launch import COMPOSE_HOSTS, nats_specs
     from shared.security.credentials import Credentials
     from shared.security.pki import write_private
 
     opts = UpOptions(workdir=args.workdir)
     creds = Credentials(args.workdir.resolve() / "secrets").ensure(SERVICES, args.host, renew=not args.keep)
     if args.compose:
-        from shared.bus.nats_config import NatsConfig
+        from shared.bus.nats_config import NatsConfig, nats_users
 
         for spec in nats_specs(opts, COMPOSE_HOSTS):
             conf = NatsConfig(spec.name, f"{COMPOSE_HOSTS.bind}:{spec.port}", "127.0.0.1:8222",
-                              tls=creds.identity(spec.identity), users=creds.nats_users(SERVICES),
+                              tls=creds.identity(spec.identity), users=nats_users(creds, SERVICES),
                               gateway_listen=f"{COMPOSE_HOSTS.bind}:{spec.gateway_port}",
                               gateway_advertise=spec.advertise, gateways=spec.gateways)  # fmt: skip
             write_private(creds.dir / f"{spec.name}.conf", conf.render().encode())
@@ -173,7 +173,7 @@ def cmd_bench(name: str | None, extra: list[str]) -> int:
 
 
 def cmd_sim(extra: list[str]) -> int:
-    from shared.sim.cli import main as sim_main  # lazy: a simulation may import torch and numpy
+    from pdd.sim.cli import main as sim_main  # lazy: a simulation may import torch and numpy
 
     return sim_main(extra)
 
@@ -202,8 +202,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from shared.launch import router_urls
-    from shared.top import run_top
+    from pdd.launch import router_urls
+    from pdd.top import run_top
 
     url = args.url or router_urls(UpOptions())[0]
     return run_top(url.rstrip("/"), args.api_key, once=args.once, interval_s=args.interval, window_s=args.window)

@@ -24,19 +24,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.config import ENV_PREFIX
 from shared.security.credentials import Credentials
 
 DC_A = "dc-a"
 DC_B = "dc-b"
 SERVICES = ("prefill", "relay", "main_decode", "router")
 KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they hold its secret
-# Env prefix of each service's settings class in shared/config.py.
-ENV_PREFIX = {
-    "prefill": "PDD_PREFILL_",
-    "relay": "PDD_RELAY_",
-    "main_decode": "PDD_MD_",
-    "router": "PDD_ROUTER_",
-}
 NATS_CLUSTER = {DC_A: "nats-a", DC_B: "nats-b"}  # also each DC's gateway name
 MAX_COUNT = 8  # most instances of one role, and most NATS nodes per DC
 COUNTS = {"prefill": "prefill", "relay": "relay", "main_decode": "md", "router": "routers"}  # UpOptions field
@@ -252,7 +246,7 @@ def secrets_dir(opts: UpOptions, hosts: Hosts | None = None) -> Path:
 
 def certs_spec() -> ProcessSpec:
     """Compose's one-shot init: create the credentials and the NATS configs unless present."""
-    argv = [sys.executable, "-m", "shared.cli", "certs", "--keep", "--compose", "--workdir", COMPOSE_WORKDIR]
+    argv = [sys.executable, "-m", "pdd.cli", "certs", "--keep", "--compose", "--workdir", COMPOSE_WORKDIR]
     return ProcessSpec("certs", argv, {"PYTHONUNBUFFERED": "1"}, DC_A)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from shared.launch import ProcessSpec
+from pdd.launch import ProcessSpec
 from shared.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from shared.launch import PORT_BLOCK, UpOptions, router_urls, service_specs, with_base_port
+from pdd.launch import PORT_BLOCK, UpOptions, router_urls, service_specs, with_base_port
 from shared.ports import free_port_block
 from shared.security.credentials import Credentials
-from shared.supervisor import read_pid
+from pdd.supervisor import read_pid
 
 
 @dataclass
@@ -89,7 +89,7 @@ def start_system(workdir: Path, env: dict[str, str] | None = None, *, delay_ms: 
     opts = with_base_port(UpOptions(workdir=Path(workdir), model_preset=model_preset, delay_ms=delay_ms,
                                     jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, **counts), base)  # fmt: skip
     args = [
-        sys.executable, "-m", "shared.cli", "up", "--workdir", str(workdir), "--base-port", str(base),
+        sys.executable, "-m", "pdd.cli", "up", "--workdir", str(workdir), "--base-port", str(base),
         "--model-preset", model_preset, "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(bandwidth_mbps),
     ]
     args += [a for name, n in counts.items() for a in (f"--{name.replace('_', '-')}", str(n))]

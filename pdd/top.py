@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from shared.launch import datacenter
+from pdd.launch import datacenter
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 ROLES = ("prefill", "relay", "main_decode")

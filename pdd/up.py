@@ -1,9 +1,9 @@
-"""`pdd up`: the whole two-DC system on one machine, from the specs in shared/launch.py.
+"""`pdd up`: the whole two-DC system on one machine, from the specs in pdd/launch.py.
 
 Order: the credentials (created on first start, reused after), WAN emulator, the NATS servers
 of both DCs (every node; routed within a DC, gatewayed across the WAN), then every instance of
 prefill, relay, main_decode, router; ready once every router's /health answers 200. A child that exits before then stops `pdd up` (a setup error
-that restarting would not fix); once up, shared/supervisor.py restarts whatever exits, with
+that restarting would not fix); once up, pdd/supervisor.py restarts whatever exits, with
 backoff. Ctrl-C / SIGTERM or a crash loop stops everything in reverse order.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from shared.launch import SERVICES, NatsSpec, UpOptions, nats_specs, router_urls, secrets_dir, service_specs
+from pdd.launch import SERVICES, NatsSpec, UpOptions, nats_specs, router_urls, secrets_dir, service_specs
 from shared.security.credentials import Credentials
-from shared.supervisor import ProcessDied, RestartPolicy, Supervisor
+from pdd.supervisor import ProcessDied, RestartPolicy, Supervisor
 
 
 async def _first(*aws: Awaitable[Any]) -> None:
@@ -44,6 +44,7 @@ def ensure_credentials(opts: UpOptions, *, renew: bool = False) -> Credentials:
 
 
 def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
+    from shared.bus.nats_config import nats_users
     from shared.bus.nats_server import NatsServer  # lazy: owned by the transport layer
 
     workdir = opts.workdir.resolve() / "nats" / spec.name
@@ -57,7 +58,7 @@ def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
         workdir=workdir,
         gateway_advertise=spec.advertise,
         tls=creds.identity(spec.identity),
-        users=creds.nats_users(SERVICES),
+        users=nats_users(creds, SERVICES),
         # a lone server gets today's arguments only: no cluster block at all
         **(dict(cluster=spec.cluster, cluster_port=spec.cluster_port, routes=spec.routes) if spec.cluster else {}),
     )

@@ -193,3 +193,15 @@ class RouterSettings(CommonSettings):
     # mean load of its role's live instances (+ 2 requests), now or by its recent share of this
     # router's requests (a count halving every 20 s), is not chosen while another is.
     balance_factor: float = 1.5
+
+
+# Env prefix of each service's settings, by service name (the launcher sets its variables with it).
+ENV_PREFIX = {
+    name: cls.model_config["env_prefix"]
+    for name, cls in (
+        ("prefill", PrefillSettings),
+        ("relay", RelaySettings),
+        ("main_decode", MainDecodeSettings),
+        ("router", RouterSettings),
+    )
+}

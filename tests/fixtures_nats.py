@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from shared.bus import NatsServer
 from shared.ports import free_port
-from shared.security.nats_lab import TEST_USER, NatsSecurity  # noqa: F401 (tests import them from here)
+from pdd.benchkit.nats_lab import TEST_USER, NatsSecurity  # noqa: F401 (tests import them from here)
 from shared.wan import WanControl, WanEmulator, WanLink
 
 

@@ -6,8 +6,8 @@ import time
 
 import httpx
 
-from shared.system import RunningSystem
-from shared.top import Samples, parse_metrics
+from pdd.system import RunningSystem
+from pdd.top import Samples, parse_metrics
 
 Entries = dict[tuple[str, str], float]
 # Maps keyed by instance, not by request: they stay filled while the system is up.

@@ -1,5 +1,5 @@
 """`pdd bench NAME --help` is the bench's own help, `pdd bench --help` lists the benches, and
-the progress bars of bench/progress.py: drawn only on a terminal, counting what was done."""
+the progress bars of pdd/benchkit/progress.py: drawn only on a terminal, counting what was done."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from bench import progress as bars
-from bench.catalog import benches
+from pdd.benchkit.catalog import benches
 from shared import cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from bench.e2e import (
     _single_targets,
     parse_args,
 )
-from bench.report import print_targets
+from pdd.benchkit.report import print_targets
 
 SLOWER = {"same-dc": 1.0, "naive": 2.0, "pdd": 1.5}  # each request's latency x this, by deployment
 

@@ -11,7 +11,7 @@ import pytest
 from bench.bandwidth import hit_mix
 from bench.client import Timed
 from bench.e2e import BLOCK, Session, build_prompt, make_plans, parse_args
-from shared.sim.agentic import AgenticParams
+from pdd.sim.agentic import AgenticParams
 
 
 def simulated_hits(argv: list[str]) -> tuple[list[float], dict[str, int]]:

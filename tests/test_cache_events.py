@@ -1,7 +1,7 @@
 """What an instance tells the routers about its prefix cache: each hash once per message, with
 its last change (a block evicted and stored again within one message is in the cache)."""
 
-from services.cache_events import last_changes
+from shared.serving.cache_events import last_changes
 
 
 def test_each_hash_counts_once_with_its_last_change() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared import cli
-from shared.launch import UpOptions
+from pdd.launch import UpOptions
 from shared.telemetry import tracing
 
 
@@ -24,7 +24,7 @@ def test_up_flags_map_to_up_options() -> None:
 
 
 def test_api_keys_reach_the_router_and_only_the_router() -> None:
-    from shared.launch import service_specs
+    from pdd.launch import service_specs
 
     opts = cli.up_options(cli.parse_args(["up", "--api-key", "k1", "--api-key", "k2"])[0])
     assert opts.api_keys == ("k1", "k2")
@@ -35,7 +35,7 @@ def test_api_keys_reach_the_router_and_only_the_router() -> None:
 
 
 def test_base_port_moves_every_port_but_explicit_flags_win() -> None:
-    from shared.launch import PORT_BLOCK, port_plan
+    from pdd.launch import PORT_BLOCK, port_plan
 
     opts = cli.up_options(cli.parse_args(["up", "--base-port", "20000", "--nats-b-port", "5555"])[0])
     ports = {k: v for k, v in vars(opts).items() if k.endswith("_port")}

@@ -1,4 +1,4 @@
-"""compose.yaml runs what `pdd up` runs (shared/launch.py), only with container hostnames.
+"""compose.yaml runs what `pdd up` runs (pdd/launch.py), only with container hostnames.
 
 These checks need no Docker engine (`make compose-test` runs the file for real): the file's
 structure, every container's command and environment against service_specs(opts,
@@ -26,7 +26,7 @@ from packaging.specifiers import SpecifierSet
 
 from shared import cli
 from shared.bus.nats_server import nats_server_binary
-from shared.launch import (
+from pdd.launch import (
     COMPOSE_HOSTS,
     COMPOSE_WORKDIR,
     ENV_PREFIX,

@@ -35,7 +35,7 @@ from shared.bus.messages import (
     TokenEvent,
 )
 from shared.config import MainDecodeSettings, PrefillSettings, RelaySettings
-from shared.launch import _credentials_env
+from pdd.launch import _credentials_env
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
 from tests.polling import until
 

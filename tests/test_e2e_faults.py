@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from shared.supervisor import read_pid
-from shared.system import RunningSystem, start_system
+from pdd.supervisor import read_pid
+from pdd.system import RunningSystem, start_system
 from tests.prometheus_samples import wait_until_drained
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream

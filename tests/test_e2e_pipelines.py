@@ -15,7 +15,7 @@ import pytest
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
 from shared.model.describe import describe_model
-from shared.system import RunningSystem, start_system
+from pdd.system import RunningSystem, start_system
 
 MD_READY_TIMEOUT_S = 3.5
 # The `small` preset: its KV (16 KB/token) takes long enough to cross a capped link that the

@@ -22,8 +22,8 @@ import pytest
 
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
-from shared.launch import UpOptions, service_specs, with_base_port
-from shared.system import RunningSystem, start_system
+from pdd.launch import UpOptions, service_specs, with_base_port
+from pdd.system import RunningSystem, start_system
 from tests.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
 
 PRESET = "tiny"

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.supervisor import read_pid
-from shared.system import RunningSystem, start_system
+from pdd.supervisor import read_pid
+from pdd.system import RunningSystem, start_system
 
 CHILDREN = ("wan", "nats-a", "nats-b", "prefill", "relay", "main_decode", "router")
 BACK_WITHIN_S = 20

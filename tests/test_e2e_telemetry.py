@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from shared.system import RunningSystem, start_system
+from pdd.system import RunningSystem, start_system
 from tests.prometheus_samples import Samples, moved, scrape
 from tests.promql import Selector, dashboard_exprs, selectors
 
@@ -80,7 +80,7 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
 
     # `pdd trace` renders the same trace as a waterfall grouped by datacenter.
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "trace", rid, "--dir", str(system.workdir / "traces")],
+        [sys.executable, "-m", "pdd.cli", "trace", rid, "--dir", str(system.workdir / "traces")],
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
@@ -166,7 +166,7 @@ def test_dashboard_queries_name_what_the_system_exports(system):
 
 def test_pdd_top_once_shows_every_instance_and_the_request_rate(system):
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "top", "--url", system.router_url, "--once", "--interval", "0.5"],
+        [sys.executable, "-m", "pdd.cli", "top", "--url", system.router_url, "--once", "--interval", "0.5"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"},
     )
     assert out.returncode == 0, out.stdout + out.stderr

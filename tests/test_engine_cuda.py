@@ -34,7 +34,7 @@ def test_cuda_greedy_equals_cpu_batched_and_chunked(preset):
     shared = random_prompt(rng, 40)
     prompts = [shared + random_prompt(rng, rng.randint(5, 90)) for _ in range(6)]
     cpu, gpu = _engine("cpu", preset), _engine("cuda", preset)
-    assert gpu.device.type == "cuda" and gpu.transfer.kv_cache.device.type == "cuda"
+    assert gpu.device.type == "cuda" and gpu.exchange.kv_cache.device.type == "cuda"
     warm = [shared + random_prompt(rng, 3)]  # the others then take the shared prefix from the cache
     assert _batch(gpu, warm, 2) == _batch(cpu, warm, 2)
     on_gpu = _batch(gpu, prompts, 24)
@@ -60,9 +60,9 @@ def test_kv_moves_between_devices_and_decode_continues_exactly(p_dev, md_dev):
     (first,) = run_all(p)["r"]
     assert first.finish_reason is FinishReason.PREFILLED
     hashes = p.computed_block_hashes("r")
-    kv = p.transfer.export_blocks(hashes)
+    kv = p.exchange.export_blocks(hashes)
     assert kv.device.type == "cpu"  # what goes on the wire is host memory, whatever the chip
-    assert md.transfer.import_blocks(hashes, kv, pin="r") == len(hashes)
+    assert md.exchange.import_blocks(hashes, kv, pin="r") == len(hashes)
     md.add_request("r", prompt + [first.token_id], greedy(30), num_prompt_tokens=len(prompt))
-    md.transfer.unpin("r")
+    md.exchange.unpin("r")
     assert [first.token_id] + tokens_of(run_all(md)["r"]) == ref

@@ -19,7 +19,7 @@ def _check_invariants(engine) -> None:
     refs: Counter[int] = Counter()
     for seq in engine.seqs.values():
         refs.update(seq.block_table)
-    for bids in engine.transfer.pins.values():
+    for bids in engine.exchange.pins.values():
         refs.update(bids)
     for block in engine.pool.blocks:
         assert block.ref_count == refs[block.block_id], f"block {block.block_id} refcount"
@@ -79,23 +79,23 @@ def test_random_interleavings(seed):
             elif op < 0.52:
                 prompt = rng.choice(prefixes) + random_prompt(rng, 16)
                 hashes = donor.block_hashes(prompt)
-                if donor.transfer.num_cached_prefix_blocks(hashes) < len(hashes):
+                if donor.exchange.num_cached_prefix_blocks(hashes) < len(hashes):
                     donor.add_request(rid, prompt, greedy(1))
                     while donor.has_unfinished():
                         donor.step()
-                engine.transfer.import_blocks(hashes, donor.transfer.export_blocks(hashes), pin=rng.choice([None, f"pin{step}"]))
+                engine.exchange.import_blocks(hashes, donor.exchange.export_blocks(hashes), pin=rng.choice([None, f"pin{step}"]))
             elif op < 0.56:
-                engine.transfer.pin_blocks(f"pin{step}", engine.block_hashes(rng.choice(prefixes)))
+                engine.exchange.pin_blocks(f"pin{step}", engine.block_hashes(rng.choice(prefixes)))
             elif op < 0.6:
-                engine.transfer.unpin(f"pin{rng.randrange(max(step, 1))}")
+                engine.exchange.unpin(f"pin{rng.randrange(max(step, 1))}")
         except InvalidRequestError:
             pass  # e.g. extend of a request that is not held, or a prompt too big for the pool
         except EngineError as e:
             assert "no free KV block" in str(e)  # a full pool refuses imports
         _step(engine, expected, got)
     # Let go of everything that holds blocks; what is left must run to the end.
-    for owner in list(engine.transfer.pins):
-        engine.transfer.unpin(owner)
+    for owner in list(engine.exchange.pins):
+        engine.exchange.unpin(owner)
     for rid in list(engine.seqs):
         engine.release(rid)
     for _ in range(500):

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shared.engine import Mode
-from shared.engine.engine_loop import EngineLoop
+from shared.serving.engine_loop import EngineLoop
 from tests.engine_util import greedy, make_engine
 
 WAIT_S = 30  # bound on every wait of the test; none is expected to take long

@@ -66,7 +66,7 @@ def test_second_request_reuses_prefix_blocks():
     engine = make_engine()
     engine.add_request("a", p1, greedy(20))
     first = tokens_of(run_all(engine)["a"])
-    assert engine.transfer.num_cached_prefix_blocks(engine.block_hashes(p2)) == 4
+    assert engine.exchange.num_cached_prefix_blocks(engine.block_hashes(p2)) == 4
     before = engine.stats()
     engine.add_request("b", p2, greedy(20))
     second = tokens_of(run_all(engine)["b"])
@@ -101,7 +101,7 @@ def test_eviction_under_memory_pressure_keeps_outputs_correct():
             engine.add_request(f"{round_}-{i}", p, greedy(16))
             got = tokens_of(run_all(engine)[f"{round_}-{i}"])
             assert got == dense_greedy(engine, p, 16)
-    events = engine.transfer.drain_events()
+    events = engine.exchange.drain_events()
     assert any(kind == "evicted" for kind, _ in events)
     assert engine.stats().cached_blocks <= 12
 

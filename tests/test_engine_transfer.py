@@ -17,7 +17,7 @@ def _prefill(engine, rid, prompt, params):
     (out,) = run_all(engine)[rid]
     assert out.finish_reason is FinishReason.PREFILLED and out.index == 0
     hashes = engine.computed_block_hashes(rid)
-    return out.token_id, hashes, engine.transfer.export_blocks(hashes)
+    return out.token_id, hashes, engine.exchange.export_blocks(hashes)
 
 
 def _one_engine(prompt, params, rid="ref"):
@@ -32,14 +32,14 @@ def test_export_import_continuation_matches():
     a.add_request("x", prompt, greedy(30))
     exporter_tokens = tokens_of(run_all(a)["x"])
     hashes = a.block_hashes(prompt)
-    kv = a.transfer.export_blocks(hashes)
+    kv = a.exchange.export_blocks(hashes)
     assert kv.shape == (2, 2, 4, 16, 2, 16) and kv.is_contiguous() and kv.device.type == "cpu"
-    assert b.transfer.import_blocks(hashes, kv) == 4
-    assert b.transfer.num_cached_prefix_blocks(hashes) == 4
+    assert b.exchange.import_blocks(hashes, kv) == 4
+    assert b.exchange.num_cached_prefix_blocks(hashes) == 4
     b.add_request("x", prompt, greedy(30))
     assert tokens_of(run_all(b)["x"]) == exporter_tokens
     assert b.stats().prefix_hit_tokens == 64
-    assert torch.equal(b.transfer.export_blocks(hashes), kv)
+    assert torch.equal(b.exchange.export_blocks(hashes), kv)
 
 
 def test_import_only_missing_blocks_composes_with_cache():
@@ -49,15 +49,15 @@ def test_import_only_missing_blocks_composes_with_cache():
     a, b = make_engine(), make_engine()
     b.add_request("warm", shared_prefix + random_prompt(rng, 5), greedy(3))  # B caches 2 blocks itself
     run_all(b)
-    b.transfer.drain_events()
+    b.exchange.drain_events()
     a.add_request("x", prompt, greedy(25))
     ref = tokens_of(run_all(a)["x"])
     hashes = a.block_hashes(prompt)
-    have = b.transfer.num_cached_prefix_blocks(hashes)
+    have = b.exchange.num_cached_prefix_blocks(hashes)
     assert have == 2
-    assert b.transfer.import_blocks(hashes[have:], a.transfer.export_blocks(hashes[have:])) == 3
-    assert b.transfer.import_blocks(hashes, a.transfer.export_blocks(hashes)) == 0  # all present: skipped
-    assert b.transfer.drain_events() == [("stored", h) for h in hashes[have:]]
+    assert b.exchange.import_blocks(hashes[have:], a.exchange.export_blocks(hashes[have:])) == 3
+    assert b.exchange.import_blocks(hashes, a.exchange.export_blocks(hashes)) == 0  # all present: skipped
+    assert b.exchange.drain_events() == [("stored", h) for h in hashes[have:]]
     b.add_request("x", prompt, greedy(25))
     assert tokens_of(run_all(b)["x"]) == ref
     assert b.stats().prefix_hit_tokens == 80
@@ -70,9 +70,9 @@ def test_pd_flow_generate_equals_single_engine():
     p, md = make_engine(), make_engine()
     first, hashes, kv = _prefill(p, "r", prompt, params)
     assert hashes == p.block_hashes(prompt)
-    md.transfer.import_blocks(hashes, kv, pin="r")
+    md.exchange.import_blocks(hashes, kv, pin="r")
     md.add_request("r", prompt + [first], params, num_prompt_tokens=len(prompt))
-    md.transfer.unpin("r")
+    md.exchange.unpin("r")
     p.release("r")
     outs = run_all(md)["r"]
     assert [o.index for o in outs] == list(range(1, 40))
@@ -86,15 +86,15 @@ def test_pd_flow_relay_then_hold_and_extend_equals_single_engine():
     p, rld, md = make_engine(), make_engine(), make_engine()
     first, hashes, kv = _prefill(p, "r", prompt, params)
     # Relay: import over the local path, decode eagerly.
-    rld.transfer.import_blocks(hashes, kv, pin="r")
+    rld.exchange.import_blocks(hashes, kv, pin="r")
     rld.add_request("r", prompt + [first], params, num_prompt_tokens=len(prompt))
-    rld.transfer.unpin("r")
+    rld.exchange.unpin("r")
     merged = {0: first}
     for _ in range(12):
         for o in rld.step():
             merged[o.index] = o.token_id
     # Main decode: KV arrives over the WAN; it holds the prompt while the relay runs.
-    md.transfer.import_blocks(hashes, kv, pin="r")
+    md.exchange.import_blocks(hashes, kv, pin="r")
     md.add_request("r", prompt + [first], params, num_prompt_tokens=len(prompt), mode=Mode.HOLD)
     assert [o.computed for o in run_all(md)["r"]] == [True]
     catch_up = rld.generated_token_ids("r")[1:]
@@ -106,7 +106,7 @@ def test_pd_flow_relay_then_hold_and_extend_equals_single_engine():
     rest = rld.generated_token_ids("r")[1 + len(catch_up) :]
     assert rld.abort("r") and not rld.abort("r")
     md.extend("r", rest, final=True)  # one-shot remainder; MD samples and continues
-    md.transfer.unpin("r")
+    md.exchange.unpin("r")
     for o in run_all(md)["r"]:
         assert o.index not in merged
         merged[o.index] = o.token_id
@@ -128,7 +128,7 @@ def test_seeded_sampling_survives_a_move_between_engines():
         got += [o.token_id for o in a.step()]
     generated = a.generated_token_ids("r")
     hashes = a.computed_block_hashes("r")
-    b.transfer.import_blocks(hashes, a.transfer.export_blocks(hashes))
+    b.exchange.import_blocks(hashes, a.exchange.export_blocks(hashes))
     a.abort("r")
     b.add_request("r", prompt + generated, params, num_prompt_tokens=len(prompt))
     outs = run_all(b)["r"]
@@ -142,21 +142,21 @@ def test_import_and_export_errors():
     a.add_request("x", prompt, greedy(2))
     run_all(a)
     hashes = a.block_hashes(prompt)
-    kv = a.transfer.export_blocks(hashes)
+    kv = a.exchange.export_blocks(hashes)
     with pytest.raises(EngineError, match="not cached"):
-        a.transfer.export_blocks([12345])
+        a.exchange.export_blocks([12345])
     with pytest.raises(EngineError, match="shape"):
-        b.transfer.import_blocks(hashes[:2], kv)
+        b.exchange.import_blocks(hashes[:2], kv)
     with pytest.raises(EngineError, match="dtype"):
-        b.transfer.import_blocks(hashes, kv.half())
+        b.exchange.import_blocks(hashes, kv.half())
     with pytest.raises(EngineError, match="no free KV block"):
-        b.transfer.import_blocks(hashes, kv)  # 6 blocks into a pool of 4
+        b.exchange.import_blocks(hashes, kv)  # 6 blocks into a pool of 4
     assert b.stats().cached_blocks == 0  # all or nothing
-    assert b.transfer.import_blocks(hashes[:4], kv[:, :, :4].contiguous(), pin="o") == 4
+    assert b.exchange.import_blocks(hashes[:4], kv[:, :, :4].contiguous(), pin="o") == 4
     assert b.stats().free_blocks == 0 and b.stats().pinned_blocks == 4
     b.add_request("y", random_prompt(random.Random(26), 20), greedy(2))
     assert b.step() == []  # pinned blocks cannot be evicted: it waits
-    b.transfer.unpin("o")
+    b.exchange.unpin("o")
     assert len(run_all(b)["y"]) == 2
 
 
@@ -167,12 +167,12 @@ def test_pin_blocks_protects_from_eviction():
     engine.add_request("a", prompt, greedy(2))
     run_all(engine)
     hashes = engine.block_hashes(prompt)
-    assert engine.transfer.pin_blocks("owner", hashes + [777]) == 4
+    assert engine.exchange.pin_blocks("owner", hashes + [777]) == 4
     for i in range(3):  # churn through the 4 unpinned blocks
         engine.add_request(f"c{i}", random_prompt(rng, 40), greedy(5))
         run_all(engine)
-    assert engine.transfer.num_cached_prefix_blocks(hashes) == 4
-    engine.transfer.unpin("owner")
+    assert engine.exchange.num_cached_prefix_blocks(hashes) == 4
+    engine.exchange.unpin("owner")
     assert engine.stats().pinned_blocks == 0
 
 
@@ -184,7 +184,7 @@ def test_pins_are_their_own_namespace():
     engine.add_request("r", prompt, greedy(2))
     run_all(engine)
     hashes = engine.block_hashes(prompt)
-    assert engine.transfer.pin_blocks("r", hashes) == 4
+    assert engine.exchange.pin_blocks("r", hashes) == 4
     for mode in (Mode.HOLD, Mode.PREFILL, Mode.GENERATE):
         engine.add_request("r", prompt + random_prompt(rng, 5), greedy(3), mode=mode)
         engine.step()
@@ -192,7 +192,7 @@ def test_pins_are_their_own_namespace():
         engine.abort("r")
         assert "r" not in engine.seqs
         assert engine.stats().pinned_blocks == 4 and engine.stats().used_blocks == 4
-    engine.transfer.unpin("r")
-    engine.transfer.unpin("r")  # nothing left: a no-op
+    engine.exchange.unpin("r")
+    engine.exchange.unpin("r")  # nothing left: a no-op
     assert engine.stats().pinned_blocks == 0 and engine.stats().used_blocks == 0
-    assert engine.transfer.num_cached_prefix_blocks(hashes) == 4  # unpinned, still cached
+    assert engine.exchange.num_cached_prefix_blocks(hashes) == 4  # unpinned, still cached

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from services.main_decode.kv_admission import KVAdmissionQueue, KVBusy
+from services.main_decode.prepare_admission import KVAdmissionQueue, KVBusy
 from shared.engine import EngineError, Mode
-from shared.engine.admission import Verdict, admission_verdict, request_blocks
+from shared.engine.request_admission import Verdict, admission_verdict, request_blocks
 from shared.engine.kv_memory import host_available_bytes, kv_pool_bytes
 from tests.engine_util import greedy, make_engine, random_prompt, run_all, tokens_of
 
@@ -63,7 +63,7 @@ def _exported(prompt: list[int]):
     src.add_request("p", prompt, greedy(1), mode=Mode.PREFILL)
     run_all(src)
     hashes = src.computed_block_hashes("p")
-    return hashes, src.transfer.export_blocks(hashes)
+    return hashes, src.exchange.export_blocks(hashes)
 
 
 def test_reserved_import_survives_a_full_pool():
@@ -71,32 +71,32 @@ def test_reserved_import_survives_a_full_pool():
     prompt = random_prompt(random.Random(1), 64)  # 4 full blocks
     hashes, kv = _exported(prompt)
     md = make_engine(kv_memory_mb=12 * BLOCK_MB)
-    verdict, have = md.transfer.reserve("r", hashes, md.lifetime_blocks(len(prompt), greedy(16)))
-    assert (verdict, have) == (Verdict.ADMIT, 0) and md.transfer.promised_blocks == 5
+    verdict, have = md.exchange.reserve("r", hashes, md.lifetime_blocks(len(prompt), greedy(16)))
+    assert (verdict, have) == (Verdict.ADMIT, 0) and md.exchange.promised_blocks == 5
     md.add_request("other", random_prompt(random.Random(2), 120), greedy(2), mode=Mode.HOLD)
     run_all(md)
     assert md.pool.num_free == 0  # "other" holds every block not set aside
-    assert md.transfer.import_blocks(hashes, kv, pin="r") == 4
+    assert md.exchange.import_blocks(hashes, kv, pin="r") == 4
     md.release("other")
     md.add_request("r", prompt + [1], greedy(16), num_prompt_tokens=len(prompt))
     assert len(tokens_of(run_all(md)["r"])) == 15
-    md.transfer.unpin("r")
-    assert md.transfer.promised_blocks == 0 and md.pool.num_free == md.pool.num_blocks
+    md.exchange.unpin("r")
+    assert md.exchange.promised_blocks == 0 and md.pool.num_free == md.pool.num_blocks
 
 
 def test_reserve_waits_for_promised_blocks_and_refuses_the_impossible():
     prompt = random_prompt(random.Random(3), 64)
     hashes, _ = _exported(prompt)
     md = make_engine(kv_memory_mb=8 * BLOCK_MB)
-    assert md.transfer.reserve("a", hashes, 6)[0] is Verdict.ADMIT
+    assert md.exchange.reserve("a", hashes, 6)[0] is Verdict.ADMIT
     before = md.pool.num_free
-    assert md.transfer.reserve("b", hashes, 3)[0] is Verdict.WAIT  # 6 + 3 > 8
-    assert md.pool.num_free == before and "b" not in md.transfer.pins  # a refusal changes nothing
-    assert md.transfer.reserve("c", hashes, 9)[0] is Verdict.NEVER
-    md.transfer.unpin("a")
-    assert md.transfer.reserve("b", hashes, 3)[0] is Verdict.ADMIT
+    assert md.exchange.reserve("b", hashes, 3)[0] is Verdict.WAIT  # 6 + 3 > 8
+    assert md.pool.num_free == before and "b" not in md.exchange.pins  # a refusal changes nothing
+    assert md.exchange.reserve("c", hashes, 9)[0] is Verdict.NEVER
+    md.exchange.unpin("a")
+    assert md.exchange.reserve("b", hashes, 3)[0] is Verdict.ADMIT
     with pytest.raises(EngineError, match="already holds"):
-        md.transfer.reserve("b", hashes, 3)
+        md.exchange.reserve("b", hashes, 3)
 
 
 # ---- MD's bounded FIFO wait --------------------------------------------------------------------

@@ -127,7 +127,7 @@ def _synced_epoch(core: RouterCore, role: Role) -> str | None:
 
 
 async def _cached(service) -> set[int]:
-    return set(await service.engine_loop.call(service.engine.transfer.cached_hashes))
+    return set(await service.engine_loop.call(service.engine.exchange.cached_hashes))
 
 
 async def test_real_main_decode_and_prefill_keep_the_router_exact(nats_server, nats_security, tmp_path):

@@ -55,7 +55,7 @@ async def test_md_caches_only_announced_blocks_of_prompts_it_hashed_itself(md) -
         return torch.randn(layers, two, n, *block).to(dt)
 
     async def cached() -> set[int]:
-        return set(await service.engine_loop.call(engine.transfer.cached_hashes))
+        return set(await service.engine_loop.call(engine.exchange.cached_hashes))
 
     prompt = [(7 * i) % 200 + 1 for i in range(40)]
     hashes = engine.block_hashes(prompt)

@@ -224,6 +224,6 @@ async def test_main_decode_takes_a_resent_block_as_a_no_op(md) -> None:  # noqa:
     await service.on_blocks("again", hashes, kv, None)
     await service.on_done("again", b"")
     await service.on_done("again", b"")  # its ack was lost: done once more
-    pinned = await service.engine_loop.call(lambda: list(engine.transfer.pins["again"]))
+    pinned = await service.engine_loop.call(lambda: list(engine.exchange.pins["again"]))
     assert len(pinned) == len(set(pinned)) == len(hashes)  # one reference per block, none twice
     assert service.jobs["again"].wan_bytes == kv.numel() * kv.element_size()

@@ -1,4 +1,4 @@
-"""shared/launch.py: the env it sets is what shared/config.py reads; the topology is wired right."""
+"""pdd/launch.py: the env it sets is what shared/config.py reads; the topology is wired right."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from shared import config
-from shared.launch import (
+from pdd.launch import (
     COMPOSE_HOSTS,
     ENV_PREFIX,
     MAX_COUNT,
@@ -205,7 +205,7 @@ def test_each_service_gets_its_own_credentials_as_paths(hosts) -> None:
 
 def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shared.security.credentials import require_credentials
-    from shared.up import ensure_credentials
+    from pdd.up import ensure_credentials
 
     opts = UpOptions(workdir=tmp_path / "w", host="10.1.2.3")
     creds = ensure_credentials(opts)

@@ -1,6 +1,6 @@
 """Liveness from heartbeats: a silent peer is lost only while the observer itself was up."""
 
-from shared.liveness import ConnectionWatch, Heartbeats, is_lost
+from shared.serving.liveness import ConnectionWatch, Heartbeats, is_lost
 
 
 class Clock:

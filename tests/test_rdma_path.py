@@ -105,7 +105,7 @@ async def run_request(md: MainDecodeService, nc, rid: str) -> list[int]:
 
 
 async def cached(md: MainDecodeService) -> set[int]:
-    return set(await md.engine_loop.call(md.engine.transfer.cached_hashes))
+    return set(await md.engine_loop.call(md.engine.exchange.cached_hashes))
 
 
 async def test_prefill_writes_md_blocks_one_sided_and_md_caches_them(services, reference) -> None:
@@ -117,7 +117,7 @@ async def test_prefill_writes_md_blocks_one_sided_and_md_caches_them(services, r
     assert sample("pdd_kv_rdma_bytes_total") - rdma_before == len(hashes) * per_block  # every block, none over TCP
     assert sample("pdd_kv_rdma_fallbacks_total", reason="refused") == fallbacks_before
     assert set(hashes) <= await cached(md)
-    assert md.engine.transfer.pins == {} and md.rdma.offered == {} and md.rdma.quarantined == {}
+    assert md.engine.exchange.pins == {} and md.rdma.offered == {} and md.rdma.quarantined == {}
 
 
 async def test_a_corrupted_block_is_never_cached_and_comes_again_over_tcp(services, reference) -> None:
@@ -131,7 +131,7 @@ async def test_a_corrupted_block_is_never_cached_and_comes_again_over_tcp(servic
         h, slot, _ = checks[0]
         md.engine.kv_cache[0, 0, slot].view(-1)[0] += 1.0
         out = verify(rid, checks, algo)
-        flipped[h] = md.engine.transfer.pool.block_of(h)
+        flipped[h] = md.engine.exchange.pool.block_of(h)
         return out
 
     md.rdma._verify = flip_then_verify
@@ -157,7 +157,7 @@ async def test_a_failed_write_falls_back_to_tcp(services, reference) -> None:
     assert await run_request(md, nc, "r4") == reference
     assert sample("pdd_kv_rdma_fallbacks_total", reason="write") == before + 1
     # slots offered and never written stay out of use for quarantine_s, then go back to the pool
-    await until(lambda: md.rdma.quarantined == {} and md.engine.transfer.pins == {}, TCP_MODE.quarantine_s + WAIT_S)
+    await until(lambda: md.rdma.quarantined == {} and md.engine.exchange.pins == {}, TCP_MODE.quarantine_s + WAIT_S)
 
 
 async def offer(nc, md: MainDecodeService, rid: str, hashes: list[int]) -> RdmaSlots:

@@ -58,14 +58,14 @@ async def test_a_stuck_relay_job_ends_with_an_error_at_the_request_timeout(nats_
         await relay.on_blocks("stuck", hashes, torch.zeros(layers, two, len(hashes), *block), None)
         with pytest.raises(InvalidRequestError):  # more tokens than the whole pool holds
             await relay.on_done("stuck", encode(RelayStart("stuck", prompt, 6, greedy(4000))))
-        assert _open_jobs() == 1 and "stuck" in relay.engine.transfer.pins
+        assert _open_jobs() == 1 and "stuck" in relay.engine.exchange.pins
 
         ev = await asyncio.wait_for(errors.get(), WAIT_S)
         assert "timed out on the relay" in (ev.error or "")
         abort = await asyncio.wait_for(aborts.get(), WAIT_S)
         assert abort.reason is AbortReason.FAILED
         assert relay.jobs == {} and _open_jobs() == 0
-        held = await relay.engine_loop.call(lambda: (len(relay.engine.seqs), len(relay.engine.transfer.pins)))
+        held = await relay.engine_loop.call(lambda: (len(relay.engine.seqs), len(relay.engine.exchange.pins)))
         assert held == (0, 0)
     finally:
         await relay.stop()

@@ -13,7 +13,7 @@ from services.router.policy import RouteDecision
 from services.router.request_stream import MOVES as ROUTER_MOVES
 from services.router.request_stream import RequestStream, StreamState
 from shared.bus.messages import DecodeReport, HandoffMode, Pipeline, RelayReport, Role, TokenEvent
-from shared.state_machine import IllegalTransition
+from shared.serving.state_machine import IllegalTransition
 
 TABLES = [
     (P_MOVES, PrefillState.PREFILLING, {PrefillState.RELEASED}),

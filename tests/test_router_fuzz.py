@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from shared.system import RunningSystem, start_system
+from pdd.system import RunningSystem, start_system
 
 CASES = 600
 MAX_TOKENS = 48  # per generated completion: the fuzz run stays short

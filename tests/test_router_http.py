@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from services.router.response_schemas import ChatCompletionResponse, CompletionResponse
-from shared.system import RunningSystem, start_system
+from pdd.system import RunningSystem, start_system
 
 KEYS = ("key-a", "key-b")  # key-b comes from PDD_API_KEY
 AUTH = {"authorization": f"Bearer {KEYS[0]}"}

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from shared.bus import NatsServer, connect, flushed, publish, subjects, subscribe
 from shared.bus.messages import Role, TokenEvent
 from shared.bus.subjects import Req
-from shared.launch import SERVICES
+from pdd.launch import SERVICES
 from shared.ports import free_port
 from shared.security import client_context
 from tests.fixtures_nats import NatsSecurity

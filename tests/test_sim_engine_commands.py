@@ -1,12 +1,12 @@
-"""The engine runs its commands between steps on one thread (shared/engine/engine_loop.py):
+"""The engine runs its commands between steps on one thread (shared/serving/engine_loop.py):
 a sequence whose KV arrives at a busy decoder is imported when the step in progress ends, and
 added by a second command that waits for the step begun meanwhile. Hand-computable: every
 step of the FLAT chip takes 10 ms."""
 
 import pytest
 
-from shared.sim.decoder import DecodeInstance, Seq
-from shared.sim.events import EventLoop
+from pdd.sim.decoder import DecodeInstance, Seq
+from pdd.sim.events import EventLoop
 from tests.sim_util import FLAT
 
 EXACT = 1e-12

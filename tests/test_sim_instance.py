@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from shared.sim.chip import Chip
-from shared.sim.decoder import DecodeInstance, Seq
-from shared.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
-from shared.sim.events import EventLoop
-from shared.sim.simulator import simulate
-from shared.sim.step_cost import Linear, StepCost, decode_load
-from shared.sim.workload import Workload
+from pdd.sim.chip import Chip
+from pdd.sim.decoder import DecodeInstance, Seq
+from pdd.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
+from pdd.sim.events import EventLoop
+from pdd.sim.simulator import simulate
+from pdd.sim.step_cost import Linear, StepCost, decode_load
+from pdd.sim.workload import Workload
 from tests.sim_util import FLAT, TINY, request, workload
 
 EXACT = 1e-12
@@ -134,7 +134,7 @@ def test_the_simulated_pool_behaves_as_the_engine_pool():
     import random
 
     from shared.engine.block_pool import BlockPool
-    from shared.sim.block_pool import SimBlockPool
+    from pdd.sim.block_pool import SimBlockPool
 
     n, rng = 1200, random.Random(3)
     sim, engine = SimBlockPool(n), BlockPool(n)

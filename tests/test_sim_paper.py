@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from shared.sim import paper
-from shared.sim.deployment import LinkSpec, RoleSpec, naive
-from shared.sim.simulator import simulate
-from shared.sim.workload import SimRequest
+from pdd.sim import paper
+from pdd.sim.deployment import LinkSpec, RoleSpec, naive
+from pdd.sim.simulator import simulate
+from pdd.sim.workload import SimRequest
 from tests.sim_util import BLOCK, FLAT, TINY, workload
 
 

@@ -1,4 +1,4 @@
-"""The capacity search of `pdd sim plan` (shared/sim/planner.py) and one small real run.
+"""The capacity search of `pdd sim plan` (pdd/sim/planner.py) and one small real run.
 
 The search is tested with a hand-made evaluator (fleet counts → attainment) in place of the
 simulator: its cheapest passing fleet is known by construction, and a simulation per probe
@@ -8,9 +8,9 @@ real command on a tiny workload."""
 import json
 import math
 
-from shared.sim import plan, planner
-from shared.sim.planner import Evaluations, Fleet, Outcome, Search, Shape, cheapest
-from shared.sim.step_cost import Linear, StepCost
+from pdd.sim import plan, planner
+from pdd.sim.planner import Evaluations, Fleet, Outcome, Search, Shape, cheapest
+from pdd.sim.step_cost import Linear, StepCost
 
 PRICES = {"fast": 3.0, "slow": 2.0, "b": 4.0}
 SPEED = {"fast": 2.0, "slow": 1.0, "b": 1.0}  # work one instance does

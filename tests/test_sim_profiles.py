@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import main as pdd_main
-from shared.sim import calibrate
-from shared.sim import cli as sim_cli
-from shared.sim.profiles import (
+from pdd.cli import main as pdd_main
+from pdd.sim import calibrate
+from pdd.sim import cli as sim_cli
+from pdd.sim.profiles import (
     BUILTIN_PROFILES,
     FIGURES,
     MODELS_DIR,
@@ -24,7 +24,7 @@ from shared.sim.profiles import (
     model_spec,
     profile_names,
 )
-from shared.sim.step_cost import Linear, StepCost, chunk_load, decode_load
+from pdd.sim.step_cost import Linear, StepCost, chunk_load, decode_load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,13 +192,13 @@ def test_pdd_sim_help_lists_every_command(capsys):
 
 
 def test_a_missing_command_module_is_named(monkeypatch, capsys):
-    monkeypatch.setitem(sim_cli.COMMANDS, "later", ("shared.sim.not_written_yet", "a command still to come"))
+    monkeypatch.setitem(sim_cli.COMMANDS, "later", ("pdd.sim.not_written_yet", "a command still to come"))
     assert pdd_main(["sim", "later"]) == 2
-    assert "shared/sim/not_written_yet.py is missing" in capsys.readouterr().err
+    assert "pdd/sim/not_written_yet.py is missing" in capsys.readouterr().err
 
 
 def test_pdd_help_does_not_import_torch():
-    code = ("import sys\nfrom shared.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom pdd.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
@@ -206,6 +206,6 @@ def test_pdd_help_does_not_import_torch():
 
 def test_the_simulator_knows_every_built_in_preset():
     from shared.model.presets import PRESETS
-    from shared.sim.profiles import PRESET_NAMES
+    from pdd.sim.profiles import PRESET_NAMES
 
     assert set(PRESET_NAMES) == set(PRESETS)

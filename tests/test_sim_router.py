@@ -5,11 +5,11 @@ import pytest
 
 from services.router.policy import InstanceLoad, load_of
 from shared.bus.messages import Role
-from shared.sim.agentic import BENCH, agentic_open_loop
-from shared.sim.chip import Chip
-from shared.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
-from shared.sim.router import SimRouter
-from shared.sim.simulator import simulate
+from pdd.sim.agentic import BENCH, agentic_open_loop
+from pdd.sim.chip import Chip
+from pdd.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
+from pdd.sim.router import SimRouter
+from pdd.sim.simulator import simulate
 from tests.sim_util import BLOCK, FLAT, TINY
 
 SMALL = Chip("small", FLAT.step, kv_capacity_bytes=16 * 16 * 600, price_per_hour=1.0)  # 600 blocks: requests wait

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from shared.sim import run
-from shared.sim.profiles import model_spec
-from shared.sim.specs import (
+from pdd.sim import run
+from pdd.sim.profiles import model_spec
+from pdd.sim.specs import (
     deployments_from_args,
     settings_from_args,
     sla_from_args,
     workload_from_args,
 )
-from shared.sim.trace import MOONCAKE_BLOCK
+from pdd.sim.trace import MOONCAKE_BLOCK
 
-SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "shared/sim/traces/agentic-sample.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "pdd/sim/traces/agentic-sample.jsonl"
 # One instance per role under a few seconds of 4096-token prompts that hit half their prefix:
 # a P serves ~10 of them a second, so a goodput search stops after a few short probes.
 TINY = ["--prefill", "1", "--relay", "1", "--decode", "1", "--workload", "fixed-hit:0.5", "--input-tokens", "4096",

@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from shared.sim.agentic import output_block_hashes
-from shared.sim.deployment import RoleSpec, same_dc
-from shared.sim.simulator import simulate
-from shared.sim.workload import Workload
+from pdd.sim.agentic import output_block_hashes
+from pdd.sim.deployment import RoleSpec, same_dc
+from pdd.sim.simulator import simulate
+from pdd.sim.workload import Workload
 from tests.sim_util import BLOCK, FLAT, TINY, request
 
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared.sim import validate as v
-from shared.sim.deployment import LinkSpec
-from shared.sim.profiles import chip, model_spec
-from shared.sim.records import SimResult
-from shared.sim.step_cost import decode_load
+from pdd.sim import validate as v
+from pdd.sim.deployment import LinkSpec
+from pdd.sim.profiles import chip, model_spec
+from pdd.sim.records import SimResult
+from pdd.sim.step_cost import decode_load
 
 AGENTIC = {  # what bench/e2e.py records (vars of its arguments), cut to a tiny workload
     "scenario": "agentic", "seed": 0, "prefill_chunk": 256, "delay_ms": 15.0, "jitter_ms": 2.0,

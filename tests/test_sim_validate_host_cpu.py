@@ -1,5 +1,5 @@
-"""The measured host-CPU model of `pdd sim validate`: the bench's CPU accounts (bench/cpu.py) on
-hand-made snapshots and on real processes, and the step-time factor they give (shared/sim/host_cpu.py)
+"""The measured host-CPU model of `pdd sim validate`: the bench's CPU accounts (pdd/benchkit/cpu.py) on
+hand-made snapshots and on real processes, and the step-time factor they give (pdd/sim/host_cpu.py)
 on hand-computable cases."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
-from shared.sim import validate as v
-from shared.sim.host_cpu import HostCpu, engines_seen_busy, from_account
+from pdd.benchkit.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
+from pdd.sim import validate as v
+from pdd.sim.host_cpu import HostCpu, engines_seen_busy, from_account
 from tests.test_sim_validate import AGENTIC, SINGLE, _rows
 
 

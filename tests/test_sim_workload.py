@@ -12,7 +12,7 @@ import pytest
 
 from bench.client import random_tokens
 from bench.e2e import BLOCK, Session, build_prompt, parse_args
-from shared.sim.agentic import (
+from pdd.sim.agentic import (
     BENCH,
     PAPER,
     AgenticParams,
@@ -24,8 +24,8 @@ from shared.sim.agentic import (
     make_plans,
     prefix_hits,
 )
-from shared.sim.trace import TraceError, read_mooncake, write_mooncake
-from shared.sim.workload import SimRequest, Workload
+from pdd.sim.trace import TraceError, read_mooncake, write_mooncake
+from pdd.sim.workload import SimRequest, Workload
 
 # ---------------------------------------------------------------- the bench's plans, unchanged
 
@@ -241,7 +241,7 @@ def test_malformed_trace_lines_name_the_line(tmp_path, line, message):
 
 
 def test_the_shipped_sample_trace_reads():
-    w = read_mooncake("shared/sim/traces/agentic-sample.jsonl")
+    w = read_mooncake("pdd/sim/traces/agentic-sample.jsonl")
     prof = hit_profile(w)
     assert len(w.requests) >= 200 and prof["outlier_share"] is None
     assert 0.75 <= prof["mean"] <= 0.95

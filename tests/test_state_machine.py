@@ -2,7 +2,7 @@ from enum import Enum, auto
 
 import pytest
 
-from shared.state_machine import IllegalTransition, StateMachine, table_of
+from shared.serving.state_machine import IllegalTransition, StateMachine, table_of
 
 
 class Door(Enum):

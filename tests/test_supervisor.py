@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from shared import up
-from shared.launch import NatsSpec, ProcessSpec, UpOptions
+from pdd.launch import NatsSpec, ProcessSpec, UpOptions
 from shared.ports import free_port
-from shared.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
+from pdd.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
 from tests.polling import until
 
 FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, stable_after_s=30, crash_loop_crashes=3)
@@ -126,7 +126,7 @@ async def test_exited_child_is_restarted_with_backoff_and_a_new_pid_file(tmp_pat
     sup = Supervisor(tmp_path, grace_s=5, policy=dataclasses.replace(FAST, crash_loop_crashes=4))
     (child,) = await sup.start_all([_py("flaky", code)])
     first = child.pid
-    caplog.set_level(logging.INFO, logger="shared.supervisor")
+    caplog.set_level(logging.INFO, logger="pdd.supervisor")
     task = asyncio.create_task(sup.supervise(poll_s=0.02))
     try:
         await until(lambda: runs.exists() and len(runs.read_text()) == 3 and child.running)
@@ -154,7 +154,7 @@ async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Pat
     )
     sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
     scaled_in, killed = await sup.start_all([_py("relay-1", drains), _py("relay", "import time; time.sleep(60)")])
-    caplog.set_level(logging.INFO, logger="shared.supervisor")
+    caplog.set_level(logging.INFO, logger="pdd.supervisor")
     task = asyncio.create_task(sup.supervise(poll_s=0.02))
     try:
         first = killed.pid

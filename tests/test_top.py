@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from shared.top import Scrape, build_view, by_label, human_bytes, instance_rows, parse_metrics, rates, render
+from pdd.top import Scrape, build_view, by_label, human_bytes, instance_rows, parse_metrics, rates, render
 
 BEFORE = """\
 # TYPE pdd_requests counter

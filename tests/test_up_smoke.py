@@ -1,4 +1,4 @@
-"""`pdd up` end to end: the real processes from shared/launch.py, on a free port block; up, one
+"""`pdd up` end to end: the real processes from pdd/launch.py, on a free port block; up, one
 request, and down again (by itself, and by a terminal's Ctrl-C)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.launch import PORT_BLOCK
+from pdd.launch import PORT_BLOCK
 from shared.ports import free_port_block
-from shared.system import start_system
+from pdd.system import start_system
 
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:
     base = free_port_block(PORT_BLOCK)
-    argv = [sys.executable, "-m", "shared.cli", "up", "--smoke", "--workdir", str(tmp_path), "--base-port", str(base)]
+    argv = [sys.executable, "-m", "pdd.cli", "up", "--smoke", "--workdir", str(tmp_path), "--base-port", str(base)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

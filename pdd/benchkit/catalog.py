@@ -1,13 +1,14 @@
-"""The benchmarks `pdd bench NAME` runs: every module of this package with a main(), each
+"""The benchmarks `pdd bench NAME` runs: every module of the bench package with a main(), each
 described by the first line of its docstring (read from the source: importing some pulls in torch)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(importlib.util.find_spec("bench").origin).parent  # found, not imported: bench imports this
 MAIN = re.compile(r"^def main\(", re.MULTILINE)
 
 

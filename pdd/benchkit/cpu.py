@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.supervisor import RUN_DIR
+from pdd.supervisor import RUN_DIR
 
 TICK = os.sysconf("SC_CLK_TCK")
 ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the services that run an engine in-process

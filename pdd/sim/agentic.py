@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from shared.engine.hashing import hash_block
-from shared.sim.workload import SimRequest, Workload
+from pdd.sim.workload import SimRequest, Workload
 
 _OUTPUT_TAG = 0xFFFF_FFFE  # content ids of output blocks: no fresh block (a counter) reaches it
 _U32 = 0xFFFF_FFFF

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.sim.deployment import Deployment
-from shared.sim.goodput import Goodput, sla_goodput
-from shared.sim.model_spec import ModelSpec
-from shared.sim.simulator import SimSettings
-from shared.sim.sla import Sla
-from shared.sim.workload import Workload
+from pdd.sim.deployment import Deployment
+from pdd.sim.goodput import Goodput, sla_goodput
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.simulator import SimSettings
+from pdd.sim.sla import Sla
+from pdd.sim.workload import Workload
 
 GRID = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.99)
 

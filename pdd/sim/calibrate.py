@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cpu import host_busy_s
-from bench.progress import add_quiet_option, progress
-from shared.sim.profiles import load_profile, model_spec, profile_dir_for_writing, step_cost_to_json
-from shared.sim.step_cost import Linear, StepCost, StepLoad, chunk_load, decode_load
+from pdd.benchkit.cpu import host_busy_s
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.sim.profiles import load_profile, model_spec, profile_dir_for_writing, step_cost_to_json
+from pdd.sim.step_cost import Linear, StepCost, StepLoad, chunk_load, decode_load
 
 # (load field, its Linear coefficient): what the compute term is fitted on
 FIELDS = (("tokens", "per_token"), ("attn", "per_attn"), ("kv_read", "per_kv_read"), ("seqs", "per_seq"))
@@ -354,7 +354,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     "runs each engine (with 1 thread, steps are timed in CPU time: a busy host does not skew them)")
     ap.add_argument("--wall-clock", action="store_true", help="time steps by the wall clock even with 1 CPU thread")
     ap.add_argument("--out", default="cpu-calibrated", help="profile name; written to $PDD_SIM_PROFILES "
-                    "(or shared/sim/profiles/) as NAME.json; default: cpu-calibrated")  # fmt: skip
+                    "(or pdd/sim/profiles/) as NAME.json; default: cpu-calibrated")  # fmt: skip
     ap.add_argument("--price", type=float, default=None, help="USD per instance-hour; default: a 2-vCPU VM on "
                     "cpu, the matching roofline profile's on a known GPU")  # fmt: skip
     ap.add_argument("--price-source", default=None, help="where --price comes from (written into the profile)")

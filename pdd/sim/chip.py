@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.sim.step_cost import StepCost
+from pdd.sim.step_cost import StepCost
 
 
 @dataclass(frozen=True)

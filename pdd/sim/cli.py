@@ -1,7 +1,7 @@
 """`pdd sim`: one subcommand per module; each module's main(argv) parses its own arguments.
 
 A command's module is imported only when the command runs, so `pdd sim --help` stays fast
-and a new command is one line here plus shared/sim/<module>.py with a main(argv).
+and a new command is one line here plus pdd/sim/<module>.py with a main(argv).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 # name: (module with main(argv) -> int, one line for `pdd sim --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("shared.sim.run", "simulate one deployment under one workload: latencies, goodput, cost, bandwidth"),
-    "calibrate": ("shared.sim.calibrate", "time the real engine here and write a calibrated hardware profile"),
-    "validate": ("shared.sim.validate", "simulate the `pdd bench e2e` scenarios and compare with measured runs"),
-    "paper": ("shared.sim.paper", "reproduce the paper's fleet table (88 A same-DC vs 43 A + 32 B PDD)"),
-    "plan": ("shared.sim.plan", "cheapest (P, RLD, MD) counts per datacenter that meet an SLA"),
-    "profiles": ("shared.sim.list_profiles", "list the hardware profiles and model shapes with their key figures"),
+    "run": ("pdd.sim.run", "simulate one deployment under one workload: latencies, goodput, cost, bandwidth"),
+    "calibrate": ("pdd.sim.calibrate", "time the real engine here and write a calibrated hardware profile"),
+    "validate": ("pdd.sim.validate", "simulate the `pdd bench e2e` scenarios and compare with measured runs"),
+    "paper": ("pdd.sim.paper", "reproduce the paper's fleet table (88 A same-DC vs 43 A + 32 B PDD)"),
+    "plan": ("pdd.sim.plan", "cheapest (P, RLD, MD) counts per datacenter that meet an SLA"),
+    "profiles": ("pdd.sim.list_profiles", "list the hardware profiles and model shapes with their key figures"),
 }
 
 

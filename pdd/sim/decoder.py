@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from shared.sim.chip import Chip
-from shared.sim.events import EventLoop
-from shared.sim.instance import Instance
+from pdd.sim.chip import Chip
+from pdd.sim.events import EventLoop
+from pdd.sim.instance import Instance
 
 TokenSink = Callable[[float, float, int, float], None]  # (first time, last time, tokens, largest gap between them)
 
@@ -70,7 +70,7 @@ class DecodeInstance(Instance):
 
     def join_imported(self, seq: Seq) -> None:
         """A sequence whose KV has just arrived. The engine runs commands between steps on its
-        one thread (shared/engine/engine_loop.py): the import runs when the step in progress
+        one thread (shared/serving/engine_loop.py): the import runs when the step in progress
         ends, and the add is a second command, so on a busy decoder it waits for the step that
         began meanwhile."""
         def imported() -> None:

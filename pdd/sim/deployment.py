@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.sim.chip import Chip
-from shared.sim.link import IN_DC, LinkSpec
+from pdd.sim.chip import Chip
+from pdd.sim.link import IN_DC, LinkSpec
 
 __all__ = ["IN_DC", "Deployment", "LinkSpec", "RoleSpec", "naive", "pdd", "same_dc"]
 

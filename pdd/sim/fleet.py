@@ -11,17 +11,17 @@ from collections.abc import Callable
 
 from shared.bus.messages import Pipeline, Role
 from shared.config import RelaySettings
-from shared.sim.agentic import output_block_hashes
-from shared.sim.decoder import Seq
-from shared.sim.events import EventLoop
-from shared.sim.handoff import Relaying
-from shared.sim.instance import Blocks, Instance
-from shared.sim.job import Job
-from shared.sim.link import Link
-from shared.sim.prefill import PrefillWork
-from shared.sim.records import RequestRecord, TokenTimes
-from shared.sim.router import SimRouter
-from shared.sim.workload import SimRequest
+from pdd.sim.agentic import output_block_hashes
+from pdd.sim.decoder import Seq
+from pdd.sim.events import EventLoop
+from pdd.sim.handoff import Relaying
+from pdd.sim.instance import Blocks, Instance
+from pdd.sim.job import Job
+from pdd.sim.link import Link
+from pdd.sim.prefill import PrefillWork
+from pdd.sim.records import RequestRecord, TokenTimes
+from pdd.sim.router import SimRouter
+from pdd.sim.workload import SimRequest
 
 
 class Fleet:
@@ -159,7 +159,7 @@ class Fleet:
 
     def _md_finished(self, job: Job) -> None:
         # As the engine does, MD keeps the KV of the tokens it generated too: the session's next
-        # turn starts with them (shared/sim/agentic.py names those blocks).
+        # turn starts with them (pdd/sim/agentic.py names those blocks).
         if job.md_blocks is not None:
             hashes = job.req.block_hashes + output_block_hashes(job.req, self.block_size)
             job.md.register(job.md_blocks, hashes, len(hashes))

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from shared.sim.deployment import Deployment
-from shared.sim.model_spec import ModelSpec
-from shared.sim.records import SimResult
-from shared.sim.simulator import SimSettings, simulate
-from shared.sim.sla import Sla
-from shared.sim.workload import Workload
+from pdd.sim.deployment import Deployment
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.records import SimResult
+from pdd.sim.simulator import SimSettings, simulate
+from pdd.sim.sla import Sla
+from pdd.sim.workload import Workload
 
 
 @dataclass

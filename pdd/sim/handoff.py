@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 from services.relay.handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
 from shared.bus.messages import HandoffMode
 from shared.config import RelaySettings
-from shared.sim.decoder import Extend, Seq
-from shared.sim.instance import Blocks
-from shared.sim.job import Job
+from pdd.sim.decoder import Extend, Seq
+from pdd.sim.instance import Blocks
+from pdd.sim.job import Job
 
 if TYPE_CHECKING:
-    from shared.sim.fleet import Fleet
+    from pdd.sim.fleet import Fleet
 
 
 class Relaying:

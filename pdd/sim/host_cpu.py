@@ -1,7 +1,7 @@
 """The measured host's CPU as the simulated engines get it.
 
 `pdd bench e2e` records, per deployment, the wall seconds of its timed runs, the host's busy CPU
-seconds and the CPU seconds of each process (bench/cpu.py). Everything that is not an engine
+seconds and the CPU seconds of each process (pdd/benchkit/cpu.py). Everything that is not an engine
 process (router, NATS servers, WAN emulator, supervisor, the bench's streaming clients, the idle
 systems and other tenants of the host) is *background*: background cores = (host busy CPU -
 engine processes' CPU) / wall seconds. Short bursts of such work wake up ahead of a CPU-bound
@@ -39,7 +39,7 @@ class HostCpu:
 
 
 def from_account(account: dict, cores: float) -> HostCpu:
-    """From one deployment's bench/cpu.py account: background = (host busy - engines) / wall."""
+    """From one deployment's pdd/benchkit/cpu.py account: background = (host busy - engines) / wall."""
     background = (account["host_busy_s"] - account["engines_s"]) / account["wall_s"] if account["wall_s"] > 0 else 0.0
     return HostCpu(cores, max(0.0, background))
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.engine.block_pool import blocks_for
-from shared.sim.block_pool import SimBlockPool
-from shared.sim.chip import Chip
-from shared.sim.events import EventLoop
+from pdd.sim.block_pool import SimBlockPool
+from pdd.sim.chip import Chip
+from pdd.sim.events import EventLoop
 
 
 @dataclass(eq=False, slots=True)

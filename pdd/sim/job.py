@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.bus.messages import HandoffMode, Pipeline
-from shared.sim.decoder import DecodeInstance, Seq
-from shared.sim.instance import Blocks
-from shared.sim.link import Transfer
-from shared.sim.prefill import PrefillInstance
-from shared.sim.records import RequestRecord, TokenTimes, latencies
-from shared.sim.workload import SimRequest
+from pdd.sim.decoder import DecodeInstance, Seq
+from pdd.sim.instance import Blocks
+from pdd.sim.link import Transfer
+from pdd.sim.prefill import PrefillInstance
+from pdd.sim.records import RequestRecord, TokenTimes, latencies
+from pdd.sim.workload import SimRequest
 
 
 @dataclass(eq=False)

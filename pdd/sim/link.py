@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.sim.events import EventLoop
+from pdd.sim.events import EventLoop
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from shared.sim.profiles import chip, load_profile, model_names, model_spec, profile_names
-from shared.sim.step_cost import chunk_load
+from pdd.sim.profiles import chip, load_profile, model_names, model_spec, profile_names
+from pdd.sim.step_cost import chunk_load
 
 PROBE_CONTEXT = 1024  # the decode step and prefill chunk shown per profile with --model
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdd sim profiles", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help=f"also show what each profile makes of this model: {', '.join(model_names())}")
     args = ap.parse_args(argv)
-    print("hardware profiles (shared/sim/profiles/, $PDD_SIM_PROFILES):")
+    print("hardware profiles (pdd/sim/profiles/, $PDD_SIM_PROFILES):")
     for name in profile_names():
         print("  " + profile_line(name))
     print("models: " + ", ".join(model_names()))

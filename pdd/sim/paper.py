@@ -33,18 +33,18 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from bench.progress import add_quiet_option, progress
-from bench.report import pyplot, save_report
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import pyplot, save_report
 from shared.config import RouterSettings
-from shared.sim import profiles
-from shared.sim.agentic import PAPER, agentic_open_loop, hit_profile
-from shared.sim.chip import Chip
-from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
-from shared.sim.goodput import Goodput, Probe, bcr, probe, sla_goodput
-from shared.sim.records import RequestRecord
-from shared.sim.simulator import SimSettings
-from shared.sim.sla import Sla
-from shared.sim.workload import Workload
+from pdd.sim import profiles
+from pdd.sim.agentic import PAPER, agentic_open_loop, hit_profile
+from pdd.sim.chip import Chip
+from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
+from pdd.sim.goodput import Goodput, Probe, bcr, probe, sla_goodput
+from pdd.sim.records import RequestRecord
+from pdd.sim.simulator import SimSettings
+from pdd.sim.sla import Sla
+from pdd.sim.workload import Workload
 
 MODEL = "qwen2.5-7b"
 BLOCK_SIZE = 512

@@ -1,8 +1,8 @@
 """`pdd sim plan`: the cheapest PDD fleet (P and RLD in dc-a, MD in dc-b, one WAN line) that
 meets an SLA under a workload, beside the cheapest same-DC PD fleet meeting the same SLA.
 
-Every candidate fleet is judged by simulating the whole workload on it (shared/sim/goodput.py
-probe); shared/sim/planner.py says how the search picks the few fleets it simulates.
+Every candidate fleet is judged by simulating the whole workload on it (pdd/sim/goodput.py
+probe); pdd/sim/planner.py says how the search picks the few fleets it simulates.
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from bench.progress import add_quiet_option, progress
-from bench.report import save_report
-from shared.sim import planner
-from shared.sim.agentic import PAPER, agentic_open_loop, prefix_hits
-from shared.sim.chip import Chip
-from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, pdd, same_dc
-from shared.sim.goodput import probe
-from shared.sim.model_spec import ModelSpec
-from shared.sim.planner import Fleet, Outcome, Shape
-from shared.sim.profiles import MODELS_DIR, chip, model_spec
-from shared.sim.records import SimResult
-from shared.sim.simulator import SimSettings
-from shared.sim.sla import Sla
-from shared.sim.trace import read_mooncake
-from shared.sim.workload import Workload
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import save_report
+from pdd.sim import planner
+from pdd.sim.agentic import PAPER, agentic_open_loop, prefix_hits
+from pdd.sim.chip import Chip
+from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, pdd, same_dc
+from pdd.sim.goodput import probe
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.planner import Fleet, Outcome, Shape
+from pdd.sim.profiles import MODELS_DIR, chip, model_spec
+from pdd.sim.records import SimResult
+from pdd.sim.simulator import SimSettings
+from pdd.sim.sla import Sla
+from pdd.sim.trace import read_mooncake
+from pdd.sim.workload import Workload
 
 OUT = "bench/out/sim_plan.json"
 BLOCK = 16  # the engine's KV block (EngineSettings.block_size)

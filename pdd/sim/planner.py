@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from shared.sim.step_cost import StepCost, chunk_load
+from pdd.sim.step_cost import StepCost, chunk_load
 
 ROLES = ("prefill", "relay", "decode")
 GROWTH = 0.25  # a growth step adds this share of a role's instances (at least one)

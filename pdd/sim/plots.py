@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.report import pyplot
+from pdd.benchkit.report import pyplot
 
 LATENCIES = (("ttft", "TTFT"), ("tt2t", "2nd token"), ("tpot", "TPOT"), ("max_gap", "max gap"))
 

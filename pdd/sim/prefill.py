@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.sim.chip import Chip
-from shared.sim.events import EventLoop
-from shared.sim.instance import Blocks, Instance
+from pdd.sim.chip import Chip
+from pdd.sim.events import EventLoop
+from pdd.sim.instance import Blocks, Instance
 
 CacheEvents = Callable[[str, list[int], list[int]], None]  # (instance, stored, evicted)
 

@@ -1,10 +1,10 @@
 """Model shapes and hardware profiles as data, and the Chip a profile makes of a model.
 
-Model shapes: shared/sim/models/<name>.json (the fields of a Hugging Face config.json, with the
+Model shapes: pdd/sim/models/<name>.json (the fields of a Hugging Face config.json, with the
 file they come from as "source"), plus the built-in presets "tiny" and "small", read from
 shared/model/presets.py in fp32 as the real engine runs them by default.
 
-Hardware profiles: shared/sim/profiles/<name>.json, and $PDD_SIM_PROFILES/<name>.json (which
+Hardware profiles: pdd/sim/profiles/<name>.json, and $PDD_SIM_PROFILES/<name>.json (which
 wins on a name clash). Two kinds:
   roofline    peak bf16 FLOP/s, HBM bandwidth, memory, efficiency factors, a per-step overhead
               and a price: the step cost of any model follows from its shape;
@@ -20,9 +20,9 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from shared.sim.chip import Chip
-from shared.sim.model_spec import ModelSpec
-from shared.sim.step_cost import Linear, StepCost
+from pdd.sim.chip import Chip
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.step_cost import Linear, StepCost
 
 HERE = Path(__file__).parent
 MODELS_DIR = HERE / "models"

@@ -12,10 +12,10 @@ from services.router.prefix_index import PrefixIndex
 from services.router.route_plan import LinkView, RouteContext, RoutePlan, plan_route
 from shared.bus.messages import Role
 from shared.config import RouterSettings
-from shared.sim.events import EventLoop
-from shared.sim.instance import Instance
-from shared.sim.link import Link
-from shared.sim.workload import SimRequest
+from pdd.sim.events import EventLoop
+from pdd.sim.instance import Instance
+from pdd.sim.link import Link
+from pdd.sim.workload import SimRequest
 
 
 class SimRouter:

@@ -15,18 +15,18 @@ import dataclasses
 import sys
 import time
 
-from bench.progress import add_quiet_option, progress
-from bench.report import save_report
-from shared.sim import plots
-from shared.sim.agentic import hit_profile
-from shared.sim.bathtub import GRID, bathtub
-from shared.sim.deployment import Deployment
-from shared.sim.goodput import bcr, sla_goodput
-from shared.sim.model_spec import ModelSpec
-from shared.sim.records import SimResult, percentile
-from shared.sim.simulator import SimSettings, simulate
-from shared.sim.sla import Sla
-from shared.sim.specs import (
+from pdd.benchkit.progress import add_quiet_option, progress
+from pdd.benchkit.report import save_report
+from pdd.sim import plots
+from pdd.sim.agentic import hit_profile
+from pdd.sim.bathtub import GRID, bathtub
+from pdd.sim.deployment import Deployment
+from pdd.sim.goodput import bcr, sla_goodput
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.records import SimResult, percentile
+from pdd.sim.simulator import SimSettings, simulate
+from pdd.sim.sla import Sla
+from pdd.sim.specs import (
     SpecError,
     WorkloadSpec,
     add_deployment_options,
@@ -39,7 +39,7 @@ from shared.sim.specs import (
     sla_from_args,
     workload_from_args,
 )
-from shared.sim.workload import Workload
+from pdd.sim.workload import Workload
 
 OUT = "bench/out/sim_run.json"
 LATENCY_KEYS = ("ttft", "tt2t", "tpot", "max_gap")

@@ -1,6 +1,6 @@
 """`simulate`: one deployment serving one workload, on the project's own policy code.
 
-The pieces, one per file, are listed in shared/sim/__init__.py.
+The pieces, one per file, are listed in pdd/sim/__init__.py.
 
 Simplifications a capacity planner should know: a decoder reserves KV blocks for the whole
 request (prompt and output) when it takes it, so there is no preemption; MD's tokens reach
@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 
 from shared.bus.messages import Role
 from shared.config import RelaySettings, RouterSettings
-from shared.sim.decoder import DecodeInstance
-from shared.sim.deployment import Deployment, RoleSpec
-from shared.sim.events import EventLoop
-from shared.sim.fleet import Fleet
-from shared.sim.instance import Instance
-from shared.sim.job import Job
-from shared.sim.link import Link
-from shared.sim.model_spec import ModelSpec
-from shared.sim.prefill import PrefillInstance
-from shared.sim.records import SimResult
-from shared.sim.router import SimRouter
-from shared.sim.workload import SimRequest, Workload
+from pdd.sim.decoder import DecodeInstance
+from pdd.sim.deployment import Deployment, RoleSpec
+from pdd.sim.events import EventLoop
+from pdd.sim.fleet import Fleet
+from pdd.sim.instance import Instance
+from pdd.sim.job import Job
+from pdd.sim.link import Link
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.prefill import PrefillInstance
+from pdd.sim.records import SimResult
+from pdd.sim.router import SimRouter
+from pdd.sim.workload import SimRequest, Workload
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.sim.records import RequestRecord
+from pdd.sim.records import RequestRecord
 
 
 @dataclass(frozen=True)

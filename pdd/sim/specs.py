@@ -16,14 +16,14 @@ import argparse
 from dataclasses import dataclass, replace
 
 from shared.config import RelaySettings, RouterSettings
-from shared.sim.agentic import BENCH, PAPER, agentic_open_loop, fixed_hit_open_loop
-from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
-from shared.sim.model_spec import ModelSpec
-from shared.sim.profiles import chip, model_spec
-from shared.sim.simulator import SimSettings
-from shared.sim.sla import Sla
-from shared.sim.trace import read_mooncake
-from shared.sim.workload import Workload
+from pdd.sim.agentic import BENCH, PAPER, agentic_open_loop, fixed_hit_open_loop
+from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.profiles import chip, model_spec
+from pdd.sim.simulator import SimSettings
+from pdd.sim.sla import Sla
+from pdd.sim.trace import read_mooncake
+from pdd.sim.workload import Workload
 
 DEFAULT_MODEL = "qwen2.5-7b"
 KINDS = ("same-dc", "naive", "pdd")

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from shared.engine.hashing import hash_block
-from shared.sim.workload import SimRequest, Workload
+from pdd.sim.workload import SimRequest, Workload
 
 MOONCAKE_BLOCK = 512  # tokens per hash id in the published traces
 _U32 = 0xFFFF_FFFF

@@ -10,7 +10,7 @@ error, within ±25%; and per metric whether the deployments come in the same ord
 The host: the bench runs the engines of one deployment at a time on a shared 2-core machine,
 one torch thread each, while cpu-calibrated times one engine alone on a core. Step times are
 multiplied by one CPU-share factor per deployment (`--cpu-share`). By default (measured) it
-comes from the CPU seconds the bench recorded per deployment (shared/sim/host_cpu.py): the
+comes from the CPU seconds the bench recorded per deployment (pdd/sim/host_cpu.py): the
 non-engine work (router, NATS, WAN emulator, the client, other tenants) takes its measured cores
 first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)),
 "engines a step sees busy" from the engines' busy spells in a first simulation at full speed.
@@ -33,16 +33,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.config import RelaySettings, RouterSettings
-from shared.sim.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
-from shared.sim.chip import Chip
-from shared.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
-from shared.sim.host_cpu import HostCpu, engines_seen_busy, from_account
-from shared.sim.model_spec import ModelSpec
-from shared.sim.profiles import chip, model_spec
-from shared.sim.records import RequestRecord, SimResult, percentile
-from shared.sim.simulator import SimSettings, simulate
-from shared.sim.step_cost import Linear, StepCost
-from shared.sim.workload import SimRequest, Workload
+from pdd.sim.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
+from pdd.sim.chip import Chip
+from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
+from pdd.sim.host_cpu import HostCpu, engines_seen_busy, from_account
+from pdd.sim.model_spec import ModelSpec
+from pdd.sim.profiles import chip, model_spec
+from pdd.sim.records import RequestRecord, SimResult, percentile
+from pdd.sim.simulator import SimSettings, simulate
+from pdd.sim.step_cost import Linear, StepCost
+from pdd.sim.workload import SimRequest, Workload
 
 TOLERANCE = 0.25  # a simulated median within ±25% of the measured one
 METRICS = {"ttft": "TTFT", "tt2t": "2nd token", "max_gap": "max gap", "tpot": "TPOT"}

@@ -69,9 +69,9 @@ class RdmaIntake:
             return refused
         hashes = [h for h in dict.fromkeys(msg.hashes) if h in job.missing and h not in job.received]
         loop = self.service.engine_loop
-        slots = await loop.call(self.service.engine.transfer.take_spare, msg.rid, len(hashes))
+        slots = await loop.call(self.service.engine.exchange.take_spare, msg.rid, len(hashes))
         if self.service.receiving_job(msg.rid) is not job:  # dropped meanwhile: nothing was written yet
-            await loop.call(self.service.engine.transfer.release_blocks, slots, must_run=True)
+            await loop.call(self.service.engine.exchange.release_blocks, slots, must_run=True)
             refused.error = f"request {msg.rid} ended"
             return refused
         hashes = hashes[: len(slots)]
@@ -91,7 +91,7 @@ class RdmaIntake:
         if len(msg.checksums) != len(msg.hashes) or msg.algo not in ALGOS or not all(h in offered for h in msg.hashes):
             return RdmaVerdict(ok=False, error="blocks not offered to this request")
         slots = [offered.pop(h) for h in msg.hashes]  # written: out of quarantine's reach
-        job, transfer = self.service.receiving_job(msg.rid), self.service.engine.transfer
+        job, transfer = self.service.receiving_job(msg.rid), self.service.engine.exchange
         if job is None:
             await self.service.engine_loop.call(transfer.release_blocks, slots, must_run=True)
             return RdmaVerdict(ok=False, error=f"request {msg.rid} ended")
@@ -103,7 +103,7 @@ class RdmaIntake:
 
     def _verify(self, rid: str, checks: list[tuple[int, int, int]], algo: str) -> tuple[list[int], list[int]]:  # engine thread
         """Cache each block whose slot holds what prefill wrote; hand back the others' slots."""
-        kv, transfer = self.service.engine.kv_cache, self.service.engine.transfer
+        kv, transfer = self.service.engine.kv_cache, self.service.engine.exchange
         good, corrupt = [], []
         for h, slot, expected in checks:
             if block_checksum(kv, slot, algo) == expected:
@@ -123,7 +123,7 @@ class RdmaIntake:
         wrote none of them, or its write ended: it falls back only then)."""
         offered = self.offered.get(job.rid, {})
         slots = [offered.pop(h) for h in hashes if h in offered]
-        transfer = self.service.engine.transfer
+        transfer = self.service.engine.exchange
         for slot in slots:
             await self.service.engine_loop.call(transfer.return_spare, job.rid, slot, must_run=True)
 
@@ -146,7 +146,7 @@ class RdmaIntake:
         if not held:
             self.quarantined.pop(rid, None)
         if slots:
-            await self.service.engine_loop.call(self.service.engine.transfer.release_blocks, slots, must_run=True)
+            await self.service.engine_loop.call(self.service.engine.exchange.release_blocks, slots, must_run=True)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -36,15 +36,15 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings
 from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
-from shared.engine.admission import Verdict
+from shared.engine.request_admission import Verdict
 from shared.kv.transport import advertised_address
-from shared.state_machine import StateMachine, table_of
+from shared.serving.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from ..engine_service import EngineService, outcome_of, token_event
-from .kv_admission import KVAdmissionQueue, KVBusy
+from shared.serving.engine_service import EngineService, outcome_of, token_event
+from .prepare_admission import KVAdmissionQueue, KVBusy
 from .rdma_intake import RdmaIntake
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class MainDecodeService(EngineService):
             )
 
         async def attempt() -> int | None:
-            verdict, have = await self.engine_loop.call(self.engine.transfer.reserve, msg.rid, msg.block_hashes, need)
+            verdict, have = await self.engine_loop.call(self.engine.exchange.reserve, msg.rid, msg.block_hashes, need)
             return have if verdict is Verdict.ADMIT else None
 
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
@@ -216,7 +216,7 @@ class MainDecodeService(EngineService):
         if len(fresh) < len(hashes):
             hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
         await self.rdma.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
-        await self.engine_loop.call(self.engine.transfer.import_blocks, hashes, kv, pin=rid)
+        await self.engine_loop.call(self.engine.exchange.import_blocks, hashes, kv, pin=rid)
         self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
 
     async def on_done(self, rid: str, payload: bytes) -> None:

@@ -3,7 +3,7 @@
 import asyncio
 
 from shared.config import PrefillSettings
-from shared.runtime import serve_service, setup_logging
+from shared.serving.runtime import serve_service, setup_logging
 
 from .service import PrefillService
 

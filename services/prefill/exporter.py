@@ -47,7 +47,7 @@ class BlockExporter:
         plan.md_missing = frozenset(missing)
         done = self.engine.computed_block_hashes(rid)[: plan.exported]
         wanted = [h for h in done if h in plan.md_missing]
-        return BlockExport(rid, wan=(wanted, self.engine.transfer.export_blocks(wanted))) if wanted else None
+        return BlockExport(rid, wan=(wanted, self.engine.exchange.export_blocks(wanted))) if wanted else None
 
     def after_step(self, engine: LLMEngine) -> list[BlockExport]:
         """After each step: export the full blocks that just got computed."""
@@ -67,8 +67,8 @@ class BlockExporter:
         idx = [i for i, h in enumerate(new) if h in md]
         if not plan.to_local:
             wanted = [new[i] for i in idx]
-            return BlockExport(rid, wan=(wanted, self.engine.transfer.export_blocks(wanted))) if wanted else None
-        kv = self.engine.transfer.export_blocks(new)
+            return BlockExport(rid, wan=(wanted, self.engine.exchange.export_blocks(wanted))) if wanted else None
+        kv = self.engine.exchange.export_blocks(new)
         wan = None
         if idx:
             wan = ([new[i] for i in idx], kv if len(idx) == len(new) else kv[:, :, idx].contiguous())

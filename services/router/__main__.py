@@ -3,8 +3,8 @@
 import uvicorn
 
 from shared.config import RouterSettings
-from shared.launch import ENV_PREFIX
-from shared.runtime import setup_logging
+from shared.config import ENV_PREFIX
+from shared.serving.runtime import setup_logging
 from shared.security.credentials import require_credentials
 
 from .main import build_app

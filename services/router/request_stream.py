@@ -17,7 +17,7 @@ from opentelemetry.trace import Span, format_trace_id
 from shared.bus.messages import DecodeReport, Pipeline, RelayReport, Role, TokenEvent
 from shared.engine import SamplingParams
 from shared.engine.logprobs import TokenLogprobs
-from shared.state_machine import StateMachine, table_of
+from shared.serving.state_machine import StateMachine, table_of
 
 from .merger import TokenMerger
 from .policy import RouteDecision

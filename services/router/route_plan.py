@@ -1,6 +1,6 @@
 """One request's route from what the router knows at that moment (pure): the loads of the live
 instances, the two prefix indexes, and the link figures toward each MD. The router service
-and the fleet simulator (shared/sim) both route through `plan_route`."""
+and the fleet simulator (pdd/sim) both route through `plan_route`."""
 
 from __future__ import annotations
 

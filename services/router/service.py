@@ -40,8 +40,8 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import RouterSettings
 from shared.engine import SamplingParams, block_hashes
-from shared.liveness import HEARTBEAT_S, ConnectionWatch
-from shared.runtime import Lifecycle
+from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch
+from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.token_latency import token_latency

@@ -13,9 +13,11 @@ also its gateway name, so the two datacenters form one supercluster) and `routes
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.bus.permissions import Permissions
+from shared.bus.permissions import PERMISSIONS, Permissions
+from shared.security.credentials import Credentials
 from shared.security.pki import Identity
 
 TLS_TIMEOUT_S = 5  # handshake bound; the default 0.5 s is tight across a slow emulated WAN
@@ -28,6 +30,11 @@ class NatsUser:
     name: str
     password: str
     permissions: Permissions | None  # None: everything (test clients only)
+
+
+def nats_users(creds: Credentials, services: Iterable[str]) -> list[NatsUser]:
+    """One NATS user per service, with its password and its row of shared/bus/permissions.py."""
+    return [NatsUser(s, creds.password(s), PERMISSIONS[s]) for s in services]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""KVTransfer: KV blocks in and out of the pool by block hash, and pins on cached blocks.
+"""BlockExchange: KV blocks in and out of the pool by block hash, and pins on cached blocks.
 
 A pin is a reference on cached blocks held for an owner (a request id) until unpin(owner),
 so they cannot be evicted while, say, the rest of a prompt's KV is on its way. Pins are
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.admission import Verdict, admission_verdict
+from shared.engine.request_admission import Verdict, admission_verdict
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, KVShortageError
 
 
-class KVTransfer:
+class BlockExchange:
     def __init__(self, pool: BlockPool, kv_cache: torch.Tensor) -> None:
         self.pool = pool
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]

@@ -2,7 +2,7 @@
 
 The engine keeps the requests and drives the pieces: RequestIntake checks what comes in,
 the Scheduler owns queues and block tables, the ModelRunner computes, the Sampler draws,
-finish_reason decides when a request ends, and KVTransfer (engine.transfer) moves and pins
+finish_reason decides when a request ends, and BlockExchange (engine.exchange) moves and pins
 KV blocks by hash. Not thread-safe: the services call every method from one worker thread.
 """
 
@@ -13,7 +13,7 @@ import logging
 import torch
 
 from shared.config import EngineSettings, ModelSettings
-from shared.engine.admission import request_blocks
+from shared.engine.request_admission import request_blocks
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
@@ -27,7 +27,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler
 from shared.engine.sequence import Mode, SeqStatus, Sequence
 from shared.engine.stopping import finish_reason
-from shared.engine.transfer import KVTransfer
+from shared.engine.block_exchange import BlockExchange
 from shared.model import load_model
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, es, self.model_id)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size)
         self.sampler = Sampler()
-        self.transfer = KVTransfer(self.pool, self.kv_cache)
+        self.exchange = BlockExchange(self.pool, self.kv_cache)
         log.info("KV pool: %d blocks of %d tokens (%.0f MB)", num_blocks, self.block_size, budget / 2**20)
         self.seqs: dict[str, Sequence] = {}  # every request the engine still knows
         self._outbox: list[StepOutput] = []  # produced between steps (extend of nothing)
@@ -239,7 +239,7 @@ class LLMEngine:
             waiting=len(self.scheduler.waiting),
             held=statuses.count(SeqStatus.HELD),
             prefilled=statuses.count(SeqStatus.PREFILLED),
-            pinned_blocks=self.transfer.num_pinned_blocks,
+            pinned_blocks=self.exchange.num_pinned_blocks,
             preemptions=self.scheduler.num_preemptions,
             kv_bytes_per_token=self.kv_bytes_per_token,
             computed_tokens=self.scheduler.num_computed_tokens,

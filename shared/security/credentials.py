@@ -61,13 +61,6 @@ class Credentials:
                 write_private(path, secrets.token_urlsafe(32).encode())
         return self
 
-    def nats_users(self, services: Iterable[str]) -> list:
-        """One NATS user per service, with its row of shared/bus/permissions.py."""
-        from shared.bus.nats_config import NatsUser
-        from shared.bus.permissions import PERMISSIONS
-
-        return [NatsUser(s, self.password(s), PERMISSIONS[s]) for s in services]
-
 
 def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: bool = True) -> Any:
     """Read the password and secret files into `settings`; exit 2 naming what is missing.

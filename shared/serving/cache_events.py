@@ -16,9 +16,9 @@ import time
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
 from shared.bus.messages import KVEvents, KVSnapshot, KVSnapshotRequest, Role
-from shared.engine.engine_loop import EngineLoop
-from shared.engine.transfer import KVTransfer
-from shared.runtime import Lifecycle
+from shared.serving.engine_loop import EngineLoop
+from shared.engine.block_exchange import BlockExchange
+from shared.serving.runtime import Lifecycle
 
 EVENTS_EVERY_S = 0.05  # how often the cache's changes go out
 IDLE_TICK_S = 1.0  # with no change for this long an empty message goes out: a lost last one shows
@@ -31,9 +31,9 @@ def last_changes(events: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
 
 
 class CacheEvents:
-    def __init__(self, role: Role, instance: str, nc, engine_loop: EngineLoop, transfer: KVTransfer) -> None:
+    def __init__(self, role: Role, instance: str, nc, engine_loop: EngineLoop, exchange: BlockExchange) -> None:
         self.role, self.instance, self.nc = role, instance, nc
-        self.engine_loop, self.transfer = engine_loop, transfer
+        self.engine_loop, self.exchange = engine_loop, exchange
         self.epoch = secrets.token_hex(8)  # this process: a router sees a restart by its change
         self.seq = 0  # the last message's number (engine thread)
         self._sent_at = -math.inf
@@ -45,14 +45,14 @@ class CacheEvents:
 
     # ---- engine thread -------------------------------------------------------------------
     def _take(self, tick: bool) -> tuple[int, list[tuple[str, int]]] | None:
-        events = self.transfer.drain_events()
+        events = self.exchange.drain_events()
         if not events and not tick:
             return None
         self.seq += 1
         return self.seq, events
 
     def _snapshot(self) -> tuple[int, list[int]]:
-        return self.seq, self.transfer.cached_hashes()
+        return self.seq, self.exchange.cached_hashes()
 
     # ---- event loop ----------------------------------------------------------------------
     async def publish(self) -> None:

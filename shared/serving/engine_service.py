@@ -31,12 +31,12 @@ from shared.bus.messages import (
 )
 from shared.bus.subjects import Req
 from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
-from shared.engine.engine_loop import EngineLoop, PostStep
+from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
 from shared.kv.tls import server_tls
-from shared.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
-from shared.runtime import Lifecycle
+from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
+from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
@@ -73,12 +73,12 @@ class EngineService:
         self.aborted: dict[str, tuple[float, Abort, Role]] = {}
         self.conn = ConnectionWatch(nc)
         self._freed = asyncio.Event()  # set when KV blocks went back to the pool
-        self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine.transfer)
+        self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine.exchange)
         self.draining = False  # leaving: refuse new work, finish what is held
         self._admitting = 0  # admissions under way (not jobs yet)
         self.track("jobs", lambda: len(self.jobs))
         self.track("engine_requests", lambda: len(engine.seqs))
-        self.track("pins", lambda: len(engine.transfer.pins))
+        self.track("pins", lambda: len(engine.exchange.pins))
         self.track("routers", lambda: len(self.routers))
         self.track("aborted", lambda: len(self.aborted))
 
@@ -237,7 +237,7 @@ class EngineService:
         self.routers.prune(keep_s=600.0)
 
     async def _drop_cache_events(self) -> None:
-        await self.engine_loop.call(self.engine.transfer.drain_events)
+        await self.engine_loop.call(self.engine.exchange.drain_events)
 
     async def _forget_old_aborts(self) -> None:
         now = time.monotonic()
@@ -266,7 +266,7 @@ class EngineService:
     # ---- freeing ---------------------------------------------------------------------
     def _free_now(self, rid: str) -> None:  # engine thread
         self.engine.abort(rid)
-        self.engine.transfer.unpin(rid)
+        self.engine.exchange.unpin(rid)
 
     async def free(self, rid: str) -> None:
         """Drop the request's sequence and its pinned blocks (late or not: must_run)."""
@@ -274,7 +274,7 @@ class EngineService:
         self._freed.set()
 
     async def unpin(self, rid: str) -> None:
-        await self.engine_loop.call(self.engine.transfer.unpin, rid, must_run=True)
+        await self.engine_loop.call(self.engine.exchange.unpin, rid, must_run=True)
         self._freed.set()
 
     async def blocks_freed(self) -> None:

@@ -92,7 +92,7 @@ async def serve_service(name: str, settings, factory) -> None:
     failed none."""
     from shared.bus.connection import connect
     from shared.bus.micro import register_service
-    from shared.launch import ENV_PREFIX
+    from shared.config import ENV_PREFIX
     from shared.security.credentials import nats_options, require_credentials
     from shared.telemetry.metrics import start_metrics_server
     from shared.telemetry.tracing import setup_tracing, shutdown_tracing

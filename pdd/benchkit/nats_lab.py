@@ -12,9 +12,9 @@ from typing import Any
 from nats.aio.client import Client
 
 from shared.bus.connection import connect
-from shared.bus.nats_config import NatsUser
+from shared.bus.nats_config import NatsUser, nats_users
 from shared.bus.nats_server import NatsServer
-from shared.launch import SERVICES
+from pdd.launch import SERVICES
 from shared.security.credentials import Credentials
 from shared.security.pki import client_context
 
@@ -29,7 +29,7 @@ class NatsSecurity:
     test_password: str
 
     def users(self) -> list[NatsUser]:
-        return [*self.creds.nats_users(SERVICES), NatsUser(TEST_USER, self.test_password, None)]
+        return [*nats_users(self.creds, SERVICES), NatsUser(TEST_USER, self.test_password, None)]
 
     def server(self, name: str, identity: str = "nats-a", **kw: Any) -> NatsServer:
         return NatsServer(name, tls=self.creds.identity(identity), users=self.users(), **kw)
