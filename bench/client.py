@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 
 from pdd.benchkit.progress import progress
-from shared.ports import free_port
 from pdd.system import RunningSystem, start_system
+from shared.ports import free_port
 from shared.wan import WanControl
 
 WAN_LINKS = ("bulk", "gw-ab", "gw-ba")

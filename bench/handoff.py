@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from bench.client import start_wan
+from pdd.benchkit.nats_lab import NatsSecurity
 from pdd.benchkit.progress import add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
 from shared.bus import decode, encode, flushed
@@ -49,7 +50,6 @@ from shared.bus.messages import HandoffBatch, HandoffMode
 from shared.bus.nats_server import free_port
 from shared.security import Identity, client_context, server_context
 from shared.security.credentials import Credentials
-from pdd.benchkit.nats_lab import NatsSecurity
 
 SECRET = "bench-handoff"
 SUBJECT = "bench.handoff"

@@ -38,9 +38,9 @@ from bench.client import pct, random_tokens, service_env, start_systems, stop_al
 from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans
 from pdd.benchkit.progress import Advance, add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
+from pdd.sim.agentic import AgenticParams
 from shared.engine.hashing import block_hashes
 from shared.model.presets import preset_config
-from pdd.sim.agentic import AgenticParams
 
 DEPLOYMENTS = {"1x1x1": 1, "2x2x2": 2}
 ROLES = ("prefill", "relay", "main_decode")

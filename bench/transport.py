@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from bench.client import start_wan
+from pdd.benchkit.nats_lab import NatsSecurity
 from pdd.benchkit.progress import Advance, add_quiet_option, progress
 from pdd.benchkit.report import save_report
 from shared.bus import NatsServer, flushed
@@ -47,7 +48,6 @@ from shared.kv.frame import byte_view
 from shared.kv.transport import SNDBUF
 from shared.ports import free_port
 from shared.security import Pki, client_context, server_context
-from pdd.benchkit.nats_lab import NatsSecurity
 
 MiB = 1 << 20
 SECRET = "bench-secret"

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from pdd.launch import PORT_BLOCK, UpOptions, router_urls, service_specs, with_base_port
+from pdd.supervisor import read_pid
 from shared.ports import free_port_block
 from shared.security.credentials import Credentials
-from pdd.supervisor import read_pid
 
 
 @dataclass

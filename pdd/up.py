@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 
 from pdd.launch import SERVICES, NatsSpec, UpOptions, nats_specs, router_urls, secrets_dir, service_specs
-from shared.security.credentials import Credentials
 from pdd.supervisor import ProcessDied, RestartPolicy, Supervisor
+from shared.security.credentials import Credentials
 
 
 async def _first(*aws: Awaitable[Any]) -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
+from pdd.benchkit.nats_lab import TEST_USER, NatsSecurity  # noqa: F401 (tests import them from here)
 from shared.bus import NatsServer
 from shared.ports import free_port
-from pdd.benchkit.nats_lab import TEST_USER, NatsSecurity  # noqa: F401 (tests import them from here)
 from shared.wan import WanControl, WanEmulator, WanLink
 
 

@@ -24,8 +24,6 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from shared import cli
-from shared.bus.nats_server import nats_server_binary
 from pdd.launch import (
     COMPOSE_HOSTS,
     COMPOSE_WORKDIR,
@@ -36,6 +34,8 @@ from pdd.launch import (
     nats_specs,
     service_specs,
 )
+from shared import cli
+from shared.bus.nats_server import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}

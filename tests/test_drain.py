@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.launch import _credentials_env
 from services.main_decode.service import MainDecodeService
 from services.prefill.service import PrefillService
 from services.relay.service import RelayService
@@ -35,7 +36,6 @@ from shared.bus.messages import (
     TokenEvent,
 )
 from shared.config import MainDecodeSettings, PrefillSettings, RelaySettings
-from pdd.launch import _credentials_env
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
 from tests.polling import until
 

@@ -9,9 +9,9 @@ import concurrent.futures
 import httpx
 import pytest
 
+from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
-from pdd.system import RunningSystem, start_system
 from tests.test_e2e_pipelines import prompt_of, ref_tokens
 
 MD_POOL_BLOCKS = 32  # the tiny model: 16 tokens x 512 B per block, so 0.25 MB

@@ -13,12 +13,12 @@ import time
 import httpx
 import pytest
 
+from pdd.launch import ENV_PREFIX, UpOptions, service_specs, with_base_port
+from pdd.system import RunningSystem, start_system
 from services.router.http_settings import HttpSettings
 from services.router.main import build_app
 from shared.config import RouterSettings
-from pdd.launch import ENV_PREFIX, UpOptions, service_specs, with_base_port
 from shared.security.credentials import require_credentials
-from pdd.system import RunningSystem, start_system
 from tests.prometheus_samples import PER_INSTANCE, moved, open_entries, scrape, wait_until_drained
 
 DRAIN_S = 30

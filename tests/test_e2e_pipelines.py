@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
+from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
 from shared.model.describe import describe_model
-from pdd.system import RunningSystem, start_system
 
 MD_READY_TIMEOUT_S = 3.5
 # The `small` preset: its KV (16 KB/token) takes long enough to cross a capped link that the

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from shared.config import EngineSettings, ModelSettings
-from shared.engine import LLMEngine
 from pdd.launch import UpOptions, service_specs, with_base_port
 from pdd.system import RunningSystem, start_system
+from shared.config import EngineSettings, ModelSettings
+from shared.engine import LLMEngine
 from tests.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
 
 PRESET = "tiny"

@@ -11,8 +11,8 @@ import pytest
 
 from services.main_decode.prepare_admission import KVAdmissionQueue, KVBusy
 from shared.engine import EngineError, Mode
-from shared.engine.request_admission import Verdict, admission_verdict, request_blocks
 from shared.engine.kv_memory import host_available_bytes, kv_pool_bytes
+from shared.engine.request_admission import Verdict, admission_verdict, request_blocks
 from tests.engine_util import greedy, make_engine, random_prompt, run_all, tokens_of
 
 BLOCK_MB = 16 * 512 / 2**20  # one block of the tiny model: 16 tokens x 512 bytes

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 
-from shared import config
 from pdd.launch import (
     COMPOSE_HOSTS,
     ENV_PREFIX,
@@ -21,6 +20,7 @@ from pdd.launch import (
     wan_links,
     with_base_port,
 )
+from shared import config
 
 SETTINGS = {
     "prefill": config.PrefillSettings,
@@ -204,8 +204,8 @@ def test_each_service_gets_its_own_credentials_as_paths(hosts) -> None:
 
 
 def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared.security.credentials import require_credentials
     from pdd.up import ensure_credentials
+    from shared.security.credentials import require_credentials
 
     opts = UpOptions(workdir=tmp_path / "w", host="10.1.2.3")
     creds = ensure_credentials(opts)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv.rdma_engine import unavailable
 from pdd.system import RunningSystem, start_system
+from shared.kv.rdma_engine import unavailable
 from tests.prometheus_samples import moved, scrape
 from tests.test_e2e_pipelines import (
     MD_READY_TIMEOUT_S,

@@ -11,8 +11,8 @@ import socket
 import httpx
 import pytest
 
-from services.router.response_schemas import ChatCompletionResponse, CompletionResponse
 from pdd.system import RunningSystem, start_system
+from services.router.response_schemas import ChatCompletionResponse, CompletionResponse
 
 KEYS = ("key-a", "key-b")  # key-b comes from PDD_API_KEY
 AUTH = {"authorization": f"Bearer {KEYS[0]}"}

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
+from pdd.launch import SERVICES
 from shared.bus import NatsServer, connect, flushed, publish, subjects, subscribe
 from shared.bus.messages import Role, TokenEvent
 from shared.bus.subjects import Req
-from pdd.launch import SERVICES
 from shared.ports import free_port
 from shared.security import client_context
 from tests.fixtures_nats import NatsSecurity

@@ -8,9 +8,9 @@ in progress ends at T + 0.70 (71 tokens then, prefill's first included)."""
 
 import pytest
 
-from shared.config import RelaySettings, RouterSettings
 from pdd.sim.deployment import IN_DC, LinkSpec, RoleSpec, pdd
 from pdd.sim.simulator import SimSettings, simulate
+from shared.config import RelaySettings, RouterSettings
 from tests.sim_util import FLAT, TINY, request, workload
 
 EXACT = 1e-12

@@ -133,8 +133,8 @@ def test_the_simulated_pool_behaves_as_the_engine_pool():
     own pool, and keeps the same LRU order."""
     import random
 
-    from shared.engine.block_pool import BlockPool
     from pdd.sim.block_pool import SimBlockPool
+    from shared.engine.block_pool import BlockPool
 
     n, rng = 1200, random.Random(3)
     sim, engine = SimBlockPool(n), BlockPool(n)

@@ -8,9 +8,9 @@ time threshold sends the longer misses through the relay."""
 
 import pytest
 
-from shared.config import RouterSettings
 from pdd.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
 from pdd.sim.simulator import SimSettings, simulate
+from shared.config import RouterSettings
 from tests.sim_util import FLAT, TINY, request, workload
 
 WAN = LinkSpec(20000.0, 0.0475, 0.01)

@@ -205,7 +205,7 @@ def test_pdd_help_does_not_import_torch():
 
 
 def test_the_simulator_knows_every_built_in_preset():
-    from shared.model.presets import PRESETS
     from pdd.sim.profiles import PRESET_NAMES
+    from shared.model.presets import PRESETS
 
     assert set(PRESET_NAMES) == set(PRESETS)

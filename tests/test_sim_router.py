@@ -3,13 +3,13 @@ instance's figures moved: at every route each must equal the load made afresh.""
 
 import pytest
 
-from services.router.policy import InstanceLoad, load_of
-from shared.bus.messages import Role
 from pdd.sim.agentic import BENCH, agentic_open_loop
 from pdd.sim.chip import Chip
 from pdd.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
 from pdd.sim.router import SimRouter
 from pdd.sim.simulator import simulate
+from services.router.policy import InstanceLoad, load_of
+from shared.bus.messages import Role
 from tests.sim_util import BLOCK, FLAT, TINY
 
 SMALL = Chip("small", FLAT.step, kv_capacity_bytes=16 * 16 * 600, price_per_hour=1.0)  # 600 blocks: requests wait

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from shared import up
 from pdd.launch import NatsSpec, ProcessSpec, UpOptions
-from shared.ports import free_port
 from pdd.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
+from shared import up
+from shared.ports import free_port
 from tests.polling import until
 
 FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, stable_after_s=30, crash_loop_crashes=3)

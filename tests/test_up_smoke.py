@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from pdd.launch import PORT_BLOCK
-from shared.ports import free_port_block
 from pdd.system import start_system
+from shared.ports import free_port_block
 
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from pdd.launch import SERVICES
 from shared.bus.connection import connect
 from shared.bus.nats_config import NatsUser, nats_users
 from shared.bus.nats_server import NatsServer
-from pdd.launch import SERVICES
 from shared.security.credentials import Credentials
 from shared.security.pki import client_context
 

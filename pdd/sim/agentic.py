@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass, fields
 from typing import Any
 
-from shared.engine.hashing import hash_block
 from pdd.sim.workload import SimRequest, Workload
+from shared.engine.hashing import hash_block
 
 _OUTPUT_TAG = 0xFFFF_FFFE  # content ids of output blocks: no fresh block (a counter) reaches it
 _U32 = 0xFFFF_FFFF

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.bus.messages import Pipeline, Role
-from shared.config import RelaySettings
 from pdd.sim.agentic import output_block_hashes
 from pdd.sim.decoder import Seq
 from pdd.sim.events import EventLoop
@@ -22,6 +20,8 @@ from pdd.sim.prefill import PrefillWork
 from pdd.sim.records import RequestRecord, TokenTimes
 from pdd.sim.router import SimRouter
 from pdd.sim.workload import SimRequest
+from shared.bus.messages import Pipeline, Role
+from shared.config import RelaySettings
 
 
 class Fleet:

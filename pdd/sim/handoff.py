@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.relay.handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
-from shared.bus.messages import HandoffMode
-from shared.config import RelaySettings
 from pdd.sim.decoder import Extend, Seq
 from pdd.sim.instance import Blocks
 from pdd.sim.job import Job
+from services.relay.handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
+from shared.bus.messages import HandoffMode
+from shared.config import RelaySettings
 
 if TYPE_CHECKING:
     from pdd.sim.fleet import Fleet

@@ -7,10 +7,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.engine.block_pool import blocks_for
 from pdd.sim.block_pool import SimBlockPool
 from pdd.sim.chip import Chip
 from pdd.sim.events import EventLoop
+from shared.engine.block_pool import blocks_for
 
 
 @dataclass(eq=False, slots=True)

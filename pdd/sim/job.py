@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.bus.messages import HandoffMode, Pipeline
 from pdd.sim.decoder import DecodeInstance, Seq
 from pdd.sim.instance import Blocks
 from pdd.sim.link import Transfer
 from pdd.sim.prefill import PrefillInstance
 from pdd.sim.records import RequestRecord, TokenTimes, latencies
 from pdd.sim.workload import SimRequest
+from shared.bus.messages import HandoffMode, Pipeline
 
 
 @dataclass(eq=False)

@@ -35,7 +35,6 @@ from pathlib import Path
 
 from pdd.benchkit.progress import add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
-from shared.config import RouterSettings
 from pdd.sim import profiles
 from pdd.sim.agentic import PAPER, agentic_open_loop, hit_profile
 from pdd.sim.chip import Chip
@@ -45,6 +44,7 @@ from pdd.sim.records import RequestRecord
 from pdd.sim.simulator import SimSettings
 from pdd.sim.sla import Sla
 from pdd.sim.workload import Workload
+from shared.config import RouterSettings
 
 MODEL = "qwen2.5-7b"
 BLOCK_SIZE = 512

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdd.sim.events import EventLoop
+from pdd.sim.instance import Instance
+from pdd.sim.link import Link
+from pdd.sim.workload import SimRequest
 from services.router.assignments import Assignments
 from services.router.policy import load_from
 from services.router.prefix_index import PrefixIndex
 from services.router.route_plan import LinkView, RouteContext, RoutePlan, plan_route
 from shared.bus.messages import Role
 from shared.config import RouterSettings
-from pdd.sim.events import EventLoop
-from pdd.sim.instance import Instance
-from pdd.sim.link import Link
-from pdd.sim.workload import SimRequest
 
 
 class SimRouter:

@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from shared.bus.messages import Role
-from shared.config import RelaySettings, RouterSettings
 from pdd.sim.decoder import DecodeInstance
 from pdd.sim.deployment import Deployment, RoleSpec
 from pdd.sim.events import EventLoop
@@ -30,6 +28,8 @@ from pdd.sim.prefill import PrefillInstance
 from pdd.sim.records import SimResult
 from pdd.sim.router import SimRouter
 from pdd.sim.workload import SimRequest, Workload
+from shared.bus.messages import Role
+from shared.config import RelaySettings, RouterSettings
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from shared.config import RelaySettings, RouterSettings
 from pdd.sim.agentic import BENCH, PAPER, agentic_open_loop, fixed_hit_open_loop
 from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
 from pdd.sim.model_spec import ModelSpec
@@ -24,6 +23,7 @@ from pdd.sim.simulator import SimSettings
 from pdd.sim.sla import Sla
 from pdd.sim.trace import read_mooncake
 from pdd.sim.workload import Workload
+from shared.config import RelaySettings, RouterSettings
 
 DEFAULT_MODEL = "qwen2.5-7b"
 KINDS = ("same-dc", "naive", "pdd")

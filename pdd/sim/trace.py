@@ -15,8 +15,8 @@ import json
 import math
 from pathlib import Path
 
-from shared.engine.hashing import hash_block
 from pdd.sim.workload import SimRequest, Workload
+from shared.engine.hashing import hash_block
 
 MOONCAKE_BLOCK = 512  # tokens per hash id in the published traces
 _U32 = 0xFFFF_FFFF

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shared.config import RelaySettings, RouterSettings
 from pdd.sim.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
 from pdd.sim.chip import Chip
 from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
@@ -43,6 +42,7 @@ from pdd.sim.records import RequestRecord, SimResult, percentile
 from pdd.sim.simulator import SimSettings, simulate
 from pdd.sim.step_cost import Linear, StepCost
 from pdd.sim.workload import SimRequest, Workload
+from shared.config import RelaySettings, RouterSettings
 
 TOLERANCE = 0.25  # a simulated median within ±25% of the measured one
 METRICS = {"ttft": "TTFT", "tt2t": "2nd token", "max_gap": "max gap", "tpot": "TPOT"}

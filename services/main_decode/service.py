@@ -38,12 +38,12 @@ from shared.config import MainDecodeSettings
 from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
 from shared.engine.request_admission import Verdict
 from shared.kv.transport import advertised_address
+from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.serving.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from shared.serving.engine_service import EngineService, outcome_of, token_event
 from .prepare_admission import KVAdmissionQueue, KVBusy
 from .rdma_intake import RdmaIntake
 

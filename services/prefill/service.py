@@ -40,12 +40,12 @@ from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
 from shared.kv import KVClient, KVClientPool, KVTransfer, KVTransferError, LinkEstimator
 from shared.kv.tls import client_tls
+from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.serving.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import traceparent
 
-from shared.serving.engine_service import EngineService, outcome_of, token_event
 from .exporter import BlockExport, BlockExporter
 from .rdma_path import RdmaLink, RdmaPeers, start_writer
 

@@ -40,12 +40,12 @@ from shared.bus.subjects import Req
 from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
 from shared.engine.errors import KVShortageError
+from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.serving.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from shared.serving.engine_service import EngineService, outcome_of, token_event
 from .handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
 
 log = logging.getLogger(__name__)

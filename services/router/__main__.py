@@ -2,10 +2,9 @@
 
 import uvicorn
 
-from shared.config import RouterSettings
-from shared.config import ENV_PREFIX
-from shared.serving.runtime import setup_logging
+from shared.config import ENV_PREFIX, RouterSettings
 from shared.security.credentials import require_credentials
+from shared.serving.runtime import setup_logging
 
 from .main import build_app
 

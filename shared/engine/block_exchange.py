@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.request_admission import Verdict, admission_verdict
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, KVShortageError
+from shared.engine.request_admission import Verdict, admission_verdict
 
 
 class BlockExchange:

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from shared.config import EngineSettings, ModelSettings
-from shared.engine.request_admission import request_blocks
+from shared.engine.block_exchange import BlockExchange
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
@@ -22,12 +22,12 @@ from shared.engine.kv_memory import available_bytes, kv_pool_bytes
 from shared.engine.logprobs import logprobs_of, sampled_logprobs
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import EngineStats, FinishReason, StepOutput
+from shared.engine.request_admission import request_blocks
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler
 from shared.engine.sequence import Mode, SeqStatus, Sequence
 from shared.engine.stopping import finish_reason
-from shared.engine.block_exchange import BlockExchange
 from shared.model import load_model
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from shared.engine.request_admission import request_blocks
 from shared.engine.block_pool import blocks_for
 from shared.engine.errors import InvalidRequestError
+from shared.engine.request_admission import request_blocks
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Mode, Sequence
 

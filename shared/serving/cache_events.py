@@ -16,8 +16,8 @@ import time
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
 from shared.bus.messages import KVEvents, KVSnapshot, KVSnapshotRequest, Role
-from shared.serving.engine_loop import EngineLoop
 from shared.engine.block_exchange import BlockExchange
+from shared.serving.engine_loop import EngineLoop
 from shared.serving.runtime import Lifecycle
 
 EVENTS_EVERY_S = 0.05  # how often the cache's changes go out

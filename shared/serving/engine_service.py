@@ -31,10 +31,10 @@ from shared.bus.messages import (
 )
 from shared.bus.subjects import Req
 from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
-from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
 from shared.kv.tls import server_tls
+from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
 from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
