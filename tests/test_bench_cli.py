@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from bench import progress as bars
+from pdd import cli
+from pdd.benchkit import progress as bars
 from pdd.benchkit.catalog import benches
-from shared import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "scale", "sim", "transport")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pdd import cli
 from pdd.launch import UpOptions
-from shared import cli
 from shared.telemetry import tracing
 
 

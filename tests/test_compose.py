@@ -24,6 +24,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from pdd import cli
 from pdd.launch import (
     COMPOSE_HOSTS,
     COMPOSE_WORKDIR,
@@ -34,7 +35,6 @@ from pdd.launch import (
     nats_specs,
     service_specs,
 )
-from shared import cli
 from shared.bus.nats_server import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from pdd import up
 from pdd.launch import NatsSpec, ProcessSpec, UpOptions
 from pdd.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
-from shared import up
 from shared.ports import free_port
 from tests.polling import until
 
