@@ -39,7 +39,8 @@ def broken_imports(root: Path) -> list[str]:
 
 
 def test_library_and_services_import_nothing_above_them():
-    assert broken_imports(ROOT) == []
+    broken = broken_imports(ROOT)
+    assert not broken, "imports against the layering rule:\n" + "\n".join(broken)
 
 
 def test_the_rule_names_file_and_line_of_a_bad_import(tmp_path):
