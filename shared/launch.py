@@ -1,6 +1,6 @@
 """The one description of which processes make up the two-DC system.
 
-`pdd up` runs these specs on one machine; tests/test_compose.py checks that every container
+`pdd up` runs these specs on one machine; tests/integration/test_compose.py checks that every container
 in compose.yaml runs the same command with the same environment (only the addresses in
 `Hosts` differ), so the two cannot drift apart.
 

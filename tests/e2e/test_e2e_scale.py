@@ -24,7 +24,7 @@ from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
 from shared.launch import UpOptions, service_specs, with_base_port
 from shared.system import RunningSystem, start_system
-from tests.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
+from tests.e2e.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
 
 PRESET = "tiny"
 

@@ -10,7 +10,7 @@ import pytest
 from shared.kv.rdma_engine import unavailable
 from shared.system import RunningSystem, start_system
 from tests.prometheus_samples import moved, scrape
-from tests.test_e2e_pipelines import (
+from tests.e2e.test_e2e_pipelines import (
     MD_READY_TIMEOUT_S,
     PRESET,
     assert_wan_cut_falls_back_to_relay,

@@ -20,7 +20,7 @@ from bench import progress as bars
 from bench.catalog import benches
 from shared import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "scale", "sim", "transport")
 HELPERS = ("bootstrap", "catalog", "client", "progress", "report")
 COLUMNS = "100"  # argparse wraps help to the terminal width: the same for both sides
