@@ -9,7 +9,6 @@ import pytest
 
 from shared.kv.rdma_engine import unavailable
 from shared.system import RunningSystem, start_system
-from tests.prometheus_samples import moved, scrape
 from tests.e2e.test_e2e_pipelines import (
     MD_READY_TIMEOUT_S,
     PRESET,
@@ -20,6 +19,7 @@ from tests.e2e.test_e2e_pipelines import (
     reference,  # noqa: F401 (a fixture)
     wait_idle,
 )
+from tests.prometheus_samples import moved, scrape
 
 why = unavailable()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"rdma extra not usable: {why}")
