@@ -4,7 +4,7 @@
 in compose.yaml runs the same command with the same environment (only the addresses in
 `Hosts` differ), so the two cannot drift apart.
 
-Topology (DESIGN.md): NATS in dc-a and dc-b, one server or a cluster of `nats_cluster` nodes
+Topology: NATS in dc-a and dc-b, one server or a cluster of `nats_cluster` nodes
 per DC, the two joined by NATS gateways whose connections cross the WAN emulator (one link in
 front of every node's gateway port: gw-ab into dc-b, gw-ba into dc-a). KV bulk P -> MD crosses
 the one link `bulk`, which dials on demand whichever MD the sender names. prefill, relay and
