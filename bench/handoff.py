@@ -1,4 +1,4 @@
-"""Handoff microbenchmark (PDD.md, mechanism 3): hand 100 generated tokens from RLD to MD.
+"""Handoff microbenchmark (token IDs + an extend pass instead of KV): hand 100 generated tokens from RLD to MD.
 
 Two ways, measured side by side, repetition by repetition (alternating which goes first):
   (a) KV: ship the incremental KV of those tokens over the emulated WAN on the real bulk

@@ -1,10 +1,10 @@
 """The one description of which processes make up the two-DC system.
 
-`pdd up` runs these specs on one machine; tests/test_compose.py checks that every container
+`pdd up` runs these specs on one machine; tests/integration/test_compose.py checks that every container
 in compose.yaml runs the same command with the same environment (only the addresses in
 `Hosts` differ), so the two cannot drift apart.
 
-Topology (DESIGN.md): NATS in dc-a and dc-b, one server or a cluster of `nats_cluster` nodes
+Topology: NATS in dc-a and dc-b, one server or a cluster of `nats_cluster` nodes
 per DC, the two joined by NATS gateways whose connections cross the WAN emulator (one link in
 front of every node's gateway port: gw-ab into dc-b, gw-ba into dc-a). KV bulk P -> MD crosses
 the one link `bulk`, which dials on demand whichever MD the sender names. prefill, relay and

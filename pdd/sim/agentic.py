@@ -59,7 +59,7 @@ class AgenticParams:
 
 
 BENCH = AgenticParams()
-# Paper scale (PDD.md): agent contexts of tens of thousands of tokens (a 16K system prompt with
+# Paper scale (the PDD paper's agentic traffic): agent contexts of tens of thousands of tokens (a 16K system prompt with
 # tool definitions, sessions growing to 64K), outputs of hundreds to ~1K tokens, 3.5% outliers
 # of 64K in / 256 out (under the ~500-token "short output" of the anomalous-traffic filter).
 # Low-hit requests aim at 60-95%: with 75% of requests above 95% the mean hit is then ~90%.
@@ -291,7 +291,7 @@ def prefix_hits(workload: Workload, outputs: bool = True) -> list[float]:
 
 
 def hit_profile(workload: Workload, outputs: bool = True) -> dict:
-    """Mean prefix hit, share above 95%, PDD.md's seven-bucket histogram (0-90% ... 99-100%),
+    """Mean prefix hit, share above 95%, the paper's seven-bucket histogram (0-90% ... 99-100%),
     the outlier share (None for an unlabelled trace) and, open loop, the arrival rate."""
     hits = prefix_hits(workload, outputs)
     n = max(len(hits), 1)

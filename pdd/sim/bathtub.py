@@ -1,8 +1,8 @@
 """The hit-rate bathtub: PDD's throughput benefit over a baseline as the prefix hit rate varies.
 
 At each hit rate of a grid, every request of an open-loop workload reuses that share of its
-prompt (fixed_hit_open_loop); the benefit is PDD's SLA goodput over the baseline's. PDD.md
-expects a bathtub: high at both ends, low in the middle, with dips where the uncached tail of
+prompt (fixed_hit_open_loop); the benefit is PDD's SLA goodput over the baseline's. The PDD
+paper reports a bathtub: high at both ends, low in the middle, with dips where the uncached tail of
 a prompt is a small chunk that cannot batch with other work.
 """
 

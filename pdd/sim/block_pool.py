@@ -5,7 +5,7 @@ millions of times an hour.
 
 Per-block state is two flat lists (reference count and hash by block id) instead of an object
 per block, and the cache events are two lists of hashes (stored, evicted: what the router's
-prefix index takes) instead of a (kind, hash) pair each. tests/test_sim_instance.py drives it
+prefix index takes) instead of a (kind, hash) pair each. tests/unit/test_sim_instance.py drives it
 and the engine's pool with the same random operations and compares them."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`pdd sim paper`: the paper's fleet comparison, simulated, beside the paper's own figures.
 
-The scenario (each choice is an assumption where the paper is silent; README "Simulated fleet"):
-  model      Qwen2.5-7B in bf16 (56 KiB of KV per token, inside PDD.md's 10-80 KB): one
+The scenario (each choice is an assumption where the paper is silent; docs/simulator.md):
+  model      Qwen2.5-7B in bf16 (56 KiB of KV per token, inside the paper's 10-80 KB): one
              instance is one GPU, and it fits both chips with room for KV.
   same-DC    88 x gpu-a, split into P and D the way an operator would: the split with the
              highest SLA goodput among a few (P = 50%, 62.5%, 75% of the fleet: prefill of
@@ -53,7 +53,7 @@ PREMIUMS = (1.20, 1.30)  # gpu-b's price over gpu-a's
 SPLITS = (0.5, 0.625, 0.75)  # same-DC: P's share of the fleet
 RELAY_SHARES = (0.05, 0.1)  # PDD: RLD's share of the 43 gpu-a
 SLA = Sla(ttft_s=4.0, tpot_s=0.1, max_gap_s=1.0, attainment=0.9)
-# The paper's figures (PDD.md "Results to beat"): PDD against same-DC.
+# The paper's figures: PDD against the same-DC homogeneous PD baseline.
 PAPER_FIGURES = {
     "ttft_p50_change": -0.515,
     "goodput_change": 0.278,

@@ -1,4 +1,4 @@
-"""NATS subject names (DESIGN.md). Every subject starts with `pdd.`; ids become single tokens."""
+"""NATS subject names. Every subject starts with `pdd.`; ids become single tokens."""
 
 from __future__ import annotations
 

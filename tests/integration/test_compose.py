@@ -37,7 +37,7 @@ from pdd.launch import (
 )
 from shared.bus.nats_server import nats_server_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OTLP = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}
 MONITORING = ("prometheus", "grafana")  # the profile `monitoring`
 

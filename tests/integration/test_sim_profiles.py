@@ -26,7 +26,7 @@ from pdd.sim.profiles import (
 )
 from pdd.sim.step_cost import Linear, StepCost, chunk_load, decode_load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_llama_8b_shape_from_its_config():

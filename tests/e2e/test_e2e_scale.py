@@ -24,7 +24,7 @@ from pdd.launch import UpOptions, service_specs, with_base_port
 from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
-from tests.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
+from tests.e2e.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
 
 PRESET = "tiny"
 

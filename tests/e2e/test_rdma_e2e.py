@@ -9,8 +9,7 @@ import pytest
 
 from pdd.system import RunningSystem, start_system
 from shared.kv.rdma_engine import unavailable
-from tests.prometheus_samples import moved, scrape
-from tests.test_e2e_pipelines import (
+from tests.e2e.test_e2e_pipelines import (
     MD_READY_TIMEOUT_S,
     PRESET,
     assert_wan_cut_falls_back_to_relay,
@@ -20,6 +19,7 @@ from tests.test_e2e_pipelines import (
     reference,  # noqa: F401 (a fixture)
     wait_idle,
 )
+from tests.prometheus_samples import moved, scrape
 
 why = unavailable()
 pytestmark = pytest.mark.skipif(why is not None, reason=f"rdma extra not usable: {why}")

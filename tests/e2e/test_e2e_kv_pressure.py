@@ -12,7 +12,7 @@ import pytest
 from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
-from tests.test_e2e_pipelines import prompt_of, ref_tokens
+from tests.e2e.test_e2e_pipelines import prompt_of, ref_tokens
 
 MD_POOL_BLOCKS = 32  # the tiny model: 16 tokens x 512 B per block, so 0.25 MB
 MAX_TOKENS = 48

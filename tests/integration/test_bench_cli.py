@@ -20,7 +20,7 @@ from pdd import cli
 from pdd.benchkit import progress as bars
 from pdd.benchkit.catalog import benches
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "scale", "sim", "transport")
 HELPERS = ("bootstrap", "catalog", "client", "progress", "report")
 COLUMNS = "100"  # argparse wraps help to the terminal width: the same for both sides

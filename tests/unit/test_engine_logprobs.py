@@ -12,7 +12,7 @@ from shared.bus.messages import Role, TokenEvent
 from shared.engine import InvalidRequestError, SamplingParams
 from shared.engine.logprobs import TokenLogprobs, logprobs_of, sampled_logprobs
 
-from .engine_util import greedy, make_engine, run_all
+from ..engine_util import greedy, make_engine, run_all
 
 TOL = 1e-4  # paged engine vs dense reference forward: fp32 sums in another order
 

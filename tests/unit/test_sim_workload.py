@@ -137,7 +137,7 @@ def test_closed_loop_hits_meet_the_plans_targets():
 
 
 @pytest.mark.parametrize("preset, block, mean_band, outlier_band", [
-    # PAPER aims low-hit requests at 60-95%: PDD.md's ~90% mean. BENCH keeps the bench's
+    # PAPER aims low-hit requests at 60-95%: the paper's ~90% mean. BENCH keeps the bench's
     # defaults (low-hit requests uniform down to 0%, 4% outliers): a mean near 0.8.
     (PAPER, 512, (0.86, 0.94), (0.03, 0.04)),
     (BENCH, 16, (0.75, 0.92), (0.03, 0.045)),

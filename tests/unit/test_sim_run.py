@@ -18,7 +18,7 @@ from pdd.sim.specs import (
 )
 from pdd.sim.trace import MOONCAKE_BLOCK
 
-SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "pdd/sim/traces/agentic-sample.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "pdd/sim/traces/agentic-sample.jsonl"
 # One instance per role under a few seconds of 4096-token prompts that hit half their prefix:
 # a P serves ~10 of them a second, so a goodput search stops after a few short probes.
 TINY = ["--prefill", "1", "--relay", "1", "--decode", "1", "--workload", "fixed-hit:0.5", "--input-tokens", "4096",

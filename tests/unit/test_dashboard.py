@@ -1,5 +1,5 @@
 """The Grafana dashboard's queries, read without Prometheus: the PromQL tokenizer the live check
-(tests/test_e2e_telemetry.py) relies on, and the dashboard's own structure."""
+(tests/e2e/test_e2e_telemetry.py) relies on, and the dashboard's own structure."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ class Clock:
 
 class Link:
     """The two things ConnectionWatch reads from a nats-py Client (a real client cannot be
-    cut on cue here; tests/test_e2e_faults.py restarts a real server)."""
+    cut on cue here; tests/e2e/test_e2e_faults.py restarts a real server)."""
 
     def __init__(self) -> None:
         self.is_connected = True

@@ -16,7 +16,7 @@ import pytest
 from pdd.benchkit.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
 from pdd.sim import validate as v
 from pdd.sim.host_cpu import HostCpu, engines_seen_busy, from_account
-from tests.test_sim_validate import AGENTIC, SINGLE, _rows
+from tests.unit.test_sim_validate import AGENTIC, SINGLE, _rows
 
 
 def test_engine_cores_are_what_the_background_leaves():

@@ -1,5 +1,5 @@
 """`pdd top`'s gathering (pure: parse, rates between two scrapes, the view) and one rendered
-frame, from hand-made metrics text; tests/test_e2e_telemetry.py runs it against a system."""
+frame, from hand-made metrics text; tests/e2e/test_e2e_telemetry.py runs it against a system."""
 
 from __future__ import annotations
 
