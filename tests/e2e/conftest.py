@@ -1,4 +1,5 @@
-"""Everything under tests/e2e starts a whole system: marked `e2e`, so `pytest -m "not e2e"` leaves it out."""
+"""Everything under tests/e2e starts whole systems or real service processes: marked `e2e`, so the
+inner loop (`pytest -m "not e2e"`) leaves it out. Slow tests elsewhere carry the marker themselves."""
 
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ def _module_help(names: tuple[str, ...]) -> dict[str, str]:
     return json.loads(done.stdout)
 
 
+@pytest.mark.e2e  # imports every bench in a child interpreter: too slow for the inner loop
 def test_bench_help_is_the_bench_own_help(capsys) -> None:
     expected = _module_help(BENCHES)
     for name in BENCHES:

@@ -273,6 +273,7 @@ async def test_the_gateway_runs_tls_and_carries_no_plaintext(tapped_pair, nats_s
 # ---- a service without credentials ---------------------------------------------------------------
 
 
+@pytest.mark.e2e  # starts each service in its own interpreter (torch and all): too slow for the inner loop
 @pytest.mark.parametrize(("service", "prefix"), [("prefill", "PDD_PREFILL_"), ("router", "PDD_ROUTER_")])
 def test_a_service_without_credentials_exits_at_once(service: str, prefix: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
