@@ -21,7 +21,7 @@ from bench.catalog import benches
 from shared import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "scale", "sim", "transport")
+BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "peer", "scale", "sim", "transport")
 HELPERS = ("bootstrap", "catalog", "client", "progress", "report")
 COLUMNS = "100"  # argparse wraps help to the terminal width: the same for both sides
 
