@@ -96,7 +96,7 @@ def run_single(args: argparse.Namespace) -> dict:
         if v not in SINGLE_VARIANTS:
             raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(SINGLE_VARIANTS)}")
     kv_bytes = (args.prompt_tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
-    nominal_s = kv_bytes * 8 / (args.bandwidth_mbps * 1e6) + args.delay_ms / 1000
+    nominal_s = (kv_bytes * 8 / (args.bandwidth_mbps * 1e6) if args.bandwidth_mbps else 0) + args.delay_ms / 1000
     print(f"single: prompt {args.prompt_tokens} tokens (KV {kv_bytes / 2**20:.0f} MiB: {nominal_s:.2f} s at "
           f"{args.bandwidth_mbps:g} Mbit/s + {args.delay_ms:g} ms), {args.output_tokens} output tokens, "
           f"{args.rounds} round(s) of {', '.join(variants)}", flush=True)

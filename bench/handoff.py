@@ -346,6 +346,8 @@ class Bench:
         """Other requests' KV on the bulk link (a child process); returns it and its stop event."""
         a = self.args
         stop, ready = self.ctx.Event(), self.ctx.Event()
+        if not a.bandwidth_mbps:
+            raise SystemExit("--cross-load is a share of the bandwidth cap: it needs --bandwidth-mbps above 0")
         rate = a.bandwidth_mbps * 1e6 / 8
         block_bytes = self.kv_tensor[:, :, :1].numel() * 4
         cross = self.ctx.Process(

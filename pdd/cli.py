@@ -25,6 +25,7 @@ COUNT_HELP = {
     "md": f"main decode instances (1..{MAX_COUNT}); ",
     "routers": f"routers, on consecutive ports from --port (1..{MAX_COUNT}); ",
     "nats_cluster": f"NATS nodes per datacenter (1..{MAX_COUNT}); ",
+    "bandwidth_mbps": "WAN cap per direction, Mbit/s (0: uncapped); ",
 }
 
 

@@ -44,7 +44,7 @@ class UpOptions:
     router_port: int = 8000
     delay_ms: float = 15.0  # one-way WAN delay
     jitter_ms: float = 2.0
-    bandwidth_mbps: float = 1000.0
+    bandwidth_mbps: float = 1000.0  # 0: uncapped
     model_preset: str = "tiny"
     model_path: str | None = None
     workdir: Path = Path(".pdd")

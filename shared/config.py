@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 COMMON_PREFIX = "PDD_"
@@ -151,13 +151,18 @@ class MainDecodeSettings(CommonSettings):
     admission_queue_max: int = 256
 
 
+UNCAPPED_BANDWIDTH_BPS = 100e9 / 8  # an uncapped link's prior: a datacenter NIC's 100 Gbit/s
+
+
 class RouterSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_ROUTER_")
 
     host: str = "127.0.0.1"
     port: int = 8000
     wan_time_threshold_s: float = 0.5  # estimated WAN time above which the relay is used
-    default_bandwidth_bps: float = 1e9 / 8  # prior for the link estimator, bytes/s
+    # Prior for the link estimator, bytes/s; 0 is an uncapped link (`pdd up --bandwidth-mbps 0`),
+    # taken as UNCAPPED_BANDWIDTH_BPS until transfers are measured.
+    default_bandwidth_bps: float = Field(default=1e9 / 8, ge=0)
     default_rtt_s: float = 0.03
     max_tokens_default: int = 256
     # MD's answer to prepare: one WAN round trip, plus up to MD's admission_wait_s (20 s)
@@ -194,6 +199,10 @@ class RouterSettings(CommonSettings):
     # router's requests (a count halving every 20 s), is not chosen while another is.
     balance_factor: float = 1.5
 
+    @field_validator("default_bandwidth_bps")
+    @classmethod
+    def _uncapped(cls, v: float) -> float:
+        return v or UNCAPPED_BANDWIDTH_BPS
 
 # Env prefix of each service's settings, by service name (the launcher sets its variables with it).
 ENV_PREFIX = {

@@ -4,6 +4,7 @@ messages take the delay alone (they travel on their own connection)."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from pdd.sim.events import EventLoop
 
 @dataclass(frozen=True)
 class LinkSpec:
-    bandwidth_Bps: float  # bytes/s
+    bandwidth_Bps: float  # bytes/s; math.inf: uncapped
     one_way_s: float  # propagation delay
     jitter_s: float = 0.0  # each crossing adds uniform(0, jitter_s), seeded; KV deliveries stay FIFO
     price_per_hour: float = 0.0  # a leased cross-DC line's cost (0 for in-DC)
@@ -113,6 +114,8 @@ class Link:
                 del self._queued_to[t.dest]  # (the router reads them all per request: keep only those queued)
 
     def _sent_by(self, t: Transfer, now: float) -> int:
+        if math.isinf(self.spec.bandwidth_Bps):  # an uncapped link sends at once
+            return t.nbytes
         return min(t.nbytes, round((now - t.started_at) * self.spec.bandwidth_Bps))
 
     def _start_head(self) -> None:

@@ -75,7 +75,8 @@ def wan_link(config: dict) -> LinkSpec:
     """The emulated WAN: its jitter is uniform ±jitter_ms around delay_ms; the sim's adds
     uniform(0, jitter_s), so the same mean and spread start jitter_ms earlier."""
     jitter = config["jitter_ms"] / 1000
-    return LinkSpec(config["bandwidth_mbps"] * 1e6 / 8, config["delay_ms"] / 1000 - jitter, 2 * jitter)
+    bandwidth = config["bandwidth_mbps"] * 1e6 / 8 or math.inf  # 0: the emulator's uncapped link
+    return LinkSpec(bandwidth, config["delay_ms"] / 1000 - jitter, 2 * jitter)
 
 
 def engine(base: Chip, kv_mb: float) -> RoleSpec:

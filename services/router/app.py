@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -30,8 +31,10 @@ from .response_schemas import ChatCompletionResponse, CompletionResponse
 from .responses import SSEResponse, complete, output_options
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .service import RouterCore
+from .tokenize_api import tokenize_api
 
 api = APIRouter()
+STARTED = int(time.time())  # the models' `created`
 
 
 def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
@@ -57,6 +60,7 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
     app.include_router(api)
+    app.include_router(tokenize_api)
     install_openapi(app)
     return app
 
@@ -96,7 +100,12 @@ async def health(request: Request) -> JSONResponse:
 
 @api.get("/v1/models")
 async def models(request: Request) -> dict:
-    return {"object": "list", "data": [{"id": _core(request).model_id, "object": "model", "owned_by": "pdd"}]}
+    """In vLLM's shape: its clients read `root` and `max_model_len`."""
+    core = _core(request)
+    card = {"id": core.model_id, "object": "model", "created": STARTED, "owned_by": "pdd",
+            "root": core.settings.model.path or core.model_id, "parent": None,
+            "max_model_len": request.app.state.max_model_len}  # fmt: skip
+    return {"object": "list", "data": [card]}
 
 
 @api.get("/v1/instances")

@@ -105,6 +105,14 @@ def check_logprob_options(payload: dict, chat: bool) -> None:
         raise _bad("'stream_options' is only allowed with 'stream': true", param="stream_options")
 
 
+def check_output_limit(payload: dict) -> None:
+    """max_completion_tokens (OpenAI's current name) and max_tokens are one limit: both only if equal."""
+    a, b = payload.get("max_tokens"), payload.get("max_completion_tokens")
+    if a is not None and b is not None and a != b:
+        raise _bad(f"'max_tokens' ({a!r}) and 'max_completion_tokens' ({b!r}) differ; give one of them",
+                   param="max_completion_tokens")  # fmt: skip
+
+
 def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
     try:  # (unlike json.loads, this refuses lone surrogates, NaN and runaway nesting)
         payload = from_json(raw, allow_inf_nan=False)
@@ -114,6 +122,7 @@ def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequ
         raise _bad("request body must be a JSON object")
     reject_unsupported(payload, chat)
     check_logprob_options(payload, chat)
+    check_output_limit(payload)
     try:
         return (ChatCompletionRequest if chat else CompletionRequest).model_validate(payload)
     except ValidationError as e:

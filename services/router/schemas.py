@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.engine.logprobs import MAX_LOGPROBS
 
@@ -34,6 +34,7 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=MAX_INT32)
@@ -46,6 +47,13 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
     pdd: PddOptions | None = None
+
+    @model_validator(mode="after")
+    def _one_output_limit(self) -> _Sampling:
+        """max_tokens and max_completion_tokens are one limit (parse_body refuses two that differ)."""
+        a, b = self.max_tokens, self.max_completion_tokens
+        self.max_tokens = self.max_completion_tokens = a if a is not None else b
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from shared.model.export_tokenizer import save_byte_tokenizer
 from shared.model.llama import LlamaForCausalLM
+from shared.model.tokenizer import ByteTokenizer
 
 
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -33,8 +35,10 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_hf(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors. Only plain Llama (no qkv bias, no qk-norm)."""
+def save_hf(model: LlamaForCausalLM, out_dir: str | Path, byte_tokenizer: bool = False) -> Path:
+    """Write config.json + model.safetensors. Only plain Llama (no qkv bias, no qk-norm).
+    byte_tokenizer: also the presets' byte tokenizer as tokenizer files (export_tokenizer), so
+    other servers given the directory tokenize as pdd does."""
     c = model.config
     if c.qkv_bias or c.qk_norm or c.o_bias:
         raise ValueError("save_hf writes plain Llama checkpoints only")
@@ -64,4 +68,8 @@ def save_hf(model: LlamaForCausalLM, out_dir: str | Path) -> Path:
     }
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if byte_tokenizer:
+        if c.vocab_size != ByteTokenizer.vocab_size:
+            raise ValueError(f"the byte tokenizer has {ByteTokenizer.vocab_size} ids, the model {c.vocab_size}")
+        save_byte_tokenizer(out, c.max_position_embeddings)
     return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 LIMITS = {
     "delay_ms": (0.0, 60_000.0, True),
     "jitter_ms": (0.0, 60_000.0, True),
-    "bandwidth_mbps": (0.0, 1e6, False),  # None (unlimited) is not a number and not checked here
+    "bandwidth_mbps": (0.0, 1e6, True),  # 0 and None (not checked here) both mean unlimited
 }
 
 
@@ -35,7 +35,7 @@ def check_setting(name: str, value: float) -> float:
 class LinkSettings:
     delay_ms: float = 0.0  # one way, per direction
     jitter_ms: float = 0.0  # uniform in [-jitter, +jitter] around delay_ms, never below 0
-    bandwidth_mbps: float | None = None  # per direction; None = unlimited
+    bandwidth_mbps: float | None = None  # per direction; None or 0 = unlimited
 
     def validate(self) -> None:
         check_setting("delay_ms", self.delay_ms)
@@ -45,8 +45,8 @@ class LinkSettings:
 
     @property
     def rate_bps(self) -> float | None:
-        """Bytes per second, or None."""
-        return None if self.bandwidth_mbps is None else self.bandwidth_mbps * 1e6 / 8
+        """Bytes per second, or None (no cap)."""
+        return self.bandwidth_mbps * 1e6 / 8 if self.bandwidth_mbps else None
 
 
 @dataclass

@@ -1,0 +1,87 @@
+"""POST /tokenize and /detokenize in vLLM's shapes, with the router's own tokenizer, so clients
+written for vLLM (benchmarks, prompt-length checks) count tokens the way the server does.
+
+    /tokenize    {model?, prompt | messages, add_special_tokens?} -> {count, max_model_len, tokens}
+    /detokenize  {model?, tokens}                                 -> {prompt}
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import from_json
+
+from .body import read_body
+from .errors import APIError
+from .openai_request import chat_prompt_ids, describe
+from .schemas import ChatMessage
+
+tokenize_api = APIRouter()
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # (vLLM's other options, e.g. return_token_strs)
+
+    model: str | None = None
+    prompt: str | None = None
+    # Messages count as chat completions would run them: the template decides special tokens.
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True  # for a prompt, as in vLLM (the byte tokenizer has none to add)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _bad(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> APIError:
+    return APIError(message, status, "invalid_request_error", param=param, code=code)
+
+
+async def _parse(request: Request, schema: type[BaseModel]) -> BaseModel:
+    http = request.app.state.http
+    raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
+    try:
+        payload = from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
+        raise _bad(f"request body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise _bad("request body must be a JSON object")
+    try:
+        body = schema.model_validate(payload)
+    except ValidationError as e:
+        raise _bad(describe(e.errors())) from None
+    model_id = request.app.state.core.model_id
+    if body.model is not None and body.model != model_id:
+        raise _bad(f"model '{body.model}' does not exist; this server serves '{model_id}'",
+                   param="model", status=404, code="model_not_found")  # fmt: skip
+    return body
+
+
+@tokenize_api.post("/tokenize")
+async def tokenize(request: Request) -> dict:
+    body = await _parse(request, TokenizeRequest)
+    tokenizer = request.app.state.tokenizer
+    if body.messages is not None:
+        ids = chat_prompt_ids(body.messages, tokenizer)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": request.app.state.max_model_len, "tokens": ids, "token_strs": None}
+
+
+@tokenize_api.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    body = await _parse(request, DetokenizeRequest)
+    tokenizer = request.app.state.tokenizer
+    bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise _bad(f"token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", param="tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
