@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from services.router.http_settings import HttpSettings
+from services.router.api.http_settings import HttpSettings
 from services.router.main import build_app
 from shared.config import RouterSettings
 from shared.launch import ENV_PREFIX, UpOptions, service_specs, with_base_port

@@ -8,10 +8,10 @@ from services.prefill.service import MOVES as P_MOVES
 from services.prefill.service import PrefillState
 from services.relay.service import MOVES as RLD_MOVES
 from services.relay.service import RelayState
-from services.router.merger import TokenMerger
-from services.router.policy import RouteDecision
-from services.router.request_stream import MOVES as ROUTER_MOVES
-from services.router.request_stream import RequestStream, StreamState
+from services.router.core.merger import TokenMerger
+from services.router.core.request_stream import MOVES as ROUTER_MOVES
+from services.router.core.request_stream import RequestStream, StreamState
+from services.router.routing.policy import RouteDecision
 from shared.bus.messages import DecodeReport, HandoffMode, Pipeline, RelayReport, Role, TokenEvent
 from shared.state_machine import IllegalTransition
 

@@ -11,7 +11,7 @@ import socket
 import httpx
 import pytest
 
-from services.router.response_schemas import ChatCompletionResponse, CompletionResponse
+from services.router.api.response_schemas import ChatCompletionResponse, CompletionResponse
 from shared.system import RunningSystem, start_system
 
 KEYS = ("key-a", "key-b")  # key-b comes from PDD_API_KEY

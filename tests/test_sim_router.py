@@ -3,7 +3,7 @@ instance's figures moved: at every route each must equal the load made afresh.""
 
 import pytest
 
-from services.router.policy import InstanceLoad, load_of
+from services.router.routing.policy import InstanceLoad, load_of
 from shared.bus.messages import Role
 from shared.sim.agentic import BENCH, agentic_open_loop
 from shared.sim.chip import Chip

@@ -4,8 +4,8 @@ The real default registry, read back through the exposition text."""
 
 from __future__ import annotations
 
-from services.router.policy import RouteDecision
-from services.router.request_stream import RequestStream
+from services.router.core.request_stream import RequestStream
+from services.router.routing.policy import RouteDecision
 from services.router.service import _count_reports
 from shared.bus.messages import (
     AbortReason,

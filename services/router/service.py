@@ -47,16 +47,24 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.token_latency import token_latency
 from shared.telemetry.tracing import get_tracer
 
-from .assignments import Assignments
-from .cache_view import CacheView
-from .errors import APIError
-from .merger import TokenMerger
-from .policy import InstanceLoad, RouteDecision, resume_candidates
-from .prefix_index import PrefixIndex
-from .registry import Registry
-from .request_stream import MOVABLE, Delta, RequestStream, StreamState
-from .route_plan import LinkView, RouteContext, md_options, md_weights, plan_route
-from .schemas import PddOptions
+from .api.errors import APIError
+from .api.schemas import PddOptions
+from .core.merger import TokenMerger
+from .core.request_stream import MOVABLE, Delta, RequestStream, StreamState
+from .routing.assignments import Assignments
+from .routing.cache_view import CacheView
+from .routing.policy import (
+    InstanceLoad,
+    LinkView,
+    RouteContext,
+    RouteDecision,
+    md_options,
+    md_weights,
+    plan_route,
+    resume_candidates,
+)
+from .routing.prefix_index import PrefixIndex
+from .routing.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +249,7 @@ class RouterCore:
         self, prompt_ids: list[int], forced: Pipeline | None
     ) -> tuple[RouteDecision, str, str | None, str | None, list[int]]:
         """(decision, MD instance, relay instance on P→RLD→MD, prefill instance, the prompt's
-        block hashes); see route_plan.plan_route. With no MD alive (lost, or its datacenter
+        block hashes); see policy.plan_route. With no MD alive (lost, or its datacenter
         unreachable) the MD is "" and the request goes to a relay (RLD-only: a fault
         fallback, never a policy)."""
         hashes = block_hashes(prompt_ids, self.block_size, self.model_id)

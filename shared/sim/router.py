@@ -1,4 +1,4 @@
-"""The router in the simulation: the service's own route plan (services/router/route_plan.py)
+"""The router in the simulation: the service's own route plan (services/router/routing/policy.py)
 over the instances' loads as reported, the two prefix indexes fed by the instances' cache
 events, and the true figures of each MD's KV link."""
 
@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.router.assignments import Assignments
-from services.router.policy import load_from
-from services.router.prefix_index import PrefixIndex
-from services.router.route_plan import LinkView, RouteContext, RoutePlan, plan_route
+from services.router.routing.assignments import Assignments
+from services.router.routing.policy import LinkView, RouteContext, RoutePlan, load_from, plan_route
+from services.router.routing.prefix_index import PrefixIndex
 from shared.bus.messages import Role
 from shared.config import RouterSettings
 from shared.sim.events import EventLoop

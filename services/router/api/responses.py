@@ -17,13 +17,13 @@ from starlette.types import Receive, Scope, Send
 from shared.engine.logprobs import TokenLogprobs
 from shared.telemetry import metrics
 
+from ..core.request_stream import Delta, RequestStream
+from ..service import RouterCore
 from .detokenizer import Detokenizer
 from .errors import APIError
 from .logprobs_format import LogprobsFormatter, prompt_entries
 from .openai_request import ParsedRequest
-from .request_stream import Delta, RequestStream
 from .schemas import ChatCompletionRequest
-from .service import RouterCore
 
 Logprobs = list[TokenLogprobs | None]
 

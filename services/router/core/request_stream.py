@@ -19,8 +19,8 @@ from shared.engine import SamplingParams
 from shared.engine.logprobs import TokenLogprobs
 from shared.state_machine import StateMachine, table_of
 
+from ..routing.policy import RouteDecision
 from .merger import TokenMerger
-from .policy import RouteDecision
 
 
 class StreamState(Enum):
