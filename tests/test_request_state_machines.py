@@ -50,7 +50,7 @@ def test_md_lost_before_the_handoff_leaves_the_relay_to_finish() -> None:
     s = _stream(Pipeline.P_RLD_MD)
     s.dispatched("p0")
     s.md_lost()
-    assert s.state.state is StreamState.RELAY_SOLO and s.queue.empty()
+    assert s.state.state is StreamState.RELAY_SOLO
     s.observe(TokenEvent("r", Role.RELAY, 1, [5], relay=RelayReport(handed_over=False, rld_tokens=3)))
     s.finish()
     assert s.done and s.pipeline is Pipeline.RLD_ONLY and s.summary()["rld_tokens"] == 3

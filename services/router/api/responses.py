@@ -219,13 +219,13 @@ async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, opts:
 
 async def _texts(core: RouterCore, stream: RequestStream, detok: Detokenizer) -> AsyncIterator[tuple[str, Delta, str | None]]:
     """(new text, the delta, finish reason so far) per delta; stops at a stop string."""
-    last = time.monotonic()
+    last, seen = time.monotonic(), 0
     async with aclosing(core.deltas(stream)) as deltas:
         async for delta in deltas:
             now = time.monotonic()
-            if delta.tokens and stream.merger.next_index > len(delta.tokens):
+            if delta.tokens and seen:  # (tokens merge as they arrive: the merger may be ahead of the client)
                 metrics.ITL.labels(pipeline=stream.decision.pipeline.value).observe(now - last)
-            last = now
+            last, seen = now, seen + len(delta.tokens)
             text = detok.add(delta.tokens)
             if detok.stopped:
                 yield text, delta, "stop"
