@@ -119,6 +119,16 @@ def test_prefill_s_first_token_before_md_answers_hands_the_request_on_at_dispatc
     assert stream.state.is_in(StreamState.WITH_MD) and stream.producer == (Role.MAIN_DECODE, "md0")
 
 
+def test_a_request_that_prefill_finishes_before_md_answers_ends_once_dispatched() -> None:
+    life = _life()
+    stream = _opened(life, Pipeline.P_MD)
+    only = _tok(RID, Role.PREFILL, 0, [10], outcome=Outcome.LENGTH)  # max_tokens 1
+    assert _delivered(life.on_tokens(only, 0.0)) == [Delta([10], True, "length", [None])]
+    assert life.on_tokens(only, 0.0) == []  # its copy finishes nothing twice
+    assert stream.state.is_in(StreamState.DISPATCHING)
+    assert len(_dispatched(life, stream)) == 1 and stream.done
+
+
 def test_a_request_whose_instance_is_lost_moves_and_continues_from_the_tokens_sent() -> None:
     life = _life()
     stream = _opened(life, Pipeline.P_MD)

@@ -48,6 +48,8 @@ class RequestLife:
         if not stream.state.is_in(StreamState.DISPATCHING):
             return []  # an instance failed it meanwhile and it moved (or ended)
         stream.dispatched(prefill)
+        if stream.merger.finished:  # prefill's tokens were all it took (e.g. max_tokens 1)
+            stream.finish()
         return [Publish(subjects.req(stream.rid, Req.MD_TARGET), target)]
 
     def refused(self, stream: RequestStream, why: str) -> list[Action]:
@@ -76,6 +78,8 @@ class RequestLife:
         return actions + self._merge(stream, ev, now)
 
     def _merge(self, stream: RequestStream, ev: TokenEvent, now: float) -> list[Action]:
+        if stream.merger.finished:
+            return []  # finished while dispatching: the client has had the finish once
         merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None,
                                    ev.logprobs)  # fmt: skip
         if ev.prompt_logprobs is not None and stream.prompt_logprobs is None:
@@ -84,8 +88,8 @@ class RequestLife:
         if merged.tokens and stream.first_token_at is None:
             stream.first_token_at = now
             ttft = now - stream.created
-        if merged.finished:
-            stream.finish()
+        if merged.finished and not stream.state.is_in(StreamState.DISPATCHING):
+            stream.finish()  # (while dispatching: once dispatched, see there)
         if not (merged.tokens or merged.finished):
             return []
         reason = stream.merger.finish_reason if merged.finished else None
@@ -142,7 +146,8 @@ class RequestLife:
         return [SendAbort(old, AbortReason.MIGRATED, stream), Resume(stream, why, cause)]
 
     def resumed(self, stream: RequestStream, role: Role, instance: str) -> None:
-        stream.resumed(role, instance)
+        if not stream.state.is_in(*ENDED):  # (its new instance may have finished it already)
+            stream.resumed(role, instance)
 
     def give_up(self, stream: RequestStream, why: str) -> list[Action]:
         """No instance takes the request: it fails, and its consumer hears why."""
