@@ -180,7 +180,7 @@ class RouterSettings(CommonSettings):
     migration_wait_s: float = 2.0  # how long a move waits for a live instance to take the request
     resume_timeout_s: float = 3.0  # an instance's answer to a resume request
     forget_after_s: float = 60.0  # an instance silent this long has left: its entries are dropped
-    # Which instance serves a request: the lowest cost, in seconds (services/router/policy.py).
+    # Which instance serves a request: the lowest cost, in seconds (services/router/routing/policy.py).
     #   MD: overlap_weight × WAN seconds to send the KV that MD lacks (at the bandwidth measured
     #       toward it, behind the KV already queued on it) + load_weight × load × R_md
     #   P:  prefill_weight × prompt tokens that P has not cached + load_weight × load × R_p

@@ -1,4 +1,4 @@
-"""The router in the simulation: the service's own route plan (services/router/route_plan.py)
+"""The router in the simulation: the service's own route plan (services/router/routing/policy.py)
 over the instances' loads as reported, the two prefix indexes fed by the instances' cache
 events, and the true figures of each MD's KV link."""
 
@@ -10,10 +10,9 @@ from pdd.sim.events import EventLoop
 from pdd.sim.instance import Instance
 from pdd.sim.link import Link
 from pdd.sim.workload import SimRequest
-from services.router.assignments import Assignments
-from services.router.policy import load_from
-from services.router.prefix_index import PrefixIndex
-from services.router.route_plan import LinkView, RouteContext, RoutePlan, plan_route
+from services.router.routing.assignments import Assignments
+from services.router.routing.policy import LinkView, RouteContext, RoutePlan, load_from, plan_route
+from services.router.routing.prefix_index import PrefixIndex
 from shared.bus.messages import Role
 from shared.config import RouterSettings
 

@@ -10,8 +10,8 @@ from shared.model.describe import describe_model
 from shared.security.credentials import nats_options
 from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
-from .app import create_app
-from .http_settings import HttpSettings
+from .api.app import create_app
+from .api.http_settings import HttpSettings
 from .service import RouterCore
 
 

@@ -98,6 +98,78 @@ def _error(st: _Rid) -> KVTransferError:
     return (KVConnectionLost if st.lost else KVTransferError)(st.error or "failed")
 
 
+class _Rids(dict[str, _Rid]):
+    """The requests in flight on one channel, by rid, and the last ABORTED_MEMORY that failed
+    (their later calls keep raising). A failed rid leaves the live ones at once (see drop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: collections.OrderedDict[str, str] = collections.OrderedDict()  # bounded memory
+
+    def state(self, rid: str) -> _Rid:
+        if rid in self.failed:
+            raise KVTransferError(f"{rid}: {self.failed[rid]}")
+        return self.setdefault(rid, _Rid())
+
+    def remember_failed(self, rid: str, reason: str) -> None:
+        self.failed[rid] = reason
+        while len(self.failed) > ABORTED_MEMORY:
+            self.failed.popitem(last=False)
+
+    def drop(self, rid: str, st: _Rid, reason: str | None = None) -> bool:
+        """Forget a failed rid (later calls for it keep raising); False if already forgotten
+        (by abort(), the receiver's error or a channel failure)."""
+        if self.get(rid) is not st:
+            return False
+        del self[rid]
+        self.remember_failed(rid, st.error or reason or "failed")
+        return True
+
+    def acked(self, rid: object) -> None:
+        st = self.get(rid) if isinstance(rid, str) else None
+        if st is not None and st.ack is not None and not st.ack.done():
+            st.ack.set_result(None)
+
+    def refused(self, rid: object, reason: object) -> None:
+        """The receiver failed rid."""
+        st = self.get(rid) if isinstance(rid, str) else None
+        if st is not None:
+            st.error = f"receiver failed {rid}: {reason}"
+            self.drop(rid, st)
+            if st.ack is not None and not st.ack.done():
+                st.ack.set_exception(KVTransferError(st.error))
+
+    def fail_all(self, reason: str, lost: bool) -> None:
+        """The channel failed: every pending call raises."""
+        for rid, st in self.items():
+            st.error, st.lost = f"{rid}: {reason}", lost
+            if st.ack is not None and not st.ack.done():
+                st.ack.set_exception(_error(st))
+        self.clear()
+
+
+def _layers_for(rid: str, kv: torch.Tensor, n_hashes: int, max_frame: int | None) -> _Layers:
+    """kv cut into sub-frames, each of which (with its header) fits the receiver's frame limit."""
+    layers = _Layers.of(kv)
+    if max_frame and layers.subframe_bytes + (64 << 10) + 9 * n_hashes > max_frame:
+        raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
+    return layers
+
+
+def _done_frame(rid: str, payload: bytes, max_header: int | None) -> dict[str, Any]:
+    """finish()'s frame, refused before anything is sent if it cannot be."""
+    if not isinstance(payload, bytes):
+        raise TypeError(f"finish({rid}): payload must be bytes, not {type(payload).__name__}")
+    done = {"kind": "done", "rid": rid, "payload": payload}
+    size = len(pack(done)) - PREFIX.size
+    if max_header and size > max_header:
+        raise KVTransferError(
+            f"finish({rid}): a payload of {len(payload)} bytes makes a {size}-byte header,"
+            f" over the receiver's limit of {max_header}"
+        )
+    return done
+
+
 class KVClient:
     """`closed` turns True when the channel is unusable; every call then raises KVTransferError
     (KVConnectionLost when the connection dropped). `rtt` is the handshake round trip in seconds;
@@ -120,8 +192,7 @@ class KVClient:
         self.bytes_sent = 0
         self._stream = stream
         self._wlock = asyncio.Lock()
-        self._rids: dict[str, _Rid] = {}
-        self._aborted: collections.OrderedDict[str, str] = collections.OrderedDict()  # bounded memory
+        self._rids = _Rids()
         self._close_reason = "closed"
         self._lost = False  # closed because the connection dropped
         self._reader = asyncio.create_task(self._read_loop())
@@ -143,7 +214,7 @@ class KVClient:
         `split` (gid, upto): send layers [0, upto) only; the rest goes as send_piece(gid) on other
         connections of this sender, and the receiver delivers the group once all are in."""
         kv = sendable(kv, hashes)
-        layers = self._layers(rid, kv, len(hashes))
+        layers = _layers_for(rid, kv, len(hashes), self.max_frame)
         st = self._state(rid)
         traceparent = _current_traceparent() if traceparent is None else traceparent
         base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
@@ -161,7 +232,7 @@ class KVClient:
             if st.error:  # the receiver failed rid while we were sending
                 raise _error(st)
         except asyncio.CancelledError:
-            self._drop(rid, st)  # whoever cancelled tells the receiver (abort())
+            self._rids.drop(rid, st)  # whoever cancelled tells the receiver (abort())
             raise
         except TimeoutError:
             why = f"send_blocks({rid}): timed out after {timeout}s"
@@ -180,7 +251,7 @@ class KVClient:
         when this connection drops (sending it again on another one is safe), KVTransferError
         on timeout. The receiver reports a bad piece on the request's connection, not here."""
         kv = sendable(kv, [0] * kv.shape[2])
-        layers = self._layers(rid, kv, 0)
+        layers = _layers_for(rid, kv, 0, self.max_frame)
         base = {"kind": "piece", "rid": rid, "gid": gid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
         deadline = asyncio.get_running_loop().time() + timeout
         try:
@@ -194,7 +265,7 @@ class KVClient:
         bytes (TypeError) or too large for the receiver's header limit (KVTransferError) is refused
         before anything is sent: rid stays open. Raises KVTransferError if the receiver
         rejected/aborted rid, the peer vanished, or on timeout."""
-        done = self._done_frame(rid, payload)
+        done = _done_frame(rid, payload, self.max_header)
         st = self._state(rid)
         st.ack = asyncio.get_running_loop().create_future()
         try:
@@ -216,7 +287,7 @@ class KVClient:
         st = self._rids.pop(rid, None) or _Rid()
         if st.error is None:
             st.error = f"aborted: {reason}"
-        self._remember_failed(rid, st.error)
+        self._rids.remember_failed(rid, st.error)
         if st.ack is not None and not st.ack.done():
             st.ack.set_exception(KVTransferError(st.error))
         if not self.closed:
@@ -245,16 +316,7 @@ class KVClient:
     def _state(self, rid: str) -> _Rid:
         if self.closed:
             raise self._closed_error()
-        if rid in self._aborted:
-            raise KVTransferError(f"{rid}: {self._aborted[rid]}")
-        # A failed rid leaves _rids at once (see _drop); _aborted makes its later calls raise.
-        return self._rids.setdefault(rid, _Rid())
-
-    def _layers(self, rid: str, kv: torch.Tensor, n_hashes: int) -> _Layers:
-        layers = _Layers.of(kv)
-        if self.max_frame and layers.subframe_bytes + (64 << 10) + 9 * n_hashes > self.max_frame:
-            raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
-        return layers
+        return self._rids.state(rid)
 
     async def _send_group(
         self,
@@ -279,35 +341,9 @@ class KVClient:
             sent += await self._send_frame(st, header, data, deadline=deadline)
         return sent
 
-    def _done_frame(self, rid: str, payload: bytes) -> dict[str, Any]:
-        if not isinstance(payload, bytes):
-            raise TypeError(f"finish({rid}): payload must be bytes, not {type(payload).__name__}")
-        done = {"kind": "done", "rid": rid, "payload": payload}
-        size = len(pack(done)) - PREFIX.size
-        if self.max_header and size > self.max_header:
-            raise KVTransferError(
-                f"finish({rid}): a payload of {len(payload)} bytes makes a {size}-byte header,"
-                f" over the receiver's limit of {self.max_header}"
-            )
-        return done
-
-    def _remember_failed(self, rid: str, reason: str) -> None:
-        self._aborted[rid] = reason
-        while len(self._aborted) > ABORTED_MEMORY:
-            self._aborted.popitem(last=False)
-
-    def _drop(self, rid: str, st: _Rid, reason: str | None = None) -> bool:
-        """Forget a failed rid (later calls for it keep raising); False if already forgotten
-        (by abort(), the receiver's error or a channel failure)."""
-        if self._rids.get(rid) is not st:
-            return False
-        del self._rids[rid]
-        self._remember_failed(rid, st.error or reason or "failed")
-        return True
-
     async def _forget(self, rid: str, st: _Rid, notify: bool, reason: str | None = None) -> None:
         """Drop a failed rid and tell the receiver to drop it too."""
-        if self._drop(rid, st, reason) and notify and not self.closed:
+        if self._rids.drop(rid, st, reason) and notify and not self.closed:
             with contextlib.suppress(KVTransferError, TimeoutError):
                 async with asyncio.timeout(CONTROL_TIMEOUT_S):
                     await self._send_frame(
@@ -355,18 +391,11 @@ class KVClient:
         try:
             while True:
                 h = await read_header(self._stream, DEFAULT_MAX_HEADER)
-                rid = h.get("rid")
-                st = self._rids.get(rid) if isinstance(rid, str) else None
                 if h["kind"] == "ack":
                     self.last_used = time.monotonic()
-                    if st is not None and st.ack is not None and not st.ack.done():
-                        st.ack.set_result(None)
+                    self._rids.acked(h.get("rid"))
                 elif h["kind"] == "error":
-                    if st is not None:
-                        st.error = f"receiver failed {rid}: {h.get('reason')}"
-                        self._drop(rid, st)
-                        if st.ack is not None and not st.ack.done():
-                            st.ack.set_exception(KVTransferError(st.error))
+                    self._rids.refused(h.get("rid"), h.get("reason"))
                 else:
                     raise FrameError(f"unexpected {h['kind']!r} frame from receiver")
         except asyncio.CancelledError:
@@ -386,11 +415,7 @@ class KVClient:
         if reason != "closed by sender":
             log.warning("kv: channel to %s failed: %s", self.address, reason)
         self._stream.abort()  # wakes a send blocked on a dead or blackholed peer
-        for rid, st in self._rids.items():
-            st.error, st.lost = f"{rid}: {reason}", lost
-            if st.ack is not None and not st.ack.done():
-                st.ack.set_exception(_error(st))
-        self._rids.clear()
+        self._rids.fail_all(reason, lost)
 
 
 async def open_kv_client(

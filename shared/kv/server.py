@@ -79,6 +79,72 @@ class _Orphan:
     timer: asyncio.Task
 
 
+class _Groups(dict[str, _Group]):
+    """The groups being received on one connection, by rid, each reserved against the
+    connection's and the receiver's caps until it is delivered or dropped."""
+
+    def __init__(self, server: KVServer, identity: str) -> None:
+        super().__init__()
+        self.server, self.identity = server, identity
+        self.inflight = InFlight(server.caps.conn_inflight_bytes, server.caps.conn_groups, "this connection")
+
+    def of(self, b: BlocksHeader, h: dict[str, Any], expected: int) -> _Group | str:
+        """The group this sub-frame belongs to (a new one when lo == 0, `expected` the rid's
+        next seq), or why it is invalid."""
+        if b.algo not in ALGOS:
+            return f"unsupported checksum {b.algo!r}"
+        group = self.get(b.rid)
+        if b.lo == 0:
+            if group is not None or b.seq != expected:
+                return f"frame seq={b.seq} out of order (expected {expected})"
+            nbytes = math.prod(b.shape) * b.dtype.itemsize
+            if nbytes > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
+                return f"group of shape {b.shape} is too large"
+            group = self._new(b, h, nbytes)
+            if isinstance(group, _Group):
+                self[b.rid] = group
+            return group
+        if (
+            group is None
+            or group.seq != b.seq
+            or group.next_layer != b.lo
+            or b.hi > group.end
+            or list(group.kv.shape) != b.shape
+        ):
+            return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
+        return group
+
+    def _new(self, b: BlocksHeader, h: dict[str, Any], nbytes: int) -> _Group | str:
+        """A group's tensor, reserved against the caps; a split one's may exist already."""
+        hashes, tp = list(h["hashes"]), h.get("tp")
+        if b.split is not None:
+            key = (self.identity, b.split[0])
+            split = self.server.splits.get(key, b, self.inflight, lambda n: self.refusal(b, n))
+            if isinstance(split, str):
+                return split
+            return _Group(b.seq, split.kv, 0, hashes, tp, b.split[1], (key, split))
+        why = self.refusal(b, nbytes)  # before anything is allocated
+        if why is not None:
+            return why
+        kv = self.server.buffers.tensor(b.shape, b.dtype)
+        self.inflight.take(nbytes)
+        self.server.inflight.take(nbytes)
+        return _Group(b.seq, kv, nbytes, hashes, tp, b.shape[0])
+
+    def refusal(self, b: BlocksHeader, nbytes: int) -> str | None:
+        expect = self.server.expect
+        why = layout_refusal(b, expect) if expect is not None else None
+        return why or self.inflight.refusal(nbytes) or self.server.inflight.refusal(nbytes)
+
+    def drop(self, rid: str) -> None:
+        group = self.pop(rid, None)
+        if group is not None and group.split is not None:
+            self.server.splits.drop(group.split[0], f"{rid} dropped")  # gives its reservation back
+        elif group is not None:
+            self.inflight.give(group.nbytes)
+            self.server.inflight.give(group.nbytes)
+
+
 class _Receiver:
     """One authenticated sender connection; frames are handled strictly in order."""
 
@@ -86,8 +152,7 @@ class _Receiver:
         self.server, self.stream, self.sink = server, stream, server.sink
         self.identity = stream.identity  # a dropped request may continue only from the same peer
         self.next_seq: dict[str, int] = {}  # rids in flight on this connection
-        self.groups: dict[str, _Group] = {}
-        self.inflight = InFlight(server.caps.conn_inflight_bytes, server.caps.conn_groups, "this connection")
+        self.groups = _Groups(server, self.identity)
         self.failed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._scratch: memoryview | None = None
 
@@ -132,7 +197,7 @@ class _Receiver:
             rids = list(self.next_seq)
             self.next_seq.clear()
             for rid in list(self.groups):
-                self._drop_group(rid)
+                self.groups.drop(rid)
             for rid in rids:
                 if lost:  # the sender may continue it on a new connection
                     self.server.orphan(rid, self.identity)
@@ -154,7 +219,7 @@ class _Receiver:
     def release(self, rid: str) -> None:
         """rid continues on another connection of its sender: this one drops it silently."""
         self.next_seq.pop(rid, None)
-        self._drop_group(rid)
+        self.groups.drop(rid)
         self._remember_failed(rid, "continued on another connection")
 
     async def _on_blocks(self, h: dict[str, Any]) -> None:
@@ -165,7 +230,9 @@ class _Receiver:
         if b.lo == 0 and b.rid not in self.next_seq and not await self._claim(b.rid):
             await self._discard(b.nbytes)
             return
-        group = self._group(b, h)
+        group = self.groups.of(b, h, self.next_seq.get(b.rid, 0))
+        if isinstance(group, _Group) and b.lo == 0:
+            self.next_seq.setdefault(b.rid, 0)  # in flight from now on
         if isinstance(group, str):
             await self._discard(b.nbytes)
             await self._fail(b.rid, group)
@@ -187,7 +254,7 @@ class _Receiver:
             return  # more sub-frames of this group follow
         if group.split is not None and not await self._pieces_in(b, group):
             return
-        self._drop_group(b.rid)  # the sink owns it from here
+        self.groups.drop(b.rid)  # the sink owns it from here
         self.next_seq[b.rid] = b.seq + 1
         kv, hashes, traceparent = group.kv, group.hashes, group.traceparent
         del group
@@ -197,50 +264,6 @@ class _Receiver:
         except Exception as e:
             log.warning("kv: sink rejected %s: %r", b.rid, e)
             await self._fail(b.rid, f"rejected by receiver: {e!r}")
-
-    def _group(self, b: BlocksHeader, h: dict[str, Any]) -> _Group | str:
-        """The group this sub-frame belongs to (a new one when lo == 0), or why it is invalid."""
-        if b.algo not in ALGOS:
-            return f"unsupported checksum {b.algo!r}"
-        group = self.groups.get(b.rid)
-        if b.lo == 0:
-            expected = self.next_seq.get(b.rid, 0)
-            if group is not None or b.seq != expected:
-                return f"frame seq={b.seq} out of order (expected {expected})"
-            nbytes = math.prod(b.shape) * b.dtype.itemsize
-            if nbytes > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
-                return f"group of shape {b.shape} is too large"
-            group = self._new_group(b, h, nbytes)
-            if isinstance(group, _Group):
-                self.next_seq.setdefault(b.rid, expected)  # in flight from now on
-                self.groups[b.rid] = group
-            return group
-        if (
-            group is None
-            or group.seq != b.seq
-            or group.next_layer != b.lo
-            or b.hi > group.end
-            or list(group.kv.shape) != b.shape
-        ):
-            return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
-        return group
-
-    def _new_group(self, b: BlocksHeader, h: dict[str, Any], nbytes: int) -> _Group | str:
-        """A group's tensor, reserved against the caps; a split one's may exist already."""
-        hashes, tp = list(h["hashes"]), h.get("tp")
-        if b.split is not None:
-            key = (self.identity, b.split[0])
-            split = self.server.splits.get(key, b, self.inflight, lambda n: self._refusal(b, n))
-            if isinstance(split, str):
-                return split
-            return _Group(b.seq, split.kv, 0, hashes, tp, b.split[1], (key, split))
-        why = self._refusal(b, nbytes)  # before anything is allocated
-        if why is not None:
-            return why
-        kv = self.server.buffers.tensor(b.shape, b.dtype)
-        self.inflight.take(nbytes)
-        self.server.inflight.take(nbytes)
-        return _Group(b.seq, kv, nbytes, hashes, tp, b.shape[0])
 
     async def _pieces_in(self, b: BlocksHeader, group: _Group) -> bool:
         """Wait for the layers of a split group that other connections carry; False (rid
@@ -259,7 +282,7 @@ class _Receiver:
         (reported by the request's connection), never this connection's."""
         b = check_blocks(h, self.server.max_frame_bytes)
         key = (self.identity, field(h, "gid", int))
-        split = self.server.splits.get(key, b, self.inflight, lambda n: self._refusal(b, n))
+        split = self.server.splits.get(key, b, self.groups.inflight, lambda n: self.groups.refusal(b, n))
         if isinstance(split, str) or b.algo not in ALGOS:
             await self._discard(b.nbytes)
             return
@@ -270,19 +293,6 @@ class _Receiver:
         else:
             self.server.splits.landed(key, b.lo, b.hi)
 
-    def _refusal(self, b: BlocksHeader, nbytes: int) -> str | None:
-        expect = self.server.expect
-        why = layout_refusal(b, expect) if expect is not None else None
-        return why or self.inflight.refusal(nbytes) or self.server.inflight.refusal(nbytes)
-
-    def _drop_group(self, rid: str) -> None:
-        group = self.groups.pop(rid, None)
-        if group is not None and group.split is not None:
-            self.server.splits.drop(group.split[0], f"{rid} dropped")  # gives its reservation back
-        elif group is not None:
-            self.inflight.give(group.nbytes)
-            self.server.inflight.give(group.nbytes)
-
     async def _on_done(self, rid: str, payload: bytes) -> None:
         if rid not in self.next_seq and rid not in self.failed and not await self._claim(rid):
             return
@@ -290,7 +300,7 @@ class _Receiver:
         if reason is None and rid in self.groups:
             reason = "done before the last sub-frame"
         if reason is not None:  # (repeat the) error: the sender's finish() must not wait for an ack
-            self._drop_group(rid)
+            self.groups.drop(rid)
             if self.next_seq.pop(rid, None) is not None:
                 await self.server.sink_abort(rid, reason)
             await self._send({"kind": "error", "rid": rid, "reason": reason})
@@ -310,7 +320,7 @@ class _Receiver:
         if rid not in self.next_seq and rid not in self.failed and not await self._claim(rid):
             return
         self.next_seq.pop(rid, None)
-        self._drop_group(rid)
+        self.groups.drop(rid)
         if self.failed.pop(rid, None) is None:  # not yet aborted on our side
             await self.server.sink_abort(rid, f"aborted by sender: {reason}")
 
@@ -324,7 +334,7 @@ class _Receiver:
 
     async def _fail(self, rid: str, reason: str) -> None:
         self.next_seq.pop(rid, None)
-        self._drop_group(rid)
+        self.groups.drop(rid)
         self._remember_failed(rid, reason)
         await self.server.sink_abort(rid, reason)
         await self._send({"kind": "error", "rid": rid, "reason": reason})

@@ -66,7 +66,7 @@ OUTPUT_TOKENS = Counter("pdd_output_tokens", "Output tokens by producing role", 
 UNKNOWN_REQUEST_MESSAGES = Counter(
     "pdd_unknown_request_messages", "Messages naming a request id this instance does not hold (dropped)", ["service"]
 )
-MIGRATIONS = Counter(  # cause = lost | gap | stall | error | dispatch (see RequestStream.stall, RouterCore._migrate)
+MIGRATIONS = Counter(  # cause = lost | gap | stall | error | dispatch (see RequestStream.stall, RequestLife.move)
     "pdd_migrations", "Requests moved to another instance by their token IDs", ["cause"]
 )
 KV_RDMA_BYTES = Counter("pdd_kv_rdma_bytes", "KV bytes prefill wrote one-sided into main decode's pool (RDMA path)")

@@ -15,7 +15,7 @@ import pytest
 
 from pdd.launch import ENV_PREFIX, UpOptions, service_specs, with_base_port
 from pdd.system import RunningSystem, start_system
-from services.router.http_settings import HttpSettings
+from services.router.api.http_settings import HttpSettings
 from services.router.main import build_app
 from shared.config import RouterSettings
 from shared.security.credentials import require_credentials

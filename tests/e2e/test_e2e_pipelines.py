@@ -326,7 +326,7 @@ MODEL = describe_model(ModelSettings(preset=PRESET)).model_id
 def test_openai_client_logprobs_match_single_engine(system, reference, salt, pipeline, expect, catchup, bandwidth, kw):
     import openai
 
-    from services.router.logprobs_format import LogprobsFormatter, prompt_entries
+    from services.router.api.logprobs_format import LogprobsFormatter, prompt_entries
 
     client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key="none", max_retries=0, timeout=60)
     prompt = prompt_of(200, salt=salt)

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from pdd.system import RunningSystem, start_system
-from services.router.openai_request import chat_prompt
-from services.router.schemas import ChatMessage
+from services.router.api.openai_request import chat_prompt
+from services.router.api.schemas import ChatMessage
 from shared.engine import LLMEngine, SamplingParams
 from shared.model.export_hf import save_hf
 from tests.engine_util import make_engine

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdd.system import RunningSystem, start_system
-from services.router.response_schemas import ChatCompletionResponse, CompletionResponse
+from services.router.api.response_schemas import ChatCompletionResponse, CompletionResponse
 
 KEYS = ("key-a", "key-b")  # key-b comes from PDD_API_KEY
 AUTH = {"authorization": f"Bearer {KEYS[0]}"}

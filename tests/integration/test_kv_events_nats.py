@@ -12,7 +12,7 @@ import pytest
 
 from services.main_decode.service import MainDecodeService
 from services.prefill.service import PrefillService
-from services.router.prefix_index import PrefixIndex
+from services.router.routing.prefix_index import PrefixIndex
 from services.router.service import RouterCore
 from shared.bus import subjects
 from shared.bus.connection import flushed, publish, request, respond, subscribe

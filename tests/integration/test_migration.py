@@ -11,7 +11,7 @@ import pytest
 
 from services.main_decode.service import MainDecodeService
 from services.relay.service import RelayService
-from services.router.errors import APIError
+from services.router.api.errors import APIError
 from services.router.service import RouterCore
 from shared.bus import subjects
 from shared.bus.codec import encode

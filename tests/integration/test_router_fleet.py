@@ -42,18 +42,18 @@ async def test_instances_that_join_or_leave_are_used_or_dropped_and_sends_count_
         assert core.route(PROMPT, None)[1] == "m2"
         now = time.monotonic()
         for _ in range(3):
-            core.assignments.record((Role.MAIN_DECODE, "m2"), now)  # as a dispatch does
+            core.fleet.assignments.record((Role.MAIN_DECODE, "m2"), now)  # as a dispatch does
         report(Role.MAIN_DECODE, "m1", running=1)
-        assert {m.instance: m.pending for m in core._loads(Role.MAIN_DECODE)} == {"m0": 0, "m1": 0, "m2": 3}
+        assert {m.instance: m.pending for m in core.fleet.loads(Role.MAIN_DECODE)} == {"m0": 0, "m1": 0, "m2": 3}
         assert core.route(PROMPT, None)[1] == "m1"  # m2 now has 3 requests in flight, m1 1
         report(Role.MAIN_DECODE, "m2", running=3)  # its report shows them: no longer counted twice
-        assert [m.pending for m in core._loads(Role.MAIN_DECODE)] == [0, 0, 0]
+        assert [m.pending for m in core.fleet.loads(Role.MAIN_DECODE)] == [0, 0, 0]
 
         await asyncio.sleep(1.1)  # m2 stops reporting: lost after lost_after_s (1 s)
         for role, instance in ((Role.PREFILL, "p0"), (Role.PREFILL, "p1"), (Role.MAIN_DECODE, "m0")):
             report(role, instance)
         report(Role.MAIN_DECODE, "m1", running=2)
-        assert [m.instance for m in core._loads(Role.MAIN_DECODE)] == ["m0", "m1"]
+        assert [m.instance for m in core.fleet.loads(Role.MAIN_DECODE)] == ["m0", "m1"]
         assert core.route(PROMPT, None)[1] == "m1"
     finally:
         await nc.close()

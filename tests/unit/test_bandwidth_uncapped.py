@@ -10,8 +10,8 @@ from pdd.launch import UpOptions, service_spec
 from pdd.sim.events import EventLoop
 from pdd.sim.link import Link
 from pdd.sim.validate import wan_link
-from services.router.prefix_index import PrefixIndex
-from services.router.route_plan import LinkView, RouteContext, md_options, md_weights
+from services.router.routing.policy import LinkView, RouteContext, md_options, md_weights
+from services.router.routing.prefix_index import PrefixIndex
 from shared.config import UNCAPPED_BANDWIDTH_BPS, RouterSettings
 from shared.wan.emulator import LinkUpdate
 from shared.wan.shaper import LinkSettings, Shaper

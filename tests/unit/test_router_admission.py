@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.router.admission import Admission, Overloaded
+from services.router.api.request_admission import Admission, Overloaded
 
 
 async def test_in_flight_and_waiting_are_bounded_and_waiters_go_in_order():

@@ -3,8 +3,8 @@
 import math
 from dataclasses import replace
 
-from services.router.assignments import QUIET, RECENT_HALF_LIFE_S, Assignments
-from services.router.policy import InstanceLoad, RouteWeights, choose_main_decode
+from services.router.routing.assignments import QUIET, RECENT_HALF_LIFE_S, Assignments
+from services.router.routing.policy import InstanceLoad, RouteWeights, choose_main_decode
 
 MD = "main_decode"
 W = RouteWeights(overlap=1.0, load=0.1, prefill=1e-4, balance_factor=1.5)

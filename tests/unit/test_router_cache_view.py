@@ -1,11 +1,11 @@
-"""The router's bookkeeping of numbered cache events (services/router/cache_view.py): when the
+"""The router's bookkeeping of numbered cache events (services/router/routing/cache_view.py): when the
 numbering breaks it asks for a snapshot, once; the snapshot replaces the view and only the
 messages after it apply."""
 
 from __future__ import annotations
 
-from services.router.cache_view import BUFFER_MAX, CacheView
-from services.router.prefix_index import PrefixIndex
+from services.router.routing.cache_view import BUFFER_MAX, CacheView
+from services.router.routing.prefix_index import PrefixIndex
 from shared.bus.messages import KVEvents, KVSnapshot, Role
 
 MD = Role.MAIN_DECODE

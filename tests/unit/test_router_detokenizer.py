@@ -1,6 +1,6 @@
 """The router's incremental detokenizer: partial UTF-8 and stop strings are held back."""
 
-from services.router.detokenizer import Detokenizer
+from services.router.api.detokenizer import Detokenizer
 from shared.model.tokenizer import ByteTokenizer
 
 

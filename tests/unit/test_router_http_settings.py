@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.auth import ApiKeys
-from services.router.http_settings import HttpSettings
+from services.router.api.auth import ApiKeys
+from services.router.api.http_settings import HttpSettings
 
 
 def test_defaults_are_bounded_and_open():

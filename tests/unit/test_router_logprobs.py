@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from services.router.errors import APIError
-from services.router.logprobs_format import FLOOR, LogprobsFormatter, prompt_entries
-from services.router.merger import TokenMerger
-from services.router.openai_request import parse_request
-from services.router.policy import RouteDecision
-from services.router.request_stream import RequestStream
-from services.router.response_schemas import ChatLogprobs, CompletionLogprobs
-from services.router.responses import SSEChunks, output_options
+from services.router.api.errors import APIError
+from services.router.api.logprobs_format import FLOOR, LogprobsFormatter, prompt_entries
+from services.router.api.openai_request import parse_request
+from services.router.api.response_schemas import ChatLogprobs, CompletionLogprobs
+from services.router.api.responses import SSEChunks, output_options
+from services.router.core.merger import TokenMerger
+from services.router.core.request_stream import RequestStream
+from services.router.routing.policy import RouteDecision
 from shared.bus.messages import Pipeline
 from shared.engine.logprobs import TokenLogprobs
 from shared.model.tokenizer import ByteTokenizer

@@ -1,6 +1,6 @@
 """The router's token merger: one ordered stream from prefill, relay and MD token events."""
 
-from services.router.merger import TokenMerger
+from services.router.core.merger import TokenMerger
 
 
 def test_in_order_from_several_producers_with_duplicates():

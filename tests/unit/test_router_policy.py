@@ -2,9 +2,11 @@
 
 import pytest
 
-from services.router.policy import (
+from services.router.routing.policy import (
     BOUND_SLACK,
     InstanceLoad,
+    LinkView,
+    RouteContext,
     RouteWeights,
     choose_least_loaded,
     choose_main_decode,
@@ -14,14 +16,14 @@ from services.router.policy import (
     estimate_wan_seconds,
     load_from,
     load_of,
+    md_wan_costs,
     missing_kv_bytes,
     queued_ahead,
     resume_candidates,
     wan_cost_s,
     within_bound,
 )
-from services.router.prefix_index import PrefixIndex
-from services.router.route_plan import LinkView, RouteContext, md_wan_costs
+from services.router.routing.prefix_index import PrefixIndex
 from shared.bus.messages import Pipeline, Role
 from shared.config import RouterSettings
 

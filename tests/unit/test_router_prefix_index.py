@@ -2,7 +2,7 @@
 
 import random
 
-from services.router.prefix_index import PrefixIndex
+from services.router.routing.prefix_index import PrefixIndex
 
 
 def test_prefix_index_leading_run():

@@ -1,6 +1,6 @@
 """The router's registry of instances, fed by their load reports."""
 
-from services.router.registry import Registry
+from services.router.routing.registry import Registry
 from shared.bus.messages import LinkReport, LoadReport, Role
 
 

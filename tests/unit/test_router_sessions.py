@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.router.assignments import Assignments
-from services.router.policy import (
+from services.router.routing.assignments import Assignments
+from services.router.routing.policy import (
     InstanceLoad,
     RouteWeights,
     choose_main_decode,

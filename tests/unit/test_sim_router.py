@@ -8,7 +8,7 @@ from pdd.sim.chip import Chip
 from pdd.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
 from pdd.sim.router import SimRouter
 from pdd.sim.simulator import simulate
-from services.router.policy import InstanceLoad, load_of
+from services.router.routing.policy import InstanceLoad, load_of
 from shared.bus.messages import Role
 from tests.sim_util import BLOCK, FLAT, TINY
 

@@ -4,9 +4,11 @@ The real default registry, read back through the exposition text."""
 
 from __future__ import annotations
 
-from services.router.policy import RouteDecision
-from services.router.request_stream import RequestStream
-from services.router.service import _count_reports
+from services.router.adapter.request_metrics import count_reports
+from services.router.core.actions import CountReports
+from services.router.core.request_life import RequestLife
+from services.router.core.request_stream import RequestStream
+from services.router.routing.policy import RouteDecision
 from shared.bus.messages import (
     AbortReason,
     DecodeReport,
@@ -16,6 +18,7 @@ from shared.bus.messages import (
     Role,
     TokenEvent,
 )
+from shared.config import RouterSettings
 from shared.telemetry import metrics
 from shared.telemetry.token_latency import TokenLatency, token_latency
 from tests.prometheus_samples import parse_samples
@@ -101,7 +104,10 @@ def test_the_router_counts_each_report_once() -> None:
     start = values()
     handed = TokenEvent("r", Role.RELAY, 9, [], relay=RelayReport(True, 8, HandoffMode.CATCH_UP, 3))
     last = TokenEvent("r", Role.MAIN_DECODE, 9, [5], decode=DecodeReport("md-r", 20, 4096))
+    requests = RequestLife(RouterSettings(), "r")
+    requests.opened(stream)
     for ev in (handed, handed, last, last):  # each delivered twice
-        _count_reports(stream, ev)
-        stream.observe(ev)
+        for action in requests.on_tokens(ev, 0.0):
+            if isinstance(action, CountReports):
+                count_reports(action)
     assert [b - a for a, b in zip(start, values(), strict=True)] == [4096, 1, 8, 20]

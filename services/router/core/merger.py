@@ -59,8 +59,13 @@ class TokenMerger:
             out.logprobs.append(lp)
             self.next_index += 1
         self.released.extend(out.tokens)
-        out.finished = self.end_index is not None and self.next_index >= self.end_index
+        out.finished = self.finished
         return out
+
+    @property
+    def finished(self) -> bool:
+        """Every token up to the finish was released."""
+        return self.end_index is not None and self.next_index >= self.end_index
 
     @property
     def has_gap(self) -> bool:

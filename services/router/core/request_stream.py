@@ -3,11 +3,11 @@ in its life: which instance produces its tokens now (it must keep listing the re
 heartbeat), and which can take over if that one is lost.
 
 A request may move (migration by token IDs): each move is a new *attempt* with its own
-backend request id, so late messages of an abandoned attempt never mix into the stream."""
+backend request id, so late messages of an abandoned attempt never mix into the stream.
+Plain data and its transitions: the request life (request_life.py) drives it."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -19,8 +19,8 @@ from shared.engine import SamplingParams
 from shared.engine.logprobs import TokenLogprobs
 from shared.serving.state_machine import StateMachine, table_of
 
+from ..routing.policy import RouteDecision
 from .merger import TokenMerger
-from .policy import RouteDecision
 
 
 class StreamState(Enum):
@@ -50,11 +50,18 @@ MOVABLE = (StreamState.RELAYED, StreamState.WITH_MD, StreamState.RELAY_SOLO, Str
 
 
 @dataclass
-class Delta:
+class Delta:  # what the client gets next: tokens released in order, and whether that was all
     tokens: list[int]
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # with tokens, when asked for
+
+
+@dataclass(frozen=True)
+class Failure:  # the request ended without its tokens: the client gets this error
+    message: str
+    status: int = 502
+    type_: str = "server_error"
 
 
 @dataclass
@@ -70,7 +77,6 @@ class RequestStream:
     span: Span | None = None  # the request's root span: one trace across both datacenters
     params: SamplingParams | None = None  # what a migration resends, with the prompt and tokens so far
     state: StateMachine[StreamState] = field(default_factory=lambda: StateMachine(StreamState.DISPATCHING, MOVES))
-    queue: asyncio.Queue[TokenEvent | None] = field(default_factory=asyncio.Queue)  # None: the router gave up
     # The router passes one bounded by the request's max_tokens; a stream built without one takes no tokens.
     merger: TokenMerger = field(default_factory=lambda: TokenMerger(max_tokens=0))
     failure: str | None = None  # why the router gave up

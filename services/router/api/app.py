@@ -18,7 +18,7 @@ from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_t
 from shared.telemetry.tracing import extract
 from shared.telemetry.waterfall import trace_to_json
 
-from .admission import Admission
+from ..service import RouterCore
 from .auth import ApiKeys
 from .body import read_body
 from .detokenizer import Detokenizer
@@ -27,10 +27,10 @@ from .gate import Gate
 from .http_settings import HttpSettings
 from .openai_request import describe, parse_request
 from .openapi import completion_docs, install_openapi
+from .request_admission import Admission
 from .response_schemas import ChatCompletionResponse, CompletionResponse
 from .responses import SSEResponse, complete, output_options
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .service import RouterCore
 from .tokenize_api import tokenize_api
 
 api = APIRouter()

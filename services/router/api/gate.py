@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse
 
 from shared.telemetry import metrics
 
-from .admission import Admission, Overloaded
 from .auth import ApiKeys
 from .errors import error_body
+from .request_admission import Admission, Overloaded
 
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 

@@ -17,13 +17,13 @@ from starlette.types import Receive, Scope, Send
 from shared.engine.logprobs import TokenLogprobs
 from shared.telemetry import metrics
 
+from ..core.request_stream import Delta, RequestStream
+from ..service import RouterCore
 from .detokenizer import Detokenizer
 from .errors import APIError
 from .logprobs_format import LogprobsFormatter, prompt_entries
 from .openai_request import ParsedRequest
-from .request_stream import Delta, RequestStream
 from .schemas import ChatCompletionRequest
-from .service import RouterCore
 
 Logprobs = list[TokenLogprobs | None]
 
@@ -219,13 +219,13 @@ async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, opts:
 
 async def _texts(core: RouterCore, stream: RequestStream, detok: Detokenizer) -> AsyncIterator[tuple[str, Delta, str | None]]:
     """(new text, the delta, finish reason so far) per delta; stops at a stop string."""
-    last = time.monotonic()
+    last, seen = time.monotonic(), 0
     async with aclosing(core.deltas(stream)) as deltas:
         async for delta in deltas:
             now = time.monotonic()
-            if delta.tokens and stream.merger.next_index > len(delta.tokens):
+            if delta.tokens and seen:  # (tokens merge as they arrive: the merger may be ahead of the client)
                 metrics.ITL.labels(pipeline=stream.decision.pipeline.value).observe(now - last)
-            last = now
+            last, seen = now, seen + len(delta.tokens)
             text = detok.add(delta.tokens)
             if detok.stopped:
                 yield text, delta, "stop"

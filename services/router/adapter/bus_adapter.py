@@ -1,0 +1,60 @@
+"""The request life's NATS side: subscribes, turns what arrives and the clock into events for
+the life, and has their actions performed."""
+
+from __future__ import annotations
+
+import time
+
+from shared.bus import subjects
+from shared.bus.connection import publish
+from shared.bus.messages import KVEvents, LoadReport, Role, TokenEvent
+from shared.bus.subjects import Req
+from shared.config import RouterSettings
+from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch
+from shared.serving.runtime import Lifecycle
+
+from ..core.request_life import RequestLife
+from ..routing.fleet_view import FleetView
+from .cache_sync import CacheSync
+from .effects import Effects
+
+
+class BusAdapter:
+    def __init__(self, settings: RouterSettings, nc, identity: str, requests: RequestLife, fleet: FleetView,
+                 effects: Effects, life: Lifecycle) -> None:  # fmt: skip
+        self.settings, self.nc, self.identity, self.life = settings, nc, identity, life
+        self.requests, self.fleet, self.effects = requests, fleet, effects
+        self.conn = ConnectionWatch(nc)
+        self.cache_sync = CacheSync(settings, nc, identity, fleet.caches, life)
+
+    async def start(self) -> None:
+        await self.life.subscribe(self.nc, subjects.all_req(Req.TOKENS), TokenEvent, self._on_tokens)
+        await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self.cache_sync.on_kv_events)
+        await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
+        self.life.every(HEARTBEAT_S, self._heartbeat)
+        self.life.every(HEARTBEAT_S, self._watch_streams)
+        self.life.every(self.settings.kv_snapshot_every_s, self.cache_sync.resync)
+
+    async def _on_tokens(self, ev: TokenEvent, raw) -> None:
+        await self.effects.perform_in_order(self.requests.on_tokens(ev, time.monotonic()))
+
+    async def _on_load(self, report: LoadReport, raw) -> None:
+        """A heartbeat: the instance is alive, and holds the requests it lists."""
+        if report.service is Role.ROUTER:
+            return
+        self.fleet.registry.update(report)
+        self.requests.on_held(report, time.monotonic())
+
+    async def _heartbeat(self) -> None:
+        """Backends drop the requests of a router that stops heartbeating."""
+        report = LoadReport(service=Role.ROUTER, instance=self.identity, running=len(self.requests.streams))
+        await publish(self.nc, subjects.load(Role.ROUTER.value, self.identity), report)
+
+    async def _watch_streams(self) -> None:
+        """Act on lost instances. Not while this router's own NATS link was just down: then
+        every silence is its own, and the heartbeats need a moment to come back."""
+        if self.conn.up_for() <= self.settings.lost_after_s:
+            return
+        alive_md = {r.instance for r in self.fleet.registry.alive(Role.MAIN_DECODE)}
+        await self.effects.perform_in_order(self.requests.tick(time.monotonic(), alive_md))
+        self.fleet.prune()

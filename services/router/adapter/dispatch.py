@@ -1,0 +1,174 @@
+"""A request's way in: route it, open its stream, then ask MD (across the WAN) and P at once;
+if the normal path is not available, start it elsewhere by token IDs."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode
+
+from shared.bus import subjects
+from shared.bus.connection import request
+from shared.bus.messages import (
+    AbortReason,
+    MDTarget,
+    Pipeline,
+    PrefillSubmit,
+    PrepareReply,
+    PrepareRequest,
+    Role,
+    SubmitReply,
+)
+from shared.config import RouterSettings
+from shared.engine import SamplingParams
+from shared.serving.liveness import HEARTBEAT_S
+from shared.telemetry import metrics
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+
+from ..api.errors import APIError
+from ..api.schemas import PddOptions
+from ..core.merger import TokenMerger
+from ..core.request_life import RequestLife
+from ..core.request_stream import RequestStream, StreamState
+from ..routing.fleet_view import FleetView
+from .effects import Effects
+
+
+async def ask(nc, fleet: FleetView, lost_after_s: float, peer: tuple[Role, str], subject: str, msg, reply_cls: type,
+              timeout: float):  # fmt: skip
+    """Request/reply to one instance, given up as soon as the instance is lost (a request
+    to a dead instance across the gateway gets no "no responders", only silence)."""
+    task = asyncio.ensure_future(request(nc, subject, msg, reply_cls, timeout=timeout))
+    try:
+        while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
+            if fleet.registry.silent_for(*peer) > lost_after_s:
+                raise ConnectionError(f"{peer[0].value} {peer[1]} was lost")
+        return task.result()
+    finally:
+        task.cancel()
+
+
+class Dispatcher:
+    def __init__(self, settings: RouterSettings, nc, tracer, identity: str, rid_prefix: str, requests: RequestLife,
+                 fleet: FleetView, effects: Effects) -> None:  # fmt: skip
+        self.settings, self.nc, self.tracer = settings, nc, tracer
+        self.identity, self.rid_prefix = identity, rid_prefix
+        self.requests, self.fleet, self.effects = requests, fleet, effects
+
+    async def open(
+        self, prompt_ids: list[int], params: SamplingParams, options: PddOptions | None, trace_context: Context | None
+    ) -> RequestStream:
+        """Route and dispatch a request; `trace_context` is the caller's (W3C headers), if any."""
+        if params.seed is None:  # every instance must sample a request the same way
+            params.seed = secrets.randbits(63)
+        rid = f"{self.rid_prefix}{uuid.uuid4().hex}"
+        span = self.tracer.start_span(
+            "router.request",
+            context=trace_context or Context(),
+            attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(prompt_ids)},
+        )
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                options = options or PddOptions()
+                forced = Pipeline(options.pipeline) if options.pipeline else None
+                stream, prefill = self._routed(rid, span, prompt_ids, forced, params)
+                if stream.decision.pipeline is Pipeline.RLD_ONLY or prefill is None:
+                    await self.start_elsewhere(stream, "no prefill or main-decode instance is available")
+                else:
+                    await self._dispatch(stream, prefill, options.catchup_threshold)
+                return stream
+        except APIError as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            span.end()
+            raise
+
+    def _routed(
+        self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, params: SamplingParams
+    ) -> tuple[RequestStream, str | None]:
+        """The request's stream, routed, and the prefill instance chosen for it."""
+        with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
+            decision, md, relay, prefill, hashes = self.fleet.route(prompt_ids, forced)
+            route_span.set_attributes({
+                "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
+                "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline.value,
+                "pdd.md_instance": md, "pdd.relay_instance": relay or "",
+                "pdd.instances.prefill": prefill or "", "pdd.instances.relay": relay or "",
+                "pdd.instances.main_decode": md,
+            })  # fmt: skip
+        stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span, params=params,
+                               merger=TokenMerger(params.max_tokens))  # fmt: skip
+        span.set_attribute("pdd.pipeline", decision.pipeline.value)
+        metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
+        self.requests.opened(stream)
+        self.effects.inbox(stream)
+        return stream, prefill
+
+    async def _dispatch(self, stream: RequestStream, prefill: str, catchup: int | None) -> None:
+        """Ask MD (across the WAN) and P at once: prefill starts without waiting a round trip;
+        MD's answer (which blocks it lacks) follows P as an MDTarget. If an instance does not
+        answer, the request starts on another one instead (by token IDs)."""
+        now = time.monotonic()
+        for role, instance in ((Role.PREFILL, prefill), (Role.RELAY, stream.relay_instance),
+                               (Role.MAIN_DECODE, stream.md_instance)):  # fmt: skip
+            if instance:  # its load counts it until it reports again (or the request ends)
+                self.fleet.assignments.record((role, instance), now)
+                stream.assigned.append(((role, instance), now))
+        try:
+            prep, reply = await asyncio.gather(self._prepare_md(stream), self._submit(stream, prefill, catchup))
+        except Exception as e:  # an instance vanished, or NATS trouble
+            await self.start_elsewhere(stream, f"could not dispatch the request: {e or type(e).__name__}")
+            return
+        if not stream.state.is_in(StreamState.DISPATCHING):
+            return  # an instance failed it meanwhile and it moved (or ended)
+        if not (reply.ok and prep.ok):
+            error = md_refusal(prep) if reply.ok else APIError(
+                f"prefill refused the request: {reply.error}", 400, "invalid_request_error"
+            )
+            await self.effects.perform_in_order(self.requests.refused(stream, str(error)))
+            raise error
+        target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
+        await self.effects.perform_in_order(self.requests.dispatched(stream, reply.instance, target))
+        # MD keeps the prompt's blocks once they arrive: count them as its own now, as a
+        # session's next turn may come before MD's cache events say so (a snapshot or an
+        # eviction event corrects this view).
+        self.fleet.index.apply(stream.md_instance, stream.block_hashes, [])
+
+    async def start_elsewhere(self, stream: RequestStream, why: str) -> None:
+        """The normal path is not available: start the request on a live MD or relay, which
+        computes the prompt itself; 503 if none takes it."""
+        if stream.state.is_in(StreamState.MIGRATING, StreamState.RESUMED):
+            return  # an instance failed it meanwhile: it is moving already
+        assert self.effects.migrate is not None
+        if not await self.effects.migrate(stream, why, "dispatch"):
+            await self.effects.perform_in_order(self.requests.abort(stream.rid, AbortReason.DISPATCH_FAILED))
+            raise APIError(stream.failure or why, 503)
+
+    async def _prepare_md(self, stream: RequestStream) -> PrepareReply:
+        msg = PrepareRequest(stream.rid, stream.prompt_ids, stream.params, stream.block_hashes, stream.decision.pipeline,
+                             router=self.identity)  # fmt: skip
+        subject = subjects.md_prepare(stream.md_instance)
+        return await self._ask((Role.MAIN_DECODE, stream.md_instance), subject, msg, PrepareReply)
+
+    async def _submit(self, stream: RequestStream, prefill: str, catchup: int | None) -> SubmitReply:
+        relay = self.fleet.registry.get(Role.RELAY, stream.relay_instance) if stream.relay_instance else None
+        msg = PrefillSubmit(stream.rid, stream.prompt_ids, stream.params, stream.decision.pipeline,
+                            relay_address=relay.address if relay else None, catchup_threshold=catchup,
+                            router=self.identity)  # fmt: skip
+        return await self._ask((Role.PREFILL, prefill), subjects.prefill_submit_to(prefill), msg, SubmitReply)
+
+    async def _ask(self, peer: tuple[Role, str], subject: str, msg, reply_cls: type):
+        timeout = self.settings.prepare_timeout_s
+        return await ask(self.nc, self.fleet, self.settings.lost_after_s, peer, subject, msg, reply_cls, timeout)
+
+
+def md_refusal(prep: PrepareReply) -> APIError:
+    """MD busy (its KV memory is taken for now): 503, try again. Otherwise MD refused the
+    request itself (e.g. it can never fit MD's KV pool): 400, like prefill's refusal."""
+    if prep.busy:
+        return APIError(f"main decode is busy ({prep.error}): try again later", 503)
+    return APIError(f"main decode refused the request: {prep.error}", 400, "invalid_request_error")

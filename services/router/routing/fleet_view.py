@@ -1,0 +1,113 @@
+"""The fleet as routing sees it at one moment: the live instances' loads (their reports plus
+the requests this router sent since), the link figures toward each MD, and the route
+(policy.plan_route) or the move targets (policy.resume_candidates) they give."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from shared.bus.messages import Pipeline, Role
+from shared.config import RouterSettings
+from shared.engine import block_hashes
+from shared.telemetry import metrics
+
+from .assignments import Assignments
+from .cache_view import CacheView
+from .policy import (
+    InstanceLoad,
+    LinkView,
+    RouteContext,
+    RouteDecision,
+    md_options,
+    md_weights,
+    plan_route,
+    resume_candidates,
+)
+from .prefix_index import PrefixIndex
+from .registry import Registry
+
+
+class FleetView:
+    def __init__(self, settings: RouterSettings, *, model_id: str, block_size: int, kv_bytes_per_token: int) -> None:
+        self.settings = settings
+        self.model_id = model_id
+        self.block_size = block_size
+        self.index = PrefixIndex()  # MDs' blocks
+        self.prefill_index = PrefixIndex()  # prefills' blocks
+        self.assignments = Assignments()
+        self.route_ctx = RouteContext(settings, self.index, self.prefill_index, block_size, kv_bytes_per_token)
+        self.caches = {Role.MAIN_DECODE: CacheView(self.index), Role.PREFILL: CacheView(self.prefill_index)}
+        self.registry = Registry(stale_after_s=settings.lost_after_s)
+
+    def route(
+        self, prompt_ids: list[int], forced: Pipeline | None
+    ) -> tuple[RouteDecision, str, str | None, str | None, list[int]]:
+        """(decision, MD instance, relay instance on P→RLD→MD, prefill instance, the prompt's
+        block hashes); see policy.plan_route. With no MD alive (lost, or its datacenter
+        unreachable) the MD is "" and the request goes to a relay (RLD-only: a fault
+        fallback, never a policy)."""
+        hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
+        self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
+        mds = self.loads(Role.MAIN_DECODE)
+        loads = (mds, self.loads(Role.RELAY), self.loads(Role.PREFILL))
+        plan = plan_route(self.route_ctx, len(prompt_ids), hashes, loads, self.links([m.instance for m in mds]), forced)
+        return plan.decision, plan.md, plan.relay, plan.prefill, hashes
+
+    def move_targets(
+        self, prompt_ids: list[int], hashes: list[int], avoid: set[tuple[Role, str]]
+    ) -> list[tuple[Role, str]]:
+        """Where a request whose instance was lost may continue, best first."""
+        mds = [m for m in self.loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
+        relays = [r for r in self.loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
+        links = self.links([m.instance for m in mds])
+        options = md_options(self.route_ctx, len(prompt_ids), hashes, links, False)
+        wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
+        return resume_candidates(mds, relays, wan_s, md_weights(self.route_ctx, len(prompt_ids)))
+
+    def loads(self, role: Role) -> list[InstanceLoad]:
+        """The live instances of a role, asked anew each time (instances that join or leave
+        count at once), with what their last report adds and the requests sent since."""
+        now = time.monotonic()
+        loads = []
+        for load in self.registry.loads(role):
+            report = self.registry.get(role, load.instance)
+            reported_at = now - self.registry.silent_for(role, load.instance)
+            loads.append(replace(
+                load, num_blocks=report.num_blocks if report else 0, held=len(report.held) if report else 0,
+                pending=self.assignments.pending((role, load.instance), reported_at),
+                recent=self.assignments.recent((role, load.instance), now),
+            ))  # fmt: skip
+        return loads
+
+    def links(self, mds: list[str]) -> dict[str, LinkView]:
+        """Per MD: the link figures as prefill measured them, and the KV queued toward it."""
+        links = self._links_to_mds(mds)
+        return {md: LinkView(bandwidth, rtt, self.registry.wan_backlog(address) if address else 0)
+                for md, (address, bandwidth, rtt) in links.items()}  # fmt: skip
+
+    def _links_to_mds(self, mds: list[str]) -> dict[str, tuple[str | None, float, float]]:
+        """Per MD: (its bulk address, bandwidth B/s, RTT s) as prefill measured them. An MD no
+        transfer went to yet gets the mean of the others' (MDs of one DC are usually behind one
+        line; the configured prior only when nothing was measured)."""
+        addresses = {md: (r.address if (r := self.registry.get(Role.MAIN_DECODE, md)) else None) for md in mds}
+        measured = {md: link for md, a in addresses.items() if a and (link := self.registry.link_to(a))}
+        if measured:
+            fallback = tuple(sum(x) / len(measured) for x in zip(*measured.values(), strict=True))
+        else:
+            fallback = (self.settings.default_bandwidth_bps, self.settings.default_rtt_s)
+        links = {}
+        for md, address in addresses.items():
+            bandwidth, rtt = measured.get(md, fallback)
+            metrics.WAN_BANDWIDTH.labels(peer=md).set(bandwidth)
+            links[md] = address, bandwidth, rtt
+        return links
+
+    def prune(self) -> None:
+        """Instances silent for long are forgotten, with their cache views and link gauges:
+        maps keyed by what the network told us stay bounded."""
+        for service, instance in self.registry.prune(self.settings.forget_after_s):
+            if service in self.caches:
+                self.caches[Role(service)].forget(instance)
+            if service == Role.MAIN_DECODE:
+                metrics.forget_peer(instance)
