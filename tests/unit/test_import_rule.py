@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RULES = {  # package -> top-level packages it must not import
     "shared": ("pdd", "services", "bench", "tests"),
     "services": ("pdd", "bench", "tests"),
