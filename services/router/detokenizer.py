@@ -19,7 +19,6 @@ class Detokenizer:
         self.tokens: list[int] = []
         self.emitted = ""  # text already given to the client
         self.stopped = False
-        self._hold = max((len(s) - 1 for s in stop), default=0)  # longest proper prefix of a stop
         # The decoded text is emitted[:_base] + _text + the text of tokens[_read:], decoded
         # after the context tokens[_prefix:_read].
         self._base = 0
@@ -74,9 +73,9 @@ class Detokenizer:
         return text
 
     def _forget_emitted(self) -> None:
-        """Keep only the emitted text a stop string may still start in (stops are searched
-        from _base on: one that began earlier would have been found earlier)."""
-        keep_from = min(len(self.emitted) - self._hold, self._base + len(self._text))
+        """Drop the kept text once emitted: no stop string starts in it (one that did would have
+        been held back with it, or found)."""
+        keep_from = min(len(self.emitted), self._base + len(self._text))
         if keep_from > self._base:
             self._text = self._text[keep_from - self._base :]
             self._base = keep_from
