@@ -35,6 +35,7 @@ from shared.bus.messages import (
     ResumeRequest,
     Role,
     SubmitReply,
+    TokenBatch,
     TokenEvent,
 )
 from shared.bus.subjects import Req
@@ -83,13 +84,13 @@ class RouterCore:
         # Instance plus a per-process suffix: the requests of a router that restarted under the
         # same instance id belong to a router that is gone, and backends drop them.
         self.identity = f"{settings.instance}-{secrets.token_hex(4)}"
-        # Every router hears every request's token events; its own request ids start with this.
+        # Its own request ids start with this (late events of an abandoned attempt still come).
         self.rid_prefix = f"cmpl-{self.identity}-"
         self.tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
 
     async def start(self) -> None:
-        await self.life.subscribe(self.nc, subjects.all_req(Req.TOKENS), TokenEvent, self._on_tokens)
+        await self.life.subscribe(self.nc, subjects.router_tokens(self.identity), TokenBatch, self._on_token_batch)
         await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self._on_kv_events)
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
         self.life.every(HEARTBEAT_S, self._heartbeat)
@@ -105,6 +106,11 @@ class RouterCore:
         return {role.value: len(self.registry.alive(role)) for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)}
 
     # ---- inbound events ----------------------------------------------------------------
+    async def _on_token_batch(self, batch: TokenBatch, raw) -> None:
+        """One engine step's events for this router's requests, from one instance."""
+        for ev in batch.events:
+            await self._on_tokens(ev, raw)
+
     async def _on_tokens(self, ev: TokenEvent, raw) -> None:
         stream = self.attempts.get(ev.rid)
         if stream is None:
