@@ -19,6 +19,7 @@ paths of their files in their settings.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -182,10 +183,11 @@ class Hosts:
     secrets_dir: str | None = None  # credentials (shared/security/credentials.py); None = <workdir>/secrets
     trace_dir: str | None = None  # the local span store; None = <workdir>/traces
     instance_ids: bool = True  # set PDD_<ROLE>_INSTANCE; compose leaves it to the container
+    shared_cores: int | None = None  # cores every engine process shares (one machine); None: its own
 
     @classmethod
     def local(cls, host: str) -> Hosts:
-        return cls(bind=host, wan=host, nats=host, md=host)
+        return cls(bind=host, wan=host, nats=host, md=host, shared_cores=len(os.sched_getaffinity(0)))
 
 
 COMPOSE_WORKDIR = "/pdd"  # a volume: the certs service writes the credentials, the rest read them
@@ -339,7 +341,17 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
         env[f"{p}METRICS_PORT"] = str(port_plan(opts).metrics[name][instance])
         env[f"{p}METRICS_HOST"] = h.bind  # like the service: loopback under `pdd up`
     env["PDD_TRACE_DIR"] = h.trace_dir or str(opts.workdir.resolve() / "traces")
+    threads = f"{p}TORCH_THREADS"
+    if name in KV_SERVICES and h.shared_cores and not {threads, "PDD_TORCH_THREADS", "OMP_NUM_THREADS"} & set(os.environ):
+        env[threads] = str(torch_threads_share(opts, h.shared_cores))
     return env
+
+
+def torch_threads_share(opts: UpOptions, cores: int) -> int:
+    """Each engine's torch threads on one machine: a fair share of its cores (torch's default,
+    all of them in every process, oversubscribes them as many times as there are engines)."""
+    engines = sum(instance_counts(opts)[s] for s in KV_SERVICES)
+    return max(1, cores // engines)
 
 
 def _credentials_env(name: str, directory: Path) -> dict[str, str]:

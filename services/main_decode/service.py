@@ -317,7 +317,7 @@ class MainDecodeService(EngineService):
             event.error = last.error
             event.decode = DecodeReport(self.settings.instance, job.md_tokens, job.wan_bytes)
             await self._drop(job)
-        await self.send_tokens(event)
+        await self.send_tokens(job.router, event)
 
     # ---- faults and cleanup ------------------------------------------------------------
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
@@ -330,9 +330,8 @@ class MainDecodeService(EngineService):
         log.warning("request %s failed on MD: %s", job.rid, error)
         await self.send_abort(job.rid, AbortReason.FAILED, error)
         if job.state.is_in(DecodeState.DECODING):  # nobody else can finish it
-            await self.send_tokens(
-                TokenEvent(job.rid, self.role, job.next_index, [], outcome=Outcome.ERROR, error=error)
-            )
+            error_event = TokenEvent(job.rid, self.role, job.next_index, [], outcome=Outcome.ERROR, error=error)
+            await self.send_tokens(job.router, error_event)
         await self._drop(job)
 
     async def release_on_leaving(self, job: MDJob) -> None:

@@ -201,11 +201,11 @@ class PrefillService(EngineService):
             # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
             event = token_event(job.rid, self.role, 0, [out])
             event.outcome = outcome_of(reason)
-            await self.send_tokens(event)
+            await self.send_tokens(job.router, event)
             await self.send_abort(job.rid, AbortReason.FINISHED_AT_PREFILL)
             await self._drop(job, AbortReason.FINISHED_AT_PREFILL)
             return
-        await self.send_tokens(token_event(job.rid, self.role, 0, [out]))
+        await self.send_tokens(job.router, token_event(job.rid, self.role, 0, [out]))
         if job.local_queue is not None:
             job.local_queue.put_nowait(_END)  # the relay's stream ends with the first token
         if job.state.is_in(PrefillState.PREFILLING):
@@ -371,7 +371,7 @@ class PrefillService(EngineService):
     async def _fail(self, job: PrefillJob, error: str) -> None:
         if self.jobs.get(job.rid) is not job:
             return
-        await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
         await self.send_abort(job.rid, AbortReason.FAILED, error)
         await self._drop(job, AbortReason.FAILED)
 

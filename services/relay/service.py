@@ -191,7 +191,7 @@ class RelayService(EngineService):
         metrics.OUTPUT_TOKENS.labels(role=self.role.value).inc(len(event.tokens))
         if not last.finished:
             if event.tokens:
-                await self.send_tokens(event)
+                await self.send_tokens(job.router, event)
             return
         event.outcome = outcome_of(last.finish_reason)
         event.error = last.error
@@ -200,7 +200,7 @@ class RelayService(EngineService):
             # transfer stop; this is the anomalous-traffic filter at work.
             event.relay = RelayReport(handed_over=False, rld_tokens=job.produced)
             await self.send_abort(job.rid, AbortReason.RELAY_FINISHED, parent=job.span)
-        await self.send_tokens(event)
+        await self.send_tokens(job.router, event)
         self._forget(job)
 
     # ---- handoff -----------------------------------------------------------------------
@@ -261,13 +261,13 @@ class RelayService(EngineService):
             metrics.HANDOFF_SECONDS.labels(mode=mode.value).observe(time.monotonic() - job.handoff_at)
         report = RelayReport(handed_over=True, rld_tokens=max(len(tokens) - 1, 0), handoff_mode=mode,
                              handoff_batches=job.seq + 1)  # fmt: skip
-        await self.send_tokens(TokenEvent(job.rid, self.role, len(tokens), [], relay=report))
+        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, len(tokens), [], relay=report))
         self._forget(job)
 
     async def _lost_after_stop(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.SOLO):
             error = "main decode was lost during the handoff"
-            await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+            await self.send_tokens(job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
         self._forget(job)
 
     async def _publish_batch(self, job: RelayJob, batch: HandoffBatch) -> None:
@@ -346,7 +346,7 @@ class RelayService(EngineService):
         log.warning("request %s: %s", job.rid, error)
         self._forget(job)
         await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
-        await self.send_tokens(TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
         await self.free(job.rid)
 
     def _forget(self, job: RelayJob) -> None:

@@ -237,6 +237,14 @@ class TokenEvent(Message):
 
 
 @dataclass
+class TokenBatch(Message):
+    """P / RLD / MD → one router, on subjects.router_tokens(router): the token events of one
+    engine step for the requests that router owns, in the order they were produced."""
+
+    events: list[TokenEvent]
+
+
+@dataclass
 class KVReady(Message):
     """MD → RLD: MD holds the whole prompt KV and can take the handoff."""
 

@@ -6,7 +6,7 @@ publish list is refused by the server (the client gets a permissions-violation e
 receives the message); a subscription outside its subscribe list never sees a message.
 
     service      publishes                                              subscribes
-    router       md prepare, prefill submit, md/relay resume,           tokens, kv events, load,
+    router       md prepare, prefill submit, md/relay resume,           router tokens, kv events, load,
                  kv snapshot (requests), md_target, md_lost,            its request inboxes
                  abort.router, load.router (its heartbeat)
     prefill      tokens, handoff, kv events.prefill, abort.prefill,     prefill submit, md_target,
@@ -20,6 +20,9 @@ receives the message); a subscription outside its subscribe list never sees a me
                  abort.main_decode, load.main_decode                    kv snapshot.main_decode,
                                                                         rdma offer / written,
                                                                         every abort, router heartbeats
+
+"tokens" is both subjects a token event may take: a router's (`pdd.router.<router>.tokens`,
+the requests it owns) and a request's own (`pdd.req.<rid>.tokens`, a request no router owns).
 
 An abort's last subject token is its sender's role (a kv event's role token too), and each
 role may publish only its own, so a receiver knows who sent it from the subject, never from a
@@ -55,6 +58,7 @@ ANY_MD_RESUME = f"{PREFIX}.md.*.resume"
 ANY_RELAY_RESUME = f"{PREFIX}.relay.*.resume"
 ANY_MD_RDMA = f"{PREFIX}.rdma.*.*"  # subjects.md_rdma: offers and written-notes to a main decoder
 ROUTER_HEARTBEATS = subjects.router_heartbeats()
+TOKENS = (subjects.all_router_tokens(), subjects.all_req(Req.TOKENS))  # what P, RLD and MD stream
 
 
 def own_load(service: str) -> str:
@@ -78,10 +82,10 @@ PERMISSIONS: dict[str, Permissions] = {
         publish=(ANY_MD_PREPARE, subjects.prefill_submit(), ANY_PREFILL_SUBMIT, ANY_MD_RESUME, ANY_RELAY_RESUME,
                  subjects.all_req(Req.MD_TARGET), subjects.all_req(Req.MD_LOST), own_abort("router"),
                  own_load("router"), kv_snapshots("prefill"), kv_snapshots("main_decode")),
-        subscribe=(subjects.all_req(Req.TOKENS), subjects.all_kv_events(), subjects.all_load(), INBOX),
+        subscribe=(subjects.all_router_tokens(), subjects.all_kv_events(), subjects.all_load(), INBOX),
     ),
     "prefill": Permissions(
-        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("prefill"),
+        publish=(*TOKENS, subjects.all_req(Req.HANDOFF), own_abort("prefill"),
                  own_load("prefill"), subjects.all_kv_events("prefill"), ANY_MD_RDMA),
         subscribe=(subjects.prefill_submit(), ANY_PREFILL_SUBMIT, subjects.all_req(Req.MD_TARGET),
                    subjects.all_req(Req.MD_LOST), ABORTS, ROUTER_HEARTBEATS, DISCOVERY, kv_snapshots("prefill"),
@@ -89,14 +93,14 @@ PERMISSIONS: dict[str, Permissions] = {
         responds=True,
     ),
     "relay": Permissions(
-        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.HANDOFF), own_abort("relay"),
+        publish=(*TOKENS, subjects.all_req(Req.HANDOFF), own_abort("relay"),
                  own_load("relay")),
         subscribe=(subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
                    subjects.all_req(Req.MD_LOST), ANY_RELAY_RESUME, ABORTS, ROUTER_HEARTBEATS, DISCOVERY),
         responds=True,
     ),
     "main_decode": Permissions(
-        publish=(subjects.all_req(Req.TOKENS), subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
+        publish=(*TOKENS, subjects.all_req(Req.KV_READY), subjects.all_req(Req.HANDOFF_ACK),
                  subjects.all_kv_events("main_decode"), own_abort("main_decode"), own_load("main_decode")),
         subscribe=(ANY_MD_PREPARE, ANY_MD_RESUME, subjects.all_req(Req.HANDOFF), ABORTS, ROUTER_HEARTBEATS,
                    DISCOVERY, kv_snapshots("main_decode"), ANY_MD_RDMA),

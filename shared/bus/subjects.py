@@ -11,7 +11,7 @@ PREFIX = "pdd"
 class Req(StrEnum):
     """The per-request subjects: `pdd.req.<rid>.<kind>`."""
 
-    TOKENS = "tokens"  # P / RLD / MD → router
+    TOKENS = "tokens"  # P / RLD / MD → whoever follows a request no router owns (router_tokens otherwise)
     KV_READY = "kv_ready"  # MD → RLD
     HANDOFF = "handoff"  # RLD (or P) → MD
     HANDOFF_ACK = "handoff_ack"  # MD → RLD
@@ -34,6 +34,16 @@ def req(rid: str, kind: Req) -> str:
 def all_req(kind: Req) -> str:
     """Every request's `kind` subject."""
     return f"{PREFIX}.req.*.{Req(kind)}"
+
+
+def router_tokens(router: str) -> str:
+    """`pdd.router.<router>.tokens`: the token events of the requests one router owns (its
+    identity, messages' `router` field), one TokenBatch per engine step and sender."""
+    return f"{PREFIX}.router.{_tok(router)}.tokens"
+
+
+def all_router_tokens() -> str:
+    return f"{PREFIX}.router.*.tokens"
 
 
 def abort(rid: str, source: str) -> str:

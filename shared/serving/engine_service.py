@@ -29,7 +29,6 @@ from shared.bus.messages import (
     Role,
     TokenEvent,
 )
-from shared.bus.subjects import Req
 from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, start_kv_server
@@ -42,6 +41,7 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
 from .cache_events import CacheEvents
+from .token_outbox import TokenOutbox
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class EngineService:
         self.settings = settings
         self.nc = nc
         self.engine = engine
-        self.engine_loop = EngineLoop(engine, self.on_outputs, post_step, settings.engine_call_timeout_s)
+        self.tokens = TokenOutbox(nc)
+        self.engine_loop = EngineLoop(engine, self._on_step, post_step, settings.engine_call_timeout_s)
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
         self.life = Lifecycle()
         self.kv_server: KVServer | None = None
@@ -180,6 +181,10 @@ class EngineService:
     # ---- what each service defines ---------------------------------------------------
     async def subscribe(self) -> None:
         """The service's own subscriptions (aborts are handled here)."""
+
+    async def _on_step(self, outputs: list[StepOutput], extra: Any) -> None:
+        async with self.tokens.collecting():  # the step's token events leave together, per router
+            await self.on_outputs(outputs, extra)
 
     async def on_outputs(self, outputs: list[StepOutput], extra: Any) -> None:
         """One step's outputs, per live request."""
@@ -305,8 +310,9 @@ class EngineService:
         with self.tracer.start_as_current_span("abort", context=ctx, attributes=attrs):
             await publish(self.nc, subjects.abort(rid, self.role.value), Abort(rid, reason, detail))
 
-    async def send_tokens(self, event: TokenEvent) -> None:
-        await publish(self.nc, subjects.req(event.rid, Req.TOKENS), event)
+    async def send_tokens(self, router: str, event: TokenEvent) -> None:
+        """To the router that owns the request (within a step: with the step's other events)."""
+        await self.tokens.send(router, event)
 
     def count_unknown_request(self) -> None:
         metrics.UNKNOWN_REQUEST_MESSAGES.labels(service=self.role.value).inc()

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from pdd.launch import SERVICES
 from shared.bus import NatsServer, connect, flushed, publish, subjects, subscribe
-from shared.bus.messages import Role, TokenEvent
+from shared.bus.messages import Role, TokenBatch, TokenEvent
 from shared.bus.subjects import Req
 from shared.ports import free_port
 from shared.security import client_context
@@ -33,6 +33,7 @@ def _publishers() -> dict[str, set[str]]:
     data = {"prefill", "relay", "main_decode"}
     table = {
         subjects.req(RID, Req.TOKENS): data,
+        subjects.router_tokens("router-0-ab12"): data,
         subjects.req(RID, Req.KV_READY): {"main_decode"},
         subjects.req(RID, Req.HANDOFF): {"prefill", "relay"},
         subjects.req(RID, Req.HANDOFF_ACK): {"main_decode"},
@@ -150,15 +151,16 @@ async def test_a_token_event_from_the_router_never_reaches_the_router(
         await got.put(msg)
 
     try:
-        await subscribe(router, subjects.all_req(Req.TOKENS), TokenEvent, on)
+        subject = subjects.router_tokens("router-0-ab12")
+        await subscribe(router, subject, TokenBatch, on)
         await flushed(router)
-        forged = TokenEvent(RID, Role.MAIN_DECODE, 0, [666])
-        await publish(router, subjects.req(RID, Req.TOKENS), forged)  # the router may not
+        forged = TokenBatch([TokenEvent(RID, Role.MAIN_DECODE, 0, [666])])
+        await publish(router, subject, forged)  # the router may not
         # Had the server let it through, it would have sent it to this very connection before
         # answering these PINGs: so it would be queued ahead of the real one below.
         await flushed(router)
-        real = TokenEvent(RID, Role.RELAY, 0, [1])
-        await publish(relay, subjects.req(RID, Req.TOKENS), real)  # the relay may
+        real = TokenBatch([TokenEvent(RID, Role.RELAY, 0, [1])])
+        await publish(relay, subject, real)  # the relay may
         assert await asyncio.wait_for(got.get(), 10) == real
     finally:
         await router.close()

@@ -201,7 +201,7 @@ def test_service_subjects_are_distinct_and_caught_by_their_wildcards() -> None:
         subjects.prefill_submit(), subjects.prefill_submit_to("0"), subjects.md_prepare("0"),
         subjects.kv_events("main_decode", "0"), subjects.kv_events("prefill", "0"),
         subjects.kv_snapshot("main_decode", "0"), subjects.kv_snapshot("prefill", "0"),
-        subjects.load("relay", "0"), subjects.req("0", Req.TOKENS),
+        subjects.load("relay", "0"), subjects.req("0", Req.TOKENS), subjects.router_tokens("0"),
     ]  # fmt: skip
     assert len(set(singles)) == len(singles) and all(s.startswith("pdd.") for s in singles)
     assert _matches(subjects.all_kv_events(), subjects.kv_events("main_decode", "md0"))
@@ -212,12 +212,14 @@ def test_service_subjects_are_distinct_and_caught_by_their_wildcards() -> None:
     assert _matches(subjects.all_load(), subjects.load("main_decode", "md0"))
     assert not _matches(subjects.all_load(), subjects.kv_events("main_decode", "md0"))
     assert subjects.prefill_submit_to("p1") != subjects.prefill_submit_to("p2")
+    assert _matches(subjects.all_router_tokens(), subjects.router_tokens("router-0-ab12"))
+    assert not any(_matches(subjects.all_req(kind), subjects.router_tokens("r")) for kind in Req)
 
 
 @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "a\tb"])
 def test_ids_that_would_change_the_subject_are_refused(bad: str) -> None:
     for make in (lambda: subjects.req(bad, Req.TOKENS), lambda: subjects.md_prepare(bad),
                  lambda: subjects.kv_events("prefill", bad), lambda: subjects.kv_snapshot("prefill", bad),
-                 lambda: subjects.load("relay", bad)):  # fmt: skip
+                 lambda: subjects.load("relay", bad), lambda: subjects.router_tokens(bad)):  # fmt: skip
         with pytest.raises(ValueError):
             make()

@@ -12,6 +12,7 @@ from pdd.launch import (
     ENV_PREFIX,
     MAX_COUNT,
     PORT_BLOCK,
+    Hosts,
     UpOptions,
     nats_specs,
     port_plan,
@@ -53,6 +54,22 @@ def test_env_is_read_by_settings(hosts, counts, monkeypatch: pytest.MonkeyPatch)
             if "{instance}" in value:  # compose: filled in from the container's hostname
                 value = value.replace("{instance}", settings.instance)
             assert str(obj) == value or float(obj) == float(value), key
+
+
+def test_engines_share_the_machine_s_cores_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OMP_NUM_THREADS", "PDD_TORCH_THREADS", "PDD_MD_TORCH_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    opts, hosts = UpOptions(prefill=2, relay=1, md=2), dataclasses.replace(Hosts.local("127.0.0.1"), shared_cores=16)
+
+    def threads(hosts: Hosts) -> dict[str, str | None]:
+        return {s.name: s.env.get(f"{ENV_PREFIX[s.service]}TORCH_THREADS") for s in service_specs(opts, hosts)[1:]}
+
+    assert threads(hosts) == {"prefill": "3", "prefill-1": "3", "relay": "3", "main_decode": "3",
+                              "main_decode-1": "3", "router": None}  # fmt: skip
+    assert set(threads(dataclasses.replace(hosts, shared_cores=3)).values()) == {"1", None}  # at least one
+    assert set(threads(COMPOSE_HOSTS).values()) == {None}  # a container each: torch sizes itself
+    monkeypatch.setenv("PDD_MD_TORCH_THREADS", "5")  # the operator's choice stands (services read it)
+    assert threads(hosts)["main_decode"] is None and threads(hosts)["relay"] == "3"
 
 
 def test_topology() -> None:

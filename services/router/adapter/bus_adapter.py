@@ -7,8 +7,7 @@ import time
 
 from shared.bus import subjects
 from shared.bus.connection import publish
-from shared.bus.messages import KVEvents, LoadReport, Role, TokenEvent
-from shared.bus.subjects import Req
+from shared.bus.messages import KVEvents, LoadReport, Role, TokenBatch, TokenEvent
 from shared.config import RouterSettings
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch
 from shared.serving.runtime import Lifecycle
@@ -28,7 +27,8 @@ class BusAdapter:
         self.cache_sync = CacheSync(settings, nc, identity, fleet.caches, life)
 
     async def start(self) -> None:
-        await self.life.subscribe(self.nc, subjects.all_req(Req.TOKENS), TokenEvent, self._on_tokens)
+        # One batch per engine step, addressed to this router alone.
+        await self.life.subscribe(self.nc, subjects.router_tokens(self.identity), TokenBatch, self._on_token_batch)
         await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self.cache_sync.on_kv_events)
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
         self.life.every(HEARTBEAT_S, self._heartbeat)
@@ -37,6 +37,11 @@ class BusAdapter:
 
     async def _on_tokens(self, ev: TokenEvent, raw) -> None:
         await self.effects.perform_in_order(self.requests.on_tokens(ev, time.monotonic()))
+
+    async def _on_token_batch(self, batch: TokenBatch, raw) -> None:
+        """One engine step's events for this router's requests, from one instance."""
+        for ev in batch.events:
+            await self._on_tokens(ev, raw)
 
     async def _on_load(self, report: LoadReport, raw) -> None:
         """A heartbeat: the instance is alive, and holds the requests it lists."""

@@ -1,6 +1,15 @@
-"""Incremental text for a growing token list, with OpenAI stop-string semantics."""
+"""Incremental text for a growing token list, with OpenAI stop-string semantics.
+
+Each call decodes only a short window, never the whole output: the tokens since the last
+stable point, after the tokens of the chunk before it as context (a token's text may depend
+on the one before it: a leading space dropped at the start, bytes of one character split over
+tokens). The text up to a stable point (one where the new text did not end in a partial
+character) is kept; what the client gets is what decoding everything would give.
+"""
 
 from __future__ import annotations
+
+REPLACEMENT = "\ufffd"  # what decode gives for bytes that are not (yet) a whole character
 
 
 class Detokenizer:
@@ -10,13 +19,19 @@ class Detokenizer:
         self.tokens: list[int] = []
         self.emitted = ""  # text already given to the client
         self.stopped = False
+        # The decoded text is emitted[:_base] + _text + the text of tokens[_read:], decoded
+        # after the context tokens[_prefix:_read].
+        self._base = 0
+        self._text = ""
+        self._prefix = self._read = 0
+        self._prefix_text = ""  # decode(tokens[_prefix:_read])
 
     def add(self, tokens: list[int]) -> str:
         """Append tokens; return the new text that is safe to emit."""
         if self.stopped:
             return ""
         self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens)
+        text = self._window()  # the decoded text from _base on
         for s in self.stop:
             cut = text.find(s)
             if cut >= 0:
@@ -24,21 +39,46 @@ class Detokenizer:
                 self.stopped = True
         if not self.stopped:
             # Hold back an incomplete multi-byte character and a possible stop-string start.
-            text = text.rstrip("\ufffd")
+            text = text.rstrip(REPLACEMENT)
             hold = max((_overlap(text, s) for s in self.stop), default=0)
             text = text[: len(text) - hold]
-        new = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted += new
+        new = self._emit(text)
+        self._forget_emitted()
         return new
 
     def flush(self) -> str:
         """At the end, emit whatever was held back."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.tokens)
-        new = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        return self._emit(self._window())
+
+    def _emit(self, text: str) -> str:
+        """What `text` (the decoded text from _base on) adds to what was emitted."""
+        done = self.emitted[self._base :]
+        new = text[len(done) :] if text.startswith(done) else ""
         self.emitted += new
         return new
+
+    def _window(self) -> str:
+        """The decoded text from _base on. The new tokens become context once their text is whole."""
+        window = self.tokenizer.decode(self.tokens[self._prefix :])
+        if not window.startswith(self._prefix_text):  # the new tokens changed the context's text
+            return self.tokenizer.decode(self.tokens)[self._base :]
+        tail = window[len(self._prefix_text) :]
+        text = self._text + tail
+        if tail and not tail.endswith(REPLACEMENT):
+            self._text = text
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._prefix_text = self.tokenizer.decode(self.tokens[self._prefix : self._read])
+        return text
+
+    def _forget_emitted(self) -> None:
+        """Drop the kept text once emitted: no stop string starts in it (one that did would have
+        been held back with it, or found)."""
+        keep_from = min(len(self.emitted), self._base + len(self._text))
+        if keep_from > self._base:
+            self._text = self._text[keep_from - self._base :]
+            self._base = keep_from
 
 
 def _overlap(text: str, stop: str) -> int:
