@@ -8,10 +8,15 @@
 // blocks: no gathered copy of the context, no mask tensor, one pass over the cache.
 // Items are handed to torch's intra-op threads from a shared counter, longest first.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/utils/pybind.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -34,7 +39,7 @@ struct Item {
   int64_t cost;  // rows x keys, for longest-first scheduling
 };
 
-// e^x for x <= 0 (Cephes expf polynomial), written so loops over it vectorise; e^-inf = 0.
+// e^x for x <= 0 (Cephes expf polynomial); e^-inf = 0.
 inline float exp_nonpos(float x) {
   const float xc = x < -87.0f ? -87.0f : x;
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
@@ -52,12 +57,133 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
-inline float dot(const float* __restrict a, const float* __restrict b, int d) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < d; ++i) s += a[i] * b[i];
-  return s;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Portable versions of the three steps of one query row against one block of nk keys.
+inline void scores_scalar(const float* q, const float* k, int64_t stride, int nk, int d, float* s) {
+  for (int j = 0; j < nk; ++j) {
+    float acc = 0.0f;
+    for (int i = 0; i < d; ++i) acc += q[i] * k[j * stride + i];
+    s[j] = acc;
+  }
 }
+
+// s: scores -> probabilities (e^(s - new max)); returns the factor the row's old sums shrink by.
+inline float softmax_scalar(float* s, int nk, float& m, float& l) {
+  float mx = m;
+  for (int j = 0; j < nk; ++j) mx = std::max(mx, s[j]);
+  // Key 0 is in the first block and every query sees it, so mx is finite from there on.
+  const float alpha = exp_nonpos(m - mx);
+  float sum = 0.0f;
+  for (int j = 0; j < nk; ++j) sum += (s[j] = exp_nonpos(s[j] - mx));
+  l = l * alpha + sum;
+  m = mx;
+  return alpha;
+}
+
+inline void pv_scalar(const float* p, const float* v, int64_t stride, int nk, int d, float* acc) {
+  for (int j = 0; j < nk; ++j)
+    for (int i = 0; i < d; ++i) acc[i] += p[j] * v[j * stride + i];
+}
+
+#ifdef __AVX2__
+inline __m256 exp_nonpos8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 xc = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// Eight keys at a time, one accumulator each (no dependency chain), then one transposing
+// reduction; lanes past nk read key nk - 1 again and are set to -inf. d % 8 == 0.
+inline void scores_avx2(const float* q, const float* k, int64_t stride, int nk, int d, float* s) {
+  for (int j0 = 0; j0 < nk; j0 += 8) {
+    const float* rows[8];
+    for (int j = 0; j < 8; ++j) rows[j] = k + std::min(j0 + j, nk - 1) * stride;
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + i), a[j]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    _mm256_storeu_ps(s + j0, sums);
+  }
+  for (int j = nk; j < ((nk + 7) & ~7); ++j) s[j] = kNegInf;
+}
+
+// As softmax_scalar, over s padded to a multiple of 8 with -inf.
+inline float softmax_avx2(float* s, int nk, float& m, float& l) {
+  const int n8 = (nk + 7) & ~7;
+  __m256 mv = _mm256_set1_ps(m);
+  for (int j = 0; j < n8; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  const float mx = hmax8(mv);
+  const float alpha = exp_nonpos(m - mx);
+  const __m256 mb = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int j = 0; j < n8; j += 8) {
+    const __m256 p = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mb));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  l = l * alpha + hsum8(sum);
+  m = mx;
+  return alpha;
+}
+
+// acc[0, 8 NV) += sum_j p[j] v_j[0, 8 NV), the accumulators held in registers over the keys.
+template <int NV>
+inline void pv_chunk(const float* p, const float* v, int64_t stride, int nk, float* acc) {
+  __m256 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int j = 0; j < nk; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * stride;
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), o[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, o[i]);
+}
+
+inline void pv_avx2(const float* p, const float* v, int64_t stride, int nk, int d, float* acc) {
+  for (int c = 0; c < d; c += 64) {
+    switch (std::min(8, (d - c) / 8)) {
+      case 8: pv_chunk<8>(p, v + c, stride, nk, acc + c); break;
+      case 7: pv_chunk<7>(p, v + c, stride, nk, acc + c); break;
+      case 6: pv_chunk<6>(p, v + c, stride, nk, acc + c); break;
+      case 5: pv_chunk<5>(p, v + c, stride, nk, acc + c); break;
+      case 4: pv_chunk<4>(p, v + c, stride, nk, acc + c); break;
+      case 3: pv_chunk<3>(p, v + c, stride, nk, acc + c); break;
+      case 2: pv_chunk<2>(p, v + c, stride, nk, acc + c); break;
+      default: pv_chunk<1>(p, v + c, stride, nk, acc + c); break;
+    }
+  }
+}
+#endif
 
 template <typename T>
 inline void to_float(const T* __restrict src, float* __restrict dst, int d) {
@@ -85,11 +211,13 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   const int32_t* table = block_tables + it.seq * sh.max_blocks;
   constexpr bool kFloat = std::is_same<T, float>::value;
 
-  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * BS + (kFloat ? 0 : 2 * BS * D));
+  const int BSP = (BS + 7) & ~7;  // a row's scores, padded for 8-wide steps
+  const bool wide = D % 8 == 0;  // the AVX2 steps, where compiled in
+  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * BSP + (kFloat ? 0 : 2 * BS * D));
   float* qs = work.data();  // [R, D] scaled queries
   float* acc = qs + R * D;  // [R, D]
-  float* s = acc + R * D;  // [R, BS] scores, then probabilities
-  float* kbuf = s + R * BS;  // [BS, D] this block's K (and V) as float when T is not float
+  float* s = acc + R * D;  // [R, BSP] scores, then probabilities
+  float* kbuf = s + R * BSP;  // [BS, D] this block's K (and V) as float when T is not float
   float* vbuf = kbuf + BS * D;
   float m[kMaxRows], l[kMaxRows];
   for (int r = 0; r < R; ++r) {
@@ -118,41 +246,45 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
       }
       kb = kbuf, vb = vbuf, stride = D;
     }
+    if (k0 + BS < n_keys) {  // the cache is read once, in table order: fetch the next block early
+      const int64_t next = (static_cast<int64_t>(table[k0 / BS + 1]) * BS * KVH + it.kv_head) * D;
+      for (int j = 0; j < BS; ++j)
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + j * row_stride) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + j * row_stride) + b);
+        }
+    }
     const bool diagonal = k0 + nk - 1 > first_pos;  // some row of the tile must not see some key
     for (int r = 0; r < R; ++r) {
-      float* sr = s + r * BS;
-      for (int j = 0; j < nk; ++j) sr[j] = dot(qs + r * D, kb + j * stride, D);
+      float* sr = s + r * BSP;
+      float* ar = acc + r * D;
+#ifdef __AVX2__
+      if (wide) {
+        scores_avx2(qs + r * D, kb, stride, nk, D, sr);
+      } else
+#endif
+        scores_scalar(qs + r * D, kb, stride, nk, D, sr);
       if (diagonal) {
         const int64_t pos = first_pos + r / G;
         for (int j = 0; j < nk; ++j)
-          if (k0 + j > pos) sr[j] = -std::numeric_limits<float>::infinity();
+          if (k0 + j > pos) sr[j] = kNegInf;
       }
-      float mx = m[r];
-      for (int j = 0; j < nk; ++j) mx = std::max(mx, sr[j]);
-      // Key 0 is in the first block and every query sees it, so mx is finite from there on.
-      const float alpha = exp_nonpos(m[r] - mx);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < nk; ++j) {
-        sr[j] = exp_nonpos(sr[j] - mx);
-        sum += sr[j];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = mx;
-      if (alpha != 1.0f) {
-        float* ar = acc + r * D;
-#pragma omp simd
+      float alpha;
+#ifdef __AVX2__
+      if (wide) {
+        alpha = softmax_avx2(sr, nk, m[r], l[r]);
+      } else
+#endif
+        alpha = softmax_scalar(sr, nk, m[r], l[r]);
+      if (alpha != 1.0f)
         for (int i = 0; i < D; ++i) ar[i] *= alpha;
+#ifdef __AVX2__
+      if (wide) {
+        pv_avx2(sr, vb, stride, nk, D, ar);
+        continue;
       }
-    }
-    for (int j = 0; j < nk; ++j) {
-      const float* vj = vb + j * stride;
-      for (int r = 0; r < R; ++r) {
-        const float p = s[r * BS + j];
-        float* ar = acc + r * D;
-#pragma omp simd
-        for (int i = 0; i < D; ++i) ar[i] += p * vj[i];
-      }
+#endif
+      pv_scalar(sr, vb, stride, nk, D, ar);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -180,9 +312,9 @@ std::vector<Item> work_items(const int32_t* seq_lens, const int32_t* query_start
 }
 
 template <typename T>
-void run_items(const std::vector<Item>& items, const Shape& sh, const torch::Tensor& q,
-               const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int32_t* tables,
-               const int32_t* seq_lens, const int32_t* query_start, torch::Tensor& out) {
+void run_items(const std::vector<Item>& items, const Shape& sh, const at::Tensor& q,
+               const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
+               const int32_t* seq_lens, const int32_t* query_start, at::Tensor& out) {
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -201,8 +333,8 @@ void run_items(const std::vector<Item>& items, const Shape& sh, const torch::Ten
 
 // out, q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] (one layer);
 // block_tables: [B, max_blocks] int32; seq_lens: [B] int32; query_start: [B + 1] int32 (CPU).
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start,
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start,
                      double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q, out and the caches must be contiguous");
