@@ -224,7 +224,7 @@ def mixed_workload(engine: LLMEngine, hf, args, reqs: list[tuple[list[int], int]
                 engine.runner.backend = backend
                 t, out = run_ours_mixed(engine, reqs, args.device)
                 by_backend[name] = min(by_backend[name], t)
-                if backend is kept:
+                if name == kept.name:  # the engine's own backend (another instance of it)
                     ours = out
                 advance()
             engine.runner.backend = kept
