@@ -12,6 +12,7 @@ double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_
 from __future__ import annotations
 
 import socket
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
@@ -42,6 +43,9 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = 64  # running sequences per step
     max_batched_tokens: int = 2048  # tokens per forward (prefill chunks + decodes)
     max_model_len: int = 4096
+    # Attention over the paged cache: "paged" (C++ kernel reading blocks in place, CPU),
+    # "reference" (gather + SDPA, any device), "auto" = paged where it can run.
+    attention_backend: Literal["auto", "paged", "reference"] = "auto"
 
 
 class RdmaSettings(BaseModel):

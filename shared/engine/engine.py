@@ -58,7 +58,7 @@ class LLMEngine:
         )  # fmt: skip
         self.intake = RequestIntake(cfg.vocab_size, self.max_model_len, self.block_size, num_blocks)
         self.scheduler = Scheduler(self.pool, es, self.model_id)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, es.attention_backend)
         self.sampler = Sampler()
         self.exchange = BlockExchange(self.pool, self.kv_cache)
         log.info("KV pool: %d blocks of %d tokens (%.0f MB)", num_blocks, self.block_size, budget / 2**20)

@@ -1,25 +1,36 @@
 """ModelRunner: turns a scheduled batch into one forward over the paged KV cache.
 
-Single-token steps (decodes) go first in the flat batch and share one padded attention
-call; every multi-token piece (a prefill chunk, an extend) is a Chunk of its own.
+Single-token steps (decodes) go first in the flat batch. The step's metadata (token ids,
+positions, KV slots, block tables, query starts, context lengths) is built with array
+operations over whole sequences, never token by token, and crosses to the device once per
+tensor; every layer then reads it from one AttentionContext.
 """
 
 from __future__ import annotations
 
+import logging
+from itertools import chain
+
+import numpy as np
 import torch
 
-from shared.engine.block_pool import blocks_for
 from shared.engine.scheduler import ScheduledSeq
-from shared.model.attention import AttentionContext, Chunk, causal_offset_mask
+from shared.model.attention import AttentionContext, attention_backend
 from shared.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, attention: str = "auto"
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
+        self.backend = attention_backend(attention, self.device)
+        log.info("attention backend: %s (asked for %s)", self.backend.name, attention)
 
     @torch.inference_mode()
     def run(
@@ -28,52 +39,47 @@ class ModelRunner:
         """Compute KV for every scheduled token; return fp32 logits of the last token of
         each sequence with want_logits set, in batch order ([N, vocab]), and for each batch
         index with every_row set the fp32 logits of all its tokens of this step ([num_new, vocab])."""
-        bs = self.block_size
-        order = sorted(range(len(batch)), key=lambda j: batch[j].num_new > 1)  # decodes first, stable
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []  # where each new token's K/V goes: block * block_size + offset
-        last_row: dict[int, int] = {}
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        chunks: list[Chunk] = []
-        for j in order:
-            seq, n = batch[j].seq, batch[j].num_new
-            start, c = len(ids), seq.num_computed_tokens
-            ids += seq.token_ids[c : c + n]
-            table = seq.block_table[: blocks_for(c + n, bs)]
-            pos += range(c, c + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
-            if n == 1:
-                dec_tables.append(table)
-                dec_lens.append(c + 1)
-            else:
-                # Built once per step, not once per layer.
-                mask = causal_offset_mask(n, c + n, self.device) if c else None
-                chunks.append(
-                    Chunk(start, n, c + n, torch.tensor(table, dtype=torch.long, device=self.device), mask)
-                )
-            last_row[j] = start + n - 1
+        bs, b = self.block_size, len(batch)
+        order = sorted(range(b), key=lambda j: batch[j].num_new > 1)  # decodes first, stable
+        seqs = [batch[j].seq for j in order]
+        n_new = np.fromiter((batch[j].num_new for j in order), np.int64, b)
+        computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
+        seq_lens = computed + n_new
+        query_start = np.zeros(b + 1, np.int64)
+        np.cumsum(n_new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        pieces = zip(seqs, computed.tolist(), n_new.tolist(), strict=True)
+        ids = np.fromiter(chain.from_iterable(s.token_ids[c : c + n] for s, c, n in pieces), np.int64, num_tokens)
+        # Block tables, padded with block 0: row-major fill of each row's first num_blocks entries.
+        num_blocks = -(-seq_lens // bs)
+        tables = np.zeros((b, int(num_blocks.max())), np.int32)
+        tables[np.arange(tables.shape[1])[None, :] < num_blocks[:, None]] = np.fromiter(
+            chain.from_iterable(s.block_table[:k] for s, k in zip(seqs, num_blocks.tolist(), strict=True)),
+            np.int32, int(num_blocks.sum()),
+        )  # fmt: skip
+        row_seq = np.repeat(np.arange(b), n_new)  # which sequence each row belongs to
+        positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], n_new)
+        slots = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs
         ctx = AttentionContext(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode=len(dec_tables),
-            chunks=chunks,
+            slot_mapping=self._to_device(slots),
+            query_start=torch.from_numpy(query_start.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_tables=torch.from_numpy(tables),
+            num_decode=int(np.count_nonzero(n_new == 1)),
+            backend=self.backend,
         )
-        if dec_tables:
-            width = max(len(t) for t in dec_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
-            mask = torch.arange(width * bs)[None, :] < torch.tensor(dec_lens)[:, None]
-            ctx.decode_block_tables = tables.to(self.device)
-            ctx.decode_mask = mask.view(len(dec_tables), 1, 1, width * bs).to(self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self.model(self._to_device(ids), self._to_device(positions), ctx)
+        last_row = dict(zip(order, (query_start[1:] - 1).tolist(), strict=True))
         every = self._every_row_logits(hidden, batch, last_row, every_row or [])
-        rows = [last_row[j] for j in range(len(batch)) if want_logits[j]]
+        rows = [last_row[j] for j in range(b) if want_logits[j]]
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), every
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float(), every
+        return self.model.compute_logits(hidden[self._to_device(np.array(rows))]).float(), every
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """int64 host array -> tensor on the cache's device: a view on the CPU, one copy elsewhere."""
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
 
     def _every_row_logits(
         self, hidden: torch.Tensor, batch: list[ScheduledSeq], last_row: dict[int, int], every_row: list[bool]
