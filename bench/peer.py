@@ -227,6 +227,7 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
 
 # ---- the report ----------------------------------------------------------------------------
 def run(args) -> dict:
+    args.workdir = args.workdir.resolve()  # (vLLM takes a relative path for a Hub name)
     args.workdir.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     result: dict = {"quick": args.quick, "preset": args.preset, "cores": cores, "venv": str(args.venv)}
@@ -264,8 +265,8 @@ def _print(result: dict) -> None:
               f"concurrency {s['max_concurrency']}, --ignore-eos")  # fmt: skip
         print(f"  {'run':18s} {'req/s':>7} {'TPOT p50':>9} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>6} {'exact len':>9}")
         for name, r in s["runs"].items():
-            if "error" in r:
-                print(f"  {name:18s} {r['error']}")
+            if "error" in r or r["request_throughput"] is None:
+                print(f"  {name:18s} {r.get('error') or r['first_errors']}")
                 continue
             print(f"  {name:18s} {r['request_throughput']:7.2f} {r['median_tpot_ms']:8.1f}ms {r['p99_itl_ms']:7.1f}ms "
                   f"{r['median_ttft_ms']:8.1f}ms {r['p99_ttft_ms']:8.1f}ms {r['failed']:6d} {r['exact_output_lens']:9d}")

