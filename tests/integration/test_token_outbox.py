@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.token_outbox import TokenOutbox
+from shared.serving.token_outbox import TokenOutbox
 from shared.bus import subjects
 from shared.bus.connection import flushed, publish, subscribe
 from shared.bus.messages import Role, TokenBatch, TokenEvent
