@@ -209,6 +209,7 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
             runs[f"vllm/{backend}"] = bench_serve(vllm, args, url, backend, model_id, ckpt, f"vllm-{backend}")
     kv_mb = 8 * (shape["input_len"] * 2 + shape["output_len"]) * 16 * 2**10 * 4 / 2**20 + 64  # 8 in flight, slack
     env = service_env(0, kv_mb, kv_mb, kv_mb, extra={"PDD_ROUTER_MAX_TOKENS_DEFAULT": "16"})
+    (args.workdir / "pdd-up").mkdir(exist_ok=True)
     with progress("serve: starting pdd up"):
         system = start_system(args.workdir / "pdd-up", env, delay_ms=0, jitter_ms=0, bandwidth_mbps=0,
                               model_path=str(ckpt), api_keys=(API_KEY,), timeout_s=600)  # fmt: skip
