@@ -24,6 +24,7 @@ up: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) lint
 	$(PY) -m pytest

@@ -46,7 +46,10 @@ def hit_mix(rng: random.Random, mean: float, n: int, spread: float) -> list[floa
     if low_mean < 0:  # cannot balance: shrink the high group towards the mean
         high = mean * n / n_high
         low_mean = 0.0
-    lows = [min(max(low_mean + rng.uniform(-1, 1) * min(low_mean, 0.99 - low_mean), 0.0), 0.99) for _ in range(n_low)]
+    lows = [
+        min(max(low_mean + rng.uniform(-1, 1) * min(low_mean, 0.99 - low_mean), 0.0), 0.99)
+        for _ in range(n_low)
+    ]
     shift = low_mean - statistics.fmean(lows)  # keep the exact mean
     lows = [min(max(x + shift, 0.0), 0.99) for x in lows]
     hits = [high] * n_high + lows
@@ -58,15 +61,25 @@ def _full_transfer(client: httpx.Client, args: argparse.Namespace, L: int, advan
     """WAN bytes of requests MD holds nothing of: what a prefix-unaware PD system sends."""
     full = []
     for i in range(args.full_requests):
-        t = stream_completion(client, random_tokens(random.Random(f"full-{i}"), L), args.max_tokens, pipeline="p-md")
+        t = stream_completion(
+            client, random_tokens(random.Random(f"full-{i}"), L), args.max_tokens, pipeline="p-md"
+        )
         if t.ok:
             full.append(t.pdd.get("wan_bytes", 0))
         advance()
     return full
 
 
-def _hit_point(system: RunningSystem, client: httpx.Client, args: argparse.Namespace, rng: random.Random,
-               h: float, L: int, full_bytes: float, advance: Advance) -> dict:
+def _hit_point(
+    system: RunningSystem,
+    client: httpx.Client,
+    args: argparse.Namespace,
+    rng: random.Random,
+    h: float,
+    L: int,
+    full_bytes: float,
+    advance: Advance,
+) -> dict:
     """Requests whose hit rates average h, each reusing a prefix of one document MD holds."""
     doc = random_tokens(random.Random(f"doc-{h}-{args.seed}"), L)
     seed = stream_completion(client, doc, 2, pipeline="p-md")  # MD now holds doc's blocks
@@ -79,9 +92,17 @@ def _hit_point(system: RunningSystem, client: httpx.Client, args: argparse.Names
         k = int(target * L) // BLOCK * BLOCK
         prompt = doc[:k] + random_tokens(random.Random(f"q-{h}-{j}-{args.seed}"), L - k)
         t = stream_completion(client, prompt, args.max_tokens, pipeline="p-md")
-        rows.append({"target": target, "cached_tokens": k, "ok": t.ok, "error": t.error,
-                     "hit": t.pdd.get("prefix_hit_rate"), "wan_bytes": t.pdd.get("wan_bytes", 0),
-                     "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN})
+        rows.append(
+            {
+                "target": target,
+                "cached_tokens": k,
+                "ok": t.ok,
+                "error": t.error,
+                "hit": t.pdd.get("prefix_hit_rate"),
+                "wan_bytes": t.pdd.get("wan_bytes", 0),
+                "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN,
+            }
+        )
         advance()
     time.sleep(0.2)
     link = (wan_counters(system)["bulk"]["bytes_up"] - before) / len(rows)
@@ -89,13 +110,18 @@ def _hit_point(system: RunningSystem, client: httpx.Client, args: argparse.Names
     aware = statistics.fmean(r["wan_bytes"] for r in ok)
     model = statistics.fmean(r["model_bytes"] for r in ok)
     return {
-        "target_mean_hit": h, "mean_hit": statistics.fmean(r["hit"] for r in ok),
-        "requests": len(ok), "aware_bytes": aware, "full_bytes": full_bytes, "link_bytes": link,
-        "model_aware_bytes": model, "model_full_bytes": L * KV_BYTES_PER_TOKEN,
+        "target_mean_hit": h,
+        "mean_hit": statistics.fmean(r["hit"] for r in ok),
+        "requests": len(ok),
+        "aware_bytes": aware,
+        "full_bytes": full_bytes,
+        "link_bytes": link,
+        "model_aware_bytes": model,
+        "model_full_bytes": L * KV_BYTES_PER_TOKEN,
         "full_over_aware": full_bytes / aware if aware else float("inf"),
         "aware_over_model": aware / model if model else (1.0 if aware == 0 else float("inf")),
         "rows": rows,
-    }  # fmt: skip
+    }
 
 
 def _targets(points: list[dict]) -> list[dict]:
@@ -103,16 +129,22 @@ def _targets(points: list[dict]) -> list[dict]:
         return []
     at90 = min(points, key=lambda p: abs(p["target_mean_hit"] - 0.9))
     ratio = at90["aware_bytes"] / at90["full_bytes"]
-    return [{"what": f"WAN bytes at {at90['mean_hit']:.0%} average hit <= 1/8 of full transfer",
-             "value": f"1/{1 / ratio:.1f}" if ratio else "0", "met": ratio <= 1 / 8}]
+    return [
+        {
+            "what": f"WAN bytes at {at90['mean_hit']:.0%} average hit <= 1/8 of full transfer",
+            "value": f"1/{1 / ratio:.1f}" if ratio else "0",
+            "met": ratio <= 1 / 8,
+        }
+    ]
 
 
 def run(args: argparse.Namespace) -> dict:
     env = service_env(args.torch_threads, md_kv_mb=512, prefill_kv_mb=512, relay_kv_mb=128)
     workdir = Path(tempfile.mkdtemp(prefix="pdd-bench-bandwidth-"))
     with progress("starting pdd up"):
-        system = start_system(workdir, env, delay_ms=0, jitter_ms=0, bandwidth_mbps=1000, model_preset="small",
-                              timeout_s=300)
+        system = start_system(
+            workdir, env, delay_ms=0, jitter_ms=0, bandwidth_mbps=1000, model_preset="small", timeout_s=300
+        )
     # Bytes do not depend on the link's speed: no cap, so the run is quick.
     set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
     L = args.prompt_tokens // BLOCK * BLOCK
@@ -120,34 +152,51 @@ def run(args: argparse.Namespace) -> dict:
     points = []
     n_requests = args.full_requests + len(args.hits) * args.requests
     try:
-        with httpx.Client(base_url=system.router_url) as client, progress("bandwidth", total=n_requests) as advance:
+        with (
+            httpx.Client(base_url=system.router_url) as client,
+            progress("bandwidth", total=n_requests) as advance,
+        ):
             stream_completion(client, random_tokens(random.Random(99), L), 2, pipeline="p-md")  # warm up
             full = _full_transfer(client, args, L, advance)
             full_bytes = statistics.fmean(full)
             for h in args.hits:
                 point = _hit_point(system, client, args, rng, h, L, full_bytes, advance)
                 points.append(point)
-                print(f"  mean hit {point['mean_hit']:6.1%}: {point['aware_bytes'] / 2**20:7.2f} MiB/request (model "
-                      f"{point['model_aware_bytes'] / 2**20:.2f}), full {full_bytes / 2**20:.2f} MiB -> "
-                      f"x{point['full_over_aware']:.1f} less", flush=True)
+                print(
+                    f"  mean hit {point['mean_hit']:6.1%}: {point['aware_bytes'] / 2**20:7.2f} MiB/request (model "
+                    f"{point['model_aware_bytes'] / 2**20:.2f}), full {full_bytes / 2**20:.2f} MiB -> "
+                    f"x{point['full_over_aware']:.1f} less",
+                    flush=True,
+                )
     finally:
         system.stop()
-    return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "prompt_tokens": L,
-            "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "full_bytes_measured": full, "points": points,
-            "targets": _targets(points)}
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "prompt_tokens": L,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+        "full_bytes_measured": full,
+        "points": points,
+        "targets": _targets(points),
+    }
 
 
 def _print(res: dict) -> None:
     c = res["config"]
-    print(f"\nWAN bytes per request, prompt {res['prompt_tokens']} tokens ({res['kv_bytes_per_token'] // 1024} KiB "
-          f"of KV per token), {c['requests']} requests per point, hit spread {c['spread']:g}; prefix-aware = "
-          f"pdd.wan_bytes (KV MD received), on the link = the WAN emulator's bulk-link byte counter")
-    print(f"  {'mean hit':>8s} {'prefix-aware':>13s} {'on the link':>11s} {'model':>10s} {'full':>10s} "
-          f"{'full/aware':>10s} {'aware/model':>11s}")
+    print(
+        f"\nWAN bytes per request, prompt {res['prompt_tokens']} tokens ({res['kv_bytes_per_token'] // 1024} KiB "
+        f"of KV per token), {c['requests']} requests per point, hit spread {c['spread']:g}; prefix-aware = "
+        f"pdd.wan_bytes (KV MD received), on the link = the WAN emulator's bulk-link byte counter"
+    )
+    print(
+        f"  {'mean hit':>8s} {'prefix-aware':>13s} {'on the link':>11s} {'model':>10s} {'full':>10s} "
+        f"{'full/aware':>10s} {'aware/model':>11s}"
+    )
     for p in res["points"]:
-        print(f"  {p['mean_hit']:8.1%} {p['aware_bytes'] / 2**20:9.2f} MiB {p['link_bytes'] / 2**20:7.2f} MiB "
-              f"{p['model_aware_bytes'] / 2**20:6.2f} MiB "
-              f"{p['full_bytes'] / 2**20:6.2f} MiB {p['full_over_aware']:9.1f}x {p['aware_over_model']:10.3f}")
+        print(
+            f"  {p['mean_hit']:8.1%} {p['aware_bytes'] / 2**20:9.2f} MiB {p['link_bytes'] / 2**20:7.2f} MiB "
+            f"{p['model_aware_bytes'] / 2**20:6.2f} MiB "
+            f"{p['full_bytes'] / 2**20:6.2f} MiB {p['full_over_aware']:9.1f}x {p['aware_over_model']:10.3f}"
+        )
 
 
 def _figure(res: dict):
@@ -157,7 +206,13 @@ def _figure(res: dict):
     fig, ax = plt.subplots(figsize=(6.5, 4))
     ax.plot(xs, [p["full_bytes"] / 2**20 for p in pts], "s--", label="full transfer (measured, hit 0)")
     ax.plot(xs, [p["aware_bytes"] / 2**20 for p in pts], "o-", label="prefix-aware (measured)")
-    ax.plot(xs, [p["model_aware_bytes"] / 2**20 for p in pts], ":", color="k", label="model: uncached blocks x KV/token")
+    ax.plot(
+        xs,
+        [p["model_aware_bytes"] / 2**20 for p in pts],
+        ":",
+        color="k",
+        label="model: uncached blocks x KV/token",
+    )
     ax.set_yscale("log")
     ax.set_xlabel("average prefix hit rate at MD (%)")
     ax.set_ylabel("WAN bytes per request (MiB)")
@@ -168,14 +223,21 @@ def _figure(res: dict):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdd bench bandwidth", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdd bench bandwidth",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts")
     p.add_argument("--hits", default="0,0.25,0.5,0.75,0.9,0.95,0.99", help="target average hit rates")
     p.add_argument("--requests", type=int, default=6, help="requests per hit-rate point")
     p.add_argument("--full-requests", type=int, default=3, help="cold requests measuring the full transfer")
-    p.add_argument("--spread", type=float, default=0.25,
-                   help="share of requests far below the mean (0 = all exactly at the mean)")
+    p.add_argument(
+        "--spread",
+        type=float,
+        default=0.25,
+        help="share of requests far below the mean (0 = all exactly at the mean)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--torch-threads", type=int, default=1)

@@ -83,8 +83,16 @@ class Interval(NamedTuple):
         return cls(d["ratio"], d["lo"], d["hi"])
 
 
-def ratio_interval(x: Sequence[float], y: Sequence[float], stat: Stat, *, paired: bool = False,
-                   level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+def ratio_interval(
+    x: Sequence[float],
+    y: Sequence[float],
+    stat: Stat,
+    *,
+    paired: bool = False,
+    level: float = LEVEL,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> Interval:
     """stat(x) / stat(y) with its percentile-bootstrap interval at `level` (seeded: repeatable).
     A sample is n numbers or n records of k numbers (shape (n, k)). Samples with a NaN are
     dropped (paired: the whole pair). No sample left on a side: all NaN."""
@@ -120,8 +128,9 @@ def resolves(q: float, n: int) -> bool:
 
 
 def verdict(iv: Interval, goal: float, *, at_most: bool = True, resolved: bool = True) -> str:
-    """"met" / "likely" / "MISSED" for the goal ratio <= goal (at_most) or ratio >= goal;
+    """ "met" / "likely" / "MISSED" for the goal ratio <= goal (at_most) or ratio >= goal;
     `resolved`: whether the samples resolve the statistic (`resolves`)."""
+
     def meets(v: float) -> bool:
         return v <= goal if at_most else v >= goal
 
@@ -131,6 +140,6 @@ def verdict(iv: Interval, goal: float, *, at_most: bool = True, resolved: bool =
 
 
 def fmt(iv: Interval, null: float = 1.0) -> str:
-    """"×0.62 [0.51–0.74]"; " n.s." appended where the interval contains `null`."""
+    """ "×0.62 [0.51–0.74]"; " n.s." appended where the interval contains `null`."""
     text = f"×{iv.point:.2f} [{iv.lo:.2f}–{iv.hi:.2f}]"
     return text + " n.s." if iv.contains(null) else text

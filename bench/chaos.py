@@ -93,8 +93,14 @@ NO_FAILURE_EXPECTED = ("restart-nats-a", "restart-nats-b", "cut-gateway-5s", "cu
 
 
 # ---- load -----------------------------------------------------------------------------
-def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], n: int, name: str,
-              fault: Callable[[RunningSystem], None] | None) -> tuple[list[tuple[int, Timed]], float | None]:
+def _run_load(
+    system: RunningSystem,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    n: int,
+    name: str,
+    fault: Callable[[RunningSystem], None] | None,
+) -> tuple[list[tuple[int, Timed]], float | None]:
     """n streams (prompt index, result); the fault runs `fault_at` s in, while a probe measures
     how long until a fresh request succeeds again (None without a fault)."""
     recovery: list[float | None] = []
@@ -109,7 +115,9 @@ def _run_load(system: RunningSystem, args: argparse.Namespace, prompts: list[lis
     def one(i: int) -> tuple[int, Timed]:
         k = i % len(prompts)
         with httpx.Client(base_url=system.router_url) as client:
-            t = stream_completion(client, prompts[k], args.max_tokens, pipeline=pipeline_of(k), timeout=args.hang_s)
+            t = stream_completion(
+                client, prompts[k], args.max_tokens, pipeline=pipeline_of(k), timeout=args.hang_s
+            )
         advance()
         return k, t
 
@@ -129,8 +137,11 @@ def _recovery_s(system: RunningSystem, since: float, timeout_s: float = 120.0) -
     time.sleep(0.5)
     while time.monotonic() - since < timeout_s:
         try:
-            r = httpx.post(f"{system.router_url}/v1/completions", timeout=30,
-                           json={"prompt": "probe", "max_tokens": 2, "temperature": 0})  # fmt: skip
+            r = httpx.post(
+                f"{system.router_url}/v1/completions",
+                timeout=30,
+                json={"prompt": "probe", "max_tokens": 2, "temperature": 0},
+            )
             if r.status_code == 200:
                 return time.monotonic() - since
         except httpx.HTTPError:
@@ -147,7 +158,10 @@ def _settle(system: RunningSystem, timeout_s: float = 60.0) -> dict[str, int]:
             view = system.instances()
         except httpx.HTTPError:
             view = {}
-        left = {"held": sum(v["held"] for v in view.values()), "blocks": sum(v["used_blocks"] for v in view.values())}
+        left = {
+            "held": sum(v["held"] for v in view.values()),
+            "blocks": sum(v["used_blocks"] for v in view.values()),
+        }
         if len({k.split("/")[0] for k in view}) == 3 and not any(left.values()):
             break
         time.sleep(0.5)
@@ -163,11 +177,12 @@ def pipeline_of(prompt: int) -> str:
 def _outcomes(results: list[tuple[int, Timed]], hang_s: float) -> dict[str, int]:
     completed = [t for _, t in results if t.ok and t.end < hang_s]
     return {
-        "requests": len(results), "completed": len(completed),
+        "requests": len(results),
+        "completed": len(completed),
         "migrated": sum(bool((t.pdd or {}).get("migrations")) for t in completed),
         "failed_clear": sum(not t.ok and t.end < hang_s for _, t in results),
         "hung": sum(t.end >= hang_s for _, t in results),
-    }  # fmt: skip
+    }
 
 
 def _score(results: list[tuple[int, Timed]], reference: dict[int, list[int]], hang_s: float) -> dict:
@@ -176,27 +191,37 @@ def _score(results: list[tuple[int, Timed]], reference: dict[int, list[int]], ha
     done = {id(t) for t in completed}
     return {
         **_outcomes(results, hang_s),
-        "by_pipeline": {p: _outcomes([(k, t) for k, t in results if pipeline_of(k) == p], hang_s) for p in PIPELINES},
+        "by_pipeline": {
+            p: _outcomes([(k, t) for k, t in results if pipeline_of(k) == p], hang_s) for p in PIPELINES
+        },
         # Tokens missing or repeated: the stream is not a prefix of its reference.
         "broken_streams": sum(t.token_ids != reference[k][: len(t.token_ids)] for k, t in results),
         "mismatched": sum(id(t) in done and t.token_ids != reference[k] for k, t in results),
         "errors": sorted({(t.error or "")[:120] for _, t in results if not t.ok})[:5],
         "migrated_max_gap_p99_s": pct([t.max_gap for t in migrated], 99),
         "max_gap_p99_s": pct([t.max_gap for t in completed], 99),
-    }  # fmt: skip
+    }
 
 
-def _phase(system: RunningSystem, args: argparse.Namespace, prompts: list[list[int]], name: str,
-           reference: dict[int, list[int]]) -> dict:
+def _phase(
+    system: RunningSystem,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    name: str,
+    reference: dict[int, list[int]],
+) -> dict:
     print(f"[{name}] {args.requests} streams, {args.concurrency} at a time ...", flush=True)
     results, recovery = _run_load(system, args, prompts, args.requests, f"[{name}]", FAULTS[name])
     row = _score(results, reference, args.hang_s)
     row["recovery_s"] = recovery
     with progress(f"[{name}] settling"):
         row["left_after_settling"] = _settle(system)
-    print(f"[{name}] completed {row['completed']} (migrated {row['migrated']}), failed {row['failed_clear']}, "
-          f"hung {row['hung']}, broken {row['broken_streams']}, mismatched {row['mismatched']}, "
-          f"recovery {row['recovery_s']}", flush=True)  # fmt: skip
+    print(
+        f"[{name}] completed {row['completed']} (migrated {row['migrated']}), failed {row['failed_clear']}, "
+        f"hung {row['hung']}, broken {row['broken_streams']}, mismatched {row['mismatched']}, "
+        f"recovery {row['recovery_s']}",
+        flush=True,
+    )
     return row
 
 
@@ -206,8 +231,14 @@ def run(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="pdd-chaos-"))
     t0 = time.monotonic()
     with progress("starting pdd up"):
-        system = start_system(workdir, {"PDD_ROUTER_TOKEN_TIMEOUT_S": "60"}, model_preset=args.preset,
-                              delay_ms=args.delay_ms, bandwidth_mbps=args.bandwidth_mbps, timeout_s=300)  # fmt: skip
+        system = start_system(
+            workdir,
+            {"PDD_ROUTER_TOKEN_TIMEOUT_S": "60"},
+            model_preset=args.preset,
+            delay_ms=args.delay_ms,
+            bandwidth_mbps=args.bandwidth_mbps,
+            timeout_s=300,
+        )
     try:
         base, _ = _run_load(system, args, prompts, 2 * len(prompts), "[none] reference", None)
         reference = {k: t.token_ids for k, t in base if t.ok}
@@ -228,16 +259,28 @@ def _targets(rows: dict[str, dict]) -> list[dict]:
     gaps = [r["migrated_max_gap_p99_s"] for r in rows.values() if r.get("migrated")]
     return [
         {"what": "hung requests (0)", "value": total("hung"), "met": total("hung") == 0},
-        {"what": "streams with tokens missing or repeated (0)", "value": total("broken_streams"),
-         "met": total("broken_streams") == 0},
-        {"what": "completed outputs unlike the undisturbed run (0)", "value": total("mismatched"),
-         "met": total("mismatched") == 0},
+        {
+            "what": "streams with tokens missing or repeated (0)",
+            "value": total("broken_streams"),
+            "met": total("broken_streams") == 0,
+        },
+        {
+            "what": "completed outputs unlike the undisturbed run (0)",
+            "value": total("mismatched"),
+            "met": total("mismatched") == 0,
+        },
         {"what": "requests or KV blocks held after settling (0)", "value": left, "met": left == 0},
-        {"what": "failed requests under NATS restart / gateway or bulk cut / MD pause (0)", "value": quiet,
-         "met": quiet == 0},
-        {"what": "p99 longest gap of a migrated stream (<= 2 s)", "value": max(gaps) if gaps else None,
-         "met": (max(gaps) <= 2.0) if gaps else None},
-    ]  # fmt: skip
+        {
+            "what": "failed requests under NATS restart / gateway or bulk cut / MD pause (0)",
+            "value": quiet,
+            "met": quiet == 0,
+        },
+        {
+            "what": "p99 longest gap of a migrated stream (<= 2 s)",
+            "value": max(gaps) if gaps else None,
+            "met": (max(gaps) <= 2.0) if gaps else None,
+        },
+    ]
 
 
 def _print_matrix(result: dict) -> None:
@@ -245,19 +288,27 @@ def _print_matrix(result: dict) -> None:
     print(f"\n{'fault':16}" + "".join(f" {p:>22}" for p in PIPELINES))
     for name, r in result["faults"].items():
         cells = [r["by_pipeline"][p] for p in PIPELINES]
-        print(f"{name:16}" + "".join(
-            f" {c['completed']:>4} ok ({c['migrated']:>2} moved) {c['failed_clear']:>2}F {c['hung']}H" for c in cells
-        ))  # fmt: skip
+        print(
+            f"{name:16}"
+            + "".join(
+                f" {c['completed']:>4} ok ({c['migrated']:>2} moved) {c['failed_clear']:>2}F {c['hung']}H"
+                for c in cells
+            )
+        )
 
 
 def _print(result: dict) -> None:
-    print(f"\n{'fault':16} {'done':>5} {'moved':>5} {'failed':>6} {'hung':>4} {'broken':>6} {'diff':>4} "
-          f"{'left':>5} {'recover s':>9}")  # fmt: skip
+    print(
+        f"\n{'fault':16} {'done':>5} {'moved':>5} {'failed':>6} {'hung':>4} {'broken':>6} {'diff':>4} "
+        f"{'left':>5} {'recover s':>9}"
+    )
     for name, r in result["faults"].items():
         left = sum((r.get("left_after_settling") or {}).values())
         rec = r.get("recovery_s")
-        print(f"{name:16} {r['completed']:5} {r['migrated']:5} {r['failed_clear']:6} {r['hung']:4} "
-              f"{r['broken_streams']:6} {r['mismatched']:4} {left:5} {rec if rec is None else f'{rec:9.1f}'}")  # fmt: skip
+        print(
+            f"{name:16} {r['completed']:5} {r['migrated']:5} {r['failed_clear']:6} {r['hung']:4} "
+            f"{r['broken_streams']:6} {r['mismatched']:4} {left:5} {rec if rec is None else f'{rec:9.1f}'}"
+        )
     _print_matrix(result)
 
 
@@ -271,7 +322,12 @@ def _figure(result: dict):
     failed = [r["failed_clear"] for r in rows]
     ax.barh(names, done, label="completed in place")
     ax.barh(names, moved, left=done, label="completed after a move")
-    ax.barh(names, failed, left=[a + b for a, b in zip(done, moved, strict=True)], label="failed: error, or the connection broke")
+    ax.barh(
+        names,
+        failed,
+        left=[a + b for a, b in zip(done, moved, strict=True)],
+        label="failed: error, or the connection broke",
+    )
     ax.set_xlabel("requests")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     ax.set_title("outcome per fault")
@@ -282,8 +338,11 @@ def _figure(result: dict):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdd chaos", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="pdd chaos",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list from {', '.join(FAULTS)}")
     p.add_argument("--requests", type=int, default=32, help="streams per fault phase")
     p.add_argument("--concurrency", type=int, default=16)

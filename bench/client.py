@@ -25,7 +25,9 @@ from shared.wan import WanControl
 WAN_LINKS = ("bulk", "gw-ab", "gw-ba")
 
 
-def start_wan(links: list[str], *options: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, WanControl]:
+def start_wan(
+    links: list[str], *options: str, timeout_s: float = 30.0
+) -> tuple[subprocess.Popen, WanControl]:
     """A `python -m shared.wan` process with these `--link` specs; returns once it serves."""
     control = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-m", "shared.wan", "--control", control, "--log-level", "WARNING", *options]
@@ -97,11 +99,26 @@ class Timed:
         return (self.chunks[-1][0] - self.chunks[0][0]) / (self.n_tokens - 1)
 
 
-def stream_completion(client: httpx.Client, prompt: list[int], max_tokens: int, *, pipeline: str | None = None,
-                      catchup_threshold: int | None = None, timeout: float = 300.0) -> Timed:
+def stream_completion(
+    client: httpx.Client,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    pipeline: str | None = None,
+    catchup_threshold: int | None = None,
+    timeout: float = 300.0,
+) -> Timed:
     """POST /v1/completions with stream=true, greedy, EOS ignored; times every chunk with tokens."""
-    body: dict = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    opts = {k: v for k, v in (("pipeline", pipeline), ("catchup_threshold", catchup_threshold)) if v is not None}
+    body: dict = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    opts = {
+        k: v for k, v in (("pipeline", pipeline), ("catchup_threshold", catchup_threshold)) if v is not None
+    }
     if opts:
         body["pdd"] = opts
     out = Timed()
@@ -144,8 +161,14 @@ def pct(xs, q: float) -> float:
     return float(np.percentile(xs, q)) if xs else math.nan
 
 
-def set_wan(system: RunningSystem, *, delay_ms: float, jitter_ms: float, bandwidth_mbps: float | None,
-            links: tuple[str, ...] = WAN_LINKS) -> None:
+def set_wan(
+    system: RunningSystem,
+    *,
+    delay_ms: float,
+    jitter_ms: float,
+    bandwidth_mbps: float | None,
+    links: tuple[str, ...] = WAN_LINKS,
+) -> None:
     for link in links:
         system.wan(link, delay_ms=delay_ms, jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps)
 
@@ -154,8 +177,14 @@ def wan_counters(system: RunningSystem) -> dict:
     return httpx.get(f"{system.wan_url}/links", timeout=10).json()
 
 
-def service_env(torch_threads: int, md_kv_mb: float, prefill_kv_mb: float, relay_kv_mb: float,
-                prefill_chunk: int = 0, extra: dict[str, str] | None = None) -> dict[str, str]:
+def service_env(
+    torch_threads: int,
+    md_kv_mb: float,
+    prefill_kv_mb: float,
+    relay_kv_mb: float,
+    prefill_chunk: int = 0,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
     """Environment of a benchmark deployment: KV pools sized for the workload; torch intra-op
     threads pinned (three engine processes share this host's cores); with prefill_chunk > 0,
     P's engine runs prompts in chunks of that many tokens, so KV blocks stream to MD while
@@ -177,6 +206,7 @@ def service_env(torch_threads: int, md_kv_mb: float, prefill_kv_mb: float, relay
 
 def start_systems(specs: dict[str, dict]) -> dict[str, RunningSystem]:
     """Start several `pdd up` systems at once: {name: start_system kwargs (env, delay_ms, ...)}."""
+
     def one(item: tuple[str, dict]) -> tuple[str, RunningSystem]:
         name, kw = item
         workdir = Path(tempfile.mkdtemp(prefix=f"pdd-bench-{name}-"))

@@ -89,20 +89,31 @@ DEFAULT_SINGLE = "no-wan,p-md,p-rld-md,p-rld-md/one-shot"
 
 
 def run_single(args: argparse.Namespace) -> dict:
-    env = service_env(args.torch_threads, md_kv_mb=256, prefill_kv_mb=256, relay_kv_mb=256,
-                      prefill_chunk=args.prefill_chunk)
+    env = service_env(
+        args.torch_threads, md_kv_mb=256, prefill_kv_mb=256, relay_kv_mb=256, prefill_chunk=args.prefill_chunk
+    )
     variants = args.variants.split(",")
     for v in variants:
         if v not in SINGLE_VARIANTS:
             raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(SINGLE_VARIANTS)}")
     kv_bytes = (args.prompt_tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
-    nominal_s = (kv_bytes * 8 / (args.bandwidth_mbps * 1e6) if args.bandwidth_mbps else 0) + args.delay_ms / 1000
-    print(f"single: prompt {args.prompt_tokens} tokens (KV {kv_bytes / 2**20:.0f} MiB: {nominal_s:.2f} s at "
-          f"{args.bandwidth_mbps:g} Mbit/s + {args.delay_ms:g} ms), {args.output_tokens} output tokens, "
-          f"{args.rounds} round(s) of {', '.join(variants)}", flush=True)
+    nominal_s = (
+        kv_bytes * 8 / (args.bandwidth_mbps * 1e6) if args.bandwidth_mbps else 0
+    ) + args.delay_ms / 1000
+    print(
+        f"single: prompt {args.prompt_tokens} tokens (KV {kv_bytes / 2**20:.0f} MiB: {nominal_s:.2f} s at "
+        f"{args.bandwidth_mbps:g} Mbit/s + {args.delay_ms:g} ms), {args.output_tokens} output tokens, "
+        f"{args.rounds} round(s) of {', '.join(variants)}",
+        flush=True,
+    )
     t_start = time.monotonic()
-    systems = start_systems({"pdd": dict(env=env, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms,
-                                         bandwidth_mbps=args.bandwidth_mbps)})
+    systems = start_systems(
+        {
+            "pdd": dict(
+                env=env, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps
+            )
+        }
+    )
     system = systems["pdd"]
     print(f"  system up in {time.monotonic() - t_start:.0f} s", flush=True)
     rows: list[dict] = []
@@ -110,8 +121,12 @@ def run_single(args: argparse.Namespace) -> dict:
     try:
         with httpx.Client(base_url=system.router_url) as client:
             for i, pipeline in enumerate(("p-md", "p-rld-md")):  # warm both paths (torch, connections)
-                stream_completion(client, random_tokens(random.Random(10_000 + i), args.prompt_tokens), 48,
-                                  pipeline=pipeline)
+                stream_completion(
+                    client,
+                    random_tokens(random.Random(10_000 + i), args.prompt_tokens),
+                    48,
+                    pipeline=pipeline,
+                )
             with progress("single", total=args.rounds * len(variants)) as advance:
                 for r in range(args.rounds):
                     for v in _rotate(variants, r):
@@ -120,18 +135,28 @@ def run_single(args: argparse.Namespace) -> dict:
                         row = _single_row(v, r, timed)
                         rows.append(row)
                         advance()
-                        print(f"  round {r} {v:18s} ttft {_ms(row['ttft'])} ms  2nd token {_ms(row['tt2t'])} ms  "
-                              f"max gap {_ms(row['max_gap'])} ms  rld {row['rld_tokens']}/{row['n_tokens']}  "
-                              f"{row['pipeline']} {row['handoff_mode'] or ''}{' ERROR ' + str(row['error']) if row['error'] else ''}",
-                              flush=True)
+                        print(
+                            f"  round {r} {v:18s} ttft {_ms(row['ttft'])} ms  2nd token {_ms(row['tt2t'])} ms  "
+                            f"max gap {_ms(row['max_gap'])} ms  rld {row['rld_tokens']}/{row['n_tokens']}  "
+                            f"{row['pipeline']} {row['handoff_mode'] or ''}{' ERROR ' + str(row['error']) if row['error'] else ''}",
+                            flush=True,
+                        )
                         time.sleep(1.0)  # let the relay and MD settle (load reports, cache events)
     finally:
         system.stop()
     summary = _single_summary(rows, variants)
     ratios = _single_ratios(rows, variants)
-    return {"scenario": "single", "config": _config(args), "kv_bytes": kv_bytes, "nominal_transfer_s": nominal_s,
-            "rows": rows, "summary": summary, "ratios": ratios, "targets": _single_targets(summary, ratios, nominal_s),
-            "cpu": meter.as_json()}
+    return {
+        "scenario": "single",
+        "config": _config(args),
+        "kv_bytes": kv_bytes,
+        "nominal_transfer_s": nominal_s,
+        "rows": rows,
+        "summary": summary,
+        "ratios": ratios,
+        "targets": _single_targets(summary, ratios, nominal_s),
+        "cpu": meter.as_json(),
+    }
 
 
 def _single_request(args: argparse.Namespace, system, client: httpx.Client, variant: str, r: int) -> Timed:
@@ -141,10 +166,14 @@ def _single_request(args: argparse.Namespace, system, client: httpx.Client, vari
     if not on:
         set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
     try:
-        return stream_completion(client, prompt, args.output_tokens, pipeline=pipeline, catchup_threshold=threshold)
+        return stream_completion(
+            client, prompt, args.output_tokens, pipeline=pipeline, catchup_threshold=threshold
+        )
     finally:
         if not on:
-            set_wan(system, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
+            set_wan(
+                system, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps
+            )
 
 
 def _single_summary(rows: list[dict], variants: list[str]) -> dict:
@@ -154,8 +183,20 @@ def _single_summary(rows: list[dict], variants: list[str]) -> dict:
         rs = [x for x in rows if x["variant"] == v and x["ok"]]
         if not rs:
             continue
-        summary[v] = {k: statistics.median([x[k] for x in rs]) for k in
-                      ("ttft", "tt2t", "max_gap", "tpot", "total", "rld_tokens", "n_tokens", "wan_bytes", "rld_share")}
+        summary[v] = {
+            k: statistics.median([x[k] for x in rs])
+            for k in (
+                "ttft",
+                "tt2t",
+                "max_gap",
+                "tpot",
+                "total",
+                "rld_tokens",
+                "n_tokens",
+                "wan_bytes",
+                "rld_share",
+            )
+        }
         summary[v]["handoff_mode"] = rs[0]["handoff_mode"]
         summary[v]["pipeline"] = rs[0]["pipeline"]
         summary[v]["runs"] = len(rs)
@@ -165,11 +206,23 @@ def _single_summary(rows: list[dict], variants: list[str]) -> dict:
 def _single_row(variant: str, r: int, t: Timed) -> dict:
     p = t.pdd
     return {
-        "variant": variant, "round": r, "ok": t.ok, "error": t.error, "pipeline": p.get("pipeline"),
-        "ttft": t.ttft, "tt2t": t.time_to_token(2), "max_gap": t.max_gap, "tpot": t.tpot, "total": t.end,
-        "n_tokens": t.n_tokens, "rld_tokens": p.get("rld_tokens", 0), "md_tokens": p.get("md_tokens", 0),
-        "rld_share": p.get("rld_tokens", 0) / max(t.n_tokens, 1), "handoff_mode": p.get("handoff_mode"),
-        "handoff_batches": p.get("handoff_batches", 0), "wan_bytes": p.get("wan_bytes", 0),
+        "variant": variant,
+        "round": r,
+        "ok": t.ok,
+        "error": t.error,
+        "pipeline": p.get("pipeline"),
+        "ttft": t.ttft,
+        "tt2t": t.time_to_token(2),
+        "max_gap": t.max_gap,
+        "tpot": t.tpot,
+        "total": t.end,
+        "n_tokens": t.n_tokens,
+        "rld_tokens": p.get("rld_tokens", 0),
+        "md_tokens": p.get("md_tokens", 0),
+        "rld_share": p.get("rld_tokens", 0) / max(t.n_tokens, 1),
+        "handoff_mode": p.get("handoff_mode"),
+        "handoff_batches": p.get("handoff_batches", 0),
+        "wan_bytes": p.get("wan_bytes", 0),
         "gap_p99": pct(t.gaps, 99) if t.gaps else 0.0,
     }
 
@@ -202,33 +255,56 @@ def _single_targets(s: dict, ratios: dict, nominal_s: float) -> list[dict]:
         for k, label in (("ttft", "TTFT"), ("max_gap", "max inter-token gap")):
             out.append(_ratio_target(f"{v} {label} within 1.5x of no-WAN", ratios[f"{v}/no-wan"][k], 1.5))
         full = s[v]["n_tokens"] >= 1000  # the target is stated for a 1000-token output
-        out.append({"what": f"{v} RLD share of output tokens <= 10%" + ("" if full else " (for 1000-token outputs)"),
-                    "value": f"{s[v]['rld_share']:.1%} ({s[v]['rld_tokens']:.0f} of {s[v]['n_tokens']:.0f})",
-                    "met": s[v]["rld_share"] <= 0.10 if full else None})
+        out.append(
+            {
+                "what": f"{v} RLD share of output tokens <= 10%"
+                + ("" if full else " (for 1000-token outputs)"),
+                "value": f"{s[v]['rld_share']:.1%} ({s[v]['rld_tokens']:.0f} of {s[v]['n_tokens']:.0f})",
+                "met": s[v]["rld_share"] <= 0.10 if full else None,
+            }
+        )
     if "p-md" in s:
         # P→MD's first decode-side token must wait for the whole KV: the 2nd token comes after
         # the transfer time (the transfer overlaps prefill, so the stall after token 1 is shorter).
         grow_gap = s["p-md"]["max_gap"] - base["max_gap"]
-        out.append({"what": "P→MD waits for the KV: 2nd token after the transfer time (stall = transfer - prefill)",
-                    "value": f"2nd token {s['p-md']['tt2t']:.2f} s vs {nominal_s:.2f} s on the wire; "
-                             f"max gap +{grow_gap:.2f} s vs no-WAN",
-                    "met": s["p-md"]["tt2t"] >= 0.9 * nominal_s})
-        out.append({"what": "P→MD TTFT (P streams the 1st token itself)",
-                    "value": f"{_fmt(ratios['p-md/no-wan']['ttft'])} of no-WAN", "met": None})
+        out.append(
+            {
+                "what": "P→MD waits for the KV: 2nd token after the transfer time (stall = transfer - prefill)",
+                "value": f"2nd token {s['p-md']['tt2t']:.2f} s vs {nominal_s:.2f} s on the wire; "
+                f"max gap +{grow_gap:.2f} s vs no-WAN",
+                "met": s["p-md"]["tt2t"] >= 0.9 * nominal_s,
+            }
+        )
+        out.append(
+            {
+                "what": "P→MD TTFT (P streams the 1st token itself)",
+                "value": f"{_fmt(ratios['p-md/no-wan']['ttft'])} of no-WAN",
+                "met": None,
+            }
+        )
     return out
 
 
 def _print_single(res: dict) -> None:
-    print(f"\nsingle request: prompt {res['config']['prompt_tokens']} tokens uncached "
-          f"(KV {res['kv_bytes'] / 2**20:.0f} MiB, {res['nominal_transfer_s']:.2f} s nominal on the WAN), "
-          f"{res['config']['output_tokens']} output tokens; medians of {res['config']['rounds']} round(s)")
-    print(f"  {'variant':18s} {'TTFT':>7s} {'2nd tok':>7s} {'max gap':>7s} {'TPOT':>6s} {'total':>7s}  "
-          f"{'RLD share':>9s}  handoff")
+    print(
+        f"\nsingle request: prompt {res['config']['prompt_tokens']} tokens uncached "
+        f"(KV {res['kv_bytes'] / 2**20:.0f} MiB, {res['nominal_transfer_s']:.2f} s nominal on the WAN), "
+        f"{res['config']['output_tokens']} output tokens; medians of {res['config']['rounds']} round(s)"
+    )
+    print(
+        f"  {'variant':18s} {'TTFT':>7s} {'2nd tok':>7s} {'max gap':>7s} {'TPOT':>6s} {'total':>7s}  "
+        f"{'RLD share':>9s}  handoff"
+    )
     for v, s in res["summary"].items():
-        print(f"  {v:18s} {s['ttft']:6.2f}s {s['tt2t']:6.2f}s {s['max_gap']:6.2f}s {s['tpot'] * 1000:4.0f}ms "
-              f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}")
-    _print_ratios(res["ratios"], [("TTFT", "ttft", 50), ("2nd token", "tt2t", 50), ("max gap", "max_gap", 50),
-                                  ("TPOT", "tpot", 50)], "of medians, resampling rounds (paired by round)")
+        print(
+            f"  {v:18s} {s['ttft']:6.2f}s {s['tt2t']:6.2f}s {s['max_gap']:6.2f}s {s['tpot'] * 1000:4.0f}ms "
+            f"{s['total']:6.1f}s  {s['rld_share']:8.1%}  {s['handoff_mode'] or '-':9s}"
+        )
+    _print_ratios(
+        res["ratios"],
+        [("TTFT", "ttft", 50), ("2nd token", "tt2t", 50), ("max gap", "max_gap", 50), ("TPOT", "tpot", 50)],
+        "of medians, resampling rounds (paired by round)",
+    )
 
 
 # ====================================================================== agentic
@@ -241,7 +317,9 @@ class Session:
     ctx: list[int] = field(default_factory=list)  # the conversation so far (prompt + output)
 
 
-def build_prompt(a: argparse.Namespace, step: Step, sess: Session, shared: list[int]) -> tuple[list[int], bool]:
+def build_prompt(
+    a: argparse.Namespace, step: Step, sess: Session, shared: list[int]
+) -> tuple[list[int], bool]:
     """The prompt of a step given the session so far (the shared plan's shape, as tokens);
     True when it starts a new session."""
     rng = random.Random(step.seed)
@@ -277,20 +355,30 @@ class Result:
 
 
 def run_agentic(args: argparse.Namespace) -> dict:
-    env = service_env(args.torch_threads, md_kv_mb=args.md_kv_mb, prefill_kv_mb=args.md_kv_mb, relay_kv_mb=256,
-                      prefill_chunk=args.prefill_chunk)
+    env = service_env(
+        args.torch_threads,
+        md_kv_mb=args.md_kv_mb,
+        prefill_kv_mb=args.md_kv_mb,
+        relay_kv_mb=256,
+        prefill_chunk=args.prefill_chunk,
+    )
     wan = dict(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
     deps = args.deployments.split(",")
     specs = {}
     for d in deps:
         if d not in DEPLOYMENTS:
             raise SystemExit(f"unknown deployment {d!r}; choose from {', '.join(DEPLOYMENTS)}")
-        specs[d] = dict(env=env, **(dict(delay_ms=0, jitter_ms=0, bandwidth_mbps=1000) if d == "same-dc" else wan))
+        specs[d] = dict(
+            env=env, **(dict(delay_ms=0, jitter_ms=0, bandwidth_mbps=1000) if d == "same-dc" else wan)
+        )
     plans = make_plans(AgenticParams.from_args(args))
     shared = random_tokens(random.Random(f"shared-{args.seed}"), args.shared_prefix)
-    print(f"agentic: {args.requests} requests per deployment from {args.clients} concurrent agents, waves of "
-          f"{args.wave} requests per agent; WAN {args.delay_ms:g} ms one way ±{args.jitter_ms:g} ms, "
-          f"{args.bandwidth_mbps:g} Mbit/s; deployments {', '.join(deps)}", flush=True)
+    print(
+        f"agentic: {args.requests} requests per deployment from {args.clients} concurrent agents, waves of "
+        f"{args.wave} requests per agent; WAN {args.delay_ms:g} ms one way ±{args.jitter_ms:g} ms, "
+        f"{args.bandwidth_mbps:g} Mbit/s; deployments {', '.join(deps)}",
+        flush=True,
+    )
     t_start = time.monotonic()
     systems = start_systems(specs)
     print(f"  {len(systems)} systems up in {time.monotonic() - t_start:.0f} s", flush=True)
@@ -314,23 +402,37 @@ def run_agentic(args: argparse.Namespace) -> dict:
                     busy[d] += time.monotonic() - t0
                     time.sleep(0.5)
                 done = sum(1 for r in results if r.deployment == deps[0])
-                print(f"  wave {w + 1}/{n_waves}: {done} requests per deployment; busy "
-                      + ", ".join(f"{d} {busy[d]:.0f} s" for d in deps), flush=True)
+                print(
+                    f"  wave {w + 1}/{n_waves}: {done} requests per deployment; busy "
+                    + ", ".join(f"{d} {busy[d]:.0f} s" for d in deps),
+                    flush=True,
+                )
         link_bytes = {d: _bytes_since(s, counters0[d]) for d, s in systems.items()}
     finally:
         stop_all(systems)
     rows = [asdict(r) for r in results]
-    summary = {d: _summarize(args, [r for r in rows if r["deployment"] == d], busy[d], link_bytes[d]) for d in deps}
+    summary = {
+        d: _summarize(args, [r for r in rows if r["deployment"] == d], busy[d], link_bytes[d]) for d in deps
+    }
     by_hit = {d: _by_hit([r for r in rows if r["deployment"] == d]) for d in deps}
     sweep = _goodput_sweep(args, rows, busy, deps)
     ratios = _agentic_ratios(args, rows, busy, deps)
-    return {"scenario": "agentic", "config": _config(args), "summary": summary, "by_hit": by_hit,
-            "goodput_sweep": sweep, "ratios": ratios, "rows": rows, "targets": _agentic_targets(ratios),
-            "cpu": meter.as_json()}
+    return {
+        "scenario": "agentic",
+        "config": _config(args),
+        "summary": summary,
+        "by_hit": by_hit,
+        "goodput_sweep": sweep,
+        "ratios": ratios,
+        "rows": rows,
+        "targets": _agentic_targets(ratios),
+        "cpu": meter.as_json(),
+    }
 
 
 def _warm_all(systems: dict, shared: list[int]) -> None:
     """Every deployment at once: MD caches the shared system prompt, the engines are warm."""
+
     def warm(d: str) -> None:
         with httpx.Client(base_url=systems[d].router_url) as c:
             # The shared system prompt is in MD's cache (steady state of a service); P→MD
@@ -350,12 +452,22 @@ def _warm_all(systems: dict, shared: list[int]) -> None:
 def _bytes_since(system, before: dict) -> dict:
     """Bytes each WAN link carried (both directions) since the `before` counters."""
     now = wan_counters(system)
-    return {ln: now[ln]["bytes_up"] + now[ln]["bytes_down"] - before[ln]["bytes_up"] - before[ln]["bytes_down"]
-            for ln in WAN_LINKS}
+    return {
+        ln: now[ln]["bytes_up"] + now[ln]["bytes_down"] - before[ln]["bytes_up"] - before[ln]["bytes_down"]
+        for ln in WAN_LINKS
+    }
 
 
-def _run_wave(args, d: str, system, plans: list[list[Step]], sessions: list[Session], shared: list[int],
-              w: int, advance: Advance) -> list[Result]:
+def _run_wave(
+    args,
+    d: str,
+    system,
+    plans: list[list[Step]],
+    sessions: list[Session],
+    shared: list[int],
+    w: int,
+    advance: Advance,
+) -> list[Result]:
     out: list[Result] = []
     lock = threading.Lock()
     pipeline = None if d == "pdd" else "p-md"
@@ -373,10 +485,27 @@ def _run_wave(args, d: str, system, plans: list[list[Step]], sessions: list[Sess
                     sess.ctx = prompt + t.token_ids
                 p = t.pdd
                 r = Result(
-                    d, ci, w * args.wave + j, step.kind, step.hit, len(prompt), new, t.ok, t.error,
-                    p.get("pipeline") or t.pipeline_header, p.get("prefix_hit_rate", math.nan), t.ttft,
-                    t.time_to_token(2), t.max_gap, t.tpot, t.end, t.n_tokens, p.get("rld_tokens", 0),
-                    p.get("md_tokens", 0), p.get("wan_bytes", 0), p.get("handoff_mode"),
+                    d,
+                    ci,
+                    w * args.wave + j,
+                    step.kind,
+                    step.hit,
+                    len(prompt),
+                    new,
+                    t.ok,
+                    t.error,
+                    p.get("pipeline") or t.pipeline_header,
+                    p.get("prefix_hit_rate", math.nan),
+                    t.ttft,
+                    t.time_to_token(2),
+                    t.max_gap,
+                    t.tpot,
+                    t.end,
+                    t.n_tokens,
+                    p.get("rld_tokens", 0),
+                    p.get("md_tokens", 0),
+                    p.get("wan_bytes", 0),
+                    p.get("handoff_mode"),
                 )
                 with lock:
                     out.append(r)
@@ -407,17 +536,27 @@ def _summarize(args, rows: list[dict], busy_s: float, link_bytes: dict) -> dict:
     meeting = sum(_meets(r, args.sla_ttft_s, args.sla_tpot_s, args.sla_max_gap_s) for r in rows)
     hits = [r["hit"] for r in ok if not math.isnan(r["hit"])]
     return {
-        "requests": len(rows), "ok": len(ok), "busy_s": busy_s, "rps": len(ok) / busy_s,
-        "ttft_p50": pct([r["ttft"] for r in ok], 50), "ttft_p99": pct([r["ttft"] for r in ok], 99),
-        "tt2t_p50": pct([r["tt2t"] for r in ok], 50), "tt2t_p99": pct([r["tt2t"] for r in ok], 99),
-        "max_gap_p50": pct([r["max_gap"] for r in ok], 50), "max_gap_p99": pct([r["max_gap"] for r in ok], 99),
+        "requests": len(rows),
+        "ok": len(ok),
+        "busy_s": busy_s,
+        "rps": len(ok) / busy_s,
+        "ttft_p50": pct([r["ttft"] for r in ok], 50),
+        "ttft_p99": pct([r["ttft"] for r in ok], 99),
+        "tt2t_p50": pct([r["tt2t"] for r in ok], 50),
+        "tt2t_p99": pct([r["tt2t"] for r in ok], 99),
+        "max_gap_p50": pct([r["max_gap"] for r in ok], 50),
+        "max_gap_p99": pct([r["max_gap"] for r in ok], 99),
         "max_gap_max": max((r["max_gap"] for r in ok), default=math.nan),
-        "tpot_p50": pct([r["tpot"] for r in ok], 50), "tpot_p99": pct([r["tpot"] for r in ok], 99),
-        "sla_ok": meeting, "sla_goodput_rps": meeting / busy_s,
-        "wan_bytes": sum(r["wan_bytes"] for r in ok), "bulk_link_bytes": link_bytes.get("bulk", 0),
+        "tpot_p50": pct([r["tpot"] for r in ok], 50),
+        "tpot_p99": pct([r["tpot"] for r in ok], 99),
+        "sla_ok": meeting,
+        "sla_goodput_rps": meeting / busy_s,
+        "wan_bytes": sum(r["wan_bytes"] for r in ok),
+        "bulk_link_bytes": link_bytes.get("bulk", 0),
         "gateway_bytes": link_bytes.get("gw-ab", 0) + link_bytes.get("gw-ba", 0),
         "rld_token_share": sum(r["rld_tokens"] for r in ok) / max(n_out, 1),
-        "output_tokens": n_out, "pipelines": pipes,
+        "output_tokens": n_out,
+        "pipelines": pipes,
         "hit_mean": statistics.fmean(hits) if hits else math.nan,
         "hit_above_95": sum(h > 0.95 for h in hits) / max(len(hits), 1),
     }
@@ -435,8 +574,11 @@ def _by_hit(rows: list[dict]) -> dict:
     for lo, hi in HIT_BUCKETS:
         rs = [r for r in rows if r["ok"] and lo <= r["hit"] < hi]
         out[_bucket_name(lo, hi)] = {
-            "n": len(rs), "ttft_p50": pct([r["ttft"] for r in rs], 50), "tt2t_p50": pct([r["tt2t"] for r in rs], 50),
-            "max_gap_p50": pct([r["max_gap"] for r in rs], 50), "tpot_p50": pct([r["tpot"] for r in rs], 50),
+            "n": len(rs),
+            "ttft_p50": pct([r["ttft"] for r in rs], 50),
+            "tt2t_p50": pct([r["tt2t"] for r in rs], 50),
+            "max_gap_p50": pct([r["max_gap"] for r in rs], 50),
+            "tpot_p50": pct([r["tpot"] for r in rs], 50),
         }
     return out
 
@@ -446,13 +588,17 @@ def _goodput_sweep(args, rows: list[dict], busy: dict, deps: list[str]) -> list[
     for tpot in sorted({0.05, 0.1, 0.2, args.sla_tpot_s}):
         row: dict[str, Any] = {"ttft_s": args.sla_ttft_s, "tpot_s": tpot}
         for d in deps:
-            met = sum(_meets(r, args.sla_ttft_s, tpot, args.sla_max_gap_s) for r in rows if r["deployment"] == d)
+            met = sum(
+                _meets(r, args.sla_ttft_s, tpot, args.sla_max_gap_s) for r in rows if r["deployment"] == d
+            )
             row[d] = met / busy[d]
         out.append(row)
     return out
 
 
-AGENTIC_RATIOS = {f"{k}_p{q}": (k, q) for k in ("ttft", "tt2t", "max_gap", "tpot") for q in (50, 99)}  # name: (row key, q)
+AGENTIC_RATIOS = {
+    f"{k}_p{q}": (k, q) for k in ("ttft", "tt2t", "max_gap", "tpot") for q in (50, 99)
+}  # name: (row key, q)
 
 
 def _agentic_ratios(args, rows: list[dict], busy: dict, deps: list[str]) -> dict:
@@ -478,8 +624,11 @@ def _goodput_ratio(args, xs: list[dict], ys: list[dict], busy_x: float, busy_y: 
     per side, requests meeting the SLA over their summed end-to-end seconds, then scales that
     ratio to the measured one (the factor, how busy time relates to summed request time on
     each side, is held fixed)."""
+
     def records(rs: list[dict]) -> list[tuple[float, float]]:
-        return [(float(_meets(r, args.sla_ttft_s, args.sla_tpot_s, args.sla_max_gap_s)), r["e2e"]) for r in rs]
+        return [
+            (float(_meets(r, args.sla_ttft_s, args.sla_tpot_s, args.sla_max_gap_s)), r["e2e"]) for r in rs
+        ]
 
     met_x, met_y = (sum(m for m, _ in records(rs)) for rs in (xs, ys))
     measured = (met_x / busy_x) / (met_y / busy_y) if met_y > 0 and busy_x > 0 and busy_y > 0 else math.nan
@@ -493,15 +642,30 @@ def _agentic_targets(ratios: dict) -> list[dict]:
     out = []
     if "pdd/naive" in ratios:
         r = ratios["pdd/naive"]
-        for k, label in (("tt2t_p99", "p99 time to 2nd token"), ("max_gap_p99", "p99 max inter-token gap"),
-                         ("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99")):
-            out.append(_ratio_target(f"PDD vs naive cross-DC: {label} at most naive's", r[k], 1.0,
-                                     q=AGENTIC_RATIOS[k][1]))
-        out.append(_ratio_target("PDD vs naive cross-DC: SLA goodput at least naive's", r["sla_goodput"], 1.0,
-                                 at_most=False))
+        for k, label in (
+            ("tt2t_p99", "p99 time to 2nd token"),
+            ("max_gap_p99", "p99 max inter-token gap"),
+            ("ttft_p50", "TTFT p50"),
+            ("ttft_p99", "TTFT p99"),
+        ):
+            out.append(
+                _ratio_target(
+                    f"PDD vs naive cross-DC: {label} at most naive's", r[k], 1.0, q=AGENTIC_RATIOS[k][1]
+                )
+            )
+        out.append(
+            _ratio_target(
+                "PDD vs naive cross-DC: SLA goodput at least naive's", r["sla_goodput"], 1.0, at_most=False
+            )
+        )
     if "pdd/same-dc" in ratios:
-        out.append({"what": "PDD vs same-DC PD: SLA goodput", "value": _fmt(ratios["pdd/same-dc"]["sla_goodput"]),
-                    "met": None})
+        out.append(
+            {
+                "what": "PDD vs same-DC PD: SLA goodput",
+                "value": _fmt(ratios["pdd/same-dc"]["sla_goodput"]),
+                "met": None,
+            }
+        )
     return out
 
 
@@ -509,9 +673,12 @@ def _print_agentic(res: dict) -> None:
     c = res["config"]
     s = res["summary"]
     deps = list(s)
-    print(f"\nagentic: {c['requests']} requests per deployment, {c['clients']} agents; WAN {c['delay_ms']:g} ms "
-          f"one way ±{c['jitter_ms']:g} ms, {c['bandwidth_mbps']:g} Mbit/s; SLA TTFT <= {c['sla_ttft_s']:g} s, "
-          f"TPOT <= {c['sla_tpot_s'] * 1000:g} ms" + (f", max gap <= {c['sla_max_gap_s']:g} s" if c["sla_max_gap_s"] else ""))
+    print(
+        f"\nagentic: {c['requests']} requests per deployment, {c['clients']} agents; WAN {c['delay_ms']:g} ms "
+        f"one way ±{c['jitter_ms']:g} ms, {c['bandwidth_mbps']:g} Mbit/s; SLA TTFT <= {c['sla_ttft_s']:g} s, "
+        f"TPOT <= {c['sla_tpot_s'] * 1000:g} ms"
+        + (f", max gap <= {c['sla_max_gap_s']:g} s" if c["sla_max_gap_s"] else "")
+    )
     w = 12
     print("  " + f"{'':26s}" + "".join(f"{d:>{w}s}" for d in deps))
 
@@ -537,12 +704,31 @@ def _print_agentic(res: dict) -> None:
     row("KV bytes MD received", lambda x: f"{x / 2**20:.0f} MiB", "wan_bytes")
     row("bulk link bytes", lambda x: f"{x / 2**20:.0f} MiB", "bulk_link_bytes")
     row("RLD token share", lambda x: f"{x:.1%}", "rld_token_share")
-    print("  " + f"{'pipelines':26s}" + "".join(
-        f"{' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items())):>{w + 14}s}" if i == 0 else
-        f"  {' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items()))}" for i, d in enumerate(deps)))
-    _print_ratios(res["ratios"], [(f"{label} p{q}", f"{k}_p{q}", q) for label, k in (
-        ("TTFT", "ttft"), ("2nd token", "tt2t"), ("max gap", "max_gap"), ("TPOT", "tpot")) for q in (50, 99)]
-        + [("SLA goodput", "sla_goodput", 50)], "resampling requests (paired by planned step)")
+    print(
+        "  "
+        + f"{'pipelines':26s}"
+        + "".join(
+            f"{' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items())):>{w + 14}s}"
+            if i == 0
+            else f"  {' '.join(f'{k}:{v}' for k, v in sorted(s[d]['pipelines'].items()))}"
+            for i, d in enumerate(deps)
+        )
+    )
+    _print_ratios(
+        res["ratios"],
+        [
+            (f"{label} p{q}", f"{k}_p{q}", q)
+            for label, k in (
+                ("TTFT", "ttft"),
+                ("2nd token", "tt2t"),
+                ("max gap", "max_gap"),
+                ("TPOT", "tpot"),
+            )
+            for q in (50, 99)
+        ]
+        + [("SLA goodput", "sla_goodput", 50)],
+        "resampling requests (paired by planned step)",
+    )
     _print_by_hit_and_goodput(res)
 
 
@@ -554,8 +740,10 @@ def _print_by_hit_and_goodput(res: dict) -> None:
         cells = []
         for d in deps:
             x = res["by_hit"][d][b]
-            cells.append(f"{d}: {_ms(x['ttft_p50']).strip()}/{_ms(x['tt2t_p50']).strip()}/"
-                         f"{_ms(x['max_gap_p50']).strip()} (n={x['n']})")
+            cells.append(
+                f"{d}: {_ms(x['ttft_p50']).strip()}/{_ms(x['tt2t_p50']).strip()}/"
+                f"{_ms(x['max_gap_p50']).strip()} (n={x['n']})"
+            )
         print(f"    {b:>8s}  " + "   ".join(cells))
     print(f"\n  SLA goodput (req/s) vs TPOT limit (TTFT <= {c['sla_ttft_s']:g} s):")
     for r in res["goodput_sweep"]:
@@ -572,10 +760,14 @@ def _latency_cdf_figure(res: dict):
 
     rows = res["rows"]
     fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "ttft", "TTFT (1st token, streamed by P)"),
-                           (axes[1], "tt2t", "time to 2nd token (1st decode-side token)")):
+    for ax, key, title in (
+        (axes[0], "ttft", "TTFT (1st token, streamed by P)"),
+        (axes[1], "tt2t", "time to 2nd token (1st decode-side token)"),
+    ):
         for d in res["summary"]:
-            xs = np.sort([r[key] for r in rows if r["deployment"] == d and r["ok"] and not math.isnan(r[key])])
+            xs = np.sort(
+                [r[key] for r in rows if r["deployment"] == d and r["ok"] and not math.isnan(r[key])]
+            )
             if len(xs):
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=d, drawstyle="steps-post")
         ax.set_xscale("log")
@@ -597,13 +789,20 @@ def _by_hit_figure(res: dict):
     fig, axes = pyplot().subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(deps)
     x = np.arange(len(buckets))
-    for ax, key, title in ((axes[0], "ttft_p50", "median TTFT by prefix hit rate"),
-                           (axes[1], "max_gap_p50", "median max inter-token gap by prefix hit rate")):
+    for ax, key, title in (
+        (axes[0], "ttft_p50", "median TTFT by prefix hit rate"),
+        (axes[1], "max_gap_p50", "median max inter-token gap by prefix hit rate"),
+    ):
         for i, d in enumerate(deps):
             ys = [res["by_hit"][d][b][key] for b in buckets]
-            ax.bar(x + (i - (len(deps) - 1) / 2) * width, [0 if math.isnan(y) else y for y in ys], width, label=d)
-        ax.set_xticks(x, [f"{b}\n(n={'/'.join(str(res['by_hit'][d][b]['n']) for d in deps)})" for b in buckets],
-                      fontsize=8)
+            ax.bar(
+                x + (i - (len(deps) - 1) / 2) * width, [0 if math.isnan(y) else y for y in ys], width, label=d
+            )
+        ax.set_xticks(
+            x,
+            [f"{b}\n(n={'/'.join(str(res['by_hit'][d][b]['n']) for d in deps)})" for b in buckets],
+            fontsize=8,
+        )
         ax.set_xlabel("prefix hit rate at MD")
         ax.set_ylabel("seconds")
         ax.set_title(title)
@@ -615,7 +814,9 @@ def _by_hit_figure(res: dict):
 # ====================================================================== ratios
 
 
-def _pairs(rows: list[dict], side: str, x: str, y: str, key: tuple[str, ...] | str) -> tuple[list[dict], list[dict]]:
+def _pairs(
+    rows: list[dict], side: str, x: str, y: str, key: tuple[str, ...] | str
+) -> tuple[list[dict], list[dict]]:
     """The rows of side x and of side y that share a pair key, aligned (by key)."""
     fields = (key,) if isinstance(key, str) else key
     by = {d: {tuple(r[f] for f in fields): r for r in rows if r[side] == d} for d in (x, y)}
@@ -626,6 +827,7 @@ def _pairs(rows: list[dict], side: str, x: str, y: str, key: tuple[str, ...] | s
 def _ratio(xs: list[dict], ys: list[dict], key: str, q: float) -> dict:
     """The q-th percentile of `key` over xs / over ys (successful requests), paired, as JSON;
     n: the pairs where both sides succeeded."""
+
     def values(rs: list[dict]) -> list[float]:
         return [r[key] if r["ok"] and r[key] is not None else math.nan for r in rs]
 
@@ -654,8 +856,10 @@ def _print_ratios(ratios: dict, metrics: list[tuple[str, str, float]], design: s
     print(f"\n  ratios with 90% bootstrap intervals, {design}, n = {n} (n.s.: the interval contains 1)")
     short = [label for label, _, q in metrics if not resolves(q, n)]
     if short:
-        print(f"  (n = {n} does not resolve {', '.join(short)}: those intervals understate the uncertainty, and a"
-              " target on them is 'likely' at best)")
+        print(
+            f"  (n = {n} does not resolve {', '.join(short)}: those intervals understate the uncertainty, and a"
+            " target on them is 'likely' at best)"
+        )
     print("  " + f"{'':16s}" + "".join(f"{c:>{w}s}" for c in ratios))
     for label, key, _ in metrics:
         print("  " + f"{label:16s}" + "".join(f"{_fmt(r[key]):>{w}s}" for r in ratios.values()))
@@ -669,20 +873,35 @@ def _config(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdd bench e2e", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdd bench e2e",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--scenario", choices=["agentic", "single"], default="agentic")
     p.add_argument("--quick", action="store_true", help="a shorter run (about a minute and a half)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="OMP_NUM_THREADS of each service (0 = torch's default); 3 engines share this host's cores")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="P's engine max_batched_tokens, so KV streams while the prompt is prefilled (0 = system default)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of each service (0 = torch's default); 3 engines share this host's cores",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="P's engine max_batched_tokens, so KV streams while the prompt is prefilled (0 = system default)",
+    )
     g = p.add_argument_group("WAN (cross-DC deployments)")
     g.add_argument("--delay-ms", type=float, default=15.0, help="one-way delay (RTT = 2x)")
     g.add_argument("--jitter-ms", type=float, default=2.0)
-    g.add_argument("--bandwidth-mbps", type=float, default=100.0,
-                   help="scaled to the small model: 2048 tokens of KV (32 MiB) take 2.7 s")
+    g.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        default=100.0,
+        help="scaled to the small model: 2048 tokens of KV (32 MiB) take 2.7 s",
+    )
     g = p.add_argument_group("single")
     g.add_argument("--prompt-tokens", type=int, default=2048)
     g.add_argument("--output-tokens", type=int, default=1000)
@@ -712,8 +931,12 @@ def _add_agentic_args(g) -> None:
     g.add_argument("--new-min", type=int, default=1024, help="prompt tokens of a new session, min")
     g.add_argument("--new-max", type=int, default=2560, help="prompt tokens of a new session, max")
     g.add_argument("--append-min", type=int, default=8, help="tokens a continuation adds at least")
-    g.add_argument("--context-max", type=int, default=3584, help="prompt + output cap; a longer session restarts")
-    g.add_argument("--high-hit-frac", type=float, default=0.75, help="share of requests aiming above --high-hit-min")
+    g.add_argument(
+        "--context-max", type=int, default=3584, help="prompt + output cap; a longer session restarts"
+    )
+    g.add_argument(
+        "--high-hit-frac", type=float, default=0.75, help="share of requests aiming above --high-hit-min"
+    )
     g.add_argument("--high-hit-min", type=float, default=0.95)
     g.add_argument("--output-min", type=int, default=32)
     g.add_argument("--output-max", type=int, default=192)

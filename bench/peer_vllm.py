@@ -18,8 +18,14 @@ def _generate(spec: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
-              max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )
     prompts = [{"prompt_token_ids": ids} for ids, _ in spec["requests"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in spec["requests"]]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up (compiles, allocates)

@@ -73,15 +73,25 @@ def _prefix_len(held: set[int], hashes: list[int]) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    env = service_env(args.torch_threads, md_kv_mb=args.md_kv_mb, prefill_kv_mb=args.md_kv_mb, relay_kv_mb=128,
-                      prefill_chunk=args.prefill_chunk)
+    env = service_env(
+        args.torch_threads,
+        md_kv_mb=args.md_kv_mb,
+        prefill_kv_mb=args.md_kv_mb,
+        relay_kv_mb=128,
+        prefill_chunk=args.prefill_chunk,
+    )
     wan = dict(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
-    specs = {d: dict(env=env, model_preset=args.model_preset, prefill=n, relay=n, md=n, routers=n, **wan)
-             for d, n in DEPLOYMENTS.items()}
+    specs = {
+        d: dict(env=env, model_preset=args.model_preset, prefill=n, relay=n, md=n, routers=n, **wan)
+        for d, n in DEPLOYMENTS.items()
+    }
     plans = make_plans(AgenticParams.from_args(args))
     shared = random_tokens(random.Random(f"shared-{args.seed}"), args.shared_prefix)
-    print(f"scale: {args.requests} requests per deployment from {args.clients} agents, waves of {args.wave}; "
-          f"deployments {', '.join(DEPLOYMENTS)}", flush=True)
+    print(
+        f"scale: {args.requests} requests per deployment from {args.clients} agents, waves of {args.wave}; "
+        f"deployments {', '.join(DEPLOYMENTS)}",
+        flush=True,
+    )
     t0 = time.monotonic()
     systems = start_systems(specs)
     print(f"  systems up in {time.monotonic() - t0:.0f} s", flush=True)
@@ -95,7 +105,9 @@ def run(args: argparse.Namespace) -> dict:
             for w in range(n_waves):
                 for d in _rotate(list(DEPLOYMENTS), w):
                     t = time.monotonic()
-                    rows += _wave(args, d, systems[d].router_urls, plans, sessions[d], shared, oracles[d], w, advance)
+                    rows += _wave(
+                        args, d, systems[d].router_urls, plans, sessions[d], shared, oracles[d], w, advance
+                    )
                     busy[d] += time.monotonic() - t
                 print(f"  wave {w + 1}/{n_waves} done", flush=True)
     finally:
@@ -104,15 +116,24 @@ def run(args: argparse.Namespace) -> dict:
     return {"config": vars(args), "summary": summary, "rows": rows, "targets": _targets(summary)}
 
 
-def _wave(args, d: str, routers: list[str], plans: list[list[Step]], sessions: list[Session], shared: list[int],
-          oracle: Oracle, w: int, advance: Advance) -> list[dict]:
+def _wave(
+    args,
+    d: str,
+    routers: list[str],
+    plans: list[list[Step]],
+    sessions: list[Session],
+    shared: list[int],
+    oracle: Oracle,
+    w: int,
+    advance: Advance,
+) -> list[dict]:
     out: list[dict] = []
     lock = threading.Lock()
 
     def agent(ci: int) -> None:
         sess = sessions[ci]
         with httpx.Client(base_url=routers[ci % len(routers)]) as client:
-            for j, step in enumerate(plans[ci][w * args.wave:(w + 1) * args.wave]):
+            for j, step in enumerate(plans[ci][w * args.wave : (w + 1) * args.wave]):
                 prompt, new = build_prompt(args, step, sess, shared)
                 with lock:
                     best = oracle.best_hit(prompt)
@@ -124,13 +145,26 @@ def _wave(args, d: str, routers: list[str], plans: list[list[Step]], sessions: l
                 if step.kind != "outlier":
                     sess.ctx = prompt + t.token_ids
                 wan_bytes = t.pdd.get("wan_bytes", 0)
-                row = {"deployment": d, "client": ci, "step": w * args.wave + j, "kind": step.kind, "new": new,
-                       "prompt_tokens": len(prompt), "ok": t.ok, "error": t.error, "oracle_hit": best,
-                       # what MD really held: the prompt's KV it did not have to receive
-                       "hit": 1 - wan_bytes / (len(prompt) * args.kv_bytes_per_token), "wan_bytes": wan_bytes,
-                       "router_hit": t.pdd.get("prefix_hit_rate", math.nan),
-                       "pipeline": t.pdd.get("pipeline"), "ttft": t.ttft, "tpot": t.tpot, "n_tokens": t.n_tokens,
-                       **{role: where.get(role) for role in ROLES}}
+                row = {
+                    "deployment": d,
+                    "client": ci,
+                    "step": w * args.wave + j,
+                    "kind": step.kind,
+                    "new": new,
+                    "prompt_tokens": len(prompt),
+                    "ok": t.ok,
+                    "error": t.error,
+                    "oracle_hit": best,
+                    # what MD really held: the prompt's KV it did not have to receive
+                    "hit": 1 - wan_bytes / (len(prompt) * args.kv_bytes_per_token),
+                    "wan_bytes": wan_bytes,
+                    "router_hit": t.pdd.get("prefix_hit_rate", math.nan),
+                    "pipeline": t.pdd.get("pipeline"),
+                    "ttft": t.ttft,
+                    "tpot": t.tpot,
+                    "n_tokens": t.n_tokens,
+                    **{role: where.get(role) for role in ROLES},
+                }
                 with lock:
                     out.append(row)
                 advance()
@@ -159,39 +193,71 @@ def _summarize(args, rows: list[dict], busy_s: float) -> dict:
     meeting = sum(r["ok"] and r["ttft"] <= args.sla_ttft_s and r["tpot"] <= args.sla_tpot_s for r in rows)
     per_role = {role: dict(Counter(r[role] for r in ok if r[role] is not None)) for role in ROLES}
     return {
-        "requests": len(rows), "ok": len(ok), "busy_s": busy_s, "hit": hit, "oracle_hit": oracle,
+        "requests": len(rows),
+        "ok": len(ok),
+        "busy_s": busy_s,
+        "hit": hit,
+        "oracle_hit": oracle,
         "hit_vs_oracle": hit / oracle if oracle else math.nan,
         "wan_bytes_per_request": statistics.fmean(r["wan_bytes"] for r in ok) if ok else math.nan,
         "sla_goodput_rps": meeting / busy_s if busy_s else 0.0,
-        "ttft_p50": pct([r["ttft"] for r in ok], 50), "ttft_p99": pct([r["ttft"] for r in ok], 99),
-        "per_instance": per_role, "spread": {role: spread(per_role[role], n) for role in ROLES},
+        "ttft_p50": pct([r["ttft"] for r in ok], 50),
+        "ttft_p99": pct([r["ttft"] for r in ok], 99),
+        "per_instance": per_role,
+        "spread": {role: spread(per_role[role], n) for role in ROLES},
     }
 
 
 def _targets(s: dict) -> list[dict]:
     one, two = s["1x1x1"], s["2x2x2"]
-    wan = two["wan_bytes_per_request"] / one["wan_bytes_per_request"] if one["wan_bytes_per_request"] else math.nan
+    wan = (
+        two["wan_bytes_per_request"] / one["wan_bytes_per_request"]
+        if one["wan_bytes_per_request"]
+        else math.nan
+    )
     return [
-        {"what": "2x2x2 MD prefix-hit rate >= 0.95x the oracle's", "value": f"x{two['hit_vs_oracle']:.3f} "
-         f"({two['hit']:.3f} vs {two['oracle_hit']:.3f})", "met": two["hit_vs_oracle"] >= 0.95},
-        {"what": "2x2x2 WAN bytes per request within 1.1x of 1x1x1", "value": f"x{wan:.2f}", "met": wan <= 1.1},
-        {"what": "2x2x2 MD load max/mean <= 1.5", "value": f"{two['spread']['main_decode']:.2f}",
-         "met": two["spread"]["main_decode"] <= 1.5},
-        {"what": "requests failed", "value": f"{one['requests'] - one['ok']} / {two['requests'] - two['ok']}",
-         "met": one["ok"] == one["requests"] and two["ok"] == two["requests"]},
-        {"what": "2x2x2 SLA goodput vs 1x1x1", "met": None,
-         "value": f"x{two['sla_goodput_rps'] / one['sla_goodput_rps']:.2f}" if one["sla_goodput_rps"] else "-"},
+        {
+            "what": "2x2x2 MD prefix-hit rate >= 0.95x the oracle's",
+            "value": f"x{two['hit_vs_oracle']:.3f} ({two['hit']:.3f} vs {two['oracle_hit']:.3f})",
+            "met": two["hit_vs_oracle"] >= 0.95,
+        },
+        {
+            "what": "2x2x2 WAN bytes per request within 1.1x of 1x1x1",
+            "value": f"x{wan:.2f}",
+            "met": wan <= 1.1,
+        },
+        {
+            "what": "2x2x2 MD load max/mean <= 1.5",
+            "value": f"{two['spread']['main_decode']:.2f}",
+            "met": two["spread"]["main_decode"] <= 1.5,
+        },
+        {
+            "what": "requests failed",
+            "value": f"{one['requests'] - one['ok']} / {two['requests'] - two['ok']}",
+            "met": one["ok"] == one["requests"] and two["ok"] == two["requests"],
+        },
+        {
+            "what": "2x2x2 SLA goodput vs 1x1x1",
+            "met": None,
+            "value": f"x{two['sla_goodput_rps'] / one['sla_goodput_rps']:.2f}"
+            if one["sla_goodput_rps"]
+            else "-",
+        },
     ]
 
 
 def _table(res: dict) -> None:
-    print(f"\n{'deployment':10s} {'ok':>7s} {'hit':>6s} {'oracle':>6s} {'WAN KB/req':>10s} {'goodput':>8s} "
-          f"{'TTFT p50':>8s}  spread P/RLD/MD")
+    print(
+        f"\n{'deployment':10s} {'ok':>7s} {'hit':>6s} {'oracle':>6s} {'WAN KB/req':>10s} {'goodput':>8s} "
+        f"{'TTFT p50':>8s}  spread P/RLD/MD"
+    )
     for d, s in res["summary"].items():
         sp = "/".join(f"{s['spread'][r]:.2f}" for r in ROLES)
-        print(f"{d:10s} {s['ok']:3d}/{s['requests']:<3d} {s['hit']:6.3f} {s['oracle_hit']:6.3f} "
-              f"{s['wan_bytes_per_request'] / 1024:10.1f} {s['sla_goodput_rps']:7.2f}/s {s['ttft_p50'] * 1000:6.0f}ms"
-              f"  {sp}")
+        print(
+            f"{d:10s} {s['ok']:3d}/{s['requests']:<3d} {s['hit']:6.3f} {s['oracle_hit']:6.3f} "
+            f"{s['wan_bytes_per_request'] / 1024:10.1f} {s['sla_goodput_rps']:7.2f}/s {s['ttft_p50'] * 1000:6.0f}ms"
+            f"  {sp}"
+        )
 
 
 def _figure(res: dict) -> Any:
@@ -213,8 +279,9 @@ def _figure(res: dict) -> Any:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdd bench scale", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdd bench scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-preset", default="tiny")
     p.add_argument("--torch-threads", type=int, default=1)
@@ -225,8 +292,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--bandwidth-mbps", type=float, default=100.0)
     _add_agentic_args(p.add_argument_group("agentic workload"))
     # A small run by default: the tiny model's contexts, more agents than instances.
-    p.set_defaults(requests=96, clients=6, wave=4, shared_prefix=256, new_min=128, new_max=384,
-                   context_max=1024, outlier_input=768, output_min=16, output_max=48, md_kv_mb=256)
+    p.set_defaults(
+        requests=96,
+        clients=6,
+        wave=4,
+        shared_prefix=256,
+        new_min=128,
+        new_max=384,
+        context_max=1024,
+        outlier_input=768,
+        output_min=16,
+        output_max=48,
+        md_kv_mb=256,
+    )
     p.add_argument("--out", default="bench/out/scale.json")
     add_quiet_option(p)
     return p.parse_args(argv)

@@ -46,8 +46,10 @@ def default_model() -> str:
 
 def fleets(model: ModelSpec) -> dict[str, Deployment]:
     a, b = chip("gpu-a", model), chip("gpu-b", model)
-    return {"pdd": pdd(RoleSpec(50, a), RoleSpec(6, a), RoleSpec(44, b), WAN, name="pdd 50P+6RLD+44MD"),
-            "same-dc": same_dc(RoleSpec(50, a), RoleSpec(50, a), name="same-dc 50P+50D")}  # fmt: skip
+    return {
+        "pdd": pdd(RoleSpec(50, a), RoleSpec(6, a), RoleSpec(44, b), WAN, name="pdd 50P+6RLD+44MD"),
+        "same-dc": same_dc(RoleSpec(50, a), RoleSpec(50, a), name="same-dc 50P+50D"),
+    }
 
 
 def traffic(rate_rps: float, duration_s: float, seed: int) -> Workload:
@@ -57,8 +59,16 @@ def traffic(rate_rps: float, duration_s: float, seed: int) -> Workload:
 def sustained_rate(fleet: Deployment, model: ModelSpec, args: argparse.Namespace) -> float:
     """The fleet's SLA goodput over a short run of the same traffic (a quick search)."""
     with progress(f"goodput probe of {fleet.name} ({args.probe_s:g} s runs)") as advance:
-        found = sla_goodput(fleet, lambda r: traffic(r, args.probe_s, args.seed), model, SLA, start_rps=8.0,
-                            rel_tol=0.1, drain_s=30.0, on_probe=lambda p: advance())  # fmt: skip
+        found = sla_goodput(
+            fleet,
+            lambda r: traffic(r, args.probe_s, args.seed),
+            model,
+            SLA,
+            start_rps=8.0,
+            rel_tol=0.1,
+            drain_s=30.0,
+            on_probe=lambda p: advance(),
+        )
     return found.rate_rps
 
 
@@ -82,17 +92,27 @@ def timed_run(fleet: Deployment, model: ModelSpec, rate_rps: float, args: argpar
     return _row(fleet, result, n, cpu_s, made_s, args.duration)
 
 
-def _row(fleet: Deployment, result: SimResult, offered: int, cpu_s: float, made_s: float, duration_s: float) -> dict:
+def _row(
+    fleet: Deployment, result: SimResult, offered: int, cpu_s: float, made_s: float, duration_s: float
+) -> dict:
     per_hour = cpu_s * HOUR_S / duration_s
     summary = result.summary()
     return {
-        "fleet": fleet.name, "instances": fleet.prefill.count + fleet.decode.count + (fleet.relay.count if fleet.relay else 0),
-        "requests": offered, "completed": len(result.records), "events": result.events,
-        "sim_cpu_s": cpu_s, "workload_cpu_s": made_s, "events_per_s": result.events / cpu_s if cpu_s else 0.0,
-        "us_per_request": 1e6 * cpu_s / offered if offered else 0.0, "cpu_s_per_sim_hour": per_hour,
-        "goal_ratio": per_hour / GOAL_CPU_S, "sla_attainment": SLA.attained(result.records, offered),
-        "ttft_p99_s": summary["ttft_p99_s"], "tpot_p99_s": summary["tpot_p99_s"],
-    }  # fmt: skip
+        "fleet": fleet.name,
+        "instances": fleet.prefill.count + fleet.decode.count + (fleet.relay.count if fleet.relay else 0),
+        "requests": offered,
+        "completed": len(result.records),
+        "events": result.events,
+        "sim_cpu_s": cpu_s,
+        "workload_cpu_s": made_s,
+        "events_per_s": result.events / cpu_s if cpu_s else 0.0,
+        "us_per_request": 1e6 * cpu_s / offered if offered else 0.0,
+        "cpu_s_per_sim_hour": per_hour,
+        "goal_ratio": per_hour / GOAL_CPU_S,
+        "sla_attainment": SLA.attained(result.records, offered),
+        "ttft_p99_s": summary["ttft_p99_s"],
+        "tpot_p99_s": summary["tpot_p99_s"],
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -102,34 +122,62 @@ def run(args: argparse.Namespace) -> dict:
     rate = args.rate if args.rate is not None else sustained_rate(by_kind["pdd"], model, args)
     rows = [timed_run(fleet, model, rate, args) for fleet in by_kind.values()]
     pdd_row = rows[0]
-    targets = [{"what": f"{HOUR_S:g} s of traffic at {pdd_row['instances']} instances (PDD) in < {GOAL_CPU_S:g} s "
-                        f"of CPU{' (scaled from a shorter run)' if args.duration != HOUR_S else ''}",
-                "value": f"{pdd_row['cpu_s_per_sim_hour']:.1f} s", "met": pdd_row["cpu_s_per_sim_hour"] < GOAL_CPU_S}]  # fmt: skip
-    return {"model": args.model, "block_size": BLOCK_SIZE, "duration_s": args.duration, "rate_rps": rate,
-            "rate_from": "--rate" if args.rate is not None else f"SLA goodput of {args.probe_s:g} s probe runs",
-            "sla": SLA.describe(), "wan": vars(WAN), "goal_cpu_s_per_hour": GOAL_CPU_S, "rows": rows,
-            "targets": targets, "args": vars(args), "wall_s": time.monotonic() - started,
-            # CPU seconds grow on a busy host (shared caches and cores): its load beside the figures
-            "host": {"cpus": os.cpu_count(), "load_avg_1m": [load_before, os.getloadavg()[0]]}}  # fmt: skip
+    targets = [
+        {
+            "what": f"{HOUR_S:g} s of traffic at {pdd_row['instances']} instances (PDD) in < {GOAL_CPU_S:g} s "
+            f"of CPU{' (scaled from a shorter run)' if args.duration != HOUR_S else ''}",
+            "value": f"{pdd_row['cpu_s_per_sim_hour']:.1f} s",
+            "met": pdd_row["cpu_s_per_sim_hour"] < GOAL_CPU_S,
+        }
+    ]
+    return {
+        "model": args.model,
+        "block_size": BLOCK_SIZE,
+        "duration_s": args.duration,
+        "rate_rps": rate,
+        "rate_from": "--rate" if args.rate is not None else f"SLA goodput of {args.probe_s:g} s probe runs",
+        "sla": SLA.describe(),
+        "wan": vars(WAN),
+        "goal_cpu_s_per_hour": GOAL_CPU_S,
+        "rows": rows,
+        "targets": targets,
+        "args": vars(args),
+        "wall_s": time.monotonic() - started,
+        # CPU seconds grow on a busy host (shared caches and cores): its load beside the figures
+        "host": {"cpus": os.cpu_count(), "load_avg_1m": [load_before, os.getloadavg()[0]]},
+    }
 
 
 def _print(res: dict) -> None:
-    print(f"{res['model']}, block {res['block_size']}, {res['duration_s']:g} s of PAPER agentic traffic at "
-          f"{res['rate_rps']:.2f} req/s ({res['rate_from']}); SLA: {res['sla']}")  # fmt: skip
+    print(
+        f"{res['model']}, block {res['block_size']}, {res['duration_s']:g} s of PAPER agentic traffic at "
+        f"{res['rate_rps']:.2f} req/s ({res['rate_from']}); SLA: {res['sla']}"
+    )
     host = res["host"]
-    print(f"host: {host['cpus']} CPUs, 1-minute load average {host['load_avg_1m'][0]:.1f} before, "
-          f"{host['load_avg_1m'][1]:.1f} after")  # fmt: skip
-    head = f"{'fleet':22s} {'requests':>8s} {'events':>9s} {'sim CPU s':>9s} {'events/s':>9s} {'µs/req':>7s} {'s/hour':>7s} {'÷ goal':>6s} {'SLA met':>7s}"  # fmt: skip
+    print(
+        f"host: {host['cpus']} CPUs, 1-minute load average {host['load_avg_1m'][0]:.1f} before, "
+        f"{host['load_avg_1m'][1]:.1f} after"
+    )
+    head = f"{'fleet':22s} {'requests':>8s} {'events':>9s} {'sim CPU s':>9s} {'events/s':>9s} {'µs/req':>7s} {'s/hour':>7s} {'÷ goal':>6s} {'SLA met':>7s}"
     print(head)
     for r in res["rows"]:
-        print(f"{r['fleet']:22s} {r['requests']:8d} {r['events']:9d} {r['sim_cpu_s']:9.1f} {r['events_per_s']:9.0f} "
-              f"{r['us_per_request']:7.0f} {r['cpu_s_per_sim_hour']:7.1f} {r['goal_ratio']:6.2f} {r['sla_attainment']:7.1%}")  # fmt: skip
+        print(
+            f"{r['fleet']:22s} {r['requests']:8d} {r['events']:9d} {r['sim_cpu_s']:9.1f} {r['events_per_s']:9.0f} "
+            f"{r['us_per_request']:7.0f} {r['cpu_s_per_sim_hour']:7.1f} {r['goal_ratio']:6.2f} {r['sla_attainment']:7.1%}"
+        )
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdd bench sim", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="5 minutes of traffic (the CPU figure scaled to an hour), 2-minute probes")
+    p = argparse.ArgumentParser(
+        prog="pdd bench sim",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="5 minutes of traffic (the CPU figure scaled to an hour), 2-minute probes",
+    )
     p.add_argument("--duration", type=float, default=HOUR_S, help="seconds of traffic to simulate")
     p.add_argument("--rate", type=float, default=None, help="requests/s; None: the PDD fleet's SLA goodput")
     p.add_argument("--probe-s", type=float, default=300.0, help="traffic seconds of each goodput probe run")

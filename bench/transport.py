@@ -188,8 +188,9 @@ class _BulkRow:
 
     async def open(self) -> _BulkRow:
         # Long-lived connections, as in deployment (connect + handshake are not timed).
-        self.pool = KVClientPool(SECRET, ssl=self.tls, checksum=self.csum, parallel=self.parallel,
-                                 parallel_min_bytes=0)  # fmt: skip
+        self.pool = KVClientPool(
+            SECRET, ssl=self.tls, checksum=self.csum, parallel=self.parallel, parallel_min_bytes=0
+        )
         first = KVTransfer(self.pool, self.address, "warm-up")
         await first.send_blocks([0], self.blocks[0][:, :, :1])
         await first.finish()
@@ -266,8 +267,13 @@ async def _pair(raw: _RawRow, row: Any, raw_first: bool, pid: int) -> dict:
     else:
         x = await _timed(row, pid)
         r = await _timed(raw, pid)
-    return {**x, "raw_t": r["t"], "ratio": r["t"] / x["t"], "cpu_ratio": r["cpu"] / x["cpu"],
-            "raw_cores": r["cpu"] / r["t"]}  # fmt: skip
+    return {
+        **x,
+        "raw_t": r["t"],
+        "ratio": r["t"] / x["t"],
+        "cpu_ratio": r["cpu"] / x["cpu"],
+        "raw_cores": r["cpu"] / r["t"],
+    }
 
 
 async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup: int, pid: int) -> dict:
@@ -284,7 +290,9 @@ async def _paired_rounds(raw: _RawRow, rows: dict[str, Any], pairs: int, warmup:
     return out
 
 
-async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2, keep: str | None = None) -> dict:
+async def bench_bulk(
+    size: int, pairs: int, parallel: int = 4, warmup: int = 2, keep: str | None = None
+) -> dict:
     """`keep`: only the rows whose name contains one of these comma-separated words (raw_tcp,
     the noise floor, always runs)."""
     ctx = mp.get_context("spawn")
@@ -317,7 +325,12 @@ async def bench_bulk(size: int, pairs: int, parallel: int = 4, warmup: int = 2, 
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    result = {"bytes": size, "pairs": pairs, "parallel": parallel, "rows": {n: _summary(p, size) for n, p in measured.items()}}
+    result = {
+        "bytes": size,
+        "pairs": pairs,
+        "parallel": parallel,
+        "rows": {n: _summary(p, size) for n, p in measured.items()},
+    }
     if why is not None:
         result["rows"]["rdma_32_frames"] = {"skipped": why}
     return result
@@ -431,8 +444,16 @@ async def bench_wan(quick: bool) -> dict:
         echo.close()
 
 
-async def _wan_rounds(ctl: Any, lt: int, le: int, sink: socket.socket, echo: socket.socket, seconds: float,
-                      quick: bool, advance: Advance) -> dict:
+async def _wan_rounds(
+    ctl: Any,
+    lt: int,
+    le: int,
+    sink: socket.socket,
+    echo: socket.socket,
+    seconds: float,
+    quick: bool,
+    advance: Advance,
+) -> dict:
     """Three bandwidth caps, then three delays (with and without jitter)."""
     rows = []
     for mbps in (10, 100, 1000):
@@ -526,11 +547,15 @@ async def bench_nats(quick: bool) -> dict:
 def _print(results: dict) -> None:
     bulk = results.get("bulk")
     if bulk:
-        print(f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB per round, loopback,"
-              f" {bulk['pairs']} pairs per row (x raw, CPU x raw: medians of per-pair ratios [IQR])")  # fmt: skip
+        print(
+            f"\nbulk channel vs raw socket, {bulk['bytes'] // MiB} MiB per round, loopback,"
+            f" {bulk['pairs']} pairs per row (x raw, CPU x raw: medians of per-pair ratios [IQR])"
+        )
         cores = statistics.median(row["raw_cores"] for row in bulk["rows"].values() if "raw_cores" in row)
-        print(f"  raw rounds kept {cores:.2f} cores busy: ~1 when both ends shared one core (x raw then"
-              " follows CPU x raw), more when each end had its own; compare runs whose figure agrees")  # fmt: skip
+        print(
+            f"  raw rounds kept {cores:.2f} cores busy: ~1 when both ends shared one core (x raw then"
+            " follows CPU x raw), more when each end had its own; compare runs whose figure agrees"
+        )
         for name, row in bulk["rows"].items():
             if "skipped" in row:
                 print(f"  {name:30s} skipped: {row['skipped']}")

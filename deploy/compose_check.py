@@ -52,18 +52,60 @@ def prompt_of(n: int, salt: int) -> list[int]:
 
 # What is sent to `pdd up` and to compose alike: name -> (path, body).
 REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "greedy": ("/v1/completions", {"prompt": prompt_of(70, 1), "max_tokens": 24, "temperature": 0,
-                                   "ignore_eos": True, "pdd": {"pipeline": "p-md"}}),
-    "seeded": ("/v1/completions", {"prompt": prompt_of(90, 2), "max_tokens": 32, "temperature": 0.9,
-                                   "top_p": 0.95, "seed": 1234, "ignore_eos": True}),
-    "relay": ("/v1/completions", {"prompt": prompt_of(600, 3), "max_tokens": 500, "temperature": 0,
-                                  "ignore_eos": True, "pdd": {"pipeline": "p-rld-md", "catchup_threshold": 10_000}}),
-    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Two datacenters, one answer."}],
-                                      "max_tokens": 20, "temperature": 0, "stream": True}),
-    **{f"scaled-{i}": ("/v1/completions", {"prompt": prompt_of(40 + i, 10 + i), "max_tokens": 8, "temperature": 0,
-                                           "ignore_eos": True, "pdd": {"pipeline": "p-md"}})
-       for i in range(SCALED_REQUESTS)},
-}  # fmt: skip
+    "greedy": (
+        "/v1/completions",
+        {
+            "prompt": prompt_of(70, 1),
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "pdd": {"pipeline": "p-md"},
+        },
+    ),
+    "seeded": (
+        "/v1/completions",
+        {
+            "prompt": prompt_of(90, 2),
+            "max_tokens": 32,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 1234,
+            "ignore_eos": True,
+        },
+    ),
+    "relay": (
+        "/v1/completions",
+        {
+            "prompt": prompt_of(600, 3),
+            "max_tokens": 500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "pdd": {"pipeline": "p-rld-md", "catchup_threshold": 10_000},
+        },
+    ),
+    "chat": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Two datacenters, one answer."}],
+            "max_tokens": 20,
+            "temperature": 0,
+            "stream": True,
+        },
+    ),
+    **{
+        f"scaled-{i}": (
+            "/v1/completions",
+            {
+                "prompt": prompt_of(40 + i, 10 + i),
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "pdd": {"pipeline": "p-md"},
+            },
+        )
+        for i in range(SCALED_REQUESTS)
+    },
+}
 
 
 class CheckFailed(Exception):
@@ -117,12 +159,23 @@ class Compose:
         t0 = time.monotonic()
         done = subprocess.run([*self.argv, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
-            raise CheckFailed(f"docker compose {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+            raise CheckFailed(
+                f"docker compose {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}"
+            )
         print(f"docker compose {' '.join(args)}: {time.monotonic() - t0:.1f} s")
         return done.stdout
 
     def up(self, *args: str) -> None:
-        self("up", "-d", "--no-build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), *args, timeout=UP_TIMEOUT_S + 60)
+        self(
+            "up",
+            "-d",
+            "--no-build",
+            "--wait",
+            "--wait-timeout",
+            str(UP_TIMEOUT_S),
+            *args,
+            timeout=UP_TIMEOUT_S + 60,
+        )
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 60) -> Any:
@@ -157,8 +210,10 @@ def check_single(want: dict[str, Any]) -> None:
     check(tokens == want["seeded"], "seeded sampled completion equal to `pdd up`'s")
     r, tokens = send(URL, "relay")
     stats = r.json()["pdd"]
-    check(r.headers["x-pdd-pipeline"] == "p-rld-md" and stats["rld_tokens"] > 0 and stats["md_tokens"] > 0,
-          f"x-pdd-pipeline: p-rld-md (relay {stats['rld_tokens']} tokens, then MD {stats['md_tokens']})")  # fmt: skip
+    check(
+        r.headers["x-pdd-pipeline"] == "p-rld-md" and stats["rld_tokens"] > 0 and stats["md_tokens"] > 0,
+        f"x-pdd-pipeline: p-rld-md (relay {stats['rld_tokens']} tokens, then MD {stats['md_tokens']})",
+    )
     check(tokens == want["relay"], "P→RLD→MD completion equal to `pdd up`'s")
     _, text = send(URL, "chat")
     check(bool(text) and text == want["chat"], f"streamed chat equal to `pdd up`'s ({len(text)} characters)")
@@ -172,8 +227,10 @@ def check_single(want: dict[str, Any]) -> None:
     check(True, f"/v1/traces/{trace_id}: {len(spans['spans'])} spans from {', '.join(spans['services'])}")
     metrics = httpx.get(f"{URL}/metrics", timeout=10).text
     served = [ln for ln in metrics.splitlines() if ln.startswith("pdd_requests_total{")]
-    check(any('pipeline="p-md"' in ln for ln in served) and any('pipeline="p-rld-md"' in ln for ln in served),
-          "/metrics: pdd_requests_total by pipeline")  # fmt: skip
+    check(
+        any('pipeline="p-md"' in ln for ln in served) and any('pipeline="p-rld-md"' in ln for ln in served),
+        "/metrics: pdd_requests_total by pipeline",
+    )
 
 
 def check_scaled(compose: Compose, want: dict[str, Any]) -> None:
@@ -205,12 +262,21 @@ def check_monitoring() -> None:
     wait_for("Prometheus scraping every replica", targets_up, 90)
     check(True, f"Prometheus: every replica scraped {replicas}")
     board = httpx.get(f"{GRAFANA}/api/dashboards/uid/{DASHBOARD_UID}", timeout=10)  # anonymous viewer
-    check(board.status_code == 200 and bool(board.json()["dashboard"]["panels"]), "Grafana: the pdd dashboard")
+    check(
+        board.status_code == 200 and bool(board.json()["dashboard"]["panels"]), "Grafana: the pdd dashboard"
+    )
 
     def grafana_query() -> bool:
-        query = {"refId": "A", "datasource": {"type": "prometheus", "uid": "pdd-prometheus"},
-                 "expr": "sum(pdd_requests_total)", "instant": True, "range": False}  # fmt: skip
-        r = httpx.post(f"{GRAFANA}/api/ds/query", json={"queries": [query], "from": "now-5m", "to": "now"}, timeout=10)
+        query = {
+            "refId": "A",
+            "datasource": {"type": "prometheus", "uid": "pdd-prometheus"},
+            "expr": "sum(pdd_requests_total)",
+            "instant": True,
+            "range": False,
+        }
+        r = httpx.post(
+            f"{GRAFANA}/api/ds/query", json={"queries": [query], "from": "now-5m", "to": "now"}, timeout=10
+        )
         return r.status_code == 200 and bool(r.json()["results"]["A"].get("frames"))
 
     wait_for("Grafana querying Prometheus", grafana_query, 60)
@@ -222,13 +288,17 @@ def leftovers() -> list[str]:
     label = f"label=com.docker.compose.project={PROJECT}"
     out = []
     for kind in (["ps", "-a"], ["network", "ls"], ["volume", "ls"]):
-        listed = subprocess.run(["docker", *kind, "-q", "--filter", label], capture_output=True, text=True, timeout=60)
+        listed = subprocess.run(
+            ["docker", *kind, "-q", "--filter", label], capture_output=True, text=True, timeout=60
+        )
         out += [f"{kind[0]} {x}" for x in listed.stdout.split()]
     return out
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--compose", default="docker-compose", help="the docker-compose binary")
     args = parser.parse_args()
     compose = Compose(args.compose)

@@ -40,10 +40,19 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
         flags = [f"--{f.name.replace('_', '-')}"] + (["--port"] if f.name == "router_port" else [])
         kind = type(value) if value is not None else str
         what = COUNT_HELP.get(f.name, "")
-        p.add_argument(*flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"{what}default: {value}")
-    p.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS,
-                   help="require `Authorization: Bearer KEY` on the router (repeatable); default: open")
-    p.add_argument("--base-port", type=int, default=None, help=f"put every port in the block N..N+{PORT_BLOCK - 1}")
+        p.add_argument(
+            *flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"{what}default: {value}"
+        )
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=argparse.SUPPRESS,
+        help="require `Authorization: Bearer KEY` on the router (repeatable); default: open",
+    )
+    p.add_argument(
+        "--base-port", type=int, default=None, help=f"put every port in the block N..N+{PORT_BLOCK - 1}"
+    )
     p.add_argument("--smoke", action="store_true", help="start, wait healthy, run one completion, stop")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for health")
 
@@ -56,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_options(up)
 
     certs = sub.add_parser("certs", help="(re)create the CA, certificates, NATS passwords and KV secret")
-    certs.add_argument("--workdir", type=Path, default=UpOptions().workdir, help="credentials go to <workdir>/secrets")
+    certs.add_argument(
+        "--workdir", type=Path, default=UpOptions().workdir, help="credentials go to <workdir>/secrets"
+    )
     certs.add_argument("--host", action="append", default=[], help="one more host the certificates name")
     certs.add_argument("--keep", action="store_true", help="only create what is missing (what `pdd up` does)")
     certs.add_argument("--compose", action="store_true", help="also write the NATS configs compose.yaml runs")
@@ -66,15 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)
 
-    bench = sub.add_parser("bench", help="run a benchmark (`pdd bench --help` lists them); extra arguments go to it",
-                           add_help=False)  # fmt: skip
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (`pdd bench --help` lists them); extra arguments go to it",
+        add_help=False,
+    )
     bench.add_argument("name", nargs="?", choices=bench_names(), metavar="NAME")  # --help: the bench's own
 
-    sub.add_parser("chaos", help="start a system and inject faults into it under load (= pdd bench chaos)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "chaos",
+        help="start a system and inject faults into it under load (= pdd bench chaos)",
+        add_help=False,
+    )
 
-    sub.add_parser("sim", help="the fleet simulator: run, calibrate, validate, paper, plan, profiles "
-                   "(`pdd sim --help`); extra arguments go to it", add_help=False)  # fmt: skip
+    sub.add_parser(
+        "sim",
+        help="the fleet simulator: run, calibrate, validate, paper, plan, profiles "
+        "(`pdd sim --help`); extra arguments go to it",
+        add_help=False,
+    )
 
     trace = sub.add_parser("trace", help="show one request's trace from the local span store")
     trace.add_argument("id", help="request id (x-request-id) or 32-hex trace id")
@@ -83,11 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trace.add_argument("--json", action="store_true", help="print JSON instead of the waterfall")
 
-    top = sub.add_parser("top", help="live view of a running system, from its router's /v1/instances and /metrics")
-    top.add_argument("--url", default=None, help="the router (default: the first router of `pdd up`, "
-                     f"http://127.0.0.1:{UpOptions().router_port})")  # fmt: skip
+    top = sub.add_parser(
+        "top", help="live view of a running system, from its router's /v1/instances and /metrics"
+    )
+    top.add_argument(
+        "--url",
+        default=None,
+        help="the router (default: the first router of `pdd up`, "
+        f"http://127.0.0.1:{UpOptions().router_port})",
+    )
     top.add_argument("--api-key", default=None, help="when the router requires one (`pdd up --api-key`)")
-    top.add_argument("--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit")
+    top.add_argument(
+        "--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit"
+    )
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes; default: 1")
     top.add_argument("--window", type=float, default=5.0, help="rates over the last N seconds; default: 5")
     return parser
@@ -131,10 +160,16 @@ def cmd_certs(args: argparse.Namespace) -> int:
         from shared.bus.nats_config import NatsConfig, nats_users
 
         for spec in nats_specs(opts, COMPOSE_HOSTS):
-            conf = NatsConfig(spec.name, f"{COMPOSE_HOSTS.bind}:{spec.port}", "127.0.0.1:8222",
-                              tls=creds.identity(spec.identity), users=nats_users(creds, SERVICES),
-                              gateway_listen=f"{COMPOSE_HOSTS.bind}:{spec.gateway_port}",
-                              gateway_advertise=spec.advertise, gateways=spec.gateways)  # fmt: skip
+            conf = NatsConfig(
+                spec.name,
+                f"{COMPOSE_HOSTS.bind}:{spec.port}",
+                "127.0.0.1:8222",
+                tls=creds.identity(spec.identity),
+                users=nats_users(creds, SERVICES),
+                gateway_listen=f"{COMPOSE_HOSTS.bind}:{spec.gateway_port}",
+                gateway_advertise=spec.advertise,
+                gateways=spec.gateways,
+            )
             write_private(creds.dir / f"{spec.name}.conf", conf.render().encode())
     print(f"pdd certs: credentials in {creds.dir}")
     return 0
@@ -207,7 +242,9 @@ def cmd_top(args: argparse.Namespace) -> int:
     from pdd.top import run_top
 
     url = args.url or router_urls(UpOptions())[0]
-    return run_top(url.rstrip("/"), args.api_key, once=args.once, interval_s=args.interval, window_s=args.window)
+    return run_top(
+        url.rstrip("/"), args.api_key, once=args.once, interval_s=args.interval, window_s=args.window
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -132,7 +132,12 @@ class PortPlan:
     wan_control: int
 
     def ports(self) -> list[int]:
-        per_dc = [p for d in (self.nats, self.cluster, self.gateway, self.wan_gateway) for ps in d.values() for p in ps]
+        per_dc = [
+            p
+            for d in (self.nats, self.cluster, self.gateway, self.wan_gateway)
+            for ps in d.values()
+            for p in ps
+        ]
         per_service = [p for ps in self.metrics.values() for p in ps]
         return [*self.router, *per_dc, *self.md_bulk, *per_service, self.wan_bulk, self.wan_control]
 
@@ -151,7 +156,10 @@ def port_plan(opts: UpOptions) -> PortPlan:
         gateway=pair(opts.gw_a_port, opts.gw_b_port),
         wan_gateway=pair(opts.wan_gw_ba_port, opts.wan_gw_ab_port),  # gw-ba leads into dc-a
         md_bulk=_series(opts.md_bulk_port, MD_BULK_STEP, opts.md),
-        metrics={s: _series(opts.metrics_base_port + 1 + r, METRICS_STEP, counts[s]) for r, s in enumerate(KV_SERVICES)},
+        metrics={
+            s: _series(opts.metrics_base_port + 1 + r, METRICS_STEP, counts[s])
+            for r, s in enumerate(KV_SERVICES)
+        },
         wan_bulk=opts.wan_bulk_port,
         wan_control=opts.wan_control_port,
     )
@@ -291,14 +299,19 @@ def nats_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[NatsSpec]:
         remote = [f"nats://{h.wan}:{p}" for p in plan.wan_gateway[_other(dc)]]
         routes = [f"nats-route://{_nats_host(h, dc, c, n)}:{p}" for c, p in enumerate(plan.cluster[dc])]
         for node in range(n):
-            specs.append(NatsSpec(
-                nats_node_name(dc, node, n), dc, plan.nats[dc][node], plan.gateway[dc][node],
-                {NATS_CLUSTER[_other(dc)]: remote[0] if n == 1 else remote},
-                advertise=f"{h.wan}:{plan.wan_gateway[dc][node]}",
-                cluster=NATS_CLUSTER[dc] if n > 1 else None,
-                cluster_port=plan.cluster[dc][node] if n > 1 else None,
-                routes=routes,
-            ))  # fmt: skip
+            specs.append(
+                NatsSpec(
+                    nats_node_name(dc, node, n),
+                    dc,
+                    plan.nats[dc][node],
+                    plan.gateway[dc][node],
+                    {NATS_CLUSTER[_other(dc)]: remote[0] if n == 1 else remote},
+                    advertise=f"{h.wan}:{plan.wan_gateway[dc][node]}",
+                    cluster=NATS_CLUSTER[dc] if n > 1 else None,
+                    cluster_port=plan.cluster[dc][node] if n > 1 else None,
+                    routes=routes,
+                )
+            )
     return specs
 
 
@@ -342,7 +355,11 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
         env[f"{p}METRICS_HOST"] = h.bind  # like the service: loopback under `pdd up`
     env["PDD_TRACE_DIR"] = h.trace_dir or str(opts.workdir.resolve() / "traces")
     threads = f"{p}TORCH_THREADS"
-    if name in KV_SERVICES and h.shared_cores and not {threads, "PDD_TORCH_THREADS", "OMP_NUM_THREADS"} & set(os.environ):
+    if (
+        name in KV_SERVICES
+        and h.shared_cores
+        and not {threads, "PDD_TORCH_THREADS", "OMP_NUM_THREADS"} & set(os.environ)
+    ):
         env[threads] = str(torch_threads_share(opts, h.shared_cores))
     return env
 

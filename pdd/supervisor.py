@@ -261,7 +261,9 @@ class Supervisor:
         delay = self._backoff[child.name].on_crash(self._started_at[child.name], time.monotonic())
         if delay is None:
             p = self.policy
-            raise CrashLoop(f"crash loop ({p.crash_loop_crashes} exits within {p.crash_loop_window_s:.0f}s): {why}")
+            raise CrashLoop(
+                f"crash loop ({p.crash_loop_crashes} exits within {p.crash_loop_window_s:.0f}s): {why}"
+            )
         log.warning("%s\nrestarting %s in %gs", why, child.name, delay)
         return delay
 

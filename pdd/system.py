@@ -80,25 +80,61 @@ class RunningSystem:
                 self.proc.wait()
 
 
-def start_system(workdir: Path, env: dict[str, str] | None = None, *, delay_ms: float = 10, jitter_ms: float = 0,
-                 bandwidth_mbps: float = 1000, model_preset: str = "tiny", timeout_s: float = 180,
-                 prefill: int = 1, relay: int = 1, md: int = 1, routers: int = 1,
-                 nats_cluster: int = 1, model_path: str | None = None,
-                 api_keys: tuple[str, ...] = ()) -> RunningSystem:  # fmt: skip
+def start_system(
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    *,
+    delay_ms: float = 10,
+    jitter_ms: float = 0,
+    bandwidth_mbps: float = 1000,
+    model_preset: str = "tiny",
+    timeout_s: float = 180,
+    prefill: int = 1,
+    relay: int = 1,
+    md: int = 1,
+    routers: int = 1,
+    nats_cluster: int = 1,
+    model_path: str | None = None,
+    api_keys: tuple[str, ...] = (),
+) -> RunningSystem:
     counts = dict(prefill=prefill, relay=relay, md=md, routers=routers, nats_cluster=nats_cluster)
     base = free_port_block(PORT_BLOCK)
-    opts = with_base_port(UpOptions(workdir=Path(workdir), model_preset=model_preset, delay_ms=delay_ms,
-                                    jitter_ms=jitter_ms, bandwidth_mbps=bandwidth_mbps, **counts), base)  # fmt: skip
+    opts = with_base_port(
+        UpOptions(
+            workdir=Path(workdir),
+            model_preset=model_preset,
+            delay_ms=delay_ms,
+            jitter_ms=jitter_ms,
+            bandwidth_mbps=bandwidth_mbps,
+            **counts,
+        ),
+        base,
+    )
     args = [
-        sys.executable, "-m", "pdd.cli", "up", "--workdir", str(workdir), "--base-port", str(base),
-        "--model-preset", model_preset, "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms), "--bandwidth-mbps", str(bandwidth_mbps),
+        sys.executable,
+        "-m",
+        "pdd.cli",
+        "up",
+        "--workdir",
+        str(workdir),
+        "--base-port",
+        str(base),
+        "--model-preset",
+        model_preset,
+        "--delay-ms",
+        str(delay_ms),
+        "--jitter-ms",
+        str(jitter_ms),
+        "--bandwidth-mbps",
+        str(bandwidth_mbps),
     ]
     args += [a for name, n in counts.items() for a in (f"--{name.replace('_', '-')}", str(n))]
     args += ["--model-path", model_path] if model_path else []
     args += [a for key in api_keys for a in ("--api-key", key)]
     out = open(workdir / "pdd-up.log", "wb")
-    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     urls = router_urls(opts)
     system = RunningSystem(proc, urls[0], f"http://127.0.0.1:{opts.wan_control_port}", workdir, urls, opts)
     if _wait_healthy(system, timeout_s):

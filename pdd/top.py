@@ -88,8 +88,10 @@ def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
 def increases(before: Samples, after: Samples, name: str, label: str) -> dict[str, float]:
     """How much each series of a counter grew; one that went down restarted (count what it has)."""
     old = by_label(before, name, label)
-    return {key: now - old.get(key, 0.0) if now >= old.get(key, 0.0) else now
-            for key, now in by_label(after, name, label).items()}  # fmt: skip
+    return {
+        key: now - old.get(key, 0.0) if now >= old.get(key, 0.0) else now
+        for key, now in by_label(after, name, label).items()
+    }
 
 
 def rates(before: Scrape, after: Scrape, name: str, label: str) -> dict[str, float]:
@@ -109,8 +111,19 @@ def instance_rows(instances: dict[str, dict]) -> list[InstanceRow]:
     rows = []
     for key, info in instances.items():
         role, _, instance = key.partition("/")
-        rows.append(InstanceRow(datacenter(role), role, instance, info["running"], info["waiting"],
-                                info["used_blocks"], info["num_blocks"], info["held"], info["draining"]))  # fmt: skip
+        rows.append(
+            InstanceRow(
+                datacenter(role),
+                role,
+                instance,
+                info["running"],
+                info["waiting"],
+                info["used_blocks"],
+                info["num_blocks"],
+                info["held"],
+                info["draining"],
+            )
+        )
     order = {role: i for i, role in enumerate(ROLES)}
     return sorted(rows, key=lambda r: (r.dc, order.get(r.role, len(order)), r.instance))
 
@@ -172,15 +185,27 @@ def _instances_tables(rows: list[InstanceRow]) -> list[Table]:
     for dc in sorted({r.dc for r in rows}):
         mine = [r for r in rows if r.dc == dc]
         names = [f"{r.role}/{r.instance}" for r in mine]
-        table = Table(title=f"{dc} instances", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        table = Table(
+            title=f"{dc} instances",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            show_edge=False,
+        )
         table.add_column("instance", min_width=max(map(len, names)), no_wrap=True)
         for column in ("run", "wait", "KV blocks", "KV %", "held"):
             table.add_column(column, justify="right")
         table.add_column("state")
         for r, name in zip(mine, names, strict=True):
-            table.add_row(name, str(r.running), str(r.waiting), f"{r.used_blocks}/{r.num_blocks}",
-                          _percent(share(r.used_blocks, r.num_blocks)), str(r.held),
-                          "draining" if r.draining else "serving")  # fmt: skip
+            table.add_row(
+                name,
+                str(r.running),
+                str(r.waiting),
+                f"{r.used_blocks}/{r.num_blocks}",
+                _percent(share(r.used_blocks, r.num_blocks)),
+                str(r.held),
+                "draining" if r.draining else "serving",
+            )
         tables.append(table)
     return tables
 
@@ -188,7 +213,9 @@ def _instances_tables(rows: list[InstanceRow]) -> list[Table]:
 def _wan_table(wan: dict[str, tuple[float, float | None]]) -> Table | Text:
     if not wan:
         return Text("WAN  no KV link used yet")
-    table = Table(title="WAN: KV into each MD, counted at request end", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title="WAN: KV into each MD, counted at request end", title_justify="left", box=box.SIMPLE_HEAD
+    )
     for column in ("link", "received/s", "bandwidth estimate"):
         table.add_column(column, justify="left" if column == "link" else "right")
     for md, (received, bandwidth) in wan.items():
@@ -201,14 +228,20 @@ def render(view: View, url: str) -> Group:
     """One frame."""
     window = f" over {view.window_s:.1f} s" if view.window_s > 0 else ": after the next scrape"
     rps = view.requests_per_s
-    per_pipeline = "  ".join(f"{p} {rps.get(p, 0.0):.2f}" for p in (*PIPELINES, *sorted(set(rps) - set(PIPELINES))))
-    handoffs = "  ".join(f"{mode} {per_s:.2f}/s ({n:.0f} in all)" for mode, (per_s, n) in view.handoffs.items())
+    per_pipeline = "  ".join(
+        f"{p} {rps.get(p, 0.0):.2f}" for p in (*PIPELINES, *sorted(set(rps) - set(PIPELINES)))
+    )
+    handoffs = "  ".join(
+        f"{mode} {per_s:.2f}/s ({n:.0f} in all)" for mode, (per_s, n) in view.handoffs.items()
+    )
     lines = [
         Text(f"pdd top  {url}  {time.strftime('%H:%M:%S')}  rates{window}", style="bold"),
         *(_instances_tables(view.instances) or [Text("no live instances")]),
         Text(f"requests/s  {per_pipeline}  total {sum(rps.values()):.2f}"),
         _wan_table(view.wan),
-        Text(f"RLD share of output tokens  {_percent(view.rld_share)} now, {_percent(view.rld_share_total)} in all"),
+        Text(
+            f"RLD share of output tokens  {_percent(view.rld_share)} now, {_percent(view.rld_share_total)} in all"
+        ),
         Text(f"handoffs  {handoffs or 'none yet'}"),
     ]
     return Group(*lines)
@@ -217,8 +250,14 @@ def render(view: View, url: str) -> Group:
 # ---- the command ---------------------------------------------------------------------------
 
 
-def run_top(url: str, api_key: str | None = None, once: bool = False, interval_s: float = 1.0,
-            window_s: float = 5.0, console: Console | None = None) -> int:  # fmt: skip
+def run_top(
+    url: str,
+    api_key: str | None = None,
+    once: bool = False,
+    interval_s: float = 1.0,
+    window_s: float = 5.0,
+    console: Console | None = None,
+) -> int:
     """Refresh every `interval_s` with rates over the last `window_s`; `once`: two scrapes
     `interval_s` apart, one frame printed, exit."""
     console = console or Console()
@@ -239,7 +278,9 @@ def run_top(url: str, api_key: str | None = None, once: bool = False, interval_s
     return 0
 
 
-def _live(client: httpx.Client, url: str, first: Scrape, console: Console, interval_s: float, window_s: float) -> None:
+def _live(
+    client: httpx.Client, url: str, first: Scrape, console: Console, interval_s: float, window_s: float
+) -> None:
     history: deque[Scrape] = deque([first])
     with Live(render(build_view(None, first), url), console=console, auto_refresh=False) as live:
         while True:

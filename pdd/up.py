@@ -60,7 +60,11 @@ def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
         tls=creds.identity(spec.identity),
         users=nats_users(creds, SERVICES),
         # a lone server gets today's arguments only: no cluster block at all
-        **(dict(cluster=spec.cluster, cluster_port=spec.cluster_port, routes=spec.routes) if spec.cluster else {}),
+        **(
+            dict(cluster=spec.cluster, cluster_port=spec.cluster_port, routes=spec.routes)
+            if spec.cluster
+            else {}
+        ),
     )
 
 

@@ -73,7 +73,9 @@ class CommonSettings(BaseSettings):
     )
 
     nats_url: str = "tls://127.0.0.1:4222"
-    instance: str = Field(default_factory=socket.gethostname)  # unique per host (compose replicas); `pdd up` numbers them
+    instance: str = Field(
+        default_factory=socket.gethostname
+    )  # unique per host (compose replicas); `pdd up` numbers them
     datacenter: str = "dc-a"
     secret: str | None = None  # shared secret of the KV bulk channel (required, or secret_file)
     secret_file: str | None = None  # a file holding `secret` (what `pdd up` passes)
@@ -85,7 +87,9 @@ class CommonSettings(BaseSettings):
     tls_key: str | None = None  # its private key (required)
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
-    kv_transport: str = "tcp"  # WAN KV from prefill to main decode: "tcp" (bulk channel) | "rdma" (see RdmaSettings)
+    kv_transport: str = (
+        "tcp"  # WAN KV from prefill to main decode: "tcp" (bulk channel) | "rdma" (see RdmaSettings)
+    )
     rdma: RdmaSettings = Field(default_factory=RdmaSettings)
     request_timeout_s: float = 120.0  # hard bound on any single request
     orphan_after_s: float = 4.0  # a router silent this long is gone: its requests are orphans, dropped
@@ -207,6 +211,7 @@ class RouterSettings(CommonSettings):
     @classmethod
     def _uncapped(cls, v: float) -> float:
         return v or UNCAPPED_BANDWIDTH_BPS
+
 
 # Env prefix of each service's settings, by service name (the launcher sets its variables with it).
 ENV_PREFIX = {

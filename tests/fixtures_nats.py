@@ -41,7 +41,9 @@ async def _pair(
 ) -> tuple[NatsServer, NatsServer]:
     # B only listens; A dials B at `gw_a_dials`, and B dials A back at A's advertised gateway address.
     b = sec.server("dc-b", "nats-b", gateway_port=gw_b_port)
-    a = sec.server("dc-a", gateway_port=gw_a_port, gateways={"dc-b": gw_a_dials}, gateway_advertise=advertise_a)
+    a = sec.server(
+        "dc-a", gateway_port=gw_a_port, gateways={"dc-b": gw_a_dials}, gateway_advertise=advertise_a
+    )
     await b.start()
     try:
         await a.start()
@@ -66,7 +68,9 @@ async def nats_pair(nats_security: NatsSecurity) -> AsyncIterator[tuple[NatsServ
 
 
 @pytest_asyncio.fixture
-async def nats_pair_via_wan(nats_security: NatsSecurity) -> AsyncIterator[tuple[NatsServer, NatsServer, WanControl]]:
+async def nats_pair_via_wan(
+    nats_security: NatsSecurity,
+) -> AsyncIterator[tuple[NatsServer, NatsServer, WanControl]]:
     """Both gateway directions cross the emulator: link "gw-ab" (A dials B) and "gw-ba" (B dials A)."""
     gw_a, gw_b = free_port(), free_port()
     ab = WanLink("gw-ab", "127.0.0.1:0", f"127.0.0.1:{gw_b}")
@@ -95,13 +99,23 @@ class Supercluster:
     wan: WanControl  # link "gw-nats-a-0" fronts node nats-a-0's gateway, and so on
 
 
-def _cluster(sec: NatsSecurity, name: str, links: list[WanLink], gw_ports: list[int], remote: dict) -> list[NatsServer]:
+def _cluster(
+    sec: NatsSecurity, name: str, links: list[WanLink], gw_ports: list[int], remote: dict
+) -> list[NatsServer]:
     """Nodes of cluster `name` (identity `name`), each advertising its WAN link as its gateway."""
     route_ports = [free_port() for _ in gw_ports]
     routes = [f"nats-route://127.0.0.1:{p}" for p in route_ports]
     return [
-        sec.server(f"{name}-{i}", name, cluster=name, cluster_port=route_ports[i], routes=routes,
-                   gateway_port=gw_ports[i], gateway_advertise=links[i].listen, gateways=remote)  # fmt: skip
+        sec.server(
+            f"{name}-{i}",
+            name,
+            cluster=name,
+            cluster_port=route_ports[i],
+            routes=routes,
+            gateway_port=gw_ports[i],
+            gateway_advertise=links[i].listen,
+            gateways=remote,
+        )
         for i in range(len(gw_ports))
     ]
 
@@ -112,8 +126,10 @@ async def nats_supercluster(nats_security: NatsSecurity) -> AsyncIterator[Superc
     emulator: every node dials the other cluster's nodes through their links, and advertises its own."""
     names = ("nats-a", "nats-b")
     gw_ports = {c: [free_port() for _ in range(CLUSTER_NODES)] for c in names}
-    links = {c: [WanLink(f"gw-{c}-{i}", "127.0.0.1:0", f"127.0.0.1:{p}") for i, p in enumerate(gw_ports[c])]
-             for c in names}  # fmt: skip
+    links = {
+        c: [WanLink(f"gw-{c}-{i}", "127.0.0.1:0", f"127.0.0.1:{p}") for i, p in enumerate(gw_ports[c])]
+        for c in names
+    }
     wan = WanEmulator([*links["nats-a"], *links["nats-b"]])
     await wan.start()
     urls = {c: [f"nats://{link.listen}" for link in links[c]] for c in names}

@@ -12,11 +12,19 @@ from pdd.top import Samples, parse_metrics
 Entries = dict[tuple[str, str], float]
 # Maps keyed by instance, not by request: they stay filled while the system is up.
 # Maps keyed by instance (bounded by the fleet, pruned when one leaves) or with a TTL: not per request.
-PER_INSTANCE = frozenset({
-    ("router", "registry_reports"), ("router", "prefix_index_instances"), ("router", "stale_aborted"),
-    ("prefill", "routers"), ("relay", "routers"), ("main_decode", "routers"),
-    ("prefill", "aborted"), ("relay", "aborted"), ("main_decode", "aborted"),
-})  # fmt: skip
+PER_INSTANCE = frozenset(
+    {
+        ("router", "registry_reports"),
+        ("router", "prefix_index_instances"),
+        ("router", "stale_aborted"),
+        ("prefill", "routers"),
+        ("relay", "routers"),
+        ("main_decode", "routers"),
+        ("prefill", "aborted"),
+        ("relay", "aborted"),
+        ("main_decode", "aborted"),
+    }
+)
 
 
 parse_samples = parse_metrics  # {(sample name, its labels): value} of every sample in the text
@@ -54,7 +62,9 @@ def held(entries: Entries) -> Entries:
     return {key: n for key, n in entries.items() if n and key not in PER_INSTANCE}
 
 
-def wait_until_drained(system: RunningSystem, timeout_s: float, headers: dict[str, str] | None = None) -> Entries:
+def wait_until_drained(
+    system: RunningSystem, timeout_s: float, headers: dict[str, str] | None = None
+) -> Entries:
     """Poll until no service holds a per-request entry; what is still held after timeout_s."""
     deadline = time.monotonic() + timeout_s
     while True:

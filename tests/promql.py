@@ -10,7 +10,8 @@ from pathlib import Path
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/dashboards/pdd.json"
 
-TOKEN = re.compile(r"""
+TOKEN = re.compile(
+    r"""
     "(?:\\.|[^"\\])*" | '(?:\\.|[^'\\])*' | `[^`]*`   # strings
   | \[[^\]]*\]                                        # range / subquery: [5m], [$__rate_interval]
   | (?:\d+(?:ms|[smhdwy]))+\b                          # durations: offset 5m, 1h30m
@@ -18,15 +19,19 @@ TOKEN = re.compile(r"""
   | \$\{?\w+\}?                                       # Grafana variables
   | [A-Za-z_:][A-Za-z0-9_:]*                          # identifiers
   | =~ | !~ | != | == | <= | >= | \S                  # operators, punctuation
-""", re.VERBOSE)
-FUNCTIONS = frozenset("""
+""",
+    re.VERBOSE,
+)
+FUNCTIONS = frozenset(
+    """
     sum avg min max count group stddev stdvar topk bottomk quantile count_values limitk limit_ratio
     rate irate increase delta idelta deriv predict_linear resets changes histogram_quantile
     histogram_count histogram_sum histogram_fraction histogram_avg abs ceil floor round exp ln log2 log10 sqrt
     sgn clamp clamp_min clamp_max scalar vector time timestamp sort sort_desc label_replace label_join absent
     absent_over_time avg_over_time sum_over_time min_over_time max_over_time count_over_time
     quantile_over_time stddev_over_time stdvar_over_time last_over_time present_over_time
-""".split())
+""".split()
+)
 LABEL_LISTS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
 KEYWORDS = frozenset({"bool", "offset", "and", "or", "unless", "atan2", "inf", "nan"})
 
@@ -50,8 +55,11 @@ def _closing(tokens: list[str], i: int, open_: str, close: str) -> int:
 
 def _matchers(tokens: list[str]) -> dict[str, str]:
     """label="value" matchers of a `{...}` body (other operators are skipped)."""
-    return {tokens[k]: json.loads(tokens[k + 2]) for k in range(len(tokens) - 2)
-            if tokens[k + 1] == "=" and tokens[k + 2][:1] == '"'}  # fmt: skip
+    return {
+        tokens[k]: json.loads(tokens[k + 2])
+        for k in range(len(tokens) - 2)
+        if tokens[k + 1] == "=" and tokens[k + 2][:1] == '"'
+    }
 
 
 def selectors(expr: str) -> list[Selector]:

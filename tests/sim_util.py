@@ -8,9 +8,13 @@ from pdd.sim.model_spec import ModelSpec
 from pdd.sim.step_cost import Linear, StepCost
 from pdd.sim.workload import SimRequest, Workload
 
-TINY = ModelSpec("tiny", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=4, intermediate=16, vocab=32)  # 16 B/token
+TINY = ModelSpec(
+    "tiny", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=4, intermediate=16, vocab=32
+)  # 16 B/token
 STEP_S = 0.01
-FLAT = Chip("flat", StepCost(STEP_S, Linear(), Linear()), kv_capacity_bytes=16 * 16 * 4096, price_per_hour=1.0)
+FLAT = Chip(
+    "flat", StepCost(STEP_S, Linear(), Linear()), kv_capacity_bytes=16 * 16 * 4096, price_per_hour=1.0
+)
 BLOCK = 16
 
 

@@ -30,5 +30,7 @@ def listing(known: dict[str, str]) -> str:
     """What `pdd bench --help` prints."""
     width = max(map(len, known))
     rows = "".join(f"  {name:{width}s}  {what}\n" for name, what in known.items())
-    return ("usage: pdd bench NAME [ARGS ...]\n\nrun a benchmark; `pdd bench NAME --help` shows its options\n\n"
-            f"benches:\n{rows}")
+    return (
+        "usage: pdd bench NAME [ARGS ...]\n\nrun a benchmark; `pdd bench NAME --help` shows its options\n\n"
+        f"benches:\n{rows}"
+    )

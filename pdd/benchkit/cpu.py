@@ -94,10 +94,16 @@ class Account:
     def as_json(self) -> dict:
         engines = sum(v for n, v in self.processes.items() if is_engine(n))
         ours = sum(self.processes.values()) + self.bench_s + self.other_systems_s
-        return {"wall_s": self.wall_s, "host_busy_s": self.host_busy_s, "bench_s": self.bench_s,
-                "processes": dict(sorted(self.processes.items())), "other_systems_s": self.other_systems_s,
-                "engines_s": engines, "non_engine_s": ours - engines,
-                "other_tenants_s": max(0.0, self.host_busy_s - ours)}  # fmt: skip
+        return {
+            "wall_s": self.wall_s,
+            "host_busy_s": self.host_busy_s,
+            "bench_s": self.bench_s,
+            "processes": dict(sorted(self.processes.items())),
+            "other_systems_s": self.other_systems_s,
+            "engines_s": engines,
+            "non_engine_s": ours - engines,
+            "other_tenants_s": max(0.0, self.host_busy_s - ours),
+        }
 
 
 class Meter:

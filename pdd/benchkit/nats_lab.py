@@ -37,10 +37,16 @@ class NatsSecurity:
     def password(self, user: str) -> str:
         return self.test_password if user == TEST_USER else self.creds.password(user)
 
-    async def connect(self, server: NatsServer | str, name: str, *, user: str = TEST_USER, **kw: Any) -> Client:
+    async def connect(
+        self, server: NatsServer | str, name: str, *, user: str = TEST_USER, **kw: Any
+    ) -> Client:
         """A client with `user`'s password and certificate (options in kw override them);
         `server` is a NatsServer or its URL (from another process)."""
-        opts = {"user": user, "password": self.password(user), "tls": client_context(self.creds.identity(user))}
+        opts = {
+            "user": user,
+            "password": self.password(user),
+            "tls": client_context(self.creds.identity(user)),
+        }
         return await connect(server if isinstance(server, str) else server.url, name, **{**opts, **kw})
 
     @classmethod

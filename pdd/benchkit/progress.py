@@ -64,8 +64,9 @@ def _default_console() -> Console | None:
 
 
 @contextmanager
-def progress(description: str, total: int | None = None, *,
-             console: Console | None = None) -> Iterator[Advance]:
+def progress(
+    description: str, total: int | None = None, *, console: Console | None = None
+) -> Iterator[Advance]:
     """A bar of `total` steps (a spinner when None) while the block runs; yields advance(n=1).
     `console` replaces the stderr terminal (tests render into a string with it)."""
     if _quiet or os.environ.get(ENV, "1") == "0":
@@ -82,8 +83,14 @@ def progress(description: str, total: int | None = None, *,
     columns = [rp.SpinnerColumn(), name, rp.BarColumn(), rp.TimeElapsedColumn()]
     if total is not None:
         columns.insert(3, rp.MofNCompleteColumn())
-    bar = rp.Progress(*columns, console=console, transient=True, refresh_per_second=4,
-                      redirect_stdout=screen and sys.stdout.isatty(), redirect_stderr=screen)  # fmt: skip
+    bar = rp.Progress(
+        *columns,
+        console=console,
+        transient=True,
+        refresh_per_second=4,
+        redirect_stdout=screen and sys.stdout.isatty(),
+        redirect_stderr=screen,
+    )
     with bar:
         task = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task, n)

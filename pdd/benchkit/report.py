@@ -31,8 +31,13 @@ def pyplot():
     return plt
 
 
-def save_report(result: dict, out: str | Path, *, table: Callable[[dict], None] | None = None,
-                figures: Callable[[dict], Figures] | None = None) -> list[Path]:
+def save_report(
+    result: dict,
+    out: str | Path,
+    *,
+    table: Callable[[dict], None] | None = None,
+    figures: Callable[[dict], Figures] | None = None,
+) -> list[Path]:
     """The tail of every benchmark: print its table and its targets, write the result as JSON to
     `out` and its figures as PNGs next to it (one figure: out.png; {name: figure}: out_name.png).
     Returns the files written."""

@@ -64,9 +64,18 @@ BENCH = AgenticParams()
 # of 64K in / 256 out (under the ~500-token "short output" of the anomalous-traffic filter).
 # Low-hit requests aim at 60-95%: with 75% of requests above 95% the mean hit is then ~90%.
 PAPER = AgenticParams(
-    shared_prefix=16384, new_min=16384, new_max=32768, append_min=64, context_max=65536,
-    low_hit_min=0.6, output_min=128, output_max=1024, outlier_frac=0.035, outlier_input=64000,
-    outlier_output=256, turn_gap_s=10.0,
+    shared_prefix=16384,
+    new_min=16384,
+    new_max=32768,
+    append_min=64,
+    context_max=65536,
+    low_hit_min=0.6,
+    output_min=128,
+    output_max=1024,
+    outlier_frac=0.035,
+    outlier_input=64000,
+    outlier_output=256,
+    turn_gap_s=10.0,
 )
 
 
@@ -83,10 +92,18 @@ def draw_step(p: AgenticParams, rng: random.Random) -> Step:
     if u < p.outlier_frac:
         return Step("outlier", 0.0, p.outlier_output, rng.getrandbits(32))
     if rng.random() < p.high_hit_frac:
-        return Step("high", rng.uniform(p.high_hit_min, 0.999), rng.randint(p.output_min, p.output_max),
-                    rng.getrandbits(32))
-    return Step("low", rng.uniform(p.low_hit_min, p.high_hit_min), rng.randint(p.output_min, p.output_max),
-                rng.getrandbits(32))
+        return Step(
+            "high",
+            rng.uniform(p.high_hit_min, 0.999),
+            rng.randint(p.output_min, p.output_max),
+            rng.getrandbits(32),
+        )
+    return Step(
+        "low",
+        rng.uniform(p.low_hit_min, p.high_hit_min),
+        rng.randint(p.output_min, p.output_max),
+        rng.getrandbits(32),
+    )
 
 
 def make_plans(p: AgenticParams) -> list[list[Step]]:
@@ -110,8 +127,9 @@ class PromptShape:
     new_session: bool
 
 
-def prompt_shape(p: AgenticParams, step: Step, ctx_len: int, cached: int, shared_len: int, block: int,
-                 rng: random.Random) -> PromptShape:
+def prompt_shape(
+    p: AgenticParams, step: Step, ctx_len: int, cached: int, shared_len: int, block: int, rng: random.Random
+) -> PromptShape:
     """The shape of a step's prompt given the session so far (ctx_len tokens, of which the
     cache holds `cached`). rng draws a new low-hit session's length (the bench: Random(step.seed))."""
     room = p.context_max - step.out
@@ -178,11 +196,20 @@ class _Builder:
         self.shared = self.blocks.extend([], p.shared_prefix // block_size)
         self.requests: list[SimRequest] = []
 
-    def add(self, step: Step, sess: _Session, rng: random.Random, arrival_s: float, client: int | None) -> None:
-        s = prompt_shape(self.p, step, sess.ctx_len, len(sess.held) * self.block, self.p.shared_prefix,
-                         self.block, rng)
+    def add(
+        self, step: Step, sess: _Session, rng: random.Random, arrival_s: float, client: int | None
+    ) -> None:
+        s = prompt_shape(
+            self.p, step, sess.ctx_len, len(sess.held) * self.block, self.p.shared_prefix, self.block, rng
+        )
         n = s.keep + s.fresh
-        base = sess.held if s.base == "session" else self.shared[: s.keep // self.block] if s.base == "shared" else ()
+        base = (
+            sess.held
+            if s.base == "session"
+            else self.shared[: s.keep // self.block]
+            if s.base == "shared"
+            else ()
+        )
         hashes = self.blocks.extend(base, n // self.block)
         req = SimRequest(len(self.requests), arrival_s, n, step.out, tuple(hashes), client, step.kind)
         self.requests.append(req)
@@ -195,7 +222,9 @@ def _closed_loop_seed(params: AgenticParams, model_id: str) -> str:
     return f"{model_id}-{params.seed}"
 
 
-def closed_loop_shared_prefix(params: AgenticParams, block_size: int, model_id: str = "sim") -> tuple[int, ...]:
+def closed_loop_shared_prefix(
+    params: AgenticParams, block_size: int, model_id: str = "sim"
+) -> tuple[int, ...]:
     """The block hashes of the shared system prompt in agentic_closed_loop's workload."""
     return _Blocks(_closed_loop_seed(params, model_id)).extend([], params.shared_prefix // block_size)
 
@@ -211,12 +240,14 @@ def agentic_closed_loop(params: AgenticParams, block_size: int, model_id: str = 
         for ci, plan in enumerate(plans):
             if k < len(plan):
                 b.add(plan[k], sessions[ci], random.Random(plan[k].seed), params.think_s, ci)
-    return Workload(f"agentic-closed-{params.clients}x{params.requests}", block_size, tuple(b.requests),
-                    closed_loop=True)
+    return Workload(
+        f"agentic-closed-{params.clients}x{params.requests}", block_size, tuple(b.requests), closed_loop=True
+    )
 
 
-def agentic_open_loop(params: AgenticParams, rate_rps: float, duration_s: float, block_size: int,
-                      seed: int = 0) -> Workload:
+def agentic_open_loop(
+    params: AgenticParams, rate_rps: float, duration_s: float, block_size: int, seed: int = 0
+) -> Workload:
     """Poisson arrivals at rate_rps for duration_s. Each arrival is the next turn of the session
     that has waited longest, if it has waited its think time (exponential, mean
     params.turn_gap_s), else of a new session: the pool grows to about rate x turn gap."""
@@ -241,8 +272,16 @@ def agentic_open_loop(params: AgenticParams, rate_rps: float, duration_s: float,
     return Workload(f"agentic-open-{rate_rps:g}rps", block_size, tuple(b.requests))
 
 
-def fixed_hit_open_loop(hit: float, rate_rps: float, duration_s: float, input_tokens: int, output_tokens: int,
-                        block_size: int, seed: int = 0, prefixes: int = 16) -> Workload:
+def fixed_hit_open_loop(
+    hit: float,
+    rate_rps: float,
+    duration_s: float,
+    input_tokens: int,
+    output_tokens: int,
+    block_size: int,
+    seed: int = 0,
+    prefixes: int = 16,
+) -> Workload:
     """Poisson arrivals whose prompts each reuse round(hit x blocks) leading blocks of one of
     `prefixes` prefixes (the first request of a prefix finds it uncached), then fresh blocks:
     every later request hits `hit` of its prompt to a block (the hit-rate bathtub)."""
@@ -295,8 +334,10 @@ def hit_profile(workload: Workload, outputs: bool = True) -> dict:
     the outlier share (None for an unlabelled trace) and, open loop, the arrival rate."""
     hits = prefix_hits(workload, outputs)
     n = max(len(hits), 1)
-    buckets = {f"{lo * 100:g}-{hi * 100:g}%": sum(lo <= h < hi or (hi == 1.0 and h == 1.0) for h in hits) / n
-               for lo, hi in HIT_BUCKETS}
+    buckets = {
+        f"{lo * 100:g}-{hi * 100:g}%": sum(lo <= h < hi or (hi == 1.0 and h == 1.0) for h in hits) / n
+        for lo, hi in HIT_BUCKETS
+    }
     kinds = [r.kind for r in workload.requests if r.kind]
     duration = workload.duration_s
     return {

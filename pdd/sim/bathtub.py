@@ -37,8 +37,13 @@ class BathtubPoint:
 
     @property
     def row(self) -> dict:
-        return {"hit": self.hit, "pdd_rps": self.pdd_rps, "base_rps": self.base_rps, "benefit": self.benefit,
-                "probes": self.probes}  # fmt: skip
+        return {
+            "hit": self.hit,
+            "pdd_rps": self.pdd_rps,
+            "base_rps": self.base_rps,
+            "benefit": self.benefit,
+            "probes": self.probes,
+        }
 
 
 def bathtub(
@@ -60,8 +65,18 @@ def bathtub(
     for hit in hits:
         found: list[Goodput] = []
         for d in (pdd_deployment, baseline):
-            found.append(sla_goodput(d, lambda rate, hit=hit: make_workload(hit, rate), model, sla, settings,
-                                     start_rps=start_rps, rel_tol=rel_tol, drain_s=drain_s))  # fmt: skip
+            found.append(
+                sla_goodput(
+                    d,
+                    lambda rate, hit=hit: make_workload(hit, rate),
+                    model,
+                    sla,
+                    settings,
+                    start_rps=start_rps,
+                    rel_tol=rel_tol,
+                    drain_s=drain_s,
+                )
+            )
         point = BathtubPoint(hit, found[0].rate_rps, found[1].rate_rps, sum(len(g.probes) for g in found))
         points.append(point)
         if on_point:

@@ -29,7 +29,9 @@ class SimBlockPool:
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks  # per block id: its reference count
         self.hash_of = [NO_HASH] * num_blocks  # per block id: the hash of the KV it holds
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU: the front is reused first
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(num_blocks)
+        )  # LRU: the front is reused first
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._stored: list[int] = []  # cache events since the last drain, of each kind in order
         self._evicted: list[int] = []

@@ -36,8 +36,11 @@ from pdd.sim.step_cost import Linear, StepCost, StepLoad, chunk_load, decode_loa
 # (load field, its Linear coefficient): what the compute term is fitted on
 FIELDS = (("tokens", "per_token"), ("attn", "per_attn"), ("kv_read", "per_kv_read"), ("seqs", "per_seq"))
 MEMORY_COLUMNS = np.array([1.0, 1.0, 0.0, 1.0, 0.0])  # a memory-bound step: const (weights) + KV bytes
-CPU_PRICE = (0.10, "assumption: about what a 2-vCPU cloud VM costs on demand (AWS c7a.large, 2 vCPU "
-                   "AMD EPYC, us-east-1: about $0.10/h; https://aws.amazon.com/ec2/pricing/on-demand/)")  # fmt: skip
+CPU_PRICE = (
+    0.10,
+    "assumption: about what a 2-vCPU cloud VM costs on demand (AWS c7a.large, 2 vCPU "
+    "AMD EPYC, us-east-1: about $0.10/h; https://aws.amazon.com/ec2/pricing/on-demand/)",
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,9 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
     raise RuntimeError("nnls did not converge")
 
 
-def _fit_line(rows: np.ndarray, t: np.ndarray, on: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+def _fit_line(
+    rows: np.ndarray, t: np.ndarray, on: np.ndarray, columns: np.ndarray | None = None
+) -> np.ndarray:
     """Non-negative [const, per field] coefficients fitted to the points `on` (only `columns`
     may be non-zero), relative error weighted."""
     rows = rows if columns is None else rows * columns
@@ -137,8 +142,13 @@ def _alternate(rows: np.ndarray, t: np.ndarray, upper: np.ndarray, best: tuple) 
 def _step_cost(compute: np.ndarray, memory: np.ndarray) -> StepCost:
     """The constant both lines share becomes the overhead (max(a + o, b + o) = o + max(a, b))."""
     overhead = min(compute[0], memory[0]) if memory.any() else compute[0]
-    lines = [Linear(float(v[0] - overhead) if v.any() else 0.0,
-                    **{name: float(x) for (_, name), x in zip(FIELDS, v[1:], strict=True)}) for v in (compute, memory)]  # fmt: skip
+    lines = [
+        Linear(
+            float(v[0] - overhead) if v.any() else 0.0,
+            **{name: float(x) for (_, name), x in zip(FIELDS, v[1:], strict=True)},
+        )
+        for v in (compute, memory)
+    ]
     return StepCost(overhead_s=float(overhead), compute=lines[0], memory=lines[1])
 
 
@@ -163,15 +173,21 @@ class Timer:
         # runs on this host (the wall clock would time the neighbours too).
         self.cpu_clock = not self.cuda and args.threads == 1 and not args.wall_clock
         self.clock = time.process_time if self.cpu_clock else time.perf_counter
-        longest = max(max(grid.decode_contexts) + 16 + grid.warmup + grid.repeats,
-                      max(grid.chunk_contexts) + max(grid.chunks))  # fmt: skip
+        longest = max(
+            max(grid.decode_contexts) + 16 + grid.warmup + grid.repeats,
+            max(grid.chunk_contexts) + max(grid.chunks),
+        )
         tokens = 4 * (longest + max(grid.batches) * (32 + grid.warmup + grid.repeats))
         kv_bytes = model_spec(args.preset, args.dtype).kv_bytes_per_token
         self.engine = LLMEngine(
             ModelSettings(preset=args.preset, dtype=args.dtype, device=args.device),
-            EngineSettings(kv_memory_mb=tokens * kv_bytes / 2**20 + 1, max_num_seqs=max(grid.batches),
-                           max_batched_tokens=max(*grid.chunks, *grid.batches), max_model_len=longest + 64),
-        )  # fmt: skip
+            EngineSettings(
+                kv_memory_mb=tokens * kv_bytes / 2**20 + 1,
+                max_num_seqs=max(grid.batches),
+                max_batched_tokens=max(*grid.chunks, *grid.batches),
+                max_model_len=longest + 64,
+            ),
+        )
         self.rng = random.Random(0)
         self.next_id = 0
 
@@ -233,7 +249,9 @@ class Timer:
             self.add(prefix + [self.rng.randrange(256) for _ in range(new_tokens)], 1)
             seconds = self.timed_step()
             if self.engine.has_unfinished() or self.engine.scheduler.num_hit_tokens - hits != context:
-                raise RuntimeError(f"a chunk of {new_tokens} after {context} cached tokens took more than one step")
+                raise RuntimeError(
+                    f"a chunk of {new_tokens} after {context} cached tokens took more than one step"
+                )
             out.append((chunk_load(new_tokens, context), seconds))
         return out
 
@@ -266,10 +284,17 @@ def measure(timer: Timer, grid: Grid, advance=lambda n=1: None) -> list[Point]:
 def machine(device: str) -> dict:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-               platform.processor() or platform.machine())  # fmt: skip
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version()}  # fmt: skip
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
@@ -286,13 +311,21 @@ def memory_figures(device: str) -> tuple[int, float, str, str]:
         import torch
 
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        return total, 0.9, "measured: torch.cuda.get_device_properties().total_memory", \
-            "vLLM's default gpu_memory_utilization=0.9 (https://docs.vllm.ai/en/latest/configuration/engine_args.html)"  # fmt: skip
+        return (
+            total,
+            0.9,
+            "measured: torch.cuda.get_device_properties().total_memory",
+            "vLLM's default gpu_memory_utilization=0.9 (https://docs.vllm.ai/en/latest/configuration/engine_args.html)",
+        )
     from shared.config import EngineSettings
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total, EngineSettings().kv_memory_fraction, "measured: the host's physical memory (sysconf)", \
-        "the engine's default kv_memory_fraction (shared/config.py EngineSettings), as `pdd up` runs it"  # fmt: skip
+    return (
+        total,
+        EngineSettings().kv_memory_fraction,
+        "measured: the host's physical memory (sysconf)",
+        "the engine's default kv_memory_fraction (shared/config.py EngineSettings), as `pdd up` runs it",
+    )
 
 
 def price(args: argparse.Namespace, info: dict) -> tuple[float, str]:
@@ -302,11 +335,15 @@ def price(args: argparse.Namespace, info: dict) -> tuple[float, str]:
         return CPU_PRICE
     for name in ("h200-sxm", "h100-sxm", "a100-80gb", "l40s"):
         if name.split("-")[0] in info["gpu"].lower():
-            return load_profile(name)["price_per_hour"], f"as the roofline profile {name!r} (its source there)"
+            return load_profile(name)[
+                "price_per_hour"
+            ], f"as the roofline profile {name!r} (its source there)"
     raise SystemExit(f"pdd sim calibrate: no known price for {info['gpu']!r}: pass --price USD_PER_HOUR")
 
 
-def profile_json(args: argparse.Namespace, grid: Grid, points: list[Point], step: StepCost, clock: str) -> dict:
+def profile_json(
+    args: argparse.Namespace, grid: Grid, points: list[Point], step: StepCost, clock: str
+) -> dict:
     info = machine(args.device) | {"clock": clock}
     memory, usable, memory_src, usable_src = memory_figures(args.device)
     usd, usd_src = price(args, info)
@@ -315,49 +352,101 @@ def profile_json(args: argparse.Namespace, grid: Grid, points: list[Point], step
     return {
         "kind": "calibrated",
         "description": f"{args.preset} ({args.dtype}) timed on {where} by `pdd sim calibrate`",
-        "model": {"name": args.preset, "dtype": args.dtype, "device": args.device, "threads": info["torch_threads"]},
+        "model": {
+            "name": args.preset,
+            "dtype": args.dtype,
+            "device": args.device,
+            "threads": info["torch_threads"],
+        },
         "step": step_cost_to_json(step),
-        "memory_bytes": memory, "usable_memory_fraction": usable, "price_per_hour": usd,
+        "memory_bytes": memory,
+        "usable_memory_fraction": usable,
+        "price_per_hour": usd,
         "grid": asdict(grid),
-        "fit": {"median_abs_rel_error": statistics.median(abs(e) for e in errors),
-                "max_abs_rel_error": max(abs(e) for e in errors)},
-        "points": [{"kind": p.kind, "size": p.size, "context": p.context, "load": asdict(p.load),
-                    "measured_s": p.seconds, "fitted_s": step.step_s(p.load), "rel_error": e}
-                   for p, e in zip(points, errors, strict=True)],
+        "fit": {
+            "median_abs_rel_error": statistics.median(abs(e) for e in errors),
+            "max_abs_rel_error": max(abs(e) for e in errors),
+        },
+        "points": [
+            {
+                "kind": p.kind,
+                "size": p.size,
+                "context": p.context,
+                "load": asdict(p.load),
+                "measured_s": p.seconds,
+                "fitted_s": step.step_s(p.load),
+                "rel_error": e,
+            }
+            for p, e in zip(points, errors, strict=True)
+        ],
         "machine": info,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "sources": {"step": f"measured here: `pdd sim calibrate` on {where}, fitted by NNLS (see points)",
-                    "memory_bytes": memory_src, "usable_memory_fraction": usable_src, "price_per_hour": usd_src},
-    }  # fmt: skip
+        "sources": {
+            "step": f"measured here: `pdd sim calibrate` on {where}, fitted by NNLS (see points)",
+            "memory_bytes": memory_src,
+            "usable_memory_fraction": usable_src,
+            "price_per_hour": usd_src,
+        },
+    }
 
 
 def report(points: list[Point], step: StepCost) -> str:
     lines = [f"{'kind':<7}{'size':>6}{'context':>9}{'measured ms':>13}{'fitted ms':>11}{'error':>8}"]
     for p, e in zip(points, relative_errors(step, points), strict=True):
-        lines.append(f"{p.kind:<7}{p.size:>6}{p.context:>9}{p.seconds * 1e3:>13.2f}{step.step_s(p.load) * 1e3:>11.2f}{e:>+8.1%}")
+        lines.append(
+            f"{p.kind:<7}{p.size:>6}{p.context:>9}{p.seconds * 1e3:>13.2f}{step.step_s(p.load) * 1e3:>11.2f}{e:>+8.1%}"
+        )
     errors = [abs(e) for e in relative_errors(step, points)]
-    lines += [f"fit: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}",
-              f"step = {step.overhead_s * 1e3:.3f} ms + max(compute, memory)"]  # fmt: skip
+    lines += [
+        f"fit: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}",
+        f"step = {step.overhead_s * 1e3:.3f} ms + max(compute, memory)",
+    ]
     for name, c in (("compute", step.compute), ("memory", step.memory)):
-        lines.append(f"  {name:<8}{c.const * 1e3:.3f} ms + {c.per_token * 1e6:.3f} µs/token + {c.per_attn * 1e9:.3f} "
-                     f"ns/attn pair + {c.per_kv_read * 1e9:.3f} ns/KV token read + {c.per_seq * 1e6:.3f} µs/seq")  # fmt: skip
+        lines.append(
+            f"  {name:<8}{c.const * 1e3:.3f} ms + {c.per_token * 1e6:.3f} µs/token + {c.per_attn * 1e9:.3f} "
+            f"ns/attn pair + {c.per_kv_read * 1e9:.3f} ns/KV token read + {c.per_seq * 1e6:.3f} µs/seq"
+        )
     return "\n".join(lines)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pdd sim calibrate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small grid (~20 s on 2 cores with the small preset)")
-    ap.add_argument("--preset", default="small", help="built-in model preset to time (tiny | small | medium); default: small")
+    ap.add_argument(
+        "--quick", action="store_true", help="a small grid (~20 s on 2 cores with the small preset)"
+    )
+    ap.add_argument(
+        "--preset",
+        default="small",
+        help="built-in model preset to time (tiny | small | medium); default: small",
+    )
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16; default: float32")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N; default: cpu")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads; default: 1, as `pdd bench e2e` "
-                    "runs each engine (with 1 thread, steps are timed in CPU time: a busy host does not skew them)")
-    ap.add_argument("--wall-clock", action="store_true", help="time steps by the wall clock even with 1 CPU thread")
-    ap.add_argument("--out", default="cpu-calibrated", help="profile name; written to $PDD_SIM_PROFILES "
-                    "(or pdd/sim/profiles/) as NAME.json; default: cpu-calibrated")  # fmt: skip
-    ap.add_argument("--price", type=float, default=None, help="USD per instance-hour; default: a 2-vCPU VM on "
-                    "cpu, the matching roofline profile's on a known GPU")  # fmt: skip
-    ap.add_argument("--price-source", default=None, help="where --price comes from (written into the profile)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads; default: 1, as `pdd bench e2e` "
+        "runs each engine (with 1 thread, steps are timed in CPU time: a busy host does not skew them)",
+    )
+    ap.add_argument(
+        "--wall-clock", action="store_true", help="time steps by the wall clock even with 1 CPU thread"
+    )
+    ap.add_argument(
+        "--out",
+        default="cpu-calibrated",
+        help="profile name; written to $PDD_SIM_PROFILES "
+        "(or pdd/sim/profiles/) as NAME.json; default: cpu-calibrated",
+    )
+    ap.add_argument(
+        "--price",
+        type=float,
+        default=None,
+        help="USD per instance-hour; default: a 2-vCPU VM on "
+        "cpu, the matching roofline profile's on a known GPU",
+    )
+    ap.add_argument(
+        "--price-source", default=None, help="where --price comes from (written into the profile)"
+    )
     add_quiet_option(ap)
     return ap.parse_args(argv)
 
@@ -383,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(points, step))
     profile = profile_json(args, grid, points, step, clock)
     profile["machine"]["background_cores"] = round(background_cores(busy, own, wall), 3)
-    print(f"other processes took {profile['machine']['background_cores']:.2f} cores meanwhile (a quiet host: ~0)")
+    print(
+        f"other processes took {profile['machine']['background_cores']:.2f} cores meanwhile (a quiet host: ~0)"
+    )
     out_dir = profile_dir_for_writing()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{args.out}.json"

@@ -18,7 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("pdd.sim.validate", "simulate the `pdd bench e2e` scenarios and compare with measured runs"),
     "paper": ("pdd.sim.paper", "reproduce the paper's fleet table (88 A same-DC vs 43 A + 32 B PDD)"),
     "plan": ("pdd.sim.plan", "cheapest (P, RLD, MD) counts per datacenter that meet an SLA"),
-    "profiles": ("pdd.sim.list_profiles", "list the hardware profiles and model shapes with their key figures"),
+    "profiles": (
+        "pdd.sim.list_profiles",
+        "list the hardware profiles and model shapes with their key figures",
+    ),
 }
 
 
@@ -42,8 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise  # the command exists but something it needs is missing: show that
-        print(f"pdd sim {argv[0]}: {module_name.replace('.', '/')}.py is missing from this installation",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"pdd sim {argv[0]}: {module_name.replace('.', '/')}.py is missing from this installation",
+            file=sys.stderr,
+        )
         return 2
     return int(module.main(argv[1:]) or 0)
 

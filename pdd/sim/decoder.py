@@ -19,7 +19,9 @@ from pdd.sim.chip import Chip
 from pdd.sim.events import EventLoop
 from pdd.sim.instance import Instance
 
-TokenSink = Callable[[float, float, int, float], None]  # (first time, last time, tokens, largest gap between them)
+TokenSink = Callable[
+    [float, float, int, float], None
+]  # (first time, last time, tokens, largest gap between them)
 
 
 @dataclass(eq=False, slots=True)
@@ -42,8 +44,16 @@ class Extend:
 
 
 class DecodeInstance(Instance):
-    def __init__(self, name: str, chip: Chip, loop: EventLoop, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_batched_tokens: int):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        chip: Chip,
+        loop: EventLoop,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+    ):
         super().__init__(name, chip, loop, num_blocks, block_size)
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.running: list[Seq] = []
@@ -73,6 +83,7 @@ class DecodeInstance(Instance):
         one thread (shared/serving/engine_loop.py): the import runs when the step in progress
         ends, and the add is a second command, so on a busy decoder it waits for the step that
         began meanwhile."""
+
         def imported() -> None:
             if self.running or self.joining or self.extending:
                 self.at_boundary(lambda: self.join(seq))
@@ -148,8 +159,9 @@ class DecodeInstance(Instance):
         self._context0 = sum(map(_context, self.running))
         if self.extending:
             self._steps, self._chunks = 0, self._extend_chunks()
-            step_s = self.chip.step.chunks_s([(k, e.seq.context) for e, k in self._chunks], len(self.running),
-                                             self._context0)  # fmt: skip
+            step_s = self.chip.step.chunks_s(
+                [(k, e.seq.context) for e, k in self._chunks], len(self.running), self._context0
+            )
             self._event = self.loop.at(self._t0 + step_s, self._boundary)
         elif self.running:  # (an action queued at this boundary waits for the next one only)
             self._steps = 1 if self.actions else min(map(_remaining, self.running))
@@ -215,7 +227,10 @@ class DecodeInstance(Instance):
                 ext.seq.on_finished()
 
 
-_context, _remaining = attrgetter("context"), attrgetter("remaining")  # (over a batch without a Python step each)
+_context, _remaining = (
+    attrgetter("context"),
+    attrgetter("remaining"),
+)  # (over a batch without a Python step each)
 
 
 def _one_token(seq: Seq, now: float) -> None:

@@ -25,10 +25,24 @@ from shared.config import RelaySettings
 
 
 class Fleet:
-    def __init__(self, loop: EventLoop, router: SimRouter, kv_bytes_per_token: int, block_size: int,
-                 kv_link: Callable[[str], Link], local_link: Callable[[str], Link], cross_dc: Link | None,
-                 by_name: dict[str, Instance], relay_settings: RelaySettings):  # fmt: skip
-        self.loop, self.router, self.kv_bytes_per_token, self.block_size = loop, router, kv_bytes_per_token, block_size
+    def __init__(
+        self,
+        loop: EventLoop,
+        router: SimRouter,
+        kv_bytes_per_token: int,
+        block_size: int,
+        kv_link: Callable[[str], Link],
+        local_link: Callable[[str], Link],
+        cross_dc: Link | None,
+        by_name: dict[str, Instance],
+        relay_settings: RelaySettings,
+    ):
+        self.loop, self.router, self.kv_bytes_per_token, self.block_size = (
+            loop,
+            router,
+            kv_bytes_per_token,
+            block_size,
+        )
         self.kv_link, self.local_link, self.cross_dc, self.by_name = kv_link, local_link, cross_dc, by_name
         self.records: list[RequestRecord] = []
         self.on_finished: Callable[[Job], None] = lambda job: None
@@ -56,14 +70,30 @@ class Fleet:
         plan = self.router.plan(req)
         inst = self.by_name
         relay = inst[plan.relay] if plan.relay else None
-        job = Job(req, TokenTimes(now), plan.decision.pipeline, plan.decision.hit_rate, inst[plan.prefill],
-                  inst[plan.md], relay, self.crossing_s())  # fmt: skip
-        for role, name in ((Role.PREFILL, plan.prefill), (Role.RELAY, plan.relay), (Role.MAIN_DECODE, plan.md)):
+        job = Job(
+            req,
+            TokenTimes(now),
+            plan.decision.pipeline,
+            plan.decision.hit_rate,
+            inst[plan.prefill],
+            inst[plan.md],
+            relay,
+            self.crossing_s(),
+        )
+        for role, name in (
+            (Role.PREFILL, plan.prefill),
+            (Role.RELAY, plan.relay),
+            (Role.MAIN_DECODE, plan.md),
+        ):
             if name:
                 self.router.assignments.record((role.value, name), now)
                 job.assigned.append(((role.value, name), now))
-        work = PrefillWork(req.block_hashes, req.input_tokens, lambda n: self._kv_made(job, n),
-                           lambda: self._prefill_done(job))  # fmt: skip
+        work = PrefillWork(
+            req.block_hashes,
+            req.input_tokens,
+            lambda n: self._kv_made(job, n),
+            lambda: self._prefill_done(job),
+        )
         job.prefill.submit(work)
         self.cross(lambda: self._prepare(job))
 
@@ -144,8 +174,12 @@ class Fleet:
             return
         job.md.register(job.md_blocks, job.req.block_hashes, len(job.req.block_hashes))
         self.md_cache_events(job.md)
-        job.md_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, self.md_token_sink(job),
-                         lambda: self._md_finished(job))  # fmt: skip
+        job.md_seq = Seq(
+            job.req.input_tokens,
+            job.req.output_tokens - 1,
+            self.md_token_sink(job),
+            lambda: self._md_finished(job),
+        )
         if job.pipeline is Pipeline.P_MD:
             job.md.join_imported(job.md_seq)
         else:  # MD imports the last of it between two steps, then tells the relay
@@ -196,4 +230,3 @@ class Fleet:
 
 def _nothing() -> None:
     pass
-

@@ -42,8 +42,15 @@ class Goodput:
         return met[0] if met else None
 
 
-def probe(deployment: Deployment, workload: Workload, model: ModelSpec, sla: Sla, rate_rps: float,
-          settings: SimSettings | None = None, drain_s: float = 120.0) -> Probe:  # fmt: skip
+def probe(
+    deployment: Deployment,
+    workload: Workload,
+    model: ModelSpec,
+    sla: Sla,
+    rate_rps: float,
+    settings: SimSettings | None = None,
+    drain_s: float = 120.0,
+) -> Probe:
     s = replace(settings or SimSettings(), time_limit_s=workload.duration_s + drain_s)
     result = simulate(deployment, workload, model, s)
     return Probe(rate_rps, sla.attained(result.records, len(workload.requests)), result)
@@ -74,7 +81,9 @@ def sla_goodput(
 
     rate = start_rps
     step = 2.0 if meets(rate) else 0.5
-    ok, bad = (rate, None) if step > 1 else (0.0, rate)  # the best rate that met the SLA, the lowest that did not
+    ok, bad = (
+        (rate, None) if step > 1 else (0.0, rate)
+    )  # the best rate that met the SLA, the lowest that did not
     floor = start_rps / 1024
     while len(out.probes) < max_probes and (bad is None if step > 1 else ok == 0.0 and rate > floor):
         rate *= step

@@ -35,7 +35,9 @@ class Relaying:
             self._free(job)
             return
         # The router is beside the relay: its tokens reach it as they come.
-        job.rld_seq = Seq(job.req.input_tokens, job.req.output_tokens - 1, job.times.add, lambda: self._finished(job))
+        job.rld_seq = Seq(
+            job.req.input_tokens, job.req.output_tokens - 1, job.times.add, lambda: self._finished(job)
+        )
         relay.join_imported(job.rld_seq)
         if job.md_ready:
             self._begin_handoff(job)
@@ -73,7 +75,9 @@ class Relaying:
             return
         tokens = 1 + job.rld_seq.produced  # the relay's output so far (prefill's token first)
         s = self.settings
-        job.mode = choose_handoff_mode(tokens - job.handed, job.relay.busy, s.catchup_threshold, s.catchup_load)
+        job.mode = choose_handoff_mode(
+            tokens - job.handed, job.relay.busy, s.catchup_threshold, s.catchup_load
+        )
         if job.mode is HandoffMode.ONE_SHOT:
             self._send_final(job, tokens)
         else:

@@ -40,7 +40,9 @@ class HostCpu:
 
 def from_account(account: dict, cores: float) -> HostCpu:
     """From one deployment's pdd/benchkit/cpu.py account: background = (host busy - engines) / wall."""
-    background = (account["host_busy_s"] - account["engines_s"]) / account["wall_s"] if account["wall_s"] > 0 else 0.0
+    background = (
+        (account["host_busy_s"] - account["engines_s"]) / account["wall_s"] if account["wall_s"] > 0 else 0.0
+    )
     return HostCpu(cores, max(0.0, background))
 
 

@@ -27,7 +27,9 @@ class _Waiter:
     hashes: tuple[int, ...]
     tokens: int
     on_blocks: Callable[[Blocks], None]
-    hits: list[int] | None = None  # its prefix cache hits when it last tried, valid until a block is registered
+    hits: list[int] | None = (
+        None  # its prefix cache hits when it last tried, valid until a block is registered
+    )
     hits_after: int = -1  # ... the instance's registrations then
 
 
@@ -36,7 +38,9 @@ class Instance:
         self.name, self.chip, self.loop, self.block_size = name, chip, loop, block_size
         self.pool = SimBlockPool(num_blocks)
         self.busy_s = 0.0
-        self.busy_spells: list[tuple[float, float]] | None = None  # (start, end) of each step or run, if asked for
+        self.busy_spells: list[tuple[float, float]] | None = (
+            None  # (start, end) of each step or run, if asked for
+        )
         self.held = 0  # requests holding blocks here
         self.block_waiters: deque[_Waiter] = deque()  # first come, first served
         # Its load figures (load_counts, free blocks, held) may have moved since the router

@@ -62,13 +62,25 @@ class Job:
         r = self.req
         pipeline = Pipeline.RLD_ONLY if self.filtered else self.pipeline
         return RequestRecord(
-            rid=r.rid, kind=r.kind, client=r.client, arrival_s=self.times.arrival, input_tokens=r.input_tokens,
-            output_tokens=r.output_tokens, pipeline=pipeline.value, hit_rate=self.hit_rate,
-            prefill_hit=self.prefill_hit, **latencies(self.times), wan_bytes=self.wan_bytes,
-            rld_tokens=_produced(self.rld_seq), md_tokens=_produced(self.md_seq),
-            handoff_mode=self.mode.value if self.mode else None, filtered=self.filtered,
-            prefill=self.prefill.name, decode=self.md.name, relay=self.relay.name if self.relay else None,
-        )  # fmt: skip
+            rid=r.rid,
+            kind=r.kind,
+            client=r.client,
+            arrival_s=self.times.arrival,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            pipeline=pipeline.value,
+            hit_rate=self.hit_rate,
+            prefill_hit=self.prefill_hit,
+            **latencies(self.times),
+            wan_bytes=self.wan_bytes,
+            rld_tokens=_produced(self.rld_seq),
+            md_tokens=_produced(self.md_seq),
+            handoff_mode=self.mode.value if self.mode else None,
+            filtered=self.filtered,
+            prefill=self.prefill.name,
+            decode=self.md.name,
+            relay=self.relay.name if self.relay else None,
+        )
 
 
 def _produced(seq: Seq | None) -> int:

@@ -39,7 +39,9 @@ class Link:
     def __init__(self, loop: EventLoop, spec: LinkSpec, rng: random.Random, bins: list[float] | None = None):
         self.loop, self.spec, self.rng = loop, spec, rng
         self.bins = bins  # bytes serialised per 1 s bin, if counted
-        self.queue: deque[Transfer] = deque()  # the head is on the wire; aborted ones behind it wait to be skipped
+        self.queue: deque[Transfer] = (
+            deque()
+        )  # the head is on the wire; aborted ones behind it wait to be skipped
         self._head_event: int | None = None
         self._last_landing = 0.0
         self._queued_to: dict[str, int] = {}  # bytes in the queue per destination (none: absent)

@@ -14,13 +14,17 @@ PROBE_CONTEXT = 1024  # the decode step and prefill chunk shown per profile with
 def profile_line(name: str) -> str:
     p = load_profile(name)
     if p["kind"] == "roofline":
-        figures = (f"{p['peak_bf16_flops'] / 1e12:7.0f} TFLOP/s {p['hbm_bandwidth_bytes_per_s'] / 1e12:5.2f} TB/s "
-                   f"{p['memory_bytes'] / 1e9:5.0f} GB  eff {p['compute_efficiency']:.2f}/{p['memory_efficiency']:.2f} "
-                   f"overhead {p['overhead_s'] * 1e3:.1f} ms")  # fmt: skip
+        figures = (
+            f"{p['peak_bf16_flops'] / 1e12:7.0f} TFLOP/s {p['hbm_bandwidth_bytes_per_s'] / 1e12:5.2f} TB/s "
+            f"{p['memory_bytes'] / 1e9:5.0f} GB  eff {p['compute_efficiency']:.2f}/{p['memory_efficiency']:.2f} "
+            f"overhead {p['overhead_s'] * 1e3:.1f} ms"
+        )
     else:
         m, fit = p["model"], p["fit"]
-        figures = (f"fitted to {m['name']} {m['dtype']} on {m['device']} ({m['threads']} threads): overhead "
-                   f"{p['step']['overhead_s'] * 1e3:.2f} ms, median |error| {fit['median_abs_rel_error']:.1%}")  # fmt: skip
+        figures = (
+            f"fitted to {m['name']} {m['dtype']} on {m['device']} ({m['threads']} threads): overhead "
+            f"{p['step']['overhead_s'] * 1e3:.2f} ms, median |error| {fit['median_abs_rel_error']:.1%}"
+        )
     return f"{name:<18}{p['kind']:<11}${p['price_per_hour']:>6.2f}/h  {figures}"
 
 
@@ -32,13 +36,19 @@ def model_line(profile: str, model_name: str) -> str:
     spec = model_spec(model_name)
     decode_ms = c.step.decode_step_s(1, PROBE_CONTEXT) * 1e3
     prefill_ms = c.step.step_s(chunk_load(PROBE_CONTEXT, 0)) * 1e3
-    return (f"{profile:<18}KV {c.kv_capacity_bytes / 1e9:7.1f} GB = {c.kv_capacity_bytes // spec.kv_bytes_per_token:>9} tokens"
-            f"  decode (1 seq, {PROBE_CONTEXT} ctx) {decode_ms:8.2f} ms  prefill {PROBE_CONTEXT} tokens {prefill_ms:8.1f} ms")  # fmt: skip
+    return (
+        f"{profile:<18}KV {c.kv_capacity_bytes / 1e9:7.1f} GB = {c.kv_capacity_bytes // spec.kv_bytes_per_token:>9} tokens"
+        f"  decode (1 seq, {PROBE_CONTEXT} ctx) {decode_ms:8.2f} ms  prefill {PROBE_CONTEXT} tokens {prefill_ms:8.1f} ms"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdd sim profiles", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help=f"also show what each profile makes of this model: {', '.join(model_names())}")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"also show what each profile makes of this model: {', '.join(model_names())}",
+    )
     args = ap.parse_args(argv)
     print("hardware profiles (pdd/sim/profiles/, $PDD_SIM_PROFILES):")
     for name in profile_names():
@@ -46,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     print("models: " + ", ".join(model_names()))
     if args.model:
         spec = model_spec(args.model)
-        print(f"\n{args.model}: {spec.params / 1e9:.2f} B params, {spec.weight_bytes / 1e9:.2f} GB of weights, "
-              f"{spec.kv_bytes_per_token} KV bytes/token")  # fmt: skip
+        print(
+            f"\n{args.model}: {spec.params / 1e9:.2f} B params, {spec.weight_bytes / 1e9:.2f} GB of weights, "
+            f"{spec.kv_bytes_per_token} KV bytes/token"
+        )
         for name in profile_names():
             print("  " + model_line(name, args.model))
     return 0

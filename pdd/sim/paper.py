@@ -103,13 +103,20 @@ def at_premium(a: Chip, b: Chip, premium: float) -> Chip:
 
 def same_dc_fleet(sc: Scenario, a: Chip, prefills: int) -> Deployment:
     total = sc.count(BASELINE_A)
-    return same_dc(RoleSpec(prefills, a), RoleSpec(total - prefills, a), f"same-dc {prefills}P+{total - prefills}D")
+    return same_dc(
+        RoleSpec(prefills, a), RoleSpec(total - prefills, a), f"same-dc {prefills}P+{total - prefills}D"
+    )
 
 
 def pdd_fleet(sc: Scenario, a: Chip, b: Chip, relays: int) -> Deployment:
     p = sc.count(PDD_A) - relays
-    return pdd(RoleSpec(p, a), RoleSpec(relays, a), RoleSpec(sc.count(PDD_B), b), sc.line,
-               f"pdd {p}P+{relays}RLD+{sc.count(PDD_B)}MD")  # fmt: skip
+    return pdd(
+        RoleSpec(p, a),
+        RoleSpec(relays, a),
+        RoleSpec(sc.count(PDD_B), b),
+        sc.line,
+        f"pdd {p}P+{relays}RLD+{sc.count(PDD_B)}MD",
+    )
 
 
 def naive_fleet(sc: Scenario, a: Chip, b: Chip) -> Deployment:
@@ -122,8 +129,11 @@ def candidates(sc: Scenario, a: Chip, b: Chip) -> list[Deployment]:
     total, pdd_a = sc.count(BASELINE_A), sc.count(PDD_A)
     splits = sorted({min(total - 1, max(1, round(total * f))) for f in SPLITS})
     relays = sorted({min(pdd_a - 1, max(1, round(pdd_a * f))) for f in RELAY_SHARES})
-    return ([same_dc_fleet(sc, a, p) for p in splits] + [pdd_fleet(sc, a, b, r) for r in relays]
-            + [naive_fleet(sc, a, b)])  # fmt: skip
+    return (
+        [same_dc_fleet(sc, a, p) for p in splits]
+        + [pdd_fleet(sc, a, b, r) for r in relays]
+        + [naive_fleet(sc, a, b)]
+    )
 
 
 def cost_change(a: Chip, line_price: float, premium: float) -> float:
@@ -159,8 +169,16 @@ def make_workload(sc: Scenario, rate_rps: float) -> Workload:
 def search(sc: Scenario, d: Deployment) -> Goodput:
     """SLA goodput of one deployment (run in a worker process: results only, no callbacks)."""
     model = profiles.model_spec(MODEL)
-    return sla_goodput(d, partial(make_workload, sc), model, SLA, sc.settings, start_rps=64.0 * sc.scale,
-                       rel_tol=sc.rel_tol, drain_s=60.0)  # fmt: skip
+    return sla_goodput(
+        d,
+        partial(make_workload, sc),
+        model,
+        SLA,
+        sc.settings,
+        start_rps=64.0 * sc.scale,
+        rel_tol=sc.rel_tol,
+        drain_s=60.0,
+    )
 
 
 def search_all(sc: Scenario, fleets: list[Deployment]) -> list[Goodput]:
@@ -190,7 +208,9 @@ def change(new: float, old: float) -> float:
     return new / old - 1.0 if old else float("nan")
 
 
-def metrics(sc: Scenario, a: Chip, chosen: dict[str, tuple[Deployment, Goodput]], at: dict[str, Probe]) -> dict:
+def metrics(
+    sc: Scenario, a: Chip, chosen: dict[str, tuple[Deployment, Goodput]], at: dict[str, Probe]
+) -> dict:
     """Our figures for PDD against same-DC (and naive's goodput), as fractions."""
     kvbpt = profiles.model_spec(MODEL).kv_bytes_per_token
     (base, base_g), (pd, pdd_g) = chosen["same-dc"], chosen["pdd"]
@@ -215,8 +235,10 @@ def metrics(sc: Scenario, a: Chip, chosen: dict[str, tuple[Deployment, Goodput]]
     for premium in (*PREMIUMS, 1.25):
         tag = f"{round(premium * 100) - 100}"
         m[f"cost_change_{tag}"] = cost_change(a, sc.line_price, premium)
-        m[f"bcr_change_{tag}"] = change(bcr(pdd_g.rate_rps, with_premium(pd, a, premium).cost_per_hour),
-                                        bcr(base_g.rate_rps, base.cost_per_hour))  # fmt: skip
+        m[f"bcr_change_{tag}"] = change(
+            bcr(pdd_g.rate_rps, with_premium(pd, a, premium).cost_per_hour),
+            bcr(base_g.rate_rps, base.cost_per_hour),
+        )
     return m
 
 
@@ -226,8 +248,12 @@ def own_rate_bandwidth(g: Goodput, kv_bytes_per_token: int) -> dict:
     if p is None:
         return {}
     s = p.result.summary()
-    return {"own_rate_rps": p.rate_rps, "own_rate_bandwidth_ratio": bandwidth_ratio(p.result.records, kv_bytes_per_token),
-            "own_rate_wan_gbps_mean": s["wan_gbps_mean"], "own_rate_wan_gbps_p99": s["wan_gbps_p99"]}  # fmt: skip
+    return {
+        "own_rate_rps": p.rate_rps,
+        "own_rate_bandwidth_ratio": bandwidth_ratio(p.result.records, kv_bytes_per_token),
+        "own_rate_wan_gbps_mean": s["wan_gbps_mean"],
+        "own_rate_wan_gbps_p99": s["wan_gbps_p99"],
+    }
 
 
 def agrees(paper: float, ours: float) -> bool:
@@ -246,35 +272,52 @@ def rows(m: dict) -> list[dict]:
         ("BCR change, gpu-b at 1.30x", None, "bcr_change_30", pct),
         ("cost change, gpu-b at 1.20x", "cost_change_20", "cost_change_20", pct),
         ("cost change, gpu-b at 1.30x", "cost_change_30", "cost_change_30", pct),
-        (f"WAN bytes cut at {m['workload_mean_hit']:.0%} mean hit", "bandwidth_ratio", "bandwidth_ratio", ratio),
+        (
+            f"WAN bytes cut at {m['workload_mean_hit']:.0%} mean hit",
+            "bandwidth_ratio",
+            "bandwidth_ratio",
+            ratio,
+        ),
         ("WAN bytes cut, at PDD's own goodput", "bandwidth_ratio", "own_rate_bandwidth_ratio", ratio),
     ]
     out = []
     for label, paper_key, ours_key, fmt in spec:
         paper, ours = PAPER_FIGURES.get(paper_key or ""), m.get(ours_key, float("nan"))
         verdict = "-" if paper is None else "yes" if agrees(paper, ours) else "no"
-        out.append({"metric": label, "paper": "-" if paper is None else fmt(paper), "ours": fmt(ours),
-                    "agrees": verdict})
+        out.append(
+            {
+                "metric": label,
+                "paper": "-" if paper is None else fmt(paper),
+                "ours": fmt(ours),
+                "agrees": verdict,
+            }
+        )
     return out
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['scenario']['sla']}; compared at {result['at_rate_rps']:.1f} req/s")
     for name, f in result["fleets"].items():
-        print(f"  {name:8s} {f['name']:26s} goodput {f['goodput_rps']:7.1f} req/s  ${f['cost_per_hour']:.2f}/h")
+        print(
+            f"  {name:8s} {f['name']:26s} goodput {f['goodput_rps']:7.1f} req/s  ${f['cost_per_hour']:.2f}/h"
+        )
     print(f"\n| {'metric':38s} | {'paper':>8s} | {'ours':>8s} | agrees? |")
     print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|---------|")
     for r in result["rows"]:
         print(f"| {r['metric']:38s} | {r['paper']:>8s} | {r['ours']:>8s} | {r['agrees']:7s} |")
     m = result["metrics"]
-    print(f"\nPDD's WAN: {m['wan_gbps_mean']:.1f} Gbit/s mean, {m['wan_gbps_p99']:.1f} p99 (cacheless: "
-          f"{m['cacheless_gbps_mean']:.1f} mean); MD hit {m['md_hit_mean']:.1%}; RLD token share "
-          f"{m['rld_token_share']:.1%} (paper 6.2%); pipelines "
-          + ", ".join(f"{k} {v:.1%}" for k, v in m["pipelines"].items())
-          + f"; filtered {m['filtered_share']:.1%}")  # fmt: skip
+    print(
+        f"\nPDD's WAN: {m['wan_gbps_mean']:.1f} Gbit/s mean, {m['wan_gbps_p99']:.1f} p99 (cacheless: "
+        f"{m['cacheless_gbps_mean']:.1f} mean); MD hit {m['md_hit_mean']:.1%}; RLD token share "
+        f"{m['rld_token_share']:.1%} (paper 6.2%); pipelines "
+        + ", ".join(f"{k} {v:.1%}" for k, v in m["pipelines"].items())
+        + f"; filtered {m['filtered_share']:.1%}"
+    )
     if "own_rate_rps" in m:
-        print(f"At PDD's own goodput ({m['own_rate_rps']:.1f} req/s) its WAN: {m['own_rate_wan_gbps_mean']:.1f} "
-              f"Gbit/s mean, {m['own_rate_wan_gbps_p99']:.1f} p99")
+        print(
+            f"At PDD's own goodput ({m['own_rate_rps']:.1f} req/s) its WAN: {m['own_rate_wan_gbps_mean']:.1f} "
+            f"Gbit/s mean, {m['own_rate_wan_gbps_p99']:.1f} p99"
+        )
 
 
 def figure(result: dict):
@@ -309,11 +352,18 @@ def run(sc: Scenario) -> dict:
     m = metrics(sc, a, chosen, at)
     return {
         "scenario": {**asdict(sc), "model": MODEL, "sla": SLA.describe(), "block_size": BLOCK_SIZE},
-        "fleets": {k: {"name": d.name, "goodput_rps": g.rate_rps, "cost_per_hour": d.cost_per_hour}
-                   for k, (d, g) in chosen.items()},  # fmt: skip
-        "searched": [{"name": d.name, "goodput_rps": g.rate_rps,
-                      "probes": [{"rate_rps": p.rate_rps, "attainment": p.attainment} for p in g.probes]}
-                     for d, g in zip(fleets, found, strict=True)],  # fmt: skip
+        "fleets": {
+            k: {"name": d.name, "goodput_rps": g.rate_rps, "cost_per_hour": d.cost_per_hour}
+            for k, (d, g) in chosen.items()
+        },
+        "searched": [
+            {
+                "name": d.name,
+                "goodput_rps": g.rate_rps,
+                "probes": [{"rate_rps": p.rate_rps, "attainment": p.attainment} for p in g.probes],
+            }
+            for d, g in zip(fleets, found, strict=True)
+        ],
         "at_rate_rps": rate,
         "at_rate": {k: p.row for k, p in at.items()},
         "metrics": m,
@@ -326,9 +376,20 @@ def run(sc: Scenario) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdd sim paper", description=__doc__.split("\n")[0])
     d = Scenario()
-    p.add_argument("--quick", action="store_true", help="a tenth of each fleet (--scale 0.1), 10 s probes (under a minute)")
-    p.add_argument("--scale", type=float, default=None, help=f"fleet counts and rates x this (default {d.scale:g})")
-    p.add_argument("--duration", type=float, default=None, help=f"seconds of arrivals per probe (default {d.duration_s:g})")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tenth of each fleet (--scale 0.1), 10 s probes (under a minute)",
+    )
+    p.add_argument(
+        "--scale", type=float, default=None, help=f"fleet counts and rates x this (default {d.scale:g})"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help=f"seconds of arrivals per probe (default {d.duration_s:g})",
+    )
     p.add_argument("--wan-gbps", type=float, default=d.wan_gbps, help="the cross-DC line's bandwidth, Gbit/s")
     p.add_argument("--rtt-ms", type=float, default=d.rtt_s * 1000, help="the line's round trip, ms")
     p.add_argument("--line-price", type=float, default=d.line_price, help="the line's USD per hour")
@@ -342,8 +403,17 @@ def build_parser() -> argparse.ArgumentParser:
 def scenario(args: argparse.Namespace) -> Scenario:
     scale = args.scale if args.scale is not None else 0.1 if args.quick else 1.0
     duration = args.duration if args.duration is not None else 10.0 if args.quick else Scenario.duration_s
-    return Scenario(scale, duration, args.seed, args.wan_gbps, args.rtt_ms / 1000, Scenario.jitter_s,
-                    args.line_price, Scenario.rel_tol, max(1, args.jobs))  # fmt: skip
+    return Scenario(
+        scale,
+        duration,
+        args.seed,
+        args.wan_gbps,
+        args.rtt_ms / 1000,
+        Scenario.jitter_s,
+        args.line_price,
+        Scenario.rel_tol,
+        max(1, args.jobs),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,8 +30,18 @@ from pdd.sim.workload import Workload
 
 OUT = "bench/out/sim_plan.json"
 BLOCK = 16  # the engine's KV block (EngineSettings.block_size)
-SUMMARY_KEYS = ("requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "max_gap_p50_s",
-                "max_gap_p99_s", "wan_gbps_mean", "wan_gbps_p99", "rld_token_share")  # fmt: skip
+SUMMARY_KEYS = (
+    "requests",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "max_gap_p50_s",
+    "max_gap_p99_s",
+    "wan_gbps_mean",
+    "wan_gbps_p99",
+    "rld_token_share",
+)
 
 
 def default_model() -> str:
@@ -41,27 +51,50 @@ def default_model() -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdd sim plan", description=__doc__.split("\n\n")[0])
     w = ap.add_argument_group("workload")
-    w.add_argument("--rate", type=float, default=4.0, help="agentic (paper-scale) open loop: requests/s (default 4)")
+    w.add_argument(
+        "--rate", type=float, default=4.0, help="agentic (paper-scale) open loop: requests/s (default 4)"
+    )
     w.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals (default 120)")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--trace", default=None, help="replay this Mooncake JSONL trace instead of the agentic workload")
-    w.add_argument("--rate-scale", type=float, default=1.0, help="the trace's arrivals this many times as fast")
+    w.add_argument(
+        "--trace", default=None, help="replay this Mooncake JSONL trace instead of the agentic workload"
+    )
+    w.add_argument(
+        "--rate-scale", type=float, default=1.0, help="the trace's arrivals this many times as fast"
+    )
     s = ap.add_argument_group("SLA")
     s.add_argument("--sla-ttft", type=float, default=Sla.ttft_s, help="seconds (default %(default)s)")
     s.add_argument("--sla-tpot", type=float, default=Sla.tpot_s, help="seconds (default %(default)s)")
-    s.add_argument("--sla-gap", type=float, default=None, help="longest stall between tokens, seconds (default: not held)")
-    s.add_argument("--sla-attainment", type=float, default=Sla.attainment, help="share of requests (default %(default)s)")
+    s.add_argument(
+        "--sla-gap",
+        type=float,
+        default=None,
+        help="longest stall between tokens, seconds (default: not held)",
+    )
+    s.add_argument(
+        "--sla-attainment", type=float, default=Sla.attainment, help="share of requests (default %(default)s)"
+    )
     f = ap.add_argument_group("fleet")
     f.add_argument("--model", default=default_model(), help="model shape (default %(default)s)")
-    f.add_argument("--dc-a", default="gpu-a,h100-sxm", help="candidate profiles for P and RLD (default %(default)s)")
+    f.add_argument(
+        "--dc-a", default="gpu-a,h100-sxm", help="candidate profiles for P and RLD (default %(default)s)"
+    )
     f.add_argument("--dc-b", default="gpu-b,h200-sxm", help="candidate profiles for MD (default %(default)s)")
     f.add_argument("--wan-gbps", type=float, default=100.0, help="the cross-DC line's Gbit/s (default 100)")
     f.add_argument("--wan-ms", type=float, default=10.0, help="its one-way delay, ms (default 10)")
-    f.add_argument("--wan-jitter-ms", type=float, default=1.0, help="uniform jitter per crossing, ms (default 1)")
-    f.add_argument("--wan-price", type=float, default=10.0, help="the line's USD per hour (default 10, assumed)")
+    f.add_argument(
+        "--wan-jitter-ms", type=float, default=1.0, help="uniform jitter per crossing, ms (default 1)"
+    )
+    f.add_argument(
+        "--wan-price", type=float, default=10.0, help="the line's USD per hour (default 10, assumed)"
+    )
     f.add_argument("--max-instances", type=int, default=200, help="instances per fleet at most (default 200)")
-    f.add_argument("--max-evals", type=int, default=40, help="simulations per fleet kind at most (default 40)")
-    f.add_argument("--drain", type=float, default=60.0, help="simulated seconds after the last arrival (default 60)")
+    f.add_argument(
+        "--max-evals", type=int, default=40, help="simulations per fleet kind at most (default 40)"
+    )
+    f.add_argument(
+        "--drain", type=float, default=60.0, help="simulated seconds after the last arrival (default 60)"
+    )
     ap.add_argument("--out", default=OUT, help="JSON result (default %(default)s)")
     add_quiet_option(ap)
     return ap
@@ -139,11 +172,18 @@ def floors(st: Setting, profiles: set[str]) -> dict[str, tuple[int, int, int]]:
     out = {}
     for name in profiles:
         c = st.chips[name]
-        batch = planner.decode_batch(c.step, context, c.kv_capacity_bytes // st.model.kv_bytes_per_token,
-                                     st.sla.tpot_s, st.sim.max_num_seqs)  # fmt: skip
-        out[name] = (planner.prefill_floor(prompts, duration, c.step),
-                     planner.decode_floor(out_rate, c.step, batch, context),
-                     planner.decode_floor(out_rate, c.step, st.sim.max_num_seqs, 0.0))  # fmt: skip
+        batch = planner.decode_batch(
+            c.step,
+            context,
+            c.kv_capacity_bytes // st.model.kv_bytes_per_token,
+            st.sla.tpot_s,
+            st.sim.max_num_seqs,
+        )
+        out[name] = (
+            planner.prefill_floor(prompts, duration, c.step),
+            planner.decode_floor(out_rate, c.step, batch, context),
+            planner.decode_floor(out_rate, c.step, st.sim.max_num_seqs, 0.0),
+        )
     return out
 
 
@@ -153,20 +193,27 @@ Starts = tuple[list[Fleet], dict[Shape, Fleet]]  # where each shape's search sta
 def starts(dc_a: list[str], dc_b: list[str], fl: dict[str, tuple[int, int, int]]) -> tuple[Starts, Starts]:
     """Every PDD shape's start and floor, and every same-DC shape's (either DC)."""
     cross = [Shape(p, d, r) for p in dc_a for r in dc_a for d in dc_b]
-    same = [Shape(p, d, None, dc) for dc, names in (("dc-a", dc_a), ("dc-b", dc_b)) for p in names for d in names]
+    same = [
+        Shape(p, d, None, dc) for dc, names in (("dc-a", dc_a), ("dc-b", dc_b)) for p in names for d in names
+    ]
 
     def fleets(shapes: list[Shape]) -> Starts:
         relay = [s.relay is not None for s in shapes]
-        begin = [Fleet(s, fl[s.prefill][0], fl[s.decode][1], planner.relay_floor(fl[s.decode][1]) if r else 0)
-                 for s, r in zip(shapes, relay, strict=True)]  # fmt: skip
-        floor = {s: Fleet(s, fl[s.prefill][0], fl[s.decode][2], int(r)) for s, r in zip(shapes, relay, strict=True)}
+        begin = [
+            Fleet(s, fl[s.prefill][0], fl[s.decode][1], planner.relay_floor(fl[s.decode][1]) if r else 0)
+            for s, r in zip(shapes, relay, strict=True)
+        ]
+        floor = {
+            s: Fleet(s, fl[s.prefill][0], fl[s.decode][2], int(r)) for s, r in zip(shapes, relay, strict=True)
+        }
         return begin, floor
 
     return fleets(cross), fleets(same)
 
 
-def plan_one(label: str, shapes: Starts, st: Setting,
-             args: argparse.Namespace) -> tuple[Fleet | None, planner.Search]:  # fmt: skip
+def plan_one(
+    label: str, shapes: Starts, st: Setting, args: argparse.Namespace
+) -> tuple[Fleet | None, planner.Search]:
     with progress(f"plan {label}", total=args.max_evals) as advance:
         evals = planner.Evaluations(lambda f: evaluate(st, f), args.max_evals, lambda f, o: advance())
         search = planner.Search(evals, st.cost, st.sla.attainment, args.max_instances)
@@ -180,8 +227,14 @@ def distinct(names: list[str], chips: dict[str, Chip]) -> tuple[list[str], dict[
     kept: list[str] = []
     twins: dict[str, str] = {}
     for n in names:
-        twin = next((k for k in kept if dataclasses.replace(chips[k], name="") == dataclasses.replace(chips[n], name="")),
-                    None)  # fmt: skip
+        twin = next(
+            (
+                k
+                for k in kept
+                if dataclasses.replace(chips[k], name="") == dataclasses.replace(chips[n], name="")
+            ),
+            None,
+        )
         if twin is None:
             kept.append(n)
         else:
@@ -194,19 +247,35 @@ def fleet_row(st: Setting, f: Fleet | None, evals: planner.Evaluations) -> dict 
         return None
     out = evals.seen[f]
     roles = {r: {"count": f.count(r), "profile": f.shape.profile(r)} for r in f.shape.roles}
-    return {"dc": f.shape.dc, **roles, "cost_per_hour": st.cost(f), "attainment": out.attainment, **out.summary}
+    return {
+        "dc": f.shape.dc,
+        **roles,
+        "cost_per_hour": st.cost(f),
+        "attainment": out.attainment,
+        **out.summary,
+    }
 
 
 def search_row(st: Setting, found: Fleet | None, search: planner.Search) -> dict:
     shapes = [{**dataclasses.asdict(shape), "outcome": what} for shape, what in search.shapes.items()]
-    return {"fleet": fleet_row(st, found, search.evaluations), "shapes": shapes,
-            "evaluations": eval_rows(st, search.evaluations)}  # fmt: skip
+    return {
+        "fleet": fleet_row(st, found, search.evaluations),
+        "shapes": shapes,
+        "evaluations": eval_rows(st, search.evaluations),
+    }
 
 
 def eval_rows(st: Setting, evals: planner.Evaluations) -> list[dict]:
-    return [{"shape": dataclasses.asdict(f.shape), "counts": {r: f.count(r) for r in f.shape.roles},
-             "cost_per_hour": st.cost(f), "attainment": o.attainment, "pressure": o.pressure}
-            for f, o in evals.seen.items()]  # fmt: skip
+    return [
+        {
+            "shape": dataclasses.asdict(f.shape),
+            "counts": {r: f.count(r) for r in f.shape.roles},
+            "cost_per_hour": st.cost(f),
+            "attainment": o.attainment,
+            "pressure": o.pressure,
+        }
+        for f, o in evals.seen.items()
+    ]
 
 
 def setting(args: argparse.Namespace, names: list[str]) -> Setting:
@@ -220,19 +289,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
     st = setting(args, sorted({*_names(args.dc_a), *_names(args.dc_b)}))
-    (dc_a, twins_a), (dc_b, twins_b) = distinct(_names(args.dc_a), st.chips), distinct(_names(args.dc_b), st.chips)
+    (dc_a, twins_a), (dc_b, twins_b) = (
+        distinct(_names(args.dc_a), st.chips),
+        distinct(_names(args.dc_b), st.chips),
+    )
     cross, same = starts(dc_a, dc_b, floors(st, {*dc_a, *dc_b}))
     pdd_row = search_row(st, *plan_one("pdd", cross, st, args))
     same_row = search_row(st, *plan_one("same-dc", same, st, args))
     result = {
-        "args": vars(args), "model": args.model, "sla": st.sla.describe(),
-        "workload": {"name": st.workload.name, "requests": len(st.workload.requests),
-                     "duration_s": st.workload.duration_s},
+        "args": vars(args),
+        "model": args.model,
+        "sla": st.sla.describe(),
+        "workload": {
+            "name": st.workload.name,
+            "requests": len(st.workload.requests),
+            "duration_s": st.workload.duration_s,
+        },
         "prices_per_hour": {n: c.price_per_hour for n, c in st.chips.items()} | {"wan-line": args.wan_price},
-        "twins": twins_a | twins_b, "pdd": pdd_row, "same_dc": same_row,
+        "twins": twins_a | twins_b,
+        "pdd": pdd_row,
+        "same_dc": same_row,
         "saving": saving(pdd_row["fleet"], same_row["fleet"]),
-        "max_evals": args.max_evals, "max_instances": args.max_instances,
-    }  # fmt: skip
+        "max_evals": args.max_evals,
+        "max_instances": args.max_instances,
+    }
     result["wall_s"] = time.perf_counter() - started
     save_report(result, args.out, table=print_plan)
     return 0 if pdd_row["fleet"] is not None else 1
@@ -270,7 +350,9 @@ def print_plan(r: dict) -> None:
     s = r["saving"]
     if s:
         more_less = "less" if s["usd_per_hour"] >= 0 else "more"
-        print(f"\nPDD costs ${abs(s['usd_per_hour']):.2f}/h ({abs(s['share']):.1%}) {more_less} than same-DC PD")
+        print(
+            f"\nPDD costs ${abs(s['usd_per_hour']):.2f}/h ({abs(s['share']):.1%}) {more_less} than same-DC PD"
+        )
 
 
 def _rows() -> list[tuple[str, Callable[[dict], str]]]:
@@ -280,11 +362,17 @@ def _rows() -> list[tuple[str, Callable[[dict], str]]]:
     def pair(key: str, scale: float, unit: str) -> Callable[[dict], str]:
         return lambda f: f"{f[key + '_p50_s'] * scale:.0f} / {f[key + '_p99_s'] * scale:.0f} {unit}"
 
-    return [("P", role("prefill")), ("RLD", role("relay")), ("MD / D", role("decode")),
-            ("cost", lambda f: f"${f['cost_per_hour']:.2f}/h"), ("SLA attained", lambda f: f"{f['attainment']:.1%}"),
-            ("TTFT p50/p99", pair("ttft", 1e3, "ms")), ("TPOT p50/p99", pair("tpot", 1e3, "ms")),
-            ("max gap p50/p99", pair("max_gap", 1e3, "ms")),
-            ("WAN mean/p99", lambda f: f"{f['wan_gbps_mean']:.1f} / {f['wan_gbps_p99']:.1f} Gb/s")]  # fmt: skip
+    return [
+        ("P", role("prefill")),
+        ("RLD", role("relay")),
+        ("MD / D", role("decode")),
+        ("cost", lambda f: f"${f['cost_per_hour']:.2f}/h"),
+        ("SLA attained", lambda f: f"{f['attainment']:.1%}"),
+        ("TTFT p50/p99", pair("ttft", 1e3, "ms")),
+        ("TPOT p50/p99", pair("tpot", 1e3, "ms")),
+        ("max gap p50/p99", pair("max_gap", 1e3, "ms")),
+        ("WAN mean/p99", lambda f: f"{f['wan_gbps_mean']:.1f} / {f['wan_gbps_p99']:.1f} Gb/s"),
+    ]
 
 
 def _cell(cell: Callable[[dict], str], fleet: dict | None, row: int) -> str:

@@ -84,8 +84,9 @@ Cost = Callable[[Fleet], float]
 class Evaluations:
     """`evaluate` memoised and capped at max_evals distinct fleets; None once the cap is spent."""
 
-    def __init__(self, evaluate: Evaluate, max_evals: int,
-                 on_eval: Callable[[Fleet, Outcome], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, evaluate: Evaluate, max_evals: int, on_eval: Callable[[Fleet, Outcome], None] | None = None
+    ) -> None:
         self.evaluate, self.max_evals, self.on_eval = evaluate, max_evals, on_eval
         self.seen: dict[Fleet, Outcome] = {}
 
@@ -133,7 +134,9 @@ class Search:
         return None
 
 
-def cheapest(starts: Iterable[Fleet], search: Search, floors: dict[Shape, Fleet] | None = None) -> Fleet | None:
+def cheapest(
+    starts: Iterable[Fleet], search: Search, floors: dict[Shape, Fleet] | None = None
+) -> Fleet | None:
     """The cheapest fleet meeting the SLA over every shape, each searched from its start
     (fewer instances on a tie), the cheapest start first; a shape whose floor (no fleet of it
     below; its start when not given) costs at least the best fleet found is skipped. None when
@@ -150,8 +153,11 @@ def cheapest(starts: Iterable[Fleet], search: Search, floors: dict[Shape, Fleet]
         met = grow(start, search)
         if met is None:
             spent = search.evaluations.spent >= search.evaluations.max_evals
-            search.shapes[start.shape] = ("stopped: the evaluations ran out" if spent
-                                          else "searched: no fleet met the SLA within max instances")  # fmt: skip
+            search.shapes[start.shape] = (
+                "stopped: the evaluations ran out"
+                if spent
+                else "searched: no fleet met the SLA within max instances"
+            )
             continue
         met = shrink(met, search)
         counts = ", ".join(f"{met.count(r)} {r}" for r in met.shape.roles)

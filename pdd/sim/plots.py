@@ -56,7 +56,9 @@ def goodput_sweep(deployments: list[dict], target: float):
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for d in deployments:
         probes = sorted(d.get("probes") or [], key=lambda p: p["rate_rps"])
-        line = ax.plot([p["rate_rps"] for p in probes], [p["attainment"] for p in probes], "o-", label=d["name"])
+        line = ax.plot(
+            [p["rate_rps"] for p in probes], [p["attainment"] for p in probes], "o-", label=d["name"]
+        )
         if d.get("goodput_rps"):
             ax.axvline(d["goodput_rps"], color=line[0].get_color(), ls=":", lw=1)
     ax.axhline(target, color="grey", ls="--", lw=1, label=f"SLA attainment {target:.0%}")

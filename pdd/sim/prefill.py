@@ -25,8 +25,17 @@ class PrefillWork:
 
 
 class PrefillInstance(Instance):
-    def __init__(self, name: str, chip: Chip, loop: EventLoop, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_batched_tokens: int, on_cache_events: CacheEvents):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        chip: Chip,
+        loop: EventLoop,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        on_cache_events: CacheEvents,
+    ):
         super().__init__(name, chip, loop, num_blocks, block_size)
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.on_cache_events = on_cache_events

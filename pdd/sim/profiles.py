@@ -32,10 +32,18 @@ PRESET_NAMES = ("tiny", "small", "medium")  # shared/model/presets.py (not impor
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The figures each kind must carry, each with an entry in "sources".
 FIGURES = {
-    "roofline": ("peak_bf16_flops", "hbm_bandwidth_bytes_per_s", "memory_bytes", "compute_efficiency",
-                 "memory_efficiency", "usable_memory_fraction", "overhead_s", "price_per_hour"),
+    "roofline": (
+        "peak_bf16_flops",
+        "hbm_bandwidth_bytes_per_s",
+        "memory_bytes",
+        "compute_efficiency",
+        "memory_efficiency",
+        "usable_memory_fraction",
+        "overhead_s",
+        "price_per_hour",
+    ),
     "calibrated": ("step", "memory_bytes", "usable_memory_fraction", "price_per_hour"),
-}  # fmt: skip
+}
 
 
 # ---- model shapes ----------------------------------------------------------------------
@@ -56,12 +64,16 @@ def model_spec(name: str, dtype: str | None = None) -> ModelSpec:
         raise ValueError(f"{path}: tied embeddings are not modelled (ModelSpec counts lm_head apart)")
     heads = cfg["num_attention_heads"]
     return ModelSpec(
-        name=name, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=heads,
+        name=name,
+        layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        heads=heads,
         kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+        intermediate=cfg["intermediate_size"],
+        vocab=cfg["vocab_size"],
         dtype_bytes=_dtype_bytes(dtype or cfg.get("torch_dtype", "bfloat16")),
-    )  # fmt: skip
+    )
 
 
 def _preset_spec(name: str, dtype: str) -> ModelSpec:
@@ -70,10 +82,16 @@ def _preset_spec(name: str, dtype: str) -> ModelSpec:
 
     p = PRESETS[name]
     return ModelSpec(
-        name=name, layers=p["num_layers"], hidden=p["hidden_size"], heads=p["num_heads"],
-        kv_heads=p["num_kv_heads"], head_dim=p["head_dim"], intermediate=p["intermediate_size"],
-        vocab=ByteTokenizer.vocab_size, dtype_bytes=_dtype_bytes(dtype),
-    )  # fmt: skip
+        name=name,
+        layers=p["num_layers"],
+        hidden=p["hidden_size"],
+        heads=p["num_heads"],
+        kv_heads=p["num_kv_heads"],
+        head_dim=p["head_dim"],
+        intermediate=p["intermediate_size"],
+        vocab=ByteTokenizer.vocab_size,
+        dtype_bytes=_dtype_bytes(dtype),
+    )
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -122,8 +140,10 @@ def chip(profile_name: str, model: ModelSpec) -> Chip:
         step = step_cost_from_json(profile["step"])
     usable = int(profile["memory_bytes"] * profile["usable_memory_fraction"])
     if usable <= model.weight_bytes:
-        raise ValueError(f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) does not fit in "
-                         f"{profile_name}'s usable memory ({usable / 1e9:.1f} GB)")  # fmt: skip
+        raise ValueError(
+            f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) does not fit in "
+            f"{profile_name}'s usable memory ({usable / 1e9:.1f} GB)"
+        )
     return Chip(profile_name, step, usable - model.weight_bytes, float(profile["price_per_hour"]))
 
 

@@ -94,7 +94,9 @@ class SimResult:
     wan_bytes_per_s: list[float]  # bytes serialised on the WAN in each 1 s bin
     busy_s: dict[str, float] = field(default_factory=dict)  # per role: Σ instance busy seconds
     events: int = 0  # events processed
-    busy_spells: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # per instance, if asked for
+    busy_spells: dict[str, list[tuple[float, float]]] = field(
+        default_factory=dict
+    )  # per instance, if asked for
 
     def summary(self) -> dict:
         """p50/p99 of each latency; WAN Gbit/s mean and p99 (of the 1 s bins); the RLD's share
@@ -110,6 +112,8 @@ class SimResult:
         output = sum(r.output_tokens for r in self.records)
         out["rld_token_share"] = sum(r.rld_tokens for r in self.records) / output if output else 0.0
         n = len(self.records) or 1
-        out["pipelines"] = {p: sum(r.pipeline == p for r in self.records) / n for p in ("p-md", "p-rld-md", "rld-only")}
+        out["pipelines"] = {
+            p: sum(r.pipeline == p for r in self.records) / n for p in ("p-md", "p-rld-md", "rld-only")
+        }
         out["filtered"] = sum(r.filtered for r in self.records)
         return out

@@ -18,8 +18,16 @@ from shared.config import RouterSettings
 
 
 class SimRouter:
-    def __init__(self, settings: RouterSettings, loop: EventLoop, block_size: int, kv_bytes_per_token: int,
-                 instances: dict[Role, list[Instance]], kv_link: Callable[[str], Link], md_report_delay_s: float):  # fmt: skip
+    def __init__(
+        self,
+        settings: RouterSettings,
+        loop: EventLoop,
+        block_size: int,
+        kv_bytes_per_token: int,
+        instances: dict[Role, list[Instance]],
+        kv_link: Callable[[str], Link],
+        md_report_delay_s: float,
+    ):
         self.settings, self.loop, self.instances, self.kv_link = settings, loop, instances, kv_link
         self.ctx = RouteContext(settings, PrefixIndex(), PrefixIndex(), block_size, kv_bytes_per_token)
         self.assignments = Assignments()
@@ -73,7 +81,9 @@ class SimRouter:
         both alike)."""
         members = self._members.get(role)
         if members is None:
-            members = self._members[role] = [_Member(i, (role.value, i.name)) for i in self.instances.get(role, [])]
+            members = self._members[role] = [
+                _Member(i, (role.value, i.name)) for i in self.instances.get(role, [])
+            ]
         pending, unreported = self.assignments.pending, self.assignments.unreported()
         for m in members:
             inst, key = m.inst, m.key
@@ -93,8 +103,19 @@ class _Member:
     """One instance as the router weighs it: an InstanceLoad (the fields the policy reads, and
     its load_of) that the router updates in place instead of making one per route."""
 
-    __slots__ = ("inst", "key", "instance", "running", "waiting", "free_blocks", "num_blocks", "held", "pending",
-                 "recent", "load")  # fmt: skip
+    __slots__ = (
+        "inst",
+        "key",
+        "instance",
+        "running",
+        "waiting",
+        "free_blocks",
+        "num_blocks",
+        "held",
+        "pending",
+        "recent",
+        "load",
+    )
 
     def __init__(self, inst: Instance, key: tuple[str, str]) -> None:
         self.inst, self.key, self.instance = inst, key, inst.name  # key: its Assignments key
@@ -107,4 +128,6 @@ class _Member:
         inst.load_changed = False
         self.running, self.waiting = inst.load_counts()
         self.free_blocks, self.held, self.pending = len(inst.pool.free), inst.held, pending
-        self.load = load_from(self.running, self.waiting, self.free_blocks, self.num_blocks, self.held, pending)
+        self.load = load_from(
+            self.running, self.waiting, self.free_blocks, self.num_blocks, self.held, pending
+        )

@@ -51,17 +51,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_options(ap)
     add_sla_options(ap)
     add_settings_options(ap)
-    ap.add_argument("--drain", type=float, default=120.0, help="seconds past the last arrival before unfinished requests count as missed (default 120)")
+    ap.add_argument(
+        "--drain",
+        type=float,
+        default=120.0,
+        help="seconds past the last arrival before unfinished requests count as missed (default 120)",
+    )
     ap.add_argument("--sweep", action="store_true", help="find each deployment's SLA goodput and BCR")
-    ap.add_argument("--sweep-tol", type=float, default=0.05, help="relative precision of the goodput search (default 0.05)")
-    ap.add_argument("--bathtub", action="store_true", help="PDD's goodput benefit over --bathtub-baseline across hit rates")
-    ap.add_argument("--bathtub-baseline", choices=("same-dc", "naive"), default="same-dc",
-                    help="what PDD is compared with: the first of that kind in --deployment (default same-dc)")
-    ap.add_argument("--bathtub-grid", default=",".join(f"{h:g}" for h in GRID), help="hit rates (default %(default)s)")
-    ap.add_argument("--bathtub-duration", type=float, default=20.0, help="seconds of arrivals per probe (default 20)")
+    ap.add_argument(
+        "--sweep-tol",
+        type=float,
+        default=0.05,
+        help="relative precision of the goodput search (default 0.05)",
+    )
+    ap.add_argument(
+        "--bathtub",
+        action="store_true",
+        help="PDD's goodput benefit over --bathtub-baseline across hit rates",
+    )
+    ap.add_argument(
+        "--bathtub-baseline",
+        choices=("same-dc", "naive"),
+        default="same-dc",
+        help="what PDD is compared with: the first of that kind in --deployment (default same-dc)",
+    )
+    ap.add_argument(
+        "--bathtub-grid", default=",".join(f"{h:g}" for h in GRID), help="hit rates (default %(default)s)"
+    )
+    ap.add_argument(
+        "--bathtub-duration", type=float, default=20.0, help="seconds of arrivals per probe (default 20)"
+    )
     ap.add_argument("--out", default=OUT, help=f"JSON result; PNGs beside it (default {OUT})")
     add_quiet_option(ap)
-    return ap  # fmt: skip
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,13 +130,21 @@ def _bathtub_pair(deployments: list[Deployment], baseline: str) -> tuple[Deploym
         by_kind.setdefault(d.kind, d)
     missing = [k for k in ("pdd", baseline) if k not in by_kind]
     if missing:
-        raise SpecError(f"--bathtub compares pdd with {baseline}: add {' and '.join(missing)} to --deployment")
+        raise SpecError(
+            f"--bathtub compares pdd with {baseline}: add {' and '.join(missing)} to --deployment"
+        )
     return by_kind["pdd"], by_kind[baseline]
 
 
 # ---- running ---------------------------------------------------------------------------
-def _run_all(deployments: list[Deployment], workload: Workload, model: ModelSpec, sla: Sla, settings: SimSettings,
-             drain_s: float) -> list[dict]:  # fmt: skip
+def _run_all(
+    deployments: list[Deployment],
+    workload: Workload,
+    model: ModelSpec,
+    sla: Sla,
+    settings: SimSettings,
+    drain_s: float,
+) -> list[dict]:
     limit = dataclasses.replace(settings, time_limit_s=workload.duration_s + drain_s)
     rows = []
     with progress("simulate", total=100 * len(deployments)) as advance:
@@ -136,37 +166,71 @@ def deployment_row(d: Deployment, r: SimResult, offered: int, sla: Sla) -> dict:
     return {
         "name": d.name,
         "kind": d.kind,
-        "roles": {k: {"count": s.count, "profile": s.chip.name, "price_per_hour": s.chip.price_per_hour}
-                  for k, s in roles.items() if s is not None},
+        "roles": {
+            k: {"count": s.count, "profile": s.chip.name, "price_per_hour": s.chip.price_per_hour}
+            for k, s in roles.items()
+            if s is not None
+        },
         "wan": dataclasses.asdict(d.wan),
         "cost_per_hour": d.cost_per_hour,
         "offered": offered,
         "unfinished": offered - len(r.records),
         "sla_attainment": sla.attained(r.records, offered),
         **r.summary(),
-        "cdf": {k: [percentile([getattr(x, f"{k}_s") for x in r.records], q) for q in range(101)] for k in LATENCY_KEYS},
+        "cdf": {
+            k: [percentile([getattr(x, f"{k}_s") for x in r.records], q) for q in range(101)]
+            for k in LATENCY_KEYS
+        },
         "wan_gbps_series": [b * 8 / 1e9 for b in r.wan_bytes_per_s],
         "sim_time_s": r.sim_time_s,
         "events": r.events,
         "wall_s": r.wall_s,
-    }  # fmt: skip
+    }
 
 
-def _sweep_all(deployments: list[Deployment], rows: list[dict], spec: WorkloadSpec, model: ModelSpec, sla: Sla,
-               settings: SimSettings, args: argparse.Namespace) -> None:  # fmt: skip
+def _sweep_all(
+    deployments: list[Deployment],
+    rows: list[dict],
+    spec: WorkloadSpec,
+    model: ModelSpec,
+    sla: Sla,
+    settings: SimSettings,
+    args: argparse.Namespace,
+) -> None:
     """Each deployment's SLA goodput (from --rate up or down) and BCR, into its row."""
     with progress("goodput sweep", total=len(deployments)) as advance:
         for d, row in zip(deployments, rows, strict=True):
-            g = sla_goodput(d, spec.at, model, sla, settings, start_rps=spec.rate_rps, rel_tol=args.sweep_tol,
-                            drain_s=args.drain)  # fmt: skip
+            g = sla_goodput(
+                d,
+                spec.at,
+                model,
+                sla,
+                settings,
+                start_rps=spec.rate_rps,
+                rel_tol=args.sweep_tol,
+                drain_s=args.drain,
+            )
             advance()
             row["goodput_rps"] = g.rate_rps
             row["bcr"] = bcr(g.rate_rps, d.cost_per_hour)
             row["probes"] = [p.row for p in g.probes]
 
 
-RATIO_KEYS = ("ttft_p50_s", "ttft_p99_s", "tt2t_p50_s", "tt2t_p99_s", "tpot_p50_s", "tpot_p99_s", "max_gap_p50_s",
-              "max_gap_p99_s", "wan_gbps_mean", "wan_gbps_p99", "cost_per_hour", "goodput_rps", "bcr")  # fmt: skip
+RATIO_KEYS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tt2t_p50_s",
+    "tt2t_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "max_gap_p50_s",
+    "max_gap_p99_s",
+    "wan_gbps_mean",
+    "wan_gbps_p99",
+    "cost_per_hour",
+    "goodput_rps",
+    "bcr",
+)
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -182,25 +246,53 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def _bathtub(pair: tuple[Deployment, Deployment], spec: WorkloadSpec, model: ModelSpec, sla: Sla,
-             settings: SimSettings, hits: tuple[float, ...], args: argparse.Namespace) -> dict:  # fmt: skip
+def _bathtub(
+    pair: tuple[Deployment, Deployment],
+    spec: WorkloadSpec,
+    model: ModelSpec,
+    sla: Sla,
+    settings: SimSettings,
+    hits: tuple[float, ...],
+    args: argparse.Namespace,
+) -> dict:
     base = dataclasses.replace(spec.with_hit(0.0), duration_s=args.bathtub_duration)
 
     def make(hit: float, rate: float) -> Workload:
         return base.with_hit(hit).at(rate)
 
     with progress(f"bathtub {pair[0].name} vs {pair[1].name}", total=len(hits)) as advance:
-        points = bathtub(*pair, make, model, sla, settings, hits=hits, start_rps=spec.rate_rps,
-                         drain_s=min(args.drain, 30.0), on_point=lambda p: advance())  # fmt: skip
+        points = bathtub(
+            *pair,
+            make,
+            model,
+            sla,
+            settings,
+            hits=hits,
+            start_rps=spec.rate_rps,
+            drain_s=min(args.drain, 30.0),
+            on_point=lambda p: advance(),
+        )
     per_cost = pair[1].cost_per_hour / pair[0].cost_per_hour  # BCR benefit = goodput benefit x this
     rows = [{**p.row, "bcr_benefit": p.benefit * per_cost} for p in points]
-    return {"pdd": pair[0].name, "baseline": pair[1].name, "input_tokens": base.input_tokens,
-            "output_tokens": base.output_tokens, "duration_s": base.duration_s, "points": rows}  # fmt: skip
+    return {
+        "pdd": pair[0].name,
+        "baseline": pair[1].name,
+        "input_tokens": base.input_tokens,
+        "output_tokens": base.output_tokens,
+        "duration_s": base.duration_s,
+        "points": rows,
+    }
 
 
 # ---- what is printed and echoed --------------------------------------------------------
-def _settings(args: argparse.Namespace, model: ModelSpec, sla: Sla, settings: SimSettings, spec: WorkloadSpec,
-              workload: Workload) -> dict:  # fmt: skip
+def _settings(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    sla: Sla,
+    settings: SimSettings,
+    spec: WorkloadSpec,
+    workload: Workload,
+) -> dict:
     flags = {k: v for k, v in vars(args).items() if k != "deployment_default"}
     return {
         "flags": flags,
@@ -211,9 +303,15 @@ def _settings(args: argparse.Namespace, model: ModelSpec, sla: Sla, settings: Si
         "relay": settings.relay.model_dump(include=set(_overridden(args, "relay"))),
         "max_batched_tokens": settings.max_batched_tokens,
         "max_num_seqs": settings.max_num_seqs,
-        "workload": {"name": workload.name, "kind": spec.kind, "rate_rps": spec.rate_rps,
-                     "duration_s": spec.duration_s, "block_size": spec.block_size, **hit_profile(workload)},
-    }  # fmt: skip
+        "workload": {
+            "name": workload.name,
+            "kind": spec.kind,
+            "rate_rps": spec.rate_rps,
+            "duration_s": spec.duration_s,
+            "block_size": spec.block_size,
+            **hit_profile(workload),
+        },
+    }
 
 
 def _overridden(args: argparse.Namespace, section: str) -> list[str]:
@@ -221,9 +319,11 @@ def _overridden(args: argparse.Namespace, section: str) -> list[str]:
 
 
 def _workload_line(w: dict) -> str:
-    return (f"workload {w['name']}: {w['requests']} requests over {w['duration_s']:.0f} s ({w['rate_rps']:g} rps), "
-            f"prompts {w['input_tokens_mean']:.0f} tokens, outputs {w['output_tokens_mean']:.0f}, "
-            f"mean prefix hit {w['mean']:.0%} ({w['above_95']:.0%} above 95%)")  # fmt: skip
+    return (
+        f"workload {w['name']}: {w['requests']} requests over {w['duration_s']:.0f} s ({w['rate_rps']:g} rps), "
+        f"prompts {w['input_tokens_mean']:.0f} tokens, outputs {w['output_tokens_mean']:.0f}, "
+        f"mean prefix hit {w['mean']:.0%} ({w['above_95']:.0%} above 95%)"
+    )
 
 
 def _pipelines(r: dict) -> str:
@@ -232,15 +332,23 @@ def _pipelines(r: dict) -> str:
 
 # (label, the row's key, format); a key in RATIO_KEYS also shows its ratio to the first deployment
 TABLE: tuple[tuple[str, str, str], ...] = (
-    ("requests done", "requests", "{:d}"), ("unfinished", "unfinished", "{:d}"),
-    ("P→MD / P→RLD→MD / RLD only", "pipelines", ""), ("RLD share of tokens", "rld_token_share", "{:.1%}"),
-    ("filtered (relay finished)", "filtered", "{:d}"), ("SLA attainment", "sla_attainment", "{:.1%}"),
-    *((f"{name} {q}", f"{key}_{q}_s", "{:.3f} s") for key, name in (("ttft", "TTFT"), ("tt2t", "2nd token"),
-      ("tpot", "TPOT"), ("max_gap", "max gap")) for q in ("p50", "p99")),
-    ("WAN mean", "wan_gbps_mean", "{:.2f} Gb/s"), ("WAN p99 (1 s)", "wan_gbps_p99", "{:.2f} Gb/s"),
-    ("cost", "cost_per_hour", "${:.2f}/h"), ("SLA goodput", "goodput_rps", "{:.2f} rps"),
+    ("requests done", "requests", "{:d}"),
+    ("unfinished", "unfinished", "{:d}"),
+    ("P→MD / P→RLD→MD / RLD only", "pipelines", ""),
+    ("RLD share of tokens", "rld_token_share", "{:.1%}"),
+    ("filtered (relay finished)", "filtered", "{:d}"),
+    ("SLA attainment", "sla_attainment", "{:.1%}"),
+    *(
+        (f"{name} {q}", f"{key}_{q}_s", "{:.3f} s")
+        for key, name in (("ttft", "TTFT"), ("tt2t", "2nd token"), ("tpot", "TPOT"), ("max_gap", "max gap"))
+        for q in ("p50", "p99")
+    ),
+    ("WAN mean", "wan_gbps_mean", "{:.2f} Gb/s"),
+    ("WAN p99 (1 s)", "wan_gbps_p99", "{:.2f} Gb/s"),
+    ("cost", "cost_per_hour", "${:.2f}/h"),
+    ("SLA goodput", "goodput_rps", "{:.2f} rps"),
     ("BCR (req per $)", "bcr", "{:.0f}"),
-)  # fmt: skip
+)
 
 
 def _cell(row: dict, key: str, fmt: str, first: dict) -> str:
@@ -268,8 +376,12 @@ def print_table(result: dict) -> None:
             print(f"{label:<28}" + "".join(f"{c:>{width}}" for c in line))
     if "bathtub" in result:
         b = result["bathtub"]
-        print(f"\nbathtub: {b['pdd']} over {b['baseline']}, SLA goodput ({b['input_tokens']} in, "
-              f"{b['output_tokens']} out, {b['duration_s']:g} s per probe)")  # fmt: skip
+        print(
+            f"\nbathtub: {b['pdd']} over {b['baseline']}, SLA goodput ({b['input_tokens']} in, "
+            f"{b['output_tokens']} out, {b['duration_s']:g} s per probe)"
+        )
         for p in b["points"]:
-            print(f"  hit {p['hit']:>5.0%}  {p['pdd_rps']:8.2f} vs {p['base_rps']:8.2f} rps  goodput ×{p['benefit']:.2f}"
-                  f"  BCR ×{p['bcr_benefit']:.2f}")  # fmt: skip
+            print(
+                f"  hit {p['hit']:>5.0%}  {p['pdd_rps']:8.2f} vs {p['base_rps']:8.2f} rps  goodput ×{p['benefit']:.2f}"
+                f"  BCR ×{p['bcr_benefit']:.2f}"
+            )

@@ -43,12 +43,19 @@ class SimSettings:
     busy_spells: bool = False  # record when each instance computed (SimResult.busy_spells)
 
 
-def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, settings: SimSettings | None = None,
-             on_progress: Callable[[float], None] | None = None) -> SimResult:  # fmt: skip
+def simulate(
+    deployment: Deployment,
+    workload: Workload,
+    model: ModelSpec,
+    settings: SimSettings | None = None,
+    on_progress: Callable[[float], None] | None = None,
+) -> SimResult:
     """Serve `workload` on `deployment`; on_progress(fraction of requests done) now and then."""
     started = time.perf_counter()
     s = settings or SimSettings()
-    with _cyclic_gc_paused():  # (from the fleet's making on: its prefix caches and indexes are millions of objects)
+    with (
+        _cyclic_gc_paused()
+    ):  # (from the fleet's making on: its prefix caches and indexes are millions of objects)
         sim = _Simulation(deployment, workload, model, s, on_progress or (lambda f: None))
         sim.start()
         sim.loop.run(s.time_limit_s)
@@ -56,9 +63,20 @@ def simulate(deployment: Deployment, workload: Workload, model: ModelSpec, setti
     records = sorted(sim.fleet.records, key=lambda r: r.rid)
     busy = {role: sum(i.busy_s for i in insts) for role, insts in sim.roles.items()}
     bins = sim.wan.bins if sim.wan and sim.wan.bins is not None else []
-    spells = {i.name: i.busy_spells for insts in sim.roles.values() for i in insts if i.busy_spells is not None}
-    return SimResult(deployment.name, workload.name, records, sim.loop.now, time.perf_counter() - started,
-                     list(bins), busy, sim.loop.events, spells)  # fmt: skip
+    spells = {
+        i.name: i.busy_spells for insts in sim.roles.values() for i in insts if i.busy_spells is not None
+    }
+    return SimResult(
+        deployment.name,
+        workload.name,
+        records,
+        sim.loop.now,
+        time.perf_counter() - started,
+        list(bins),
+        busy,
+        sim.loop.events,
+        spells,
+    )
 
 
 @contextmanager
@@ -77,8 +95,14 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 class _Simulation:
-    def __init__(self, d: Deployment, workload: Workload, model: ModelSpec, s: SimSettings,
-                 on_progress: Callable[[float], None]):  # fmt: skip
+    def __init__(
+        self,
+        d: Deployment,
+        workload: Workload,
+        model: ModelSpec,
+        s: SimSettings,
+        on_progress: Callable[[float], None],
+    ):
         self.loop, self.workload, self.on_progress = EventLoop(), workload, on_progress
         self.rng = random.Random(s.seed)
         bs, kvbpt = workload.block_size, model.kv_bytes_per_token
@@ -86,8 +110,10 @@ class _Simulation:
 
         def make(prefix: str, spec: RoleSpec, cls):
             blocks = spec.chip.kv_capacity_bytes // (bs * kvbpt)
-            return [cls(f"{prefix}{i}", spec.chip, self.loop, blocks, bs, s.max_num_seqs, s.max_batched_tokens)
-                    for i in range(spec.count)]  # fmt: skip
+            return [
+                cls(f"{prefix}{i}", spec.chip, self.loop, blocks, bs, s.max_num_seqs, s.max_batched_tokens)
+                for i in range(spec.count)
+            ]
 
         prefills = make("p", d.prefill, lambda *a: PrefillInstance(*a, self._prefill_events))
         decodes = make("md" if cross_dc else "d", d.decode, DecodeInstance)
@@ -104,12 +130,16 @@ class _Simulation:
         instances = {Role.PREFILL: prefills, Role.RELAY: relays, Role.MAIN_DECODE: decodes}
         report_delay = d.wan.one_way_s if cross_dc else 0.0
         self.router = SimRouter(s.router, self.loop, bs, kvbpt, instances, kv_link, report_delay)
-        self.fleet = Fleet(self.loop, self.router, kvbpt, bs, kv_link, local.__getitem__, self.wan, by_name, s.relay)
+        self.fleet = Fleet(
+            self.loop, self.router, kvbpt, bs, kv_link, local.__getitem__, self.wan, by_name, s.relay
+        )
         self.fleet.on_finished = self._finished
         self.done, self.total = 0, len(workload.requests)
         self.report_every = max(1, self.total // 100)
         self.next_of: dict[int, SimRequest] = {}  # closed loop: a request's successor of the same client
-        self.wave_starts: dict[int, list[SimRequest]] = {}  # closed loop: per wave, its clients' first requests
+        self.wave_starts: dict[
+            int, list[SimRequest]
+        ] = {}  # closed loop: per wave, its clients' first requests
         self.left_in_wave: dict[int, int] = {}  # closed loop: per wave, its requests not yet ended
 
     def _prefill_events(self, instance: str, stored: list[int], evicted: list[int]) -> None:

@@ -55,8 +55,13 @@ class Linear:
 
     def of(self, tokens: int, attn: int, kv_read: int, seqs: int) -> float:
         """self(StepLoad(tokens, attn, kv_read, seqs)), without making the load."""
-        return (self.const + self.per_token * tokens + self.per_attn * attn
-                + self.per_kv_read * kv_read + self.per_seq * seqs)  # fmt: skip
+        return (
+            self.const
+            + self.per_token * tokens
+            + self.per_attn * attn
+            + self.per_kv_read * kv_read
+            + self.per_seq * seqs
+        )
 
     def decode_line(self, seqs: int, context_sum: int) -> tuple[float, float]:
         """(a, b): this term for decode step i of a run is a + b·i."""
@@ -93,10 +98,15 @@ class StepCost:
 
     def step_s_of(self, tokens: int, attn: int, kv_read: int, seqs: int) -> float:
         """step_s(StepLoad(tokens, attn, kv_read, seqs)), without making the load."""
-        compute, memory = self.compute.of(tokens, attn, kv_read, seqs), self.memory.of(tokens, attn, kv_read, seqs)
+        compute, memory = (
+            self.compute.of(tokens, attn, kv_read, seqs),
+            self.memory.of(tokens, attn, kv_read, seqs),
+        )
         return self.overhead_s + (memory if memory > compute else compute)  # (max(), without the call)
 
-    def chunks_s(self, chunks: Iterable[tuple[int, int]], decode_seqs: int = 0, decode_context: int = 0) -> float:
+    def chunks_s(
+        self, chunks: Iterable[tuple[int, int]], decode_seqs: int = 0, decode_context: int = 0
+    ) -> float:
         """step_s of one step computing `chunks` ((new tokens, context) each: chunk_load) beside
         `decode_seqs` decoding sequences whose contexts sum to decode_context (decode_load)."""
         tokens, attn, kv_read, seqs = decode_seqs, decode_context + decode_seqs, decode_context, decode_seqs

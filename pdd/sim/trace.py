@@ -57,8 +57,10 @@ def _parse(line: str, block_size: int, where: str) -> tuple[float, int, int, tup
         raise TraceError(f"{where}: needs timestamp >= 0, input_length >= 1, output_length >= 0")
     full, blocks = n_in // block_size, math.ceil(n_in / block_size)
     if len(ids) not in (full, blocks) or not all(type(i) is int and 0 <= i < 1 << 64 for i in ids):
-        raise TraceError(f"{where}: hash_ids must be {blocks} integers in [0, 2**64) (one per {block_size}-token "
-                         f"block of {n_in} tokens), got {len(ids)}")
+        raise TraceError(
+            f"{where}: hash_ids must be {blocks} integers in [0, 2**64) (one per {block_size}-token "
+            f"block of {n_in} tokens), got {len(ids)}"
+        )
     return t / 1000.0, n_in, n_out, _chain(ids[:full])
 
 
@@ -91,5 +93,14 @@ def write_mooncake(workload: Workload, path: str | Path) -> None:
             if r.input_tokens % workload.block_size:
                 hash_ids.append(ids.setdefault(-1 - r.rid, len(ids)))  # no block hash is negative
             ms = round(r.arrival_s * 1000.0, 3)
-            f.write(json.dumps({"timestamp": int(ms) if ms == int(ms) else ms, "input_length": r.input_tokens,
-                                "output_length": r.output_tokens, "hash_ids": hash_ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": int(ms) if ms == int(ms) else ms,
+                        "input_length": r.input_tokens,
+                        "output_length": r.output_tokens,
+                        "hash_ids": hash_ids,
+                    }
+                )
+                + "\n"
+            )

@@ -84,12 +84,18 @@ def engine(base: Chip, kv_mb: float) -> RoleSpec:
     return RoleSpec(1, replace(base, kv_capacity_bytes=int(kv_mb * 2**20)))
 
 
-def sim_settings(config: dict, router: RouterSettings | None = None, relay: RelaySettings | None = None) -> SimSettings:
+def sim_settings(
+    config: dict, router: RouterSettings | None = None, relay: RelaySettings | None = None
+) -> SimSettings:
     """The engines' batching: P's token budget is --prefill-chunk (KV streams as it is computed);
     one budget per simulation, so the decoders get it too (their extends are short)."""
-    return SimSettings(router=router or RouterSettings(), relay=relay or RelaySettings(),
-                       max_batched_tokens=config.get("prefill_chunk") or ENGINE_MAX_BATCHED,
-                       max_num_seqs=ENGINE_MAX_SEQS, seed=config.get("seed", 0))  # fmt: skip
+    return SimSettings(
+        router=router or RouterSettings(),
+        relay=relay or RelaySettings(),
+        max_batched_tokens=config.get("prefill_chunk") or ENGINE_MAX_BATCHED,
+        max_num_seqs=ENGINE_MAX_SEQS,
+        seed=config.get("seed", 0),
+    )
 
 
 def agentic_cases(config: dict, base: Chip) -> dict[str, Case]:
@@ -97,8 +103,14 @@ def agentic_cases(config: dict, base: Chip) -> dict[str, Case]:
     serving the bench's closed-loop plan after the warm-up request."""
     p, md, rld = engine(base, config["md_kv_mb"]), engine(base, config["md_kv_mb"]), engine(base, RELAY_KV_MB)
     wan = wan_link(config)
-    make = {"same-dc": lambda: same_dc(p, md), "naive": lambda: naive(p, md, wan), "pdd": lambda: pdd(p, rld, md, wan)}
-    workload = warmed(agentic_closed_loop(AgenticParams.from_args(argparse.Namespace(**config)), BLOCK), config)
+    make = {
+        "same-dc": lambda: same_dc(p, md),
+        "naive": lambda: naive(p, md, wan),
+        "pdd": lambda: pdd(p, rld, md, wan),
+    }
+    workload = warmed(
+        agentic_closed_loop(AgenticParams.from_args(argparse.Namespace(**config)), BLOCK), config
+    )
     settings = sim_settings(config)
     return {d: Case(make[d](), workload, settings, warm=1) for d in config["deployments"].split(",")}
 
@@ -109,9 +121,15 @@ def warmed(w: Workload, config: dict) -> Workload:
     k-th request in wave k // --wave: a wave starts when every agent ended the last one)."""
     shared = closed_loop_shared_prefix(AgenticParams.from_args(argparse.Namespace(**config)), BLOCK)
     n = (config["shared_prefix"] + 64) // BLOCK * BLOCK
-    warm = SimRequest(len(w.requests), 0.0, n, WARM_OUTPUT,
-                      shared + tuple(random.Random("warm").getrandbits(63) for _ in range(n // BLOCK - len(shared))),
-                      client=-1, kind="warm")  # fmt: skip
+    warm = SimRequest(
+        len(w.requests),
+        0.0,
+        n,
+        WARM_OUTPUT,
+        shared + tuple(random.Random("warm").getrandbits(63) for _ in range(n // BLOCK - len(shared))),
+        client=-1,
+        kind="warm",
+    )
     done: dict[int | None, int] = {}  # requests listed so far per agent
     requests = []
     for r in w.requests:
@@ -139,8 +157,11 @@ def single_cases(config: dict, base: Chip) -> dict[str, Case]:
     out = {}
     for v in config["variants"].split(","):
         kind, threshold = SINGLE_VARIANTS[v]
-        dep = {"same-dc": lambda: same_dc(p, d), "naive": lambda: naive(p, d, wan),
-               "pdd": lambda: pdd(p, engine(base, SINGLE_KV_MB), d, wan)}[kind]()  # fmt: skip
+        dep = {
+            "same-dc": lambda: same_dc(p, d),
+            "naive": lambda: naive(p, d, wan),
+            "pdd": lambda: pdd(p, engine(base, SINGLE_KV_MB), d, wan),
+        }[kind]()
         relay = RelaySettings(catchup_threshold=threshold) if threshold is not None else None
         router = RouterSettings(wan_time_threshold_s=0.0) if kind == "pdd" else None
         out[v] = Case(replace(dep, name=v), workload, sim_settings(config, router, relay))
@@ -152,13 +173,25 @@ def single_workload(config: dict) -> Workload:
     lets the system settle a second between requests)."""
     rng = random.Random(f"single-{config['seed']}")
     n = config["prompt_tokens"]
-    reqs = tuple(SimRequest(r, 1.0 if r else 0.0, n, config["output_tokens"],
-                            tuple(rng.getrandbits(63) for _ in range(n // BLOCK)), client=0, kind="single")
-                 for r in range(config["rounds"]))  # fmt: skip
+    reqs = tuple(
+        SimRequest(
+            r,
+            1.0 if r else 0.0,
+            n,
+            config["output_tokens"],
+            tuple(rng.getrandbits(63) for _ in range(n // BLOCK)),
+            client=0,
+            kind="single",
+        )
+        for r in range(config["rounds"])
+    )
     return Workload(f"single-{n}x{config['output_tokens']}", BLOCK, reqs, closed_loop=True)
 
 
-SCENARIOS: dict[str, Callable[[dict, Chip], dict[str, Case]]] = {"agentic": agentic_cases, "single": single_cases}
+SCENARIOS: dict[str, Callable[[dict, Chip], dict[str, Case]]] = {
+    "agentic": agentic_cases,
+    "single": single_cases,
+}
 SIDE = {"agentic": "deployment", "single": "variant"}  # the measured rows' key naming the deployment
 
 
@@ -172,6 +205,7 @@ def scaled(step: StepCost, factor: float) -> StepCost:
 
 def with_share(d: Deployment, factor: float) -> Deployment:
     """Every engine's steps `factor` times as long (engines sharing too few cores)."""
+
     def role(r: RoleSpec | None) -> RoleSpec | None:
         return r and replace(r, chip=replace(r.chip, step=scaled(r.chip.step, factor)))
 
@@ -231,8 +265,9 @@ def full_speed_engines(case: Case, model: ModelSpec) -> tuple[float, float]:
     return (busy / span if span > 0 else 0.0), engines_seen_busy(spells)
 
 
-def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
-             host: HostCpu | None = None) -> tuple[SimResult, float, float]:  # fmt: skip
+def run_case(
+    case: Case, model: ModelSpec, share: float | None, cores: float, host: HostCpu | None = None
+) -> tuple[SimResult, float, float]:
     """Simulate a case at a CPU share (None: from its engines' concurrency in a first run at full
     speed: as a step sees it on the measured host's engine cores if `host`, else the mean on all
     `cores`). Returns the result, the share and that concurrency (NaN for a given share)."""
@@ -246,7 +281,11 @@ def run_case(case: Case, model: ModelSpec, share: float | None, cores: float,
 # ---- side by side ------------------------------------------------------------------------------
 def stats(rows: list[dict]) -> dict[str, float]:
     """p50 and p99 of each metric over rows {metric: seconds} (NaN left out)."""
-    return {f"{m}_p{q}": percentile([r[m] for r in rows if r[m] is not None], q) for m in METRICS for q in (50, 99)}
+    return {
+        f"{m}_p{q}": percentile([r[m] for r in rows if r[m] is not None], q)
+        for m in METRICS
+        for q in (50, 99)
+    }
 
 
 def simulated_stats(records: list[RequestRecord]) -> dict[str, float]:
@@ -278,10 +317,16 @@ class Row:
         return abs(self.error) <= TOLERANCE if self.metric.endswith("_p50") else None
 
 
-def compare(scenario: str, simulated: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]) -> list[Row]:
+def compare(
+    scenario: str, simulated: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]
+) -> list[Row]:
     deps = [d for d in measured if d in simulated]
-    return [Row(scenario, d, f"{m}_p{q}", simulated[d][f"{m}_p{q}"], measured[d][f"{m}_p{q}"])
-            for d in deps for m in METRICS for q in (50, 99)]  # fmt: skip
+    return [
+        Row(scenario, d, f"{m}_p{q}", simulated[d][f"{m}_p{q}"], measured[d][f"{m}_p{q}"])
+        for d in deps
+        for m in METRICS
+        for q in (50, 99)
+    ]
 
 
 TIE = 0.05  # two medians this close (relative) are a tie: no ordering to agree or disagree with
@@ -307,8 +352,11 @@ def same_order(simulated: dict[str, float], measured: dict[str, float]) -> bool:
     """No pair of deployments that one side puts one way round and the other the other way
     (a tie on either side agrees with anything)."""
     names = list(measured)
-    return all(_sign(simulated[a], simulated[b]) * _sign(measured[a], measured[b]) >= 0
-               for i, a in enumerate(names) for b in names[i + 1 :])  # fmt: skip
+    return all(
+        _sign(simulated[a], simulated[b]) * _sign(measured[a], measured[b]) >= 0
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    )
 
 
 def orderings(rows: list[Row]) -> dict[str, tuple[str, str, bool]]:
@@ -327,20 +375,26 @@ def _cell(x: float) -> str:
 
 
 def print_table(rows: list[Row], shares: dict[str, float]) -> None:
-    print(f"{'scenario':9s} {'deployment':26s} {'metric':14s} {'simulated':>10s} {'measured':>10s} "
-          f"{'error':>7s}  ±25%")  # fmt: skip
+    print(
+        f"{'scenario':9s} {'deployment':26s} {'metric':14s} {'simulated':>10s} {'measured':>10s} "
+        f"{'error':>7s}  ±25%"
+    )
     for r in rows:
         judged = {True: "yes", False: "NO", None: "(info)"}[r.within]
         name = f"{r.deployment} (x{shares[r.deployment]:.2f})" if r.metric == "ttft_p50" else ""
         label = f"{METRICS[r.metric[:-4]]} {r.metric[-3:]}"
-        print(f"{r.scenario:9s} {name:26s} {label:14s} {_cell(r.simulated):>10s} {_cell(r.measured):>10s} "
-              f"{r.error:+7.0%}  {judged}")  # fmt: skip
+        print(
+            f"{r.scenario:9s} {name:26s} {label:14s} {_cell(r.simulated):>10s} {_cell(r.measured):>10s} "
+            f"{r.error:+7.0%}  {judged}"
+        )
 
 
 def print_orderings(scenario: str, orders: dict[str, tuple[str, str, bool]]) -> None:
     for metric, (sim, meas, same) in orders.items():
-        print(f"  {scenario} {METRICS[metric[:-4]]:9s} order simulated {sim}; measured {meas}: "
-              f"{'same' if same else 'DIFFERENT'} (ties within {TIE:.0%})")  # fmt: skip
+        print(
+            f"  {scenario} {METRICS[metric[:-4]]:9s} order simulated {sim}; measured {meas}: "
+            f"{'same' if same else 'DIFFERENT'} (ties within {TIE:.0%})"
+        )
 
 
 def validate_scenario(report: dict, model: ModelSpec, base: Chip, knob: str, cores: float) -> dict:
@@ -366,26 +420,38 @@ def host_inputs(account: dict, host: HostCpu, engines: float, factor: float) -> 
     """What a measured factor came from, in cores (CPU seconds per wall second of the run)."""
     per = {n: s / account["wall_s"] for n, s in account["processes"].items()}
     nats = sum(c for n, c in per.items() if n.startswith("nats"))
-    return {"cores": host.cores, "router": sum(c for n, c in per.items() if n.startswith("router")), "nats": nats,
-            "wan": per.get("wan", 0.0), "up": per.get("up", 0.0), "client": account["bench_s"] / account["wall_s"],
-            "idle_systems": account["other_systems_s"] / account["wall_s"],
-            "other_tenants": account["other_tenants_s"] / account["wall_s"],
-            "background": host.background_cores, "engine_cores": host.engine_cores,
-            "engines_measured": account["engines_s"] / account["wall_s"],
-            "engines_seen_busy": engines, "factor": factor}  # fmt: skip
+    return {
+        "cores": host.cores,
+        "router": sum(c for n, c in per.items() if n.startswith("router")),
+        "nats": nats,
+        "wan": per.get("wan", 0.0),
+        "up": per.get("up", 0.0),
+        "client": account["bench_s"] / account["wall_s"],
+        "idle_systems": account["other_systems_s"] / account["wall_s"],
+        "other_tenants": account["other_tenants_s"] / account["wall_s"],
+        "background": host.background_cores,
+        "engine_cores": host.engine_cores,
+        "engines_measured": account["engines_s"] / account["wall_s"],
+        "engines_seen_busy": engines,
+        "factor": factor,
+    }
 
 
 def print_host_cpu(scenario: str, inputs: dict[str, dict[str, float]]) -> None:
     """The measured CPU model's inputs, per deployment, in cores."""
     if not inputs:
         return
-    print(f"  {scenario} host CPU (cores, measured): background = router + nats + wan + up + client + idle systems "
-          f"+ other tenants; engines get cores - background; factor = max(1, engines a step sees busy / that)")  # fmt: skip
+    print(
+        f"  {scenario} host CPU (cores, measured): background = router + nats + wan + up + client + idle systems "
+        f"+ other tenants; engines get cores - background; factor = max(1, engines a step sees busy / that)"
+    )
     for d, x in inputs.items():
-        print(f"    {d:20s} background {x['background']:.2f} = {x['router']:.2f} + {x['nats']:.2f} + {x['wan']:.2f} + "
-              f"{x['up']:.2f} + {x['client']:.2f} + {x['idle_systems']:.2f} + {x['other_tenants']:.2f}; "
-              f"engines get {x['engine_cores']:.2f} of {x['cores']:g} (used {x['engines_measured']:.2f}); "
-              f"a step sees {x['engines_seen_busy']:.2f} busy: x{x['factor']:.2f}")  # fmt: skip
+        print(
+            f"    {d:20s} background {x['background']:.2f} = {x['router']:.2f} + {x['nats']:.2f} + {x['wan']:.2f} + "
+            f"{x['up']:.2f} + {x['client']:.2f} + {x['idle_systems']:.2f} + {x['other_tenants']:.2f}; "
+            f"engines get {x['engine_cores']:.2f} of {x['cores']:g} (used {x['engines_measured']:.2f}); "
+            f"a step sees {x['engines_seen_busy']:.2f} busy: x{x['factor']:.2f}"
+        )
 
 
 def run_bench(scenario: str, path: Path, quick: bool) -> None:
@@ -401,13 +467,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="with --run: the bench's --quick")
     p.add_argument("--scenario", choices=["agentic", "single", "both"], default="both")
     p.add_argument("--profile", default="cpu-calibrated")
-    p.add_argument("--cpu-share", default="measured",
-                   help="step-time factor of the measured host's CPU sharing: a number; engines: max(1, engines "
-                        "busy at once in the simulation / cores); auto: max(1, the host's load average recorded "
-                        "by the bench / its cores), else as engines; measured: max(1, engines a step sees busy / "
-                        "(cores - the non-engine CPU the bench measured per deployment)), else as auto")  # fmt: skip
-    p.add_argument("--cores", type=float, default=os.cpu_count() or 1,
-                   help="the measured host's cores, where its run does not say")
+    p.add_argument(
+        "--cpu-share",
+        default="measured",
+        help="step-time factor of the measured host's CPU sharing: a number; engines: max(1, engines "
+        "busy at once in the simulation / cores); auto: max(1, the host's load average recorded "
+        "by the bench / its cores), else as engines; measured: max(1, engines a step sees busy / "
+        "(cores - the non-engine CPU the bench measured per deployment)), else as auto",
+    )
+    p.add_argument(
+        "--cores",
+        type=float,
+        default=os.cpu_count() or 1,
+        help="the measured host's cores, where its run does not say",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/out/sim_validate.json"))
     return p.parse_args(argv)
 
@@ -424,25 +497,40 @@ def main(argv: list[str]) -> int:
         if not path.exists():
             print(f"no measured run at {path} (run `pdd bench e2e --scenario {scenario}` or pass --run)")
             return 2
-        results[scenario] = validate_scenario(json.loads(path.read_text()), model, base, args.cpu_share, args.cores)
+        results[scenario] = validate_scenario(
+            json.loads(path.read_text()), model, base, args.cpu_share, args.cores
+        )
     rows = [r for res in results.values() for r in res["rows"]]
     print_table(rows, {d: f for res in results.values() for d, f in res["shares"].items()})
     for scenario, res in results.items():
         print_orderings(scenario, res["orderings"])
         print_host_cpu(scenario, res["host_cpu"])
     judged = [r for r in rows if r.within is not None]
-    print(f"{sum(bool(r.within) for r in judged)} of {len(judged)} medians within ±{TOLERANCE:.0%}; orderings the "
-          f"same for {sum(s for res in results.values() for *_, s in res['orderings'].values())} of "
-          f"{sum(len(res['orderings']) for res in results.values())} (scenario, metric)")  # fmt: skip
+    print(
+        f"{sum(bool(r.within) for r in judged)} of {len(judged)} medians within ±{TOLERANCE:.0%}; orderings the "
+        f"same for {sum(s for res in results.values() for *_, s in res['orderings'].values())} of "
+        f"{sum(len(res['orderings']) for res in results.values())} (scenario, metric)"
+    )
     save(args.out, results, args)
     return 0
 
 
 def save(path: Path, results: dict, args: argparse.Namespace) -> None:
-    out = {"profile": args.profile, "cpu_share": args.cpu_share, "cores": args.cores, "tolerance": TOLERANCE,
-           "scenarios": {s: {"shares": res["shares"], "host_cpu": res["host_cpu"], "orderings": res["orderings"],
-                             "rows": [{**vars(r), "error": r.error, "within": r.within} for r in res["rows"]]}
-                         for s, res in results.items()}}  # fmt: skip
+    out = {
+        "profile": args.profile,
+        "cpu_share": args.cpu_share,
+        "cores": args.cores,
+        "tolerance": TOLERANCE,
+        "scenarios": {
+            s: {
+                "shares": res["shares"],
+                "host_cpu": res["host_cpu"],
+                "orderings": res["orderings"],
+                "rows": [{**vars(r), "error": r.error, "within": r.within} for r in res["rows"]],
+            }
+            for s, res in results.items()
+        },
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=lambda x: None))
     print(f"wrote {path}")

@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class SimRequest:
     rid: int
-    arrival_s: float  # open loop: when it arrives; closed loop: think time after its client's previous request ended
+    arrival_s: (
+        float  # open loop: when it arrives; closed loop: think time after its client's previous request ended
+    )
     input_tokens: int
     output_tokens: int
     # Chained hashes (shared/engine/hashing.py) of the prompt's full blocks, in order:
@@ -32,7 +34,9 @@ class Workload:
         """The same requests arriving `factor` times as fast (open loop; the goodput sweep)."""
         if self.closed_loop:
             raise ValueError("a closed-loop workload has no arrival rate to scale")
-        return replace(self, requests=tuple(replace(r, arrival_s=r.arrival_s / factor) for r in self.requests))
+        return replace(
+            self, requests=tuple(replace(r, arrival_s=r.arrival_s / factor) for r in self.requests)
+        )
 
     @property
     def duration_s(self) -> float:

@@ -40,19 +40,30 @@ class RdmaIntake:
         s = self.service
         if s.settings.kv_transport == "rdma":
             self.engine = await asyncio.to_thread(self._start_engine)
-        for kind, cls, handler in (("offer", RdmaOffer, self._on_offer), ("written", RdmaWritten, self._on_written)):
+        for kind, cls, handler in (
+            ("offer", RdmaOffer, self._on_offer),
+            ("written", RdmaWritten, self._on_written),
+        ):
             await s.life.subscribe(s.nc, subjects.md_rdma(s.advertise_address, kind), cls, handler)
 
     def _start_engine(self) -> RdmaEngine | None:
         rdma, kv = self.service.settings.rdma, self.service.engine.kv_cache
         try:
-            engine = RdmaEngine(rdma.host or urlsplit(self.service.advertise_address).hostname or "", rdma.protocol, rdma.device)
+            engine = RdmaEngine(
+                rdma.host or urlsplit(self.service.advertise_address).hostname or "",
+                rdma.protocol,
+                rdma.device,
+            )
             engine.register(kv)  # the whole pool, once
         except (RdmaError, ValueError, OSError) as e:
             log.warning("RDMA path off, KV comes over the TCP channel: %s", e)
             return None
-        log.info("RDMA path on: %s engine %s, %d B of KV pool registered", rdma.protocol, engine.session,
-                 kv.numel() * kv.element_size())  # fmt: skip
+        log.info(
+            "RDMA path on: %s engine %s, %d B of KV pool registered",
+            rdma.protocol,
+            engine.session,
+            kv.numel() * kv.element_size(),
+        )
         return engine
 
     # ---- offers: slots for exactly the blocks the request lacks -------------------------
@@ -77,7 +88,9 @@ class RdmaIntake:
         hashes = hashes[: len(slots)]
         self.offered[msg.rid] = dict(zip(hashes, slots, strict=True))
         r = region_of(self.service.engine.kv_cache)
-        return RdmaSlots(True, self.engine.session, r.base, r.num_blocks, r.planes, r.block_bytes, hashes, slots)
+        return RdmaSlots(
+            True, self.engine.session, r.base, r.num_blocks, r.planes, r.block_bytes, hashes, slots
+        )
 
     # ---- written: verify, then cache ------------------------------------------------------
     async def _on_written(self, msg: RdmaWritten, raw) -> None:
@@ -88,7 +101,11 @@ class RdmaIntake:
             await self._release(msg.rid, msg.hashes)
             return RdmaVerdict(ok=False, error=f"request {msg.rid} ended")
         offered = self.offered.get(msg.rid, {})
-        if len(msg.checksums) != len(msg.hashes) or msg.algo not in ALGOS or not all(h in offered for h in msg.hashes):
+        if (
+            len(msg.checksums) != len(msg.hashes)
+            or msg.algo not in ALGOS
+            or not all(h in offered for h in msg.hashes)
+        ):
             return RdmaVerdict(ok=False, error="blocks not offered to this request")
         slots = [offered.pop(h) for h in msg.hashes]  # written: out of quarantine's reach
         job, transfer = self.service.receiving_job(msg.rid), self.service.engine.exchange
@@ -96,12 +113,18 @@ class RdmaIntake:
             await self.service.engine_loop.call(transfer.release_blocks, slots, must_run=True)
             return RdmaVerdict(ok=False, error=f"request {msg.rid} ended")
         checks = list(zip(msg.hashes, slots, msg.checksums, strict=True))
-        good, corrupt = await self.service.engine_loop.call(self._verify, msg.rid, checks, msg.algo, must_run=True)
-        per_block = self.service.engine.kv_cache[:, :, 0].numel() * self.service.engine.kv_cache.element_size()
+        good, corrupt = await self.service.engine_loop.call(
+            self._verify, msg.rid, checks, msg.algo, must_run=True
+        )
+        per_block = (
+            self.service.engine.kv_cache[:, :, 0].numel() * self.service.engine.kv_cache.element_size()
+        )
         self.service.received(job, good, per_block * len(good), msg.traceparent, "rdma")
         return RdmaVerdict(ok=True, corrupt=corrupt)
 
-    def _verify(self, rid: str, checks: list[tuple[int, int, int]], algo: str) -> tuple[list[int], list[int]]:  # engine thread
+    def _verify(
+        self, rid: str, checks: list[tuple[int, int, int]], algo: str
+    ) -> tuple[list[int], list[int]]:  # engine thread
         """Cache each block whose slot holds what prefill wrote; hand back the others' slots."""
         kv, transfer = self.service.engine.kv_cache, self.service.engine.exchange
         good, corrupt = [], []
@@ -114,7 +137,11 @@ class RdmaIntake:
                 corrupt.append(h)
         if corrupt:
             metrics.KV_RDMA_CORRUPT_BLOCKS.inc(len(corrupt))
-            log.warning("request %s: %d blocks written over RDMA failed their checksum (not cached)", rid, len(corrupt))
+            log.warning(
+                "request %s: %d blocks written over RDMA failed their checksum (not cached)",
+                rid,
+                len(corrupt),
+            )
         return good, corrupt
 
     # ---- the request's other ends ---------------------------------------------------------
@@ -146,7 +173,9 @@ class RdmaIntake:
         if not held:
             self.quarantined.pop(rid, None)
         if slots:
-            await self.service.engine_loop.call(self.service.engine.exchange.release_blocks, slots, must_run=True)
+            await self.service.engine_loop.call(
+                self.service.engine.exchange.release_blocks, slots, must_run=True
+            )
 
     def close(self) -> None:
         if self.engine is not None:

@@ -74,7 +74,9 @@ class MDJob:
     rid = property(lambda self: self.req.rid)
     router = property(lambda self: self.req.router)
     missing: set[int]
-    state: StateMachine[DecodeState] = field(default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES))
+    state: StateMachine[DecodeState] = field(
+        default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES)
+    )
     received: set[int] = field(default_factory=set)
     batches: dict[int, tuple[HandoffBatch, Context]] = field(default_factory=dict)  # seq -> batch, sender ctx
     next_seq: int = 0
@@ -94,7 +96,9 @@ class MainDecodeService(EngineService):
 
     def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.kv_admission = KVAdmissionQueue(settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed)
+        self.kv_admission = KVAdmissionQueue(
+            settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed
+        )
         self.rdma = RdmaIntake(self)
 
     advertise_address = ""  # where P dials this MD's bulk listener, once it listens
@@ -105,7 +109,9 @@ class MainDecodeService(EngineService):
     async def start(self) -> None:
         await self.serve_kv(self.settings.bulk_address)
         assert self.kv_server is not None
-        self.advertise_address = self.settings.advertise_address or await advertised_address(self.kv_server.address)
+        self.advertise_address = self.settings.advertise_address or await advertised_address(
+            self.kv_server.address
+        )
         await self.rdma.start()
         await super().start()
         self.life.every(1.0, self._expire)
@@ -116,9 +122,16 @@ class MainDecodeService(EngineService):
 
     async def subscribe(self) -> None:
         inst = self.settings.instance
-        await self.subscribe_admission(subjects.md_prepare(inst), PrepareRequest, PrepareReply, self._prepare,
-                                       if_aborted=self._takes_no_part)  # fmt: skip
-        await self.subscribe_admission(subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume)
+        await self.subscribe_admission(
+            subjects.md_prepare(inst),
+            PrepareRequest,
+            PrepareReply,
+            self._prepare,
+            if_aborted=self._takes_no_part,
+        )
+        await self.subscribe_admission(
+            subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
+        )
         await self.life.subscribe(self.nc, subjects.all_req(Req.HANDOFF), HandoffBatch, self._on_handoff)
 
     # ---- prepare: which blocks must cross the WAN -------------------------------------
@@ -151,8 +164,13 @@ class MainDecodeService(EngineService):
         """The request moved here by its token IDs: no KV comes; decode from what is cached
         plus an extend over the rest."""
         req = PrepareRequest(msg.rid, msg.prompt_ids, msg.params, [], Pipeline.P_MD, router=msg.router)
-        job = MDJob(req, set(), state=StateMachine(DecodeState.DECODING, MOVES), next_index=len(msg.generated),
-                    ctx=otel_context.get_current())  # fmt: skip
+        job = MDJob(
+            req,
+            set(),
+            state=StateMachine(DecodeState.DECODING, MOVES),
+            next_index=len(msg.generated),
+            ctx=otel_context.get_current(),
+        )
         if await self.admit_resumed(msg, raw, job):
             attrs = {REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)}
             job.decode_span = self.tracer.start_span("md.decode", attributes=attrs)
@@ -172,7 +190,9 @@ class MainDecodeService(EngineService):
             )
 
         async def attempt() -> int | None:
-            verdict, have = await self.engine_loop.call(self.engine.exchange.reserve, msg.rid, msg.block_hashes, need)
+            verdict, have = await self.engine_loop.call(
+                self.engine.exchange.reserve, msg.rid, msg.block_hashes, need
+            )
             return have if verdict is Verdict.ADMIT else None
 
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
@@ -182,7 +202,9 @@ class MainDecodeService(EngineService):
         job = self.jobs.get(rid)
         return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
 
-    def received(self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str) -> None:
+    def received(
+        self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
+    ) -> None:
         """Blocks of the request are cached and pinned for it (over TCP or RDMA)."""
         if job.receive_span is None:  # parented by prefill's transfer span
             job.receive_span = self.tracer.start_span(
@@ -275,8 +297,13 @@ class MainDecodeService(EngineService):
                 await self._fail(job, f"handoff batch {batch.seq} out of order or empty")
                 return
             job.state.to(DecodeState.EXTENDING)
-            attrs = {REQUEST_ID_ATTR: job.rid, "seq": batch.seq, "tokens": len(batch.tokens),
-                     "mode": batch.mode.value, "final": batch.final}  # fmt: skip
+            attrs = {
+                REQUEST_ID_ATTR: job.rid,
+                "seq": batch.seq,
+                "tokens": len(batch.tokens),
+                "mode": batch.mode.value,
+                "final": batch.final,
+            }
             try:
                 with self.tracer.start_as_current_span("md.extend", context=ctx, attributes=attrs):
                     await self.engine_loop.call(self._apply, job.req, batch, job.next_seq == 0)
@@ -290,14 +317,18 @@ class MainDecodeService(EngineService):
             job.state.to(DecodeState.DECODING if batch.final else DecodeState.READY)
             if batch.final:
                 job.decode_span = self.tracer.start_span(
-                    "md.decode", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "mode": batch.mode.value}
+                    "md.decode",
+                    context=job.ctx,
+                    attributes={REQUEST_ID_ATTR: job.rid, "mode": batch.mode.value},
                 )
 
     def _apply(self, req: PrepareRequest, batch: HandoffBatch, first: bool) -> None:  # engine thread
         if first:
             mode = Mode.GENERATE if batch.final else Mode.HOLD
             tokens = req.prompt_ids + batch.tokens
-            self.engine.add_request(req.rid, tokens, req.params, num_prompt_tokens=len(req.prompt_ids), mode=mode)
+            self.engine.add_request(
+                req.rid, tokens, req.params, num_prompt_tokens=len(req.prompt_ids), mode=mode
+            )
         else:
             self.engine.extend(req.rid, batch.tokens, final=batch.final)
 
@@ -330,7 +361,9 @@ class MainDecodeService(EngineService):
         log.warning("request %s failed on MD: %s", job.rid, error)
         await self.send_abort(job.rid, AbortReason.FAILED, error)
         if job.state.is_in(DecodeState.DECODING):  # nobody else can finish it
-            error_event = TokenEvent(job.rid, self.role, job.next_index, [], outcome=Outcome.ERROR, error=error)
+            error_event = TokenEvent(
+                job.rid, self.role, job.next_index, [], outcome=Outcome.ERROR, error=error
+            )
             await self.send_tokens(job.router, error_event)
         await self._drop(job)
 

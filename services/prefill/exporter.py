@@ -67,7 +67,9 @@ class BlockExporter:
         idx = [i for i, h in enumerate(new) if h in md]
         if not plan.to_local:
             wanted = [new[i] for i in idx]
-            return BlockExport(rid, wan=(wanted, self.engine.exchange.export_blocks(wanted))) if wanted else None
+            return (
+                BlockExport(rid, wan=(wanted, self.engine.exchange.export_blocks(wanted))) if wanted else None
+            )
         kv = self.engine.exchange.export_blocks(new)
         wan = None
         if idx:

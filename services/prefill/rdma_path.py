@@ -40,7 +40,10 @@ async def start_writer(settings: PrefillSettings) -> RdmaWriter | None:
         return None
     rdma = settings.rdma
     try:
-        host = rdma.host or (await advertised_address("tcp://0.0.0.0:0")).removeprefix("tcp://").rsplit(":", 1)[0]
+        host = (
+            rdma.host
+            or (await advertised_address("tcp://0.0.0.0:0")).removeprefix("tcp://").rsplit(":", 1)[0]
+        )
         engine = await asyncio.to_thread(RdmaEngine, host, rdma.protocol, rdma.device)
         writer = RdmaWriter(engine, int(rdma.staging_mb * 2**20))
     except (RdmaError, OSError) as e:
@@ -81,7 +84,9 @@ class RdmaLink:
         mine = [hashes[i] for i in idx]
         part = kv if len(idx) == len(hashes) else kv[:, :, idx]
         try:
-            n = await self.writer.write(self.offer.session, self.region, [self.slots.pop(h) for h in mine], part)
+            n = await self.writer.write(
+                self.offer.session, self.region, [self.slots.pop(h) for h in mine], part
+            )
         except (RdmaError, ValueError) as e:
             self.failed = f"write: {e}"
             fell_back(self.rid, "write", e)
@@ -89,7 +94,9 @@ class RdmaLink:
         self.bytes += n
         metrics.KV_RDMA_BYTES.inc(n)
         self.kept.update((h, part[:, :, i : i + 1]) for i, h in enumerate(mine))
-        sums = await asyncio.to_thread(lambda: [block_checksum(part, i, DEFAULT_ALGO) for i in range(len(mine))])
+        sums = await asyncio.to_thread(
+            lambda: [block_checksum(part, i, DEFAULT_ALGO) for i in range(len(mine))]
+        )
         note = RdmaWritten(self.rid, mine, sums, DEFAULT_ALGO, tp)
         self.verdicts.append(asyncio.ensure_future(self._verdict(note)))
         return n, rest
@@ -97,7 +104,9 @@ class RdmaLink:
     async def _verdict(self, note: RdmaWritten) -> list[int]:
         """The blocks of one written group to send again over TCP."""
         try:
-            verdict = await request(self.nc, subjects.md_rdma(self.address, "written"), note, RdmaVerdict, timeout=self.timeout)
+            verdict = await request(
+                self.nc, subjects.md_rdma(self.address, "written"), note, RdmaVerdict, timeout=self.timeout
+            )
         except Exception as e:  # timeout, no responder: MD's word is missing, resending is harmless
             fell_back(self.rid, "verdict", e)
             return note.hashes
@@ -139,7 +148,9 @@ class RdmaPeers:
             return None
         try:
             msg = RdmaOffer(rid, hashes)
-            offer = await request(self.nc, subjects.md_rdma(address, "offer"), msg, RdmaSlots, timeout=self.timeout)
+            offer = await request(
+                self.nc, subjects.md_rdma(address, "offer"), msg, RdmaSlots, timeout=self.timeout
+            )
         except Exception as e:  # no MD answers
             offer = RdmaSlots(ok=False, error=repr(e))
         if not offer.ok or not offer.slots:

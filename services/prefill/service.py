@@ -81,7 +81,9 @@ class PrefillJob:
     """One request's event-loop state (the engine thread has its own, in BlockExporter)."""
 
     submit: PrefillSubmit
-    state: StateMachine[PrefillState] = field(default_factory=lambda: StateMachine(PrefillState.PREFILLING, MOVES))
+    state: StateMachine[PrefillState] = field(
+        default_factory=lambda: StateMachine(PrefillState.PREFILLING, MOVES)
+    )
     md_address: str = ""
     md_missing: list[int] = field(default_factory=list)  # blocks MD lacks
     md_pending: set[int] = field(default_factory=set)  # blocks MD lacks, not queued yet
@@ -111,9 +113,14 @@ class PrefillService(EngineService):
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
         # Peers over tcp:// are main decoders at any address: their certificates must name that identity.
-        self.kv_clients = KVClientPool(settings.secret, ssl=client_tls(settings), via=settings.bulk_via,
-                                       server_name=Role.MAIN_DECODE.value, parallel=settings.bulk_parallel,
-                                       parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)))  # fmt: skip
+        self.kv_clients = KVClientPool(
+            settings.secret,
+            ssl=client_tls(settings),
+            via=settings.bulk_via,
+            server_name=Role.MAIN_DECODE.value,
+            parallel=settings.bulk_parallel,
+            parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)),
+        )
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
         self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series
@@ -128,8 +135,12 @@ class PrefillService(EngineService):
         # Least-loaded choice by the router on the instance subject; the queue group serves
         # clients that do not pick an instance.
         inst = self.settings.instance
-        await self.subscribe_admission(subjects.prefill_submit_to(inst), PrefillSubmit, SubmitReply, self._submit)
-        await self.subscribe_admission(subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill")
+        await self.subscribe_admission(
+            subjects.prefill_submit_to(inst), PrefillSubmit, SubmitReply, self._submit
+        )
+        await self.subscribe_admission(
+            subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill"
+        )
         await self.life.subscribe(self.nc, subjects.all_req(Req.MD_TARGET), MDTarget, self._on_md_target)
         await self.life.subscribe(self.nc, subjects.all_req(Req.MD_LOST), MainDecodeLost, self._on_md_lost)
 
@@ -147,7 +158,11 @@ class PrefillService(EngineService):
         job.compute_span = self.tracer.start_span(
             "prefill.compute",
             context=job.ctx,
-            attributes={REQUEST_ID_ATTR: msg.rid, "prompt_tokens": len(msg.prompt_ids), "pdd.pipeline": msg.pipeline.value},
+            attributes={
+                REQUEST_ID_ATTR: msg.rid,
+                "prompt_tokens": len(msg.prompt_ids),
+                "pdd.pipeline": msg.pipeline.value,
+            },
         )
         self.jobs[msg.rid] = job
         try:
@@ -179,7 +194,11 @@ class PrefillService(EngineService):
             return  # a duplicate target, or the request is gone
         # The WAN sender exists before any await, so draining cannot see "all senders done"
         # while MD's blocks are still to come.
-        job.md_address, job.md_missing, job.md_pending = msg.md_bulk_address, msg.md_missing, set(msg.md_missing)
+        job.md_address, job.md_missing, job.md_pending = (
+            msg.md_bulk_address,
+            msg.md_missing,
+            set(msg.md_missing),
+        )
         self._start_sender(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
         self._close_wan_if_complete(job)
         export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
@@ -260,7 +279,9 @@ class PrefillService(EngineService):
     async def _ship(self, job: PrefillJob, path: KVPath, address: str, queue: asyncio.Queue) -> None:
         """Stream one destination's blocks for one request, then wait for its ack."""
         span = self.tracer.start_span(
-            "kv.transfer", context=job.ctx, attributes={REQUEST_ID_ATTR: job.rid, "path": path.value, "peer": address}
+            "kv.transfer",
+            context=job.ctx,
+            attributes={REQUEST_ID_ATTR: job.rid, "path": path.value, "peer": address},
         )
         t_start, sent = time.monotonic(), 0
         transfer = job.transfers[path] = KVTransfer(
@@ -271,14 +292,22 @@ class PrefillService(EngineService):
             payload = encode(self._relay_start(job, span)) if path is KVPath.LOCAL else b""
             await transfer.finish(payload)
             if path is KVPath.WAN and transfer.client is not None and not transfer.reconnects:
-                self._observe_link(address, transfer.client, sent, t_first, time.monotonic())  # no outage in it
+                self._observe_link(
+                    address, transfer.client, sent, t_first, time.monotonic()
+                )  # no outage in it
         except asyncio.CancelledError:
             raise
         except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
             await self._transfer_failed(job, path, address, span, e)
         finally:
-            span.set_attributes({"bytes": sent, "duration_s": time.monotonic() - t_start,
-                                 "reconnects": transfer.reconnects, "rdma_bytes": job.rdma_bytes})  # fmt: skip
+            span.set_attributes(
+                {
+                    "bytes": sent,
+                    "duration_s": time.monotonic() - t_start,
+                    "reconnects": transfer.reconnects,
+                    "rdma_bytes": job.rdma_bytes,
+                }
+            )
             span.end()
             job.transfers.pop(path, None)
             transfer.close()
@@ -338,10 +367,19 @@ class PrefillService(EngineService):
     def _relay_start(self, job: PrefillJob, span: Span) -> RelayStart:
         s = job.submit
         assert job.first_token is not None  # the local stream ends only after the first token
-        return RelayStart(s.rid, s.prompt_ids, job.first_token, s.params, s.catchup_threshold, traceparent_of(span),
-                          router=s.router)  # fmt: skip
+        return RelayStart(
+            s.rid,
+            s.prompt_ids,
+            job.first_token,
+            s.params,
+            s.catchup_threshold,
+            traceparent_of(span),
+            router=s.router,
+        )
 
-    async def _transfer_failed(self, job: PrefillJob, path: KVPath, address: str, span: Span, e: Exception) -> None:
+    async def _transfer_failed(
+        self, job: PrefillJob, path: KVPath, address: str, span: Span, e: Exception
+    ) -> None:
         if not isinstance(e, KVTransferError | TimeoutError | OSError):
             log.exception("%s transfer of %s crashed", path.value, job.rid)
         log.warning("%s transfer of %s to %s failed: %s", path.value, job.rid, address, e)
@@ -350,7 +388,9 @@ class PrefillService(EngineService):
             await self._fail(job, f"KV transfer to {path.value} peer failed: {e}")
         # On P→RLD→MD a WAN failure is the relay's to absorb (it finishes the request).
 
-    def _observe_link(self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float) -> None:
+    def _observe_link(
+        self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float
+    ) -> None:
         """Feed the link estimator: each connection's handshake RTT once, and goodput from
         first byte to ack."""
         if client.rtt and client not in self._rtt_seen:
@@ -371,7 +411,9 @@ class PrefillService(EngineService):
     async def _fail(self, job: PrefillJob, error: str) -> None:
         if self.jobs.get(job.rid) is not job:
             return
-        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+        await self.send_tokens(
+            job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error)
+        )
         await self.send_abort(job.rid, AbortReason.FAILED, error)
         await self._drop(job, AbortReason.FAILED)
 
@@ -381,7 +423,9 @@ class PrefillService(EngineService):
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None:
-            with self.tracer.start_as_current_span("abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason.value}):
+            with self.tracer.start_as_current_span(
+                "abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason.value}
+            ):
                 await self._drop(job, msg.reason)
 
     async def _on_md_lost(self, msg: MainDecodeLost, raw) -> None:

@@ -111,7 +111,9 @@ class RelayService(EngineService):
         ]:
             await self.life.subscribe(self.nc, subjects.all_req(kind), cls, handler)
         inst = self.settings.instance
-        await self.subscribe_admission(subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume)
+        await self.subscribe_admission(
+            subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
+        )
 
     async def report_load(self) -> EngineStats:
         stats = await super().report_load()
@@ -131,7 +133,9 @@ class RelayService(EngineService):
             async with asyncio.timeout(wait):
                 while True:
                     try:
-                        return await self.engine_loop.call(self.engine.exchange.import_blocks, hashes, kv, pin=rid)
+                        return await self.engine_loop.call(
+                            self.engine.exchange.import_blocks, hashes, kv, pin=rid
+                        )
                     except KVShortageError:
                         await self.blocks_freed()
         except TimeoutError:
@@ -149,7 +153,9 @@ class RelayService(EngineService):
             raise ValueError(f"request {rid} was aborted")
         if rid in self.jobs:
             return  # resent after the connection dropped before its ack: it is running already
-        threshold = start.catchup_threshold if start.catchup_threshold and start.catchup_threshold > 0 else None
+        threshold = (
+            start.catchup_threshold if start.catchup_threshold and start.catchup_threshold > 0 else None
+        )
         job = RelayJob(rid, threshold or self.settings.catchup_threshold, router=start.router)
         job.span = self.tracer.start_span(
             "relay.decode",
@@ -159,7 +165,11 @@ class RelayService(EngineService):
         self.jobs[rid] = job
         prompt = start.prompt_ids
         await self.engine_loop.call(
-            self.engine.add_request, rid, prompt + [start.first_token], start.params, num_prompt_tokens=len(prompt)
+            self.engine.add_request,
+            rid,
+            prompt + [start.first_token],
+            start.params,
+            num_prompt_tokens=len(prompt),
         )
         job.timers.append(self.life.spawn(self._md_deadline(job)))
         if rid in self.early_ready:
@@ -170,9 +180,12 @@ class RelayService(EngineService):
     async def _resume(self, msg: ResumeRequest, raw) -> None:
         """The request moved here by its token IDs (its instance was lost, or no MD is
         reachable): the relay finishes it alone, recomputing what its cache lacks."""
-        job = RelayJob(msg.rid, self.settings.catchup_threshold, StateMachine(RelayState.SOLO, MOVES), router=msg.router)
+        job = RelayJob(
+            msg.rid, self.settings.catchup_threshold, StateMachine(RelayState.SOLO, MOVES), router=msg.router
+        )
         job.span = self.tracer.start_span(
-            "relay.decode", attributes={REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)}
+            "relay.decode",
+            attributes={REQUEST_ID_ATTR: msg.rid, "mode": "resume", "resumed_at": len(msg.generated)},
         )
         if not await self.admit_resumed(msg, raw, job):
             job.span.end()
@@ -223,7 +236,9 @@ class RelayService(EngineService):
         running = (await self.engine_loop.call(self.engine.stats)).running
         if not job.state.is_in(RelayState.HANDING_OFF):
             return  # MD gave up meanwhile: the relay finishes the request
-        job.mode = choose_handoff_mode(len(tokens), running, job.catchup_threshold, self.settings.catchup_load)
+        job.mode = choose_handoff_mode(
+            len(tokens), running, job.catchup_threshold, self.settings.catchup_load
+        )
         if job.mode is HandoffMode.ONE_SHOT:
             await self._send_final(job)
         else:
@@ -256,25 +271,38 @@ class RelayService(EngineService):
             return
         job.state.to(RelayState.HANDED)
         mode = job.mode or HandoffMode.ONE_SHOT
-        await self._publish_batch(job, HandoffBatch(job.rid, job.seq, job.handed, tokens[job.handed :], True, mode))
+        await self._publish_batch(
+            job, HandoffBatch(job.rid, job.seq, job.handed, tokens[job.handed :], True, mode)
+        )
         if job.handoff_at is not None:
             metrics.HANDOFF_SECONDS.labels(mode=mode.value).observe(time.monotonic() - job.handoff_at)
-        report = RelayReport(handed_over=True, rld_tokens=max(len(tokens) - 1, 0), handoff_mode=mode,
-                             handoff_batches=job.seq + 1)  # fmt: skip
+        report = RelayReport(
+            handed_over=True,
+            rld_tokens=max(len(tokens) - 1, 0),
+            handoff_mode=mode,
+            handoff_batches=job.seq + 1,
+        )
         await self.send_tokens(job.router, TokenEvent(job.rid, self.role, len(tokens), [], relay=report))
         self._forget(job)
 
     async def _lost_after_stop(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.SOLO):
             error = "main decode was lost during the handoff"
-            await self.send_tokens(job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+            await self.send_tokens(
+                job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error)
+            )
         self._forget(job)
 
     async def _publish_batch(self, job: RelayJob, batch: HandoffBatch) -> None:
         metrics.HANDOFF_BATCHES.labels(mode=batch.mode.value).inc()
         ctx = trace.set_span_in_context(job.span) if job.span else None
-        attrs = {REQUEST_ID_ATTR: job.rid, "mode": batch.mode.value, "seq": batch.seq,
-                 "tokens": len(batch.tokens), "final": batch.final}  # fmt: skip
+        attrs = {
+            REQUEST_ID_ATTR: job.rid,
+            "mode": batch.mode.value,
+            "seq": batch.seq,
+            "tokens": len(batch.tokens),
+            "final": batch.final,
+        }
         with self.tracer.start_as_current_span("relay.handoff_batch", context=ctx, attributes=attrs):
             await publish(self.nc, subjects.req(job.rid, Req.HANDOFF), batch)
 
@@ -346,7 +374,9 @@ class RelayService(EngineService):
         log.warning("request %s: %s", job.rid, error)
         self._forget(job)
         await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
-        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error))
+        await self.send_tokens(
+            job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error)
+        )
         await self.free(job.rid)
 
     def _forget(self, job: RelayJob) -> None:
@@ -356,8 +386,13 @@ class RelayService(EngineService):
         job.state.to(RelayState.DONE)
         self.jobs.pop(job.rid, None)
         if job.span and job.span.is_recording():
-            job.span.set_attributes({"rld_tokens": job.produced, "state": last.name.lower(),
-                                     "mode": job.mode.value if job.mode else ""})  # fmt: skip
+            job.span.set_attributes(
+                {
+                    "rld_tokens": job.produced,
+                    "state": last.name.lower(),
+                    "mode": job.mode.value if job.mode else "",
+                }
+            )
             job.span.end()
         for t in job.timers:
             if t is not asyncio.current_task():

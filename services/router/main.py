@@ -21,7 +21,9 @@ def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = Non
 
     async def factory():
         setup_tracing("router", settings.instance, settings.datacenter)
-        conn = nc or await connect(settings.nats_url, name=f"router-{settings.instance}", **nats_options(settings))
+        conn = nc or await connect(
+            settings.nats_url, name=f"router-{settings.instance}", **nats_options(settings)
+        )
         info = describe_model(settings.model)
         core = RouterCore(
             settings,

@@ -30,7 +30,9 @@ from .routing.registry import Registry
 
 
 class RouterCore:
-    def __init__(self, settings: RouterSettings, nc, *, model_id: str, block_size: int, kv_bytes_per_token: int):
+    def __init__(
+        self, settings: RouterSettings, nc, *, model_id: str, block_size: int, kv_bytes_per_token: int
+    ):
         self.settings, self.nc, self.model_id = settings, nc, model_id
         # Instance plus a per-process suffix: the requests of a router that restarted under the
         # same instance id belong to a router that is gone, and backends drop them.
@@ -40,13 +42,15 @@ class RouterCore:
         tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
         self.requests = RequestLife(settings, rid_prefix)
-        self.fleet = FleetView(settings, model_id=model_id, block_size=block_size,
-                               kv_bytes_per_token=kv_bytes_per_token)  # fmt: skip
+        self.fleet = FleetView(
+            settings, model_id=model_id, block_size=block_size, kv_bytes_per_token=kv_bytes_per_token
+        )
         self.effects = Effects(nc, tracer, self.life, self.fleet.assignments)
         self.mover = Mover(settings, nc, tracer, self.identity, self.requests, self.fleet, self.effects)
         self.effects.migrate = self.mover.migrate
-        self.dispatcher = Dispatcher(settings, nc, tracer, self.identity, rid_prefix, self.requests, self.fleet,
-                                     self.effects)  # fmt: skip
+        self.dispatcher = Dispatcher(
+            settings, nc, tracer, self.identity, rid_prefix, self.requests, self.fleet, self.effects
+        )
         self.bus = BusAdapter(settings, nc, self.identity, self.requests, self.fleet, self.effects, self.life)
         self.consumer = Consumer(settings, self.requests, self.effects)
 
@@ -59,7 +63,10 @@ class RouterCore:
             await self.abort(rid, AbortReason.ROUTER_SHUTDOWN)
 
     def ready(self) -> dict[str, int]:
-        return {role.value: len(self.registry.alive(role)) for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)}
+        return {
+            role.value: len(self.registry.alive(role))
+            for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)
+        }
 
     # ---- a request ---------------------------------------------------------------------
     async def open(

@@ -72,7 +72,12 @@ class NatsConfig:
         # no_advertise: clients keep to the URLs they were given (a gossiped listen address may
         # be one their certificate check or network cannot reach). Listed routes are redialled
         # forever, so a killed node rejoins when it is back and the others carry on meanwhile.
-        lines = ["cluster {", f"  name: {q(self.cluster)}", f"  listen: {q(self.cluster_listen)}", "  no_advertise: true"]
+        lines = [
+            "cluster {",
+            f"  name: {q(self.cluster)}",
+            f"  listen: {q(self.cluster_listen)}",
+            "  no_advertise: true",
+        ]
         if self.routes:
             lines.append(f"  routes: {q(self.routes)}")
         if self.tls:

@@ -190,7 +190,9 @@ class NatsServer:
 
         await self._wait_monitor("routez", routed, timeout, f"routes to {n} other nodes not connected")
 
-    async def _wait_monitor(self, endpoint: str, done: Callable[[dict], bool], timeout: float, what: str) -> None:
+    async def _wait_monitor(
+        self, endpoint: str, done: Callable[[dict], bool], timeout: float, what: str
+    ) -> None:
         """Poll a monitoring endpoint until `done` holds of its JSON; TimeoutError naming us and `what`."""
         async with httpx.AsyncClient(timeout=2) as http:
             try:

@@ -8,6 +8,13 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Mode
 
 __all__ = [
-    "EngineError", "EngineStats", "FinishReason", "InvalidRequestError", "LLMEngine", "Mode",
-    "SamplingParams", "StepOutput", "block_hashes",
-]  # fmt: skip
+    "EngineError",
+    "EngineStats",
+    "FinishReason",
+    "InvalidRequestError",
+    "LLMEngine",
+    "Mode",
+    "SamplingParams",
+    "StepOutput",
+    "block_hashes",
+]

@@ -61,7 +61,11 @@ class BlockExchange:
         hit = self.pool.lookup(hashes)
         missing = len(set(hashes[len(hit) :]))
         verdict = admission_verdict(
-            blocks, self.promised_blocks, self.pool.num_blocks, missing + self.pool.cost_of(hit), self.pool.num_free
+            blocks,
+            self.promised_blocks,
+            self.pool.num_blocks,
+            missing + self.pool.cost_of(hit),
+            self.pool.num_free,
         )
         if verdict is not Verdict.ADMIT:
             return verdict, len(hit)
@@ -119,7 +123,9 @@ class BlockExchange:
                 new.setdefault(h, i)
         self._release_spare(pin, len(new) + len(present))
         if len(new) + self.pool.cost_of(present) > self.pool.num_free:
-            raise KVShortageError(f"no free KV block for import: {len(new)} new blocks, {self.pool.num_free} free")
+            raise KVShortageError(
+                f"no free KV block for import: {len(new)} new blocks, {self.pool.num_free} free"
+            )
         for bid in present:  # hold them, so allocating the new ones cannot evict them
             self.pool.touch(bid)
         bids = [self.pool.allocate() for _ in new]

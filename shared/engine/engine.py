@@ -53,9 +53,15 @@ class LLMEngine:
         # zeros, not empty: padded decode attention reads unwritten slots, and garbage there
         # (NaN) would leak through a zero weight. So the whole pool is committed at start.
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            cfg.num_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.intake = RequestIntake(cfg.vocab_size, self.max_model_len, self.block_size, num_blocks)
         self.scheduler = Scheduler(self.pool, es, self.model_id)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, es.attention_backend)
@@ -68,9 +74,14 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(
-        self, rid: str, token_ids: list[int], params: SamplingParams, *,
-        num_prompt_tokens: int | None = None, mode: Mode = Mode.GENERATE,
-    ) -> None:  # fmt: skip
+        self,
+        rid: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        num_prompt_tokens: int | None = None,
+        mode: Mode = Mode.GENERATE,
+    ) -> None:
         seq = self.intake.new_sequence(
             rid, token_ids, params, num_prompt_tokens=num_prompt_tokens, mode=mode, taken=self.seqs
         )
@@ -193,8 +204,17 @@ class LLMEngine:
             reason = FinishReason.PREFILLED if seq.mode is Mode.PREFILL else self._finish_reason(seq)
             index = seq.num_generated - 1
             prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # they go with output 0
-            outputs.append(StepOutput(rid=seq.rid, token_id=tok, index=index, finished=reason is not None,
-                                      finish_reason=reason, logprobs=lp, prompt_logprobs=prompt_lps))  # fmt: skip
+            outputs.append(
+                StepOutput(
+                    rid=seq.rid,
+                    token_id=tok,
+                    index=index,
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    logprobs=lp,
+                    prompt_logprobs=prompt_lps,
+                )
+            )
             if reason is FinishReason.PREFILLED:
                 self.scheduler.park_prefilled(seq)
             elif reason is not None:
@@ -204,10 +224,13 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
         return finish_reason(
-            seq.token_ids, seq.num_prompt_tokens, seq.params,
-            eos_token_ids=self.model_config.eos_token_ids, decode=self.tokenizer.decode,
+            seq.token_ids,
+            seq.num_prompt_tokens,
+            seq.params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            decode=self.tokenizer.decode,
             max_model_len=self.max_model_len,
-        )  # fmt: skip
+        )
 
     def _fail(self, seq: Sequence, error: str) -> StepOutput:
         self.seqs.pop(seq.rid, None)

@@ -30,9 +30,15 @@ class RequestIntake:
         self._arrival = 0  # admission order handed to the next sequence
 
     def new_sequence(
-        self, rid: str, token_ids: Seq[int], params: SamplingParams, *,
-        num_prompt_tokens: int | None, mode: Mode, taken: Container[str],
-    ) -> Sequence:  # fmt: skip
+        self,
+        rid: str,
+        token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        num_prompt_tokens: int | None,
+        mode: Mode,
+        taken: Container[str],
+    ) -> Sequence:
         """A checked Sequence for a new request; `taken` holds the ids already in use."""
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("request id must be a non-empty string")
@@ -74,10 +80,14 @@ class RequestIntake:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise InvalidRequestError(f"{what} token ids must be integers, got {t!r}")
             if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(f"{what} token id {t} is out of the vocabulary [0, {self.vocab_size})")
+                raise InvalidRequestError(
+                    f"{what} token id {t} is out of the vocabulary [0, {self.vocab_size})"
+                )
         return ids
 
-    def _check_lengths(self, n: int, params: SamplingParams, num_prompt_tokens: int | None, mode: Mode) -> int:
+    def _check_lengths(
+        self, n: int, params: SamplingParams, num_prompt_tokens: int | None, mode: Mode
+    ) -> int:
         """num_prompt_tokens, defaulted and checked against the prompt, max_model_len and max_tokens."""
         if n == 0:
             raise InvalidRequestError("prompt is empty: give at least one token")

@@ -35,7 +35,9 @@ def logprobs_of(logits: torch.Tensor, token_ids: list[int], top_k: int) -> list[
     return [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids, vals, strict=True)]
 
 
-def sampled_logprobs(logits: torch.Tensor, tokens: list[int], top_ks: list[int | None]) -> list[TokenLogprobs | None]:
+def sampled_logprobs(
+    logits: torch.Tensor, tokens: list[int], top_ks: list[int | None]
+) -> list[TokenLogprobs | None]:
     """Per row of a sampling step: logprobs for the rows whose request asked (top_k not None)."""
     out: list[TokenLogprobs | None] = [None] * len(tokens)
     rows = [i for i, k in enumerate(top_ks) if k is not None]

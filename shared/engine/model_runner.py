@@ -49,14 +49,17 @@ class ModelRunner:
         np.cumsum(n_new, out=query_start[1:])
         num_tokens = int(query_start[-1])
         pieces = zip(seqs, computed.tolist(), n_new.tolist(), strict=True)
-        ids = np.fromiter(chain.from_iterable(s.token_ids[c : c + n] for s, c, n in pieces), np.int64, num_tokens)
+        ids = np.fromiter(
+            chain.from_iterable(s.token_ids[c : c + n] for s, c, n in pieces), np.int64, num_tokens
+        )
         # Block tables, padded with block 0: row-major fill of each row's first num_blocks entries.
         num_blocks = -(-seq_lens // bs)
         tables = np.zeros((b, int(num_blocks.max())), np.int32)
         tables[np.arange(tables.shape[1])[None, :] < num_blocks[:, None]] = np.fromiter(
             chain.from_iterable(s.block_table[:k] for s, k in zip(seqs, num_blocks.tolist(), strict=True)),
-            np.int32, int(num_blocks.sum()),
-        )  # fmt: skip
+            np.int32,
+            int(num_blocks.sum()),
+        )
         row_seq = np.repeat(np.arange(b), n_new)  # which sequence each row belongs to
         positions = np.arange(num_tokens) + np.repeat(computed - query_start[:-1], n_new)
         slots = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs

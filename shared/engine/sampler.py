@@ -46,7 +46,9 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         return x
     # One partial sort serves both: every row's best max(top-k) tokens, and a few more where
     # top-p alone is asked for (the whole row is sorted only if a nucleus is wider).
-    width = min(vocab, max(k or (NUCLEUS_CANDIDATES if n else 0) for k, n in zip(top_k, nucleus, strict=True)))
+    width = min(
+        vocab, max(k or (NUCLEUS_CANDIDATES if n else 0) for k, n in zip(top_k, nucleus, strict=True))
+    )
     ranked = torch.topk(x, width, dim=-1)
     if any(top_k):
         k = torch.tensor(top_k, device=device)
@@ -72,17 +74,24 @@ def _top_p(x: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor) -> torch.
     return x.scatter(1, ranked, sorted_x.masked_fill(drop, float("-inf")))
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+) -> torch.Tensor:
     """Non-greedy rows [N, vocab] -> [N] token ids, one batched draw. The CDF is summed in
     float64; a token left out (probability 0) has an empty interval and is never drawn."""
     cdf = torch.cumsum(torch.softmax(filtered_logits(logits, params), dim=-1).double(), dim=-1)
-    u = torch.tensor([uniform(s, p) for s, p in zip(seeds, positions, strict=True)], dtype=torch.float64,
-                     device=logits.device)  # fmt: skip
+    u = torch.tensor(
+        [uniform(s, p) for s, p in zip(seeds, positions, strict=True)],
+        dtype=torch.float64,
+        device=logits.device,
+    )
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+    ) -> list[int]:
         """logits [N, vocab] fp32; positions: absolute index each new token will have."""
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -65,5 +65,7 @@ class SamplingParams:
             raise bad(f"seed must be an integer or null, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            if n is not None and (
+                isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS
+            ):
                 raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {n!r}")

@@ -28,9 +28,15 @@ class SeqStatus(Enum):
 
 class Sequence:
     def __init__(
-        self, rid: str, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int,
-        mode: Mode, seed: int, arrival: int,
-    ) -> None:  # fmt: skip
+        self,
+        rid: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        mode: Mode,
+        seed: int,
+        arrival: int,
+    ) -> None:
         self.rid = rid
         self.token_ids = list(token_ids)
         self.params = params

@@ -11,9 +11,14 @@ STOP_WINDOW_SLACK = 8  # tokens decoded beyond the longest stop string (multi-by
 
 
 def finish_reason(
-    token_ids: list[int], num_prompt_tokens: int, params: SamplingParams, *,
-    eos_token_ids: Collection[int], decode: Callable[[list[int]], str], max_model_len: int,
-) -> FinishReason | None:  # fmt: skip
+    token_ids: list[int],
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    *,
+    eos_token_ids: Collection[int],
+    decode: Callable[[list[int]], str],
+    max_model_len: int,
+) -> FinishReason | None:
     """Would the request end at its last token? None if it goes on (or generated nothing yet)."""
     num_generated = len(token_ids) - num_prompt_tokens
     if num_generated <= 0:

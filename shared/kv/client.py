@@ -252,7 +252,13 @@ class KVClient:
         on timeout. The receiver reports a bad piece on the request's connection, not here."""
         kv = sendable(kv, [0] * kv.shape[2])
         layers = _layers_for(rid, kv, 0, self.max_frame)
-        base = {"kind": "piece", "rid": rid, "gid": gid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+        base = {
+            "kind": "piece",
+            "rid": rid,
+            "gid": gid,
+            "dtype": dtype_name(kv.dtype),
+            "shape": list(kv.shape),
+        }
         deadline = asyncio.get_running_loop().time() + timeout
         try:
             return await self._send_group(_Rid(), base, None, layers, layers.ranges(lo, hi), deadline)

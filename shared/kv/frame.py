@@ -48,11 +48,21 @@ PREAUTH_MAX_HEADER = 4096  # an unauthenticated peer gets no more than this
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
-        "int8", "uint8", "int16", "int32", "int64", "bool",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
     )
     if hasattr(torch, name)
-}  # fmt: skip
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

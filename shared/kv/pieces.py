@@ -76,7 +76,9 @@ class SplitGroups:
             for scope in (conn, self.inflight):
                 scope.take(nbytes)
             charged = [conn, self.inflight]
-            group = self._groups[key] = SplitGroup(b.rid, kv, nbytes, charged, bytearray(b.shape[0]), self._arm(key))
+            group = self._groups[key] = SplitGroup(
+                b.rid, kv, nbytes, charged, bytearray(b.shape[0]), self._arm(key)
+            )
         if group.rid != b.rid or list(group.kv.shape) != b.shape or group.kv.dtype != b.dtype:
             return f"frame of {b.rid} {b.shape} does not match split group {key[1]}"
         return group

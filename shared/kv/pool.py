@@ -114,8 +114,15 @@ class KVClientPool:
             peer.acquiring -= 1
 
     async def _open(self, address: str) -> KVClient:
-        return await open_kv_client(address, self.secret, timeout=self.timeout, ssl=self.ssl, via=self.via,
-                                    server_name=self.server_name, checksum=self.checksum)  # fmt: skip
+        return await open_kv_client(
+            address,
+            self.secret,
+            timeout=self.timeout,
+            ssl=self.ssl,
+            via=self.via,
+            server_name=self.server_name,
+            checksum=self.checksum,
+        )
 
     def release(self, client: KVClient) -> None:
         n = self._active.get(client, 0) - 1

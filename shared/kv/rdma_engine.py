@@ -50,7 +50,9 @@ class RdmaEngine:
     def register(self, tensor: torch.Tensor) -> None:
         """Make a contiguous host tensor's memory reachable by peers (once, at start)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise RdmaError(f"only contiguous host memory is registered here (got {tensor.device}, contiguous={tensor.is_contiguous()})")
+            raise RdmaError(
+                f"only contiguous host memory is registered here (got {tensor.device}, contiguous={tensor.is_contiguous()})"
+            )
         nbytes = tensor.numel() * tensor.element_size()
         rc = self._engine.register_memory(tensor.data_ptr(), nbytes)
         if rc != 0:

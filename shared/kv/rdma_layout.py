@@ -51,11 +51,15 @@ def write_runs(src: Region, src_first: int, dst: Region, slots: list[int]) -> li
     """Runs that copy src blocks src_first, src_first+1, ... into dst blocks `slots` (in order):
     one run per plane per stretch of consecutive slots."""
     if (src.planes, src.block_bytes) != (dst.planes, dst.block_bytes):
-        raise ValueError(f"block layouts differ: {src.planes}×{src.block_bytes} B here, {dst.planes}×{dst.block_bytes} B there")
+        raise ValueError(
+            f"block layouts differ: {src.planes}×{src.block_bytes} B here, {dst.planes}×{dst.block_bytes} B there"
+        )
     out = []
     for start, first, count in block_runs(slots):
         for plane in range(src.planes):
-            out.append((src.address(plane, src_first + start), dst.address(plane, first), count * src.block_bytes))
+            out.append(
+                (src.address(plane, src_first + start), dst.address(plane, first), count * src.block_bytes)
+            )
     return out
 
 

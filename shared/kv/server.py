@@ -287,7 +287,9 @@ class _Receiver:
             await self._discard(b.nbytes)
             return
         hasher = new_hasher(b.algo)
-        await self.stream.recv_into(byte_view(split.kv)[b.lo * b.layer_bytes : b.hi * b.layer_bytes], hasher.update)
+        await self.stream.recv_into(
+            byte_view(split.kv)[b.lo * b.layer_bytes : b.hi * b.layer_bytes], hasher.update
+        )
         if hasher.value() != b.csum:
             self.server.splits.drop(key, f"checksum mismatch in a piece, layers [{b.lo}, {b.hi})")
         else:
@@ -484,7 +486,9 @@ async def start_kv_server(
     learn it in the handshake). reconnect_grace: when a connection drops, its requests wait this
     long to continue on a new connection from the same peer before the sink gets on_abort."""
     caps = caps or ReceiveCaps()
-    server = KVServer(sink, secret, max_frame_bytes, max_header_bytes, caps, expect, idle_timeout, reconnect_grace)
+    server = KVServer(
+        sink, secret, max_frame_bytes, max_header_bytes, caps, expect, idle_timeout, reconnect_grace
+    )
     server._listener = await transport_for(address).listen(address, server._serve, ssl=ssl)
     log.info("kv receiver listening on %s", server.address)
     return server

@@ -72,7 +72,13 @@ class KVTransfer:
     """send_blocks()* then finish(), or abort(); close() always (it returns the connection)."""
 
     def __init__(
-        self, pool: KVClientPool, address: str, rid: str, *, timeout: float = 60.0, policy: RetryPolicy | None = None
+        self,
+        pool: KVClientPool,
+        address: str,
+        rid: str,
+        *,
+        timeout: float = 60.0,
+        policy: RetryPolicy | None = None,
     ):
         self.pool, self.address, self.rid = pool, address, rid
         self.timeout = timeout  # each send_blocks / finish on one connection
@@ -84,7 +90,9 @@ class KVTransfer:
         self._retries = 0
         self._first_drop: float | None = None
 
-    async def send_blocks(self, hashes: list[int], kv: torch.Tensor, *, traceparent: str | None = None) -> int:
+    async def send_blocks(
+        self, hashes: list[int], kv: torch.Tensor, *, traceparent: str | None = None
+    ) -> int:
         """Bytes sent for this group (KVClient.send_blocks), plus any resend it took."""
         before = self.bytes_sent
         group = _Group(list(hashes), sendable(kv, hashes), traceparent)
@@ -141,7 +149,9 @@ class KVTransfer:
         )
         _BACKGROUND.add(pieces)
         pieces.add_done_callback(_BACKGROUND.discard)
-        self.bytes_sent += await client.send_blocks(self.rid, group.hashes, group.kv, split=(gid, ranges[0][1]), **kw)
+        self.bytes_sent += await client.send_blocks(
+            self.rid, group.hashes, group.kv, split=(gid, ranges[0][1]), **kw
+        )
         done = await asyncio.shield(pieces)
         failed = [e for e in done if isinstance(e, BaseException)]
         if failed:

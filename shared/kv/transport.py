@@ -67,7 +67,11 @@ OnStream = Callable[[Stream], Awaitable[None]]
 class Transport(Protocol):
     async def listen(self, address: str, on_stream: OnStream, ssl: SSLContext | None = None) -> Listener: ...
     async def connect(
-        self, address: str, ssl: SSLContext | None = None, via: str | None = None, server_name: str | None = None
+        self,
+        address: str,
+        ssl: SSLContext | None = None,
+        via: str | None = None,
+        server_name: str | None = None,
     ) -> Stream: ...
 
 
@@ -392,7 +396,11 @@ class SocketTransport:
         return SocketListener(sock, bound, on_stream, ssl if kind == "tcp" else None)
 
     async def connect(
-        self, address: str, ssl: SSLContext | None = None, via: str | None = None, server_name: str | None = None
+        self,
+        address: str,
+        ssl: SSLContext | None = None,
+        via: str | None = None,
+        server_name: str | None = None,
     ) -> Stream:
         """`via` (tcp://host:port of a dial-on-demand WAN link, shared/wan/via.py): connect
         there and name `address` in a first line; TLS still runs end to end with `address`.

@@ -40,7 +40,9 @@ def _raise_exception(message: str):
 
 def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Not jinja's own filter: that one escapes <, >, & and ' for HTML, which no template wants.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -49,7 +51,9 @@ def _strftime_now(format: str) -> str:
 
 def _environment() -> ImmutableSandboxedEnvironment:
     """Templates come with checkpoints, i.e. untrusted code: sandboxed, and unable to mutate inputs."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -124,17 +128,24 @@ class ChatTemplate:
         except ValueError as e:
             raise ValueError(f"{model_dir}: {e}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The prompt text; ChatTemplateError when the template refuses or fails on these messages."""
         name = "tool_use" if tools is not None and "tool_use" in self._compiled else "default"
         # Keys set to None are dropped: templates test `is defined`, and would print "None".
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._compiled[name].render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
-            )  # fmt: skip
+            )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
-        except Exception as e:  # the template is checkpoint code: its failure is this request's 400, not a 500
+        except (
+            Exception
+        ) as e:  # the template is checkpoint code: its failure is this request's 400, not a 500
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

@@ -41,7 +41,9 @@ class ModelConfig:
         if not self.eos_token_ids:
             self.eos_token_ids = (self.eos_token_id,)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V, every layer, every KV head: nothing else is stored per token."""
@@ -60,7 +62,9 @@ def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if kind == "default":
             scaling = None
         elif kind not in ("linear", "llama3"):
-            log.warning("rope scaling %r is not implemented and is ignored: long-context logits will differ", kind)
+            log.warning(
+                "rope scaling %r is not implemented and is ignored: long-context logits will differ", kind
+            )
             scaling = None
     return theta, scaling
 
@@ -72,13 +76,17 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     cfg = json.loads(raw)
     model_type = cfg.get("model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
     if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
-        log.warning("sliding-window attention is ignored: full attention is used (exact below the window size)")
+        log.warning(
+            "sliding-window attention is ignored: full attention is used (exact below the window size)"
+        )
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

@@ -25,7 +25,9 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if ".qkv_proj." in name:
-            for part, (lo, hi) in zip(("q_proj", "k_proj", "v_proj"), ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
+            for part, (lo, hi) in zip(
+                ("q_proj", "k_proj", "v_proj"), ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True
+            ):
                 out[name.replace("qkv_proj", part)] = t[lo:hi].clone()
         elif ".gate_up_proj." in name:
             out[name.replace("gate_up_proj", "gate_proj")] = t[:inter].clone()
@@ -70,6 +72,8 @@ def save_hf(model: LlamaForCausalLM, out_dir: str | Path, byte_tokenizer: bool =
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     if byte_tokenizer:
         if c.vocab_size != ByteTokenizer.vocab_size:
-            raise ValueError(f"the byte tokenizer has {ByteTokenizer.vocab_size} ids, the model {c.vocab_size}")
+            raise ValueError(
+                f"the byte tokenizer has {ByteTokenizer.vocab_size} ids, the model {c.vocab_size}"
+            )
         save_byte_tokenizer(out, c.max_position_embeddings)
     return out

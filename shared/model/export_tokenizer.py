@@ -25,7 +25,11 @@ CHAT_TEMPLATE = (
 
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's bytes_to_unicode: each byte as one printable character (the ByteLevel mapping)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -44,8 +48,12 @@ def byte_tokenizer_hf():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(BOS_TOKEN, special=True, normalized=False),
-                            AddedToken(EOS_TOKEN, special=True, normalized=False)])  # fmt: skip
+    tok.add_special_tokens(
+        [
+            AddedToken(BOS_TOKEN, special=True, normalized=False),
+            AddedToken(EOS_TOKEN, special=True, normalized=False),
+        ]
+    )
     assert tok.token_to_id(BOS_TOKEN) == ByteTokenizer.bos_token_id
     assert tok.token_to_id(EOS_TOKEN) == ByteTokenizer.eos_token_id
     return tok
@@ -58,11 +66,14 @@ def save_byte_tokenizer(out_dir: str | Path, model_max_length: int) -> Path:
     byte_tokenizer_hf().save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", **special,
-        "add_bos_token": False, "add_eos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": False,
+        "add_eos_token": False,
         "clean_up_tokenization_spaces": False,  # decode must give back the bytes, spaces and all
-        "model_max_length": model_max_length, "chat_template": CHAT_TEMPLATE,
-    }  # fmt: skip
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
     return out

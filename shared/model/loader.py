@@ -20,8 +20,13 @@ from shared.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # HF name -> (our packed name, shard index): q,k,v into qkv_proj; gate,up into gate_up_proj.
-_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 _PACKED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
 
@@ -38,7 +43,9 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), False)
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype, device=device), False
+                )
         for name, b in list(module._buffers.items()):
             if b is not None:
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
@@ -49,7 +56,11 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
 
 
 def _shard_ranges(config: ModelConfig, packed: str) -> list[tuple[int, int]]:
-    q, kv, i = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    q, kv, i = (
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
     if packed == "qkv_proj":
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
     return [(0, i), (i, 2 * i)]
@@ -92,7 +103,9 @@ def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
                     target = params[hf_name]
                     loaded.add(hf_name)
                 if target.shape != tensor.shape:
-                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                    raise ValueError(
+                        f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}"
+                    )
                 target.copy_(tensor.to(target.dtype))
     missing = []
     for name in params:

@@ -17,12 +17,18 @@ LOGIT_STD = 8.0
 
 PRESETS: dict[str, dict] = {
     # Fast enough for unit tests: 2 layers x 2 KV heads x 16 dims x K,V x 4 B = 512 B of KV per token.
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=192),
+    "tiny": dict(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=192
+    ),
     # Benchmarks: 8 layers x 4 KV heads x 64 dims x K,V x 4 B = 16 KiB of KV per token in fp32.
-    "small": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536),
+    "small": dict(
+        hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536
+    ),
     # GPU benchmarks and calibration (~1B parameters): large enough that a step's compute and
     # memory traffic show past its fixed cost. 16 x 8 x 128 x K,V x 2 B = 64 KiB of KV per token in bf16.
-    "medium": dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=8192),
+    "medium": dict(
+        hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=8192
+    ),
 }
 
 

@@ -53,7 +53,9 @@ class Credentials:
         they would not name a host asked for now."""
         services, hosts = list(services), sorted({*LOCAL_HOSTS, *COMPOSE_HOSTNAMES, *hosts})
         hosts_file = self.dir / "hosts.json"
-        renew_pki = renew or not hosts_file.exists() or not set(hosts) <= set(json.loads(hosts_file.read_text()))
+        renew_pki = (
+            renew or not hosts_file.exists() or not set(hosts) <= set(json.loads(hosts_file.read_text()))
+        )
         self.pki.ensure([*NATS_SERVERS, *services], hosts, renew=renew_pki)
         write_private(hosts_file, json.dumps(hosts).encode())
         for path in [*map(self.password_file, services), self.secret_file]:
@@ -73,8 +75,11 @@ def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: boo
                 setattr(settings, name, Path(path).read_text().strip())
             except OSError as e:
                 _refuse(service, f"{env_prefix}{name.upper()}_FILE: {e.strerror}: {path}")
-    missing = [f"{env_prefix}{n.upper()}{'[_FILE]' if hasattr(settings, f'{n}_file') else ''}"
-               for n in required if not getattr(settings, n)]  # fmt: skip
+    missing = [
+        f"{env_prefix}{n.upper()}{'[_FILE]' if hasattr(settings, f'{n}_file') else ''}"
+        for n in required
+        if not getattr(settings, n)
+    ]
     if missing:
         _refuse(service, f"missing setting {', '.join(missing)} (`pdd up` / `pdd certs` create them)")
     for name in FILES:

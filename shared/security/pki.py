@@ -67,17 +67,25 @@ class Pki:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
     now = dt.datetime.now(dt.UTC)
-    return builder.not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+    return builder.not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(
+        now + dt.timedelta(days=VALID_DAYS)
+    )
 
 
 def _ca_certificate(key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
-    builder = x509.CertificateBuilder().subject_name(_name("pdd private CA")).issuer_name(_name("pdd private CA"))
+    builder = (
+        x509.CertificateBuilder().subject_name(_name("pdd private CA")).issuer_name(_name("pdd private CA"))
+    )
     builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
     builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
     usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)  # cert + CRL signing
@@ -98,14 +106,17 @@ def _leaf_certificate(
     builder = x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
     builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
     builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-    builder = builder.add_extension(x509.SubjectAlternativeName([_san(h) for h in [name, *hosts]]), critical=False)
+    builder = builder.add_extension(
+        x509.SubjectAlternativeName([_san(h) for h in [name, *hosts]]), critical=False
+    )
     usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     return builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False).sign(ca_key, hashes.SHA256())
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())  # fmt: skip
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     write_private(path, data)
 
 

@@ -31,7 +31,9 @@ def last_changes(events: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
 
 
 class CacheEvents:
-    def __init__(self, role: Role, instance: str, nc, engine_loop: EngineLoop, exchange: BlockExchange) -> None:
+    def __init__(
+        self, role: Role, instance: str, nc, engine_loop: EngineLoop, exchange: BlockExchange
+    ) -> None:
         self.role, self.instance, self.nc = role, instance, nc
         self.engine_loop, self.exchange = engine_loop, exchange
         self.epoch = secrets.token_hex(8)  # this process: a router sees a restart by its change

@@ -53,7 +53,12 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
 
     async def call(
-        self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, must_run: bool = False, **kwargs: Any
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout_s: float | None = None,
+        must_run: bool = False,
+        **kwargs: Any,
     ) -> T:
         """Run fn(*args, **kwargs) on the engine thread between two steps. Raises TimeoutError
         after `timeout_s` (default: `call_timeout_s`); see the module docstring for what then

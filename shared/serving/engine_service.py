@@ -88,7 +88,9 @@ class EngineService:
         self.engine_loop.start()
         await self.subscribe()
         await self.life.subscribe(self.nc, subjects.all_aborts(), Abort, self._on_abort)
-        await self.life.subscribe(self.nc, subjects.router_heartbeats(), LoadReport, self._on_router_heartbeat)
+        await self.life.subscribe(
+            self.nc, subjects.router_heartbeats(), LoadReport, self._on_router_heartbeat
+        )
         self.life.every(HEARTBEAT_S, self.report_load)
         self.life.every(HEARTBEAT_S, self._drop_orphans)
         self.life.every(ABORTS_KEPT_S / 10, self._forget_old_aborts)
@@ -127,7 +129,12 @@ class EngineService:
         raise NotImplementedError
 
     async def subscribe_admission(
-        self, subject: str, cls: type, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]], queue: str = "",
+        self,
+        subject: str,
+        cls: type,
+        reply_cls: type,
+        admit: Callable[[Any, Any], Awaitable[None]],
+        queue: str = "",
         if_aborted: Callable[[Any], Any] | None = None,
     ) -> None:
         """Messages that create a job. Admission waits for the engine thread (up to one
@@ -141,7 +148,11 @@ class EngineService:
         await self.life.subscribe(self.nc, subject, cls, on_message, queue=queue)
 
     async def _admit(
-        self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]],
+        self,
+        msg: Any,
+        raw: Any,
+        reply_cls: type,
+        admit: Callable[[Any, Any], Awaitable[None]],
         if_aborted: Callable[[Any], Any] | None = None,
     ) -> None:
         if self.draining:
@@ -155,7 +166,11 @@ class EngineService:
             self._admitting -= 1
 
     async def _admit_new(
-        self, msg: Any, raw: Any, reply_cls: type, admit: Callable[[Any, Any], Awaitable[None]],
+        self,
+        msg: Any,
+        raw: Any,
+        reply_cls: type,
+        admit: Callable[[Any, Any], Awaitable[None]],
         if_aborted: Callable[[Any], Any] | None = None,
     ) -> None:
         if msg.rid in self.jobs:
@@ -219,11 +234,19 @@ class EngineService:
             stats.used_blocks
         )
         report = LoadReport(
-            service=self.role, instance=self.settings.instance, running=stats.running,
-            waiting=stats.waiting, num_blocks=stats.num_blocks, used_blocks=stats.used_blocks,
-            free_blocks=stats.free_blocks, address=self.load_address(), links=self.load_links(),
-            model_id=self.engine.model_id, held=list(self.jobs), draining=self.draining,
-        )  # fmt: skip
+            service=self.role,
+            instance=self.settings.instance,
+            running=stats.running,
+            waiting=stats.waiting,
+            num_blocks=stats.num_blocks,
+            used_blocks=stats.used_blocks,
+            free_blocks=stats.free_blocks,
+            address=self.load_address(),
+            links=self.load_links(),
+            model_id=self.engine.model_id,
+            held=list(self.jobs),
+            draining=self.draining,
+        )
         await publish(self.nc, subjects.load(self.role.value, self.settings.instance), report)
         return stats
 
@@ -303,7 +326,9 @@ class EngineService:
         """Another role gave up on `rid` lately: a job for it must not start (or not stay)."""
         return rid in self.aborted
 
-    async def send_abort(self, rid: str, reason: AbortReason, detail: str = "", parent: Span | None = None) -> None:
+    async def send_abort(
+        self, rid: str, reason: AbortReason, detail: str = "", parent: Span | None = None
+    ) -> None:
         """Tell every other role to drop `rid`."""
         ctx = trace.set_span_in_context(parent) if parent else None
         attrs = {REQUEST_ID_ATTR: rid, "reason": reason.value, "detail": detail}
@@ -324,9 +349,13 @@ def token_event(rid: str, source: Role, index: int, outs: list[StepOutput]) -> T
     lps = [o.logprobs for o in sampled]
     prompt_lps = next((o.prompt_logprobs for o in sampled if o.prompt_logprobs is not None), None)
     return TokenEvent(
-        rid, source, index, [o.token_id for o in sampled],  # type: ignore[misc]
-        logprobs=lps if sampled and None not in lps else None, prompt_logprobs=prompt_lps,  # type: ignore[arg-type]
-    )  # fmt: skip
+        rid,
+        source,
+        index,
+        [o.token_id for o in sampled],  # type: ignore[misc]
+        logprobs=lps if sampled and None not in lps else None,
+        prompt_logprobs=prompt_lps,  # type: ignore[arg-type]
+    )
 
 
 def outcome_of(reason: FinishReason | None) -> Outcome:

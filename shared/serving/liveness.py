@@ -29,7 +29,9 @@ class ConnectionWatch:
     Polled (cheaply) rather than hooked: nats-py counts reconnects, so even a blip shorter
     than the polling interval shows up as a changed count."""
 
-    def __init__(self, nc: Any, clock: Callable[[], float] = time.monotonic, frozen_after_s: float = 2.0) -> None:
+    def __init__(
+        self, nc: Any, clock: Callable[[], float] = time.monotonic, frozen_after_s: float = 2.0
+    ) -> None:
         self.nc = nc
         self.clock = clock
         self.frozen_after_s = frozen_after_s

@@ -110,7 +110,10 @@ async def serve_service(name: str, settings, factory) -> None:
     service = factory(settings, nc)
     await service.start()
     micro = await register_service(
-        nc, f"pdd-{name.replace('_', '-')}", "0.1.0", f"pdd {name}",
+        nc,
+        f"pdd-{name.replace('_', '-')}",
+        "0.1.0",
+        f"pdd {name}",
         metadata={"instance": settings.instance, "datacenter": settings.datacenter},
     )
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)

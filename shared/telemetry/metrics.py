@@ -41,7 +41,10 @@ SECOND_TOKEN = Histogram(
     "pdd_second_token_seconds", "Time to the second output token", ["pipeline"], buckets=TTFT_BUCKETS
 )
 TPOT = Histogram(
-    "pdd_tpot_seconds", "Time per output token after the first, per request", ["pipeline"], buckets=ITL_BUCKETS
+    "pdd_tpot_seconds",
+    "Time per output token after the first, per request",
+    ["pipeline"],
+    buckets=ITL_BUCKETS,
 )
 KV_BYTES = Counter("pdd_kv_bytes", "KV bytes sent, by path", ["path"])
 HANDOFF_BATCHES = Counter("pdd_handoff_batches", "RLD->MD handoff batches by mode", ["mode"])
@@ -57,24 +60,40 @@ WAN_BANDWIDTH = Gauge("pdd_wan_bandwidth_bytes_per_second", "Router's live WAN b
 # /metrics alone (`pdd top`, compose publishes nothing else) shows the WAN per MD link, the RLD
 # share and the handoffs. pdd_kv_bytes / pdd_output_tokens / pdd_handoff_batches are the
 # instances' own, counted as they happen.
-ROUTER_WAN_BYTES = Counter("pdd_router_wan_bytes", "KV bytes each MD received over the WAN (reported)", ["md"])
-ROUTER_OUTPUT_TOKENS = Counter("pdd_router_output_tokens", "Output tokens by producing role (reported)", ["role"])
+ROUTER_WAN_BYTES = Counter(
+    "pdd_router_wan_bytes", "KV bytes each MD received over the WAN (reported)", ["md"]
+)
+ROUTER_OUTPUT_TOKENS = Counter(
+    "pdd_router_output_tokens", "Output tokens by producing role (reported)", ["role"]
+)
 ROUTER_HANDOFFS = Counter("pdd_router_handoffs", "Completed RLD->MD handoffs by mode (reported)", ["mode"])
 KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks in use", ["service", "instance"])
 # The RLD/MD token split (paper: RLD 6.2%, MD 93.8%) and aborted WAN transfers.
 OUTPUT_TOKENS = Counter("pdd_output_tokens", "Output tokens by producing role", ["role"])
 UNKNOWN_REQUEST_MESSAGES = Counter(
-    "pdd_unknown_request_messages", "Messages naming a request id this instance does not hold (dropped)", ["service"]
+    "pdd_unknown_request_messages",
+    "Messages naming a request id this instance does not hold (dropped)",
+    ["service"],
 )
-MIGRATIONS = Counter(  # cause = lost | gap | stall | error | dispatch (see RequestStream.stall, RequestLife.move)
-    "pdd_migrations", "Requests moved to another instance by their token IDs", ["cause"]
+MIGRATIONS = (
+    Counter(  # cause = lost | gap | stall | error | dispatch (see RequestStream.stall, RequestLife.move)
+        "pdd_migrations", "Requests moved to another instance by their token IDs", ["cause"]
+    )
 )
-KV_RDMA_BYTES = Counter("pdd_kv_rdma_bytes", "KV bytes prefill wrote one-sided into main decode's pool (RDMA path)")
+KV_RDMA_BYTES = Counter(
+    "pdd_kv_rdma_bytes", "KV bytes prefill wrote one-sided into main decode's pool (RDMA path)"
+)
 KV_RDMA_FALLBACKS = Counter(  # reason = unavailable | refused | write | corrupt | verdict
-    "pdd_kv_rdma_fallbacks", "WAN KV transfers (or blocks of them) sent over TCP instead of the RDMA path", ["reason"]
+    "pdd_kv_rdma_fallbacks",
+    "WAN KV transfers (or blocks of them) sent over TCP instead of the RDMA path",
+    ["reason"],
 )
-KV_RDMA_CORRUPT_BLOCKS = Counter("pdd_kv_rdma_corrupt_blocks", "Blocks written over RDMA that failed main decode's checksum")
-KV_TRANSFER_ABORTS = Counter("pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"])  # see abort_reason
+KV_RDMA_CORRUPT_BLOCKS = Counter(
+    "pdd_kv_rdma_corrupt_blocks", "Blocks written over RDMA that failed main decode's checksum"
+)
+KV_TRANSFER_ABORTS = Counter(
+    "pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"]
+)  # see abort_reason
 HANDOFF_BATCHES_DROPPED = Counter(  # reason = stale (seq already applied) | duplicate (seq already held)
     "pdd_handoff_batches_dropped", "Redelivered handoff batches MD dropped (first copy kept)", ["reason"]
 )

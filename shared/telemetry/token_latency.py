@@ -16,8 +16,9 @@ class TokenLatency:
     tpot_s: float | None = None  # (end - first token) / (tokens - 1), if this delivery ended it
 
 
-def token_latency(created: float, first_token_at: float | None, now: float, before: int, after: int,
-                  finished: bool) -> TokenLatency:  # fmt: skip
+def token_latency(
+    created: float, first_token_at: float | None, now: float, before: int, after: int, finished: bool
+) -> TokenLatency:
     """`before`/`after`: tokens delivered before and after this delivery, at `now`."""
     second = now - created if before < 2 <= after else None
     tpot = None

@@ -12,8 +12,13 @@ if TYPE_CHECKING:
     from shared.wan.shaper import LinkSettings, Shaper
 
 __all__ = ["LinkSettings", "Shaper", "WanControl", "WanEmulator", "WanLink"]
-_MODULE = {"LinkSettings": "shaper", "Shaper": "shaper", "WanControl": "control", "WanEmulator": "emulator",
-           "WanLink": "link"}  # fmt: skip
+_MODULE = {
+    "LinkSettings": "shaper",
+    "Shaper": "shaper",
+    "WanControl": "control",
+    "WanEmulator": "emulator",
+    "WanLink": "link",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=delay, default=0.0, help="one-way delay per direction")
     p.add_argument("--jitter-ms", type=jitter, default=0.0, help="uniform jitter +-ms on the delay")
     p.add_argument(
-        "--bandwidth-mbps", type=_OPTS["bandwidth_mbps"], default=None,
+        "--bandwidth-mbps",
+        type=_OPTS["bandwidth_mbps"],
+        default=None,
         help="cap per direction; none/0 = unlimited (default)",
     )
     p.add_argument("--log-level", default="INFO")

@@ -44,7 +44,11 @@ WAIT_S = 30  # bound on every wait of the test
 
 
 def _md(nc, **kw) -> MainDecodeService:
-    return MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0", **kw), nc, make_engine())
+    return MainDecodeService(
+        MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0", **kw),
+        nc,
+        make_engine(),
+    )
 
 
 async def _queue(nc, subject: str, cls) -> asyncio.Queue:
@@ -82,12 +86,19 @@ async def test_a_draining_md_refuses_new_work_and_finishes_what_it_holds(nats_se
         tokens = await _queue(nc, subjects.req("streaming", subjects.Req.TOKENS), TokenEvent)
         assert (await _prepare(nc, md, "held")).ok  # waits for KV that only an abort ends
         resume = ResumeRequest("streaming", PROMPT, [], greedy(24))
-        assert (await request(nc, subjects.resume("main_decode", "0"), resume, ResumeReply, timeout=WAIT_S)).ok
+        assert (
+            await request(nc, subjects.resume("main_decode", "0"), resume, ResumeReply, timeout=WAIT_S)
+        ).ok
         drain = asyncio.ensure_future(md.drain(WAIT_S))
         await _first(reports, lambda r: r.draining)  # announced
         with pytest.raises(RequestError, match="503"):  # what the router takes elsewhere
-            await request(nc, subjects.resume("main_decode", "0"), ResumeRequest("new", PROMPT, [], greedy(4)),
-                          ResumeReply, timeout=WAIT_S)  # fmt: skip
+            await request(
+                nc,
+                subjects.resume("main_decode", "0"),
+                ResumeRequest("new", PROMPT, [], greedy(4)),
+                ResumeReply,
+                timeout=WAIT_S,
+            )
         with pytest.raises(RequestError, match="leaving"):
             await _prepare(nc, md, "new2")
         got, last = [], None
@@ -121,14 +132,28 @@ async def test_what_a_drain_still_holds_at_its_timeout_is_given_up(nats_server, 
 
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.RELAY])
-async def test_an_idle_instance_drains_at_once_then_refuses_work(nats_server, nats_security, tmp_path, role) -> None:
+async def test_an_idle_instance_drains_at_once_then_refuses_work(
+    nats_server, nats_security, tmp_path, role
+) -> None:
     nc = await nats_security.connect(nats_server, f"drain-{role.value}")
     if role is Role.PREFILL:
         service = PrefillService(PrefillSettings(secret="s", instance="0"), nc, make_engine())
-        subject, msg, reply = subjects.prefill_submit_to("0"), PrefillSubmit("x", PROMPT, greedy(4), Pipeline.P_MD), SubmitReply
+        subject, msg, reply = (
+            subjects.prefill_submit_to("0"),
+            PrefillSubmit("x", PROMPT, greedy(4), Pipeline.P_MD),
+            SubmitReply,
+        )
     else:
-        service = RelayService(RelaySettings(local_address=f"unix://{tmp_path}/r.sock", secret="s", instance="0"), nc, make_engine())
-        subject, msg, reply = subjects.resume("relay", "0"), ResumeRequest("x", PROMPT, [], greedy(4)), ResumeReply
+        service = RelayService(
+            RelaySettings(local_address=f"unix://{tmp_path}/r.sock", secret="s", instance="0"),
+            nc,
+            make_engine(),
+        )
+        subject, msg, reply = (
+            subjects.resume("relay", "0"),
+            ResumeRequest("x", PROMPT, [], greedy(4)),
+            ResumeReply,
+        )
     await service.start()
     try:
         await asyncio.wait_for(service.drain(WAIT_S), WAIT_S)
@@ -144,12 +169,26 @@ async def _md_process(nats_server, nats_security, tmp_path) -> tuple[asyncio.sub
     """A main decode service process on `nats_server`, its output in the returned log file."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
     env.update(_credentials_env("main_decode", nats_security.creds.dir))
-    env.update({"PDD_MD_NATS_URL": nats_server.url, "PDD_MD_INSTANCE": "0", "PDD_MD_BULK_ADDRESS": "tcp://127.0.0.1:0",
-                "PDD_MD_ENGINE__KV_MEMORY_MB": "1", "PDD_TRACE_DIR": str(tmp_path)})  # fmt: skip
+    env.update(
+        {
+            "PDD_MD_NATS_URL": nats_server.url,
+            "PDD_MD_INSTANCE": "0",
+            "PDD_MD_BULK_ADDRESS": "tcp://127.0.0.1:0",
+            "PDD_MD_ENGINE__KV_MEMORY_MB": "1",
+            "PDD_TRACE_DIR": str(tmp_path),
+        }
+    )
     log = tmp_path / "md.log"
     with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.main_decode", env=env, cwd=tmp_path,
-                                                    stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.main_decode",
+            env=env,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return proc, log
 
 
@@ -170,7 +209,9 @@ async def test_sigterm_announces_the_drain_and_exits_zero(nats_server, nats_secu
         await nc.close()
 
 
-async def test_sigterm_after_nats_went_away_still_exits_zero_at_once(nats_server, nats_security, tmp_path) -> None:
+async def test_sigterm_after_nats_went_away_still_exits_zero_at_once(
+    nats_server, nats_security, tmp_path
+) -> None:
     """NATS stopped first (a terminal's Ctrl-C reaching it too, or a crash): leaving must not wait
     out flush timeouts, or the supervisor kills the service after its 10 s grace."""
     nc = await nats_security.connect(nats_server, "sigterm-test")

@@ -50,8 +50,14 @@ def system(tmp_path_factory) -> RunningSystem:
 
 def body(pipeline: str, salt: int, n: int = 48, max_tokens: int = MAX_TOKENS) -> dict:
     prompt = [(i * 11 + salt * 17 + 5) % 250 for i in range(n)]
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "pdd": {"pipeline": pipeline}}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "pdd": {"pipeline": pipeline},
+    }
 
 
 @dataclass
@@ -64,7 +70,10 @@ class Streamed:
 
 
 def stream(
-    system: RunningSystem, payload: dict, at_token: int = -1, fault: Callable[[], None] | None = None,
+    system: RunningSystem,
+    payload: dict,
+    at_token: int = -1,
+    fault: Callable[[], None] | None = None,
     at_s: float | None = None,
 ) -> Streamed:
     """One streamed completion; `fault()` runs (in a thread, so the stream keeps being read)
@@ -119,8 +128,11 @@ def serves_again(system: RunningSystem, timeout_s: float = 30.0) -> None:
     deadline, last = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         try:
-            r = httpx.post(f"{system.router_url}/v1/completions", timeout=60,
-                           json={"prompt": "back again", "max_tokens": 4, "pdd": {"pipeline": "p-md"}})  # fmt: skip
+            r = httpx.post(
+                f"{system.router_url}/v1/completions",
+                timeout=60,
+                json={"prompt": "back again", "max_tokens": 4, "pdd": {"pipeline": "p-md"}},
+            )
             if r.status_code == 200:
                 return
             last = r.text

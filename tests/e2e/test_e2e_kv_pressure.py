@@ -20,7 +20,10 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
-    env = {"PDD_MD_ENGINE__KV_MEMORY_MB": str(MD_POOL_BLOCKS * 16 * 512 / 2**20), "PDD_ROUTER_TOKEN_TIMEOUT_S": "20"}
+    env = {
+        "PDD_MD_ENGINE__KV_MEMORY_MB": str(MD_POOL_BLOCKS * 16 * 512 / 2**20),
+        "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
+    }
     sysm = start_system(tmp_path_factory.mktemp("pdd-kv"), env, delay_ms=1)
     yield sysm
     sysm.stop()
@@ -36,14 +39,20 @@ def test_more_requests_than_md_holds_all_complete(system):
     prompts = [prompt_of(140 + 8 * i, salt=20 + i) for i in range(10)]
     pipelines = ["p-md", "p-rld-md"]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(
-            lambda ip: complete(system, ip[1], max_tokens=MAX_TOKENS, pdd={"pipeline": pipelines[ip[0] % 2]}),
-            enumerate(prompts),
-        ))  # fmt: skip
+        replies = list(
+            pool.map(
+                lambda ip: complete(
+                    system, ip[1], max_tokens=MAX_TOKENS, pdd={"pipeline": pipelines[ip[0] % 2]}
+                ),
+                enumerate(prompts),
+            )
+        )
     reference = LLMEngine(ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=4))
     for prompt, r in zip(prompts, replies, strict=True):
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert r.json()["choices"][0]["token_ids"] == ref_tokens(
+            reference, prompt, max_tokens=MAX_TOKENS, ignore_eos=True
+        )
     assert "waits for KV memory" in system.log("main_decode")  # the pool really was short
 
 

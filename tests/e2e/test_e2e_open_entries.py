@@ -38,8 +38,11 @@ def system(tmp_path_factory) -> RunningSystem:
 
 def test_every_map_is_tracked_and_drains_after_requests(system):
     for pipeline in ("p-md", "p-rld-md"):
-        r = httpx.post(f"{system.router_url}/v1/completions", timeout=60,
-                       json={"prompt": "x" * 40, "max_tokens": 8, "pdd": {"pipeline": pipeline}})  # fmt: skip
+        r = httpx.post(
+            f"{system.router_url}/v1/completions",
+            timeout=60,
+            json={"prompt": "x" * 40, "max_tokens": 8, "pdd": {"pipeline": pipeline}},
+        )
         assert r.status_code == 200, r.text
     entries = open_entries(system)
     assert TRACKED <= set(entries), TRACKED - set(entries)
@@ -65,11 +68,14 @@ def _wait_routed(router: str, before: dict) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
-    ("/v1/completions", {"prompt": "hi", "stream": True}),
-    ("/v1/completions", {"prompt": "hi", "stream": False}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": False}),
+    ],
+)
 def test_a_request_left_before_its_first_byte_is_freed_and_aborted(system, path, body):
     urls = system.metrics_urls()
     assert wait_until_drained(system, DRAIN_S) == {}
@@ -95,16 +101,32 @@ def _router_env(system: RunningSystem) -> dict[str, str]:
 
 def _http_scope(path: str, payload: bytes) -> dict:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/completions", {"prompt": "hi"}),
-])  # fmt: skip
-async def test_a_stream_whose_client_is_gone_when_the_response_starts_is_freed(system, monkeypatch, path, body):
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ],
+)
+async def test_a_stream_whose_client_is_gone_when_the_response_starts_is_freed(
+    system, monkeypatch, path, body
+):
     """The client is gone by the time the response starts, and the server's send yields to the
     loop (as any server's does under backpressure): the response is cancelled before its body
     was ever asked for, so deltas() never ran. Such a server is the one fake part (uvicorn's
@@ -114,15 +136,19 @@ async def test_a_stream_whose_client_is_gone_when_the_response_starts_is_freed(s
         monkeypatch.setenv(name, value)
     settings = require_credentials(RouterSettings(), "router", ENV_PREFIX["router"], kv=False)
     app = build_app(settings, http=HttpSettings())
-    payload = json.dumps({**body, "stream": True, "max_tokens": LONG, "ignore_eos": True,
-                          "pdd": {"pipeline": "p-md"}}).encode()  # fmt: skip
+    payload = json.dumps(
+        {**body, "stream": True, "max_tokens": LONG, "ignore_eos": True, "pdd": {"pipeline": "p-md"}}
+    ).encode()
     md = system.metrics_urls()["main_decode"]
     before_md, sent, asked = scrape(md), [], []
 
     async def receive() -> dict:
         asked.append(1)
-        return {"type": "http.request", "body": payload, "more_body": False} if len(asked) == 1 else {
-            "type": "http.disconnect"}  # fmt: skip
+        return (
+            {"type": "http.request", "body": payload, "more_body": False}
+            if len(asked) == 1
+            else {"type": "http.disconnect"}
+        )
 
     async def send(message: dict) -> None:
         sent.append(message["type"])

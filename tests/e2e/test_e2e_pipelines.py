@@ -30,7 +30,9 @@ def system(tmp_path_factory) -> RunningSystem:
         "PDD_RELAY_MD_READY_TIMEOUT_S": str(MD_READY_TIMEOUT_S),
         "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
     }
-    sysm = start_system(tmp_path_factory.mktemp("pdd"), env, delay_ms=10, bandwidth_mbps=1000, model_preset=PRESET)
+    sysm = start_system(
+        tmp_path_factory.mktemp("pdd"), env, delay_ms=10, bandwidth_mbps=1000, model_preset=PRESET
+    )
     yield sysm
     sysm.stop()
 
@@ -86,8 +88,13 @@ def test_p_md_matches_single_engine(system, reference):
 def test_relay_one_shot_matches(system, reference):
     prompt = prompt_of(600, salt=2)
     with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
-        r = complete(system, prompt, max_tokens=250, ignore_eos=True,
-                     pdd={"pipeline": "p-rld-md", "catchup_threshold": 10_000})
+        r = complete(
+            system,
+            prompt,
+            max_tokens=250,
+            ignore_eos=True,
+            pdd={"pipeline": "p-rld-md", "catchup_threshold": 10_000},
+        )
     assert r.status_code == 200, r.text
     stats = r.json()["pdd"]
     assert r.headers["x-pdd-pipeline"] == "p-rld-md"
@@ -95,20 +102,29 @@ def test_relay_one_shot_matches(system, reference):
     assert stats["rld_tokens"] > 0 and stats["md_tokens"] > 0
     assert stats["handoff_batches"] == 1
     assert stats["instances"] == {"prefill": "0", "relay": "0", "main_decode": "0"}
-    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=250, ignore_eos=True)
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(
+        reference, prompt, max_tokens=250, ignore_eos=True
+    )
 
 
 def test_relay_catch_up_several_batches_matches(system, reference):
     prompt = prompt_of(600, salt=3)
     with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
-        r = complete(system, prompt, max_tokens=250, ignore_eos=True,
-                     pdd={"pipeline": "p-rld-md", "catchup_threshold": 1})
+        r = complete(
+            system,
+            prompt,
+            max_tokens=250,
+            ignore_eos=True,
+            pdd={"pipeline": "p-rld-md", "catchup_threshold": 1},
+        )
     assert r.status_code == 200, r.text
     stats = r.json()["pdd"]
     assert stats["handoff_mode"] == "catch-up"
     assert stats["pipeline"] == "p-rld-md"
     assert stats["handoff_batches"] >= 2
-    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=250, ignore_eos=True)
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(
+        reference, prompt, max_tokens=250, ignore_eos=True
+    )
 
 
 def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference):
@@ -127,8 +143,12 @@ def assert_wan_cut_falls_back_to_relay(system: RunningSystem, reference: LLMEngi
         r = complete(system, prompt, max_tokens=600, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
     assert r.status_code == 200, r.text
     assert r.json()["pdd"]["pipeline"] == "rld-only"
-    assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=600, ignore_eos=True)
-    assert f"request {r.headers['x-request-id']}: MD not ready in time" in system.log("relay")  # the fallback ran
+    assert r.json()["choices"][0]["token_ids"] == ref_tokens(
+        reference, prompt, max_tokens=600, ignore_eos=True
+    )
+    assert f"request {r.headers['x-request-id']}: MD not ready in time" in system.log(
+        "relay"
+    )  # the fallback ran
     assert wait_idle(system) == {}
 
 
@@ -188,8 +208,14 @@ def test_concurrent_streams_complete_in_order(system, reference):
 
 
 def test_client_disconnect_frees_blocks_everywhere(system):
-    body = {"prompt": prompt_of(200, salt=9), "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
-            "stream": True, "pdd": {"pipeline": "p-rld-md"}}
+    body = {
+        "prompt": prompt_of(200, salt=9),
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "pdd": {"pipeline": "p-rld-md"},
+    }
     with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS / 4):
         with httpx.stream("POST", f"{system.router_url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
@@ -208,8 +234,12 @@ def test_client_disconnect_frees_blocks_everywhere(system):
         (b"{not json", 400, "request body is not valid JSON", None),
         (b"[1, 2]", 400, "request body must be a JSON object", None),
         (json.dumps({"prompt": "hi", "model": "nope"}).encode(), 404, "model 'nope' does not exist", "model"),
-        (json.dumps({"prompt": "x" * 5000, "max_tokens": 10}).encode(), 400,
-         "prompt (5000 tokens) plus max_tokens (10) exceeds the context limit", "prompt"),
+        (
+            json.dumps({"prompt": "x" * 5000, "max_tokens": 10}).encode(),
+            400,
+            "prompt (5000 tokens) plus max_tokens (10) exceeds the context limit",
+            "prompt",
+        ),
         (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400, "temperature:", None),
         (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens:", None),
         (json.dumps({"prompt": [1, 2, 999999]}).encode(), 400, "prompt token ids must be in [0, ", "prompt"),
@@ -219,8 +249,12 @@ def test_client_disconnect_frees_blocks_everywhere(system):
     ],
 )
 def test_bad_input_is_a_clear_4xx(system, payload, status, message, param):
-    r = httpx.post(f"{system.router_url}/v1/completions", content=payload,
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{system.router_url}/v1/completions",
+        content=payload,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]  # OpenAI's error shape
     assert set(err) == {"message", "type", "param", "code"}
@@ -239,8 +273,17 @@ def test_chat_matches_the_single_engine_on_the_chat_layout(system, reference):
     models = httpx.get(f"{system.router_url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [reference.model_id]
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello €"}]
-    r = httpx.post(f"{system.router_url}/v1/chat/completions", timeout=60, json={
-        "model": reference.model_id, "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        f"{system.router_url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": reference.model_id,
+            "messages": messages,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     # The chat layout is plain and model-agnostic: each message under its role, then the assistant's turn.
@@ -252,14 +295,21 @@ def test_chat_matches_the_single_engine_on_the_chat_layout(system, reference):
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(expected)}
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12, "total_tokens": len(prompt) + 12}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 12,
+        "total_tokens": len(prompt) + 12,
+    }
 
 
 def test_bulk_link_dropped_mid_transfer_is_resent_unseen_by_the_client(system, reference):
     prompt = prompt_of(600, salt=12)  # ≈ 9.8 MB of KV: ≈ 4 s on a 20 Mbit/s link
     params = dict(max_tokens=24, ignore_eos=True)
     links = f"{system.wan_url}/links"
-    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS / 4), concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with (
+        system.shaped("bulk", bandwidth_mbps=SLOW_MBPS / 4),
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
         start = httpx.get(links, timeout=10).json()["bulk"]["bytes_up"]
         reply = pool.submit(complete, system, prompt, **params, pdd={"pipeline": "p-md"})
         deadline = time.monotonic() + 30
@@ -299,8 +349,12 @@ def openai_completion(client, prompt: list[int], pipeline: str, *, catchup: int,
         r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=extra, **kw)
         return r.choices[0].model_dump(), r.model_extra["pdd"]
     choice: dict = {"text": "", "token_ids": [], "logprobs": {k: [] for k in LEGACY_LOGPROB_KEYS}}
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=extra, **kw))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == kw["max_tokens"]  # include_usage
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=extra, **kw)
+    )
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == kw["max_tokens"]
+    )  # include_usage
     for chunk in chunks[:-1]:
         (c,) = chunk.choices
         choice["text"] += c.text
@@ -314,16 +368,27 @@ LEGACY_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset"
 MODEL = describe_model(ModelSettings(preset=PRESET)).model_id
 
 
-@pytest.mark.parametrize("salt, pipeline, expect, catchup, bandwidth, kw", [
-    (60, "p-md", "p-md", 10_000, 1000.0, dict(max_tokens=16, logprobs=5, echo=True)),
-    # The relay decodes while the prompt's KV crosses (200 tokens ≈ 3.3 MB: ≈ 0.3 s at 80 Mbit/s)
-    # and must not finish first: it decodes well under 120 tokens in that time.
-    (61, "p-rld-md", "p-rld-md", 10_000, SLOW_MBPS, dict(max_tokens=120, logprobs=3)),  # one-shot
-    (62, "p-rld-md", "p-rld-md", 1, SLOW_MBPS, dict(max_tokens=120, logprobs=2, echo=True)),  # catch-up
-    (63, "p-rld-md", "rld-only", 10_000, SLOW_MBPS / 3, dict(max_tokens=5, logprobs=4, stream=True,
-                                                           stream_options={"include_usage": True})),
-])  # fmt: skip
-def test_openai_client_logprobs_match_single_engine(system, reference, salt, pipeline, expect, catchup, bandwidth, kw):
+@pytest.mark.parametrize(
+    "salt, pipeline, expect, catchup, bandwidth, kw",
+    [
+        (60, "p-md", "p-md", 10_000, 1000.0, dict(max_tokens=16, logprobs=5, echo=True)),
+        # The relay decodes while the prompt's KV crosses (200 tokens ≈ 3.3 MB: ≈ 0.3 s at 80 Mbit/s)
+        # and must not finish first: it decodes well under 120 tokens in that time.
+        (61, "p-rld-md", "p-rld-md", 10_000, SLOW_MBPS, dict(max_tokens=120, logprobs=3)),  # one-shot
+        (62, "p-rld-md", "p-rld-md", 1, SLOW_MBPS, dict(max_tokens=120, logprobs=2, echo=True)),  # catch-up
+        (
+            63,
+            "p-rld-md",
+            "rld-only",
+            10_000,
+            SLOW_MBPS / 3,
+            dict(max_tokens=5, logprobs=4, stream=True, stream_options={"include_usage": True}),
+        ),
+    ],
+)
+def test_openai_client_logprobs_match_single_engine(
+    system, reference, salt, pipeline, expect, catchup, bandwidth, kw
+):
     import openai
 
     from services.router.api.logprobs_format import LogprobsFormatter, prompt_entries
@@ -336,15 +401,20 @@ def test_openai_client_logprobs_match_single_engine(system, reference, salt, pip
     if expect == "p-rld-md":
         assert pdd["handoff_mode"] == ("catch-up" if catchup == 1 else "one-shot") and pdd["rld_tokens"] > 0
     echo, top = kw.get("echo", False), kw["logprobs"]
-    toks, lps, prompt_lps = ref_logprobs(reference, prompt, max_tokens=kw["max_tokens"], ignore_eos=True,
-                                         logprobs=top, prompt_logprobs=top if echo else None)  # fmt: skip
+    toks, lps, prompt_lps = ref_logprobs(
+        reference,
+        prompt,
+        max_tokens=kw["max_tokens"],
+        ignore_eos=True,
+        logprobs=top,
+        prompt_logprobs=top if echo else None,
+    )
     assert choice["token_ids"] == toks
     tokenizer = describe_model(ModelSettings(preset=PRESET)).tokenizer
     ids, entries = (prompt + toks, prompt_entries(len(prompt), prompt_lps) + lps) if echo else (toks, lps)
     expected = LogprobsFormatter(tokenizer, chat=False)(ids, entries)
     assert_same_logprobs(choice["logprobs"], expected, first_output=len(prompt) if echo else 0)
     assert choice["text"] == (tokenizer.decode(prompt) if echo else "") + tokenizer.decode(toks)
-
 
 
 # Logprobs agree to this, not bit for bit: an instance that takes a request over recomputes the
@@ -364,7 +434,8 @@ def assert_same_logprobs(got: dict, expected: dict, first_output: int) -> None:
         g_top, e_top = got["top_logprobs"][i] or {}, expected["top_logprobs"][i] or {}
         pairs = [(g, e)] + [(g_top.get(k), v) for k, v in e_top.items()]
         if g_top.keys() != e_top.keys() or not all(
-            a == b or (a is not None and b is not None and math.isclose(a, b, **LOGPROB_TOL)) for a, b in pairs
+            a == b or (a is not None and b is not None and math.isclose(a, b, **LOGPROB_TOL))
+            for a, b in pairs
         ):
             bad.append((i - first_output, pairs[0]))
     assert not bad, f"logprobs differ at output positions (negative: prompt) {bad[:5]} ({len(bad)} in all)"
@@ -374,12 +445,23 @@ def test_openai_client_chat_stream_logprobs(system):
     import openai
 
     client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key="none", max_retries=0, timeout=60)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True,
-        logprobs=True, top_logprobs=3, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=3,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
-    entries = [e for c in chunks[:-1] for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    entries = [
+        e for c in chunks[:-1] for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])
+    ]
     assert len(entries) == 6
     for e in entries:
         tops = [t.logprob for t in e.top_logprobs]

@@ -31,8 +31,16 @@ PRESET = "tiny"
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> Iterator[RunningSystem]:
-    sysm = start_system(tmp_path_factory.mktemp("pdd-scale"), {"PDD_ROUTER_TOKEN_TIMEOUT_S": "20"},
-                        model_preset=PRESET, prefill=2, relay=2, md=2, routers=2, nats_cluster=3)
+    sysm = start_system(
+        tmp_path_factory.mktemp("pdd-scale"),
+        {"PDD_ROUTER_TOKEN_TIMEOUT_S": "20"},
+        model_preset=PRESET,
+        prefill=2,
+        relay=2,
+        md=2,
+        routers=2,
+        nats_cluster=3,
+    )
     yield sysm
     sysm.stop()
 
@@ -67,7 +75,10 @@ def test_either_router_gives_the_single_engine_tokens(system, reference, pipelin
         assert body["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=n, ignore_eos=True)
         # On a busy host the relay may still outrun MD's KV and finish alone (the anomalous-
         # traffic filter): the same tokens, reported as rld-only.
-        assert body["pdd"]["pipeline"] == pipeline or (pipeline, body["pdd"]["pipeline"]) == ("p-rld-md", "rld-only")
+        assert body["pdd"]["pipeline"] == pipeline or (pipeline, body["pdd"]["pipeline"]) == (
+            "p-rld-md",
+            "rld-only",
+        )
         where = body["pdd"]["instances"]
         assert where["main_decode"] in ("0", "1") and where["prefill"] in ("0", "1")
         assert (where["relay"] is not None) == (pipeline == "p-rld-md")
@@ -151,8 +162,12 @@ def test_an_md_joins_and_leaves_under_traffic(system: RunningSystem) -> None:
     """A third MD started by hand (as an operator adds capacity) gets requests; SIGTERM makes
     it drain and leave: out of routing within 3 s, and no request fails."""
     base = int(system.router_urls[0].rsplit(":", 1)[1])
-    opts = with_base_port(UpOptions(workdir=system.workdir, model_preset=PRESET, prefill=2, relay=2, md=3,
-                                    routers=2, nats_cluster=3), base)
+    opts = with_base_port(
+        UpOptions(
+            workdir=system.workdir, model_preset=PRESET, prefill=2, relay=2, md=3, routers=2, nats_cluster=3
+        ),
+        base,
+    )
     spec = next(s for s in service_specs(opts) if s.name == "main_decode-2")
     log = open(system.workdir / "logs" / "main_decode-2.log", "wb")
     proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stdout=log, stderr=subprocess.STDOUT)
@@ -162,7 +177,9 @@ def test_an_md_joins_and_leaves_under_traffic(system: RunningSystem) -> None:
             assert wait_for(lambda: any(md == "2" for _, md in results), 60), "the new MD never got a request"
             proc.send_signal(signal.SIGTERM)
             t_term = time.monotonic()
-            assert wait_for(lambda: system.instances().get("main_decode/2", {"draining": True})["draining"], 3.0)
+            assert wait_for(
+                lambda: system.instances().get("main_decode/2", {"draining": True})["draining"], 3.0
+            )
             out_at = time.monotonic() - t_term
             n_then = len(results)
             assert wait_for(lambda: len(results) >= n_then + 15, 60), "traffic stopped"

@@ -34,7 +34,12 @@ def _gone(pid: int) -> bool:
 
 
 def _complete(system: RunningSystem, pipeline: str) -> httpx.Response:
-    body = {"prompt": "supervised restarts", "max_tokens": 12, "temperature": 0, "pdd": {"pipeline": pipeline}}
+    body = {
+        "prompt": "supervised restarts",
+        "max_tokens": 12,
+        "temperature": 0,
+        "pdd": {"pipeline": pipeline},
+    }
     return httpx.post(f"{system.router_url}/v1/completions", json=body, timeout=30)
 
 
@@ -57,7 +62,9 @@ def _tokens_once_back(system: RunningSystem, pipeline: str) -> list[int]:
     # MD: its bulk and metrics ports; relay: its unix socket; nats-b: its ports, the gateway, reconnects
     [("main_decode", "p-md"), ("relay", "p-rld-md"), ("nats-b", "p-md")],
 )
-def test_killed_service_is_restarted_and_serves_the_same(system: RunningSystem, service: str, pipeline: str) -> None:
+def test_killed_service_is_restarted_and_serves_the_same(
+    system: RunningSystem, service: str, pipeline: str
+) -> None:
     before = _complete(system, pipeline)
     assert before.status_code == 200, before.text
     old = read_pid(system.workdir, service)

@@ -20,8 +20,12 @@ from tests.promql import Selector, dashboard_exprs, selectors
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
-    sysm = start_system(tmp_path_factory.mktemp("pdd-tel"), {"PDD_RELAY_CATCHUP_THRESHOLD": "1"},
-                        delay_ms=5, model_preset="small")
+    sysm = start_system(
+        tmp_path_factory.mktemp("pdd-tel"),
+        {"PDD_RELAY_CATCHUP_THRESHOLD": "1"},
+        delay_ms=5,
+        model_preset="small",
+    )
     yield sysm
     sysm.stop()
 
@@ -39,9 +43,17 @@ def _trace(system: RunningSystem, rid: str, want: set[str], timeout: float = 15.
 def test_relay_request_is_one_trace_across_both_datacenters(system):
     prompt = [(i * 11 + 5) % 250 for i in range(600)]
     with system.shaped("bulk", bandwidth_mbps=80.0):
-        r = httpx.post(f"{system.router_url}/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-            "pdd": {"pipeline": "p-rld-md"}})
+        r = httpx.post(
+            f"{system.router_url}/v1/completions",
+            timeout=120,
+            json={
+                "prompt": prompt,
+                "max_tokens": 150,
+                "temperature": 0,
+                "ignore_eos": True,
+                "pdd": {"pipeline": "p-rld-md"},
+            },
+        )
     assert r.status_code == 200, r.text
     rid, body = r.headers["x-request-id"], r.json()
     assert body["pdd"]["pipeline"] == "p-rld-md"
@@ -49,8 +61,17 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
     assert re.fullmatch(r"[0-9a-f]{32}", trace_id)
     assert r.headers["traceparent"].split("-")[1] == trace_id
 
-    want = {"router.request", "router.route", "prefill.compute", "kv.transfer", "relay.decode",
-            "relay.handoff_batch", "md.kv_receive", "md.extend", "md.decode"}
+    want = {
+        "router.request",
+        "router.route",
+        "prefill.compute",
+        "kv.transfer",
+        "relay.decode",
+        "relay.handoff_batch",
+        "md.kv_receive",
+        "md.extend",
+        "md.decode",
+    }
     data = _trace(system, rid, want)
     spans = data["spans"]
     names = {s["name"] for s in spans}
@@ -60,7 +81,11 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
     by_id = {s["span_id"]: s for s in spans}
 
     def parent(name: str, **attrs) -> str:
-        span = next(s for s in spans if s["name"] == name and all(s["attributes"].get(k) == v for k, v in attrs.items()))
+        span = next(
+            s
+            for s in spans
+            if s["name"] == name and all(s["attributes"].get(k) == v for k, v in attrs.items())
+        )
         return by_id[span["parent_span_id"]]["name"]
 
     root = next(s for s in spans if s["name"] == "router.request")
@@ -81,7 +106,9 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
     # `pdd trace` renders the same trace as a waterfall grouped by datacenter.
     out = subprocess.run(
         [sys.executable, "-m", "pdd.cli", "trace", rid, "--dir", str(system.workdir / "traces")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert "dc-a" in out.stdout and "dc-b" in out.stdout and "md.extend" in out.stdout
@@ -90,7 +117,9 @@ def test_relay_request_is_one_trace_across_both_datacenters(system):
 def _stream(system: RunningSystem, body: dict) -> tuple[list[list[int]], dict]:
     """The token chunks of a streamed completion, and its final pdd summary."""
     chunks, summary = [], {}
-    with httpx.stream("POST", f"{system.router_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{system.router_url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -106,8 +135,16 @@ def test_metrics_after_traffic(system):
     urls = system.metrics_urls()
     router, md = urls["router"], urls["main_decode"]
     before_router, before_md = scrape(router), scrape(md)
-    chunks, summary = _stream(system, {"prompt": "metrics please", "max_tokens": 12, "temperature": 0,
-                                       "ignore_eos": True, "pdd": {"pipeline": "p-md"}})
+    chunks, summary = _stream(
+        system,
+        {
+            "prompt": "metrics please",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "pdd": {"pipeline": "p-md"},
+        },
+    )
     assert sum(len(c) for c in chunks) == 12 and summary["pipeline"] == "p-md"
     after_router, after_md = scrape(router), scrape(md)
 
@@ -120,7 +157,11 @@ def test_metrics_after_traffic(system):
     # one inter-token gap per token chunk after the first
     assert router_moved("pdd_itl_seconds_count", pipeline="p-md") == len(chunks) - 1
     # MD counts the tokens it produced (prefill sampled the first)
-    assert moved(before_md, after_md, "pdd_output_tokens_total", role="main_decode") == summary["md_tokens"] == 11
+    assert (
+        moved(before_md, after_md, "pdd_output_tokens_total", role="main_decode")
+        == summary["md_tokens"]
+        == 11
+    )
     inst = httpx.get(f"{system.router_url}/v1/instances", timeout=10).json()
     assert set(inst) == {"prefill/0", "relay/0", "main_decode/0"}
 
@@ -142,16 +183,40 @@ def _unexported(scrapes: list[Samples], wanted: list[Selector]) -> list[Selector
 def test_dashboard_queries_name_what_the_system_exports(system):
     # Both pipelines with a handoff, and the anomalous-traffic filter (the relay ends the request
     # before MD has the KV: the WAN transfer is aborted), so the labelled series exist.
-    _, summary = _stream(system, {"prompt": "dashboards for two datacenters", "max_tokens": 12,
-                                  "temperature": 0, "ignore_eos": True, "pdd": {"pipeline": "p-md"}})
+    _, summary = _stream(
+        system,
+        {
+            "prompt": "dashboards for two datacenters",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "pdd": {"pipeline": "p-md"},
+        },
+    )
     assert summary["pipeline"] == "p-md"
     prompt = [(i * 13 + 7) % 250 for i in range(300)]
-    _, summary = _stream(system, {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                                  "pdd": {"pipeline": "p-rld-md"}})
+    _, summary = _stream(
+        system,
+        {
+            "prompt": prompt,
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+            "pdd": {"pipeline": "p-rld-md"},
+        },
+    )
     assert summary["pipeline"] == "p-rld-md" and summary["handoff_mode"], summary
     with system.shaped("bulk", bandwidth_mbps=1.0):
-        _, summary = _stream(system, {"prompt": prompt[:200] + [1] * 400, "max_tokens": 3, "temperature": 0,
-                                      "ignore_eos": True, "pdd": {"pipeline": "p-rld-md"}})
+        _, summary = _stream(
+            system,
+            {
+                "prompt": prompt[:200] + [1] * 400,
+                "max_tokens": 3,
+                "temperature": 0,
+                "ignore_eos": True,
+                "pdd": {"pipeline": "p-rld-md"},
+            },
+        )
     assert summary["pipeline"] == "rld-only", summary
 
     wanted = [s for _, expr in dashboard_exprs() for s in selectors(expr)]
@@ -167,9 +232,14 @@ def test_dashboard_queries_name_what_the_system_exports(system):
 def test_pdd_top_once_shows_every_instance_and_the_request_rate(system):
     out = subprocess.run(
         [sys.executable, "-m", "pdd.cli", "top", "--url", system.router_url, "--once", "--interval", "0.5"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "80"},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     instances = system.instances()
     assert instances and all(key in out.stdout for key in instances), out.stdout
-    assert re.search(r"^requests/s  p-md \d+\.\d\d  p-rld-md \d+\.\d\d .* total \d+\.\d\d$", out.stdout, re.M), out.stdout
+    assert re.search(
+        r"^requests/s  p-md \d+\.\d\d  p-rld-md \d+\.\d\d .* total \d+\.\d\d$", out.stdout, re.M
+    ), out.stdout

@@ -72,8 +72,11 @@ async def _tokens_until_finished(got: asyncio.Queue) -> tuple[int, list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["md", "relay"])
-@pytest.mark.parametrize("params", [greedy(N), SamplingParams(temperature=0.9, top_p=0.9, max_tokens=N,
-                                                              ignore_eos=True, seed=1234)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [greedy(N), SamplingParams(temperature=0.9, top_p=0.9, max_tokens=N, ignore_eos=True, seed=1234)],
+    ids=["greedy", "seeded"],
+)
 async def test_a_resumed_request_continues_exactly_where_the_client_is(
     nats_server, nats_security, tmp_path, kind, params
 ) -> None:
@@ -130,9 +133,13 @@ async def test_a_backend_drops_the_requests_of_a_router_that_stops_heartbeating(
         await nc.close()
 
 
-async def test_with_no_live_instance_a_request_fails_clearly_within_its_bound(nats_server, nats_security) -> None:
+async def test_with_no_live_instance_a_request_fails_clearly_within_its_bound(
+    nats_server, nats_security
+) -> None:
     nc = await nats_security.connect(nats_server, "lonely-router")
-    core = RouterCore(RouterSettings(migration_wait_s=1.0), nc, model_id="m", block_size=16, kv_bytes_per_token=512)
+    core = RouterCore(
+        RouterSettings(migration_wait_s=1.0), nc, model_id="m", block_size=16, kv_bytes_per_token=512
+    )
     await core.start()
     try:
         async with asyncio.timeout(5):

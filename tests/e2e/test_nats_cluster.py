@@ -70,19 +70,31 @@ gateway {
 def test_a_lone_server_renders_as_before(nats_security: NatsSecurity) -> None:
     ident = Identity(Path("/s/ca.pem"), Path("/s/nats-a.pem"), Path("/s/nats-a.key"))
     users = [NatsUser("router", "pw1", Permissions(("a.b",), ("c.*",), True)), NatsUser("test", "pw2", None)]
-    conf = NatsConfig("nats-a", "127.0.0.1:4222", "127.0.0.1:8222", tls=ident, users=users,
-                      gateway_listen="127.0.0.1:7222", gateway_advertise="127.0.0.1:17222",
-                      gateways={"nats-b": "nats://127.0.0.1:17223"}, log_file="/w/nats-server.log")  # fmt: skip
+    conf = NatsConfig(
+        "nats-a",
+        "127.0.0.1:4222",
+        "127.0.0.1:8222",
+        tls=ident,
+        users=users,
+        gateway_listen="127.0.0.1:7222",
+        gateway_advertise="127.0.0.1:17222",
+        gateways={"nats-b": "nats://127.0.0.1:17223"},
+        log_file="/w/nats-server.log",
+    )
     assert conf.render() == LONE_SERVER
     server = nats_security.server("dc-a", gateways={"dc-b": "nats://127.0.0.1:1"})
     assert server.cluster_url is None and "cluster" not in server.config_text()
     assert _block(server.config_text(), "gateway").startswith('  name: "dc-a"\n')
 
 
-def test_a_clustered_node_routes_over_mutual_tls_and_gateways_as_its_cluster(nats_security: NatsSecurity) -> None:
+def test_a_clustered_node_routes_over_mutual_tls_and_gateways_as_its_cluster(
+    nats_security: NatsSecurity,
+) -> None:
     routes = [f"nats-route://127.0.0.1:{free_port()}" for _ in range(3)]
     remote = ["nats://127.0.0.1:17001", "nats://127.0.0.1:17002"]
-    node = nats_security.server("nats-a-1", "nats-a", cluster="nats-a", routes=routes, gateways={"nats-b": remote})
+    node = nats_security.server(
+        "nats-a-1", "nats-a", cluster="nats-a", routes=routes, gateways={"nats-b": remote}
+    )
     text = node.config_text()
     assert text.startswith('server_name: "nats-a-1"\n')
     assert node.cluster_url == f"nats-route://127.0.0.1:{node.cluster_port}" and node.cluster_port
@@ -110,8 +122,13 @@ async def test_a_node_refuses_a_route_from_a_node_with_a_foreign_certificate(
     foreign = Pki(tmp_path / "foreign")
     foreign.ensure(["nats-a"], ["127.0.0.1"])  # same name and hosts, another CA
     node = nats_security.server("nats-a-0", "nats-a", cluster="nats-a")
-    intruder = CarelessNode("nats-a-9", tls=foreign.identity("nats-a"), users=nats_security.users(),
-                            cluster="nats-a", routes=[node.cluster_url or ""])  # fmt: skip
+    intruder = CarelessNode(
+        "nats-a-9",
+        tls=foreign.identity("nats-a"),
+        users=nats_security.users(),
+        cluster="nats-a",
+        routes=[node.cluster_url or ""],
+    )
     assert "insecure: true" in _block(intruder.config_text(), "cluster")
     await node.start()
     try:
@@ -128,7 +145,11 @@ async def test_a_node_refuses_a_route_from_a_node_with_a_foreign_certificate(
 
 
 async def _connect_any(sec: NatsSecurity, nodes: list[NatsServer], name: str) -> Client:
-    creds = {"user": TEST_USER, "password": sec.password(TEST_USER), "tls": client_context(sec.creds.identity(TEST_USER))}
+    creds = {
+        "user": TEST_USER,
+        "password": sec.password(TEST_USER),
+        "tls": client_context(sec.creds.identity(TEST_USER)),
+    }
     return await connect([n.url for n in nodes], name, **creds)
 
 
@@ -159,7 +180,8 @@ async def _sigkill(node: NatsServer) -> None:
 
 
 async def test_a_client_fails_over_within_its_cluster_and_keeps_receiving_across_the_wan(
-    nats_supercluster: Supercluster, nats_security: NatsSecurity  # noqa: F811
+    nats_supercluster: Supercluster,  # noqa: F811
+    nats_security: NatsSecurity,
 ) -> None:
     sc = nats_supercluster
     got: asyncio.Queue = asyncio.Queue()

@@ -35,7 +35,9 @@ def system(tmp_path_factory) -> RunningSystem:
         "PDD_RELAY_MD_READY_TIMEOUT_S": str(MD_READY_TIMEOUT_S),
         "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
     }
-    sysm = start_system(tmp_path_factory.mktemp("pdd-rdma"), env, delay_ms=10, bandwidth_mbps=1000, model_preset=PRESET)
+    sysm = start_system(
+        tmp_path_factory.mktemp("pdd-rdma"), env, delay_ms=10, bandwidth_mbps=1000, model_preset=PRESET
+    )
     yield sysm
     sysm.stop()
 
@@ -48,13 +50,21 @@ def rdma_bytes(system: RunningSystem) -> dict:
 def test_pipelines_over_rdma_match_single_engine(system, reference, pipeline):  # noqa: F811
     prompt = prompt_of(300, salt=20 + len(pipeline))
     before = rdma_bytes(system)
-    r = complete(system, prompt, max_tokens=120, ignore_eos=True, pdd={"pipeline": pipeline, "catchup_threshold": 10_000})
+    r = complete(
+        system,
+        prompt,
+        max_tokens=120,
+        ignore_eos=True,
+        pdd={"pipeline": pipeline, "catchup_threshold": 10_000},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["pdd"]["pipeline"] == pipeline
     assert body["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=120, ignore_eos=True)
     wan = body["pdd"]["wan_bytes"]
-    assert wan > 0 and moved(before, rdma_bytes(system), "pdd_kv_rdma_bytes_total") == wan  # all of it one-sided
+    assert (
+        wan > 0 and moved(before, rdma_bytes(system), "pdd_kv_rdma_bytes_total") == wan
+    )  # all of it one-sided
     assert "RDMA path on: tcp engine" in system.log("main_decode") and "RDMA path on" in system.log("prefill")
     assert wait_idle(system) == {}
 

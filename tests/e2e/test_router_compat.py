@@ -28,8 +28,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, checkpoint) -> RunningSystem:
     path, _ = checkpoint
-    sysm = start_system(tmp_path_factory.mktemp("pdd"), bandwidth_mbps=0, delay_ms=1, model_path=str(path),
-                        api_keys=(KEY,))  # fmt: skip
+    sysm = start_system(
+        tmp_path_factory.mktemp("pdd"), bandwidth_mbps=0, delay_ms=1, model_path=str(path), api_keys=(KEY,)
+    )
     yield sysm
     sysm.stop()
 
@@ -57,7 +58,9 @@ def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
 
 def test_the_checkpoint_is_served_over_an_uncapped_wan_with_the_engines_greedy_tokens(system, checkpoint):
     _, engine = checkpoint
-    r = post(system, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    r = post(
+        system, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == greedy(engine, PROMPT, 12)
 
@@ -75,8 +78,11 @@ def test_max_tokens_and_max_completion_tokens_agree_or_are_a_400(system):
     chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
     r = post(system, "/v1/chat/completions", chat | {"max_tokens": 3, "max_completion_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
-    err = assert_error(post(system, "/v1/chat/completions", chat | {"max_tokens": 3, "max_completion_tokens": 4}),
-                       400, "max_completion_tokens")  # fmt: skip
+    err = assert_error(
+        post(system, "/v1/chat/completions", chat | {"max_tokens": 3, "max_completion_tokens": 4}),
+        400,
+        "max_completion_tokens",
+    )
     assert "max_tokens" in err["message"] and "differ" in err["message"]
     assert_error(post(system, "/v1/chat/completions", chat | {"max_completion_tokens": 0}), 400)
 
@@ -94,7 +100,11 @@ def test_tokenize_a_prompt_and_messages_as_completions_would_run_them(system):
     r = post(system, "/tokenize", {"prompt": text})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["tokens"] == list(text.encode()) and body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    assert (
+        body["tokens"] == list(text.encode())
+        and body["count"] == len(body["tokens"])
+        and body["max_model_len"] > 0
+    )
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
     r = post(system, "/tokenize", {"messages": messages})
     layout = chat_prompt([ChatMessage.model_validate(m) for m in messages])  # what the template writes

@@ -58,19 +58,28 @@ def test_generated_requests_never_get_a_5xx(system):
     before = greedy_tokens(system)
     published = httpx.get(f"{system.router_url}/openapi.json", timeout=10).json()
     schema = schemathesis.openapi.from_dict(fuzzable(published))
-    cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+    cases = st.one_of(
+        schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE)
+    )
     statuses: list[int] = []
     bad: list[str] = []
     session = requests.Session()
 
-    @settings(max_examples=CASES, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=CASES,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=cases)
     def run(case) -> None:
         response = case.call(base_url=system.router_url, session=session, timeout=60)
         statuses.append(response.status_code)
         if response.status_code >= 500 or (response.status_code >= 400 and not has_error_shape(response)):
-            bad.append(f"{case.method} {case.formatted_path} {case.body!r} -> {response.status_code} {response.text[:200]}")
+            bad.append(
+                f"{case.method} {case.formatted_path} {case.body!r} -> {response.status_code} {response.text[:200]}"
+            )
 
     run()
     assert len(statuses) >= 500

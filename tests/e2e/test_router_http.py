@@ -25,11 +25,14 @@ PROMPT = [7, 31, 4, 99, 12, 250, 3]
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
     env = {
-        "PDD_ROUTER_API_KEYS": KEYS[0], "PDD_API_KEY": KEYS[1],
-        "PDD_ROUTER_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT), "PDD_ROUTER_MAX_WAITING": str(MAX_WAITING),
-        "PDD_ROUTER_MAX_WAIT_S": "120", "PDD_ROUTER_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+        "PDD_ROUTER_API_KEYS": KEYS[0],
+        "PDD_API_KEY": KEYS[1],
+        "PDD_ROUTER_MAX_IN_FLIGHT": str(MAX_IN_FLIGHT),
+        "PDD_ROUTER_MAX_WAITING": str(MAX_WAITING),
+        "PDD_ROUTER_MAX_WAIT_S": "120",
+        "PDD_ROUTER_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
         "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
-    }  # fmt: skip
+    }
     sysm = start_system(tmp_path_factory.mktemp("pdd"), env, delay_ms=1)
     yield sysm
     sysm.stop()
@@ -79,25 +82,42 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 
 def chunked(data: bytes, size: int) -> bytes:
-    parts = [b"%x\r\n%s\r\n" % (len(data[i : i + size]), data[i : i + size]) for i in range(0, len(data), size)]
+    parts = [
+        b"%x\r\n%s\r\n" % (len(data[i : i + size]), data[i : i + size]) for i in range(0, len(data), size)
+    ]
     return b"".join(parts) + b"0\r\n\r\n"
 
 
 # ---- API keys ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/v1/instances"), ("GET", "/metrics"),
-                                          ("GET", "/openapi.json"), ("POST", "/v1/completions"),
-                                          ("POST", "/v1/chat/completions"), ("GET", "/nowhere")])  # fmt: skip
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEYS[0]}", KEYS[0], f"Bearer {KEYS[0]}x"])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/instances"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/nowhere"),
+    ],
+)
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong", f"Basic {KEYS[0]}", KEYS[0], f"Bearer {KEYS[0]}x"]
+)
 def test_every_endpoint_but_health_needs_a_key(system, method, path, authorization):
     headers = {"authorization": authorization} if authorization else {}
-    r = httpx.request(method, f"{system.router_url}{path}", headers=headers, json={"prompt": "hi"}, timeout=30)
+    r = httpx.request(
+        method, f"{system.router_url}{path}", headers=headers, json={"prompt": "hi"}, timeout=30
+    )
     assert assert_error(r, 401)["code"] == "invalid_api_key"
 
 
 def test_health_is_open_and_either_key_is_accepted(system):
     assert httpx.get(f"{system.router_url}/health", timeout=10).status_code == 200
     for key in KEYS:
-        r = post(system, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, {"authorization": f"Bearer {key}"})
+        r = post(
+            system, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, {"authorization": f"Bearer {key}"}
+        )
         assert r.status_code == 200, r.text
     assert httpx.get(f"{system.router_url}/v1/models", headers=AUTH, timeout=10).status_code == 200
 
@@ -222,24 +242,46 @@ def test_bad_input_is_a_400_not_a_500(system, path, payload, message):
 
 
 UNSUPPORTED = [
-    ("best_of", 2), ("n", 2), ("n", True), ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("suffix", "tail"), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("response_format", {"type": "json_object"}),
-]  # fmt: skip
+    ("best_of", 2),
+    ("n", 2),
+    ("n", True),
+    ("logit_bias", {"5": 10}),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1),
+    ("suffix", "tail"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", {"name": "f"}),
+    ("response_format", {"type": "json_object"}),
+]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field, value", UNSUPPORTED)
 def test_an_unimplemented_openai_field_is_a_400_naming_it(system, path, field, value):
-    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    base = (
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     err = assert_error(post(system, path, {**base, "max_tokens": 3, field: value}), 400)
     assert err["param"] == field and err["code"] == "unsupported_parameter" and f"'{field}'" in err["message"]
 
 
 def test_unimplemented_fields_at_their_neutral_values_are_fine(system):
-    neutral = {"logprobs": None, "top_logprobs": 0, "echo": False, "best_of": 1, "n": 1, "logit_bias": {},
-               "presence_penalty": 0, "frequency_penalty": 0.0, "suffix": None, "tools": [], "tool_choice": "none",
-               "response_format": {"type": "text"}}  # fmt: skip
+    neutral = {
+        "logprobs": None,
+        "top_logprobs": 0,
+        "echo": False,
+        "best_of": 1,
+        "n": 1,
+        "logit_bias": {},
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "suffix": None,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+    }
     plain = post(system, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
     r = post(system, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, **neutral})
     assert r.status_code == 200, r.text
@@ -254,10 +296,13 @@ def resolve(spec: dict, ref: str) -> dict:
     return node
 
 
-@pytest.mark.parametrize("path, request_model, response_model", [
-    ("/v1/completions", "CompletionRequest", "CompletionResponse"),
-    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, request_model, response_model",
+    [
+        ("/v1/completions", "CompletionRequest", "CompletionResponse"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse"),
+    ],
+)
 def test_openapi_declares_the_request_and_response_bodies(system, path, request_model, response_model):
     spec = httpx.get(f"{system.router_url}/openapi.json", headers=AUTH, timeout=10).json()
     op = spec["paths"][path]["post"]
@@ -267,7 +312,9 @@ def test_openapi_declares_the_request_and_response_bodies(system, path, request_
     assert {"max_tokens", "temperature", "stop", "stream"} <= set(request["properties"])
     assert ("prompt" if request_model == "CompletionRequest" else "messages") in request["required"]
     ok = op["responses"]["200"]["content"]
-    assert ok["application/json"]["schema"]["$ref"].endswith("/" + response_model) and "text/event-stream" in ok
+    assert (
+        ok["application/json"]["schema"]["$ref"].endswith("/" + response_model) and "text/event-stream" in ok
+    )
     assert op["responses"]["429"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     refs = set(_refs(spec))
     assert refs and all(resolve(spec, ref) for ref in refs)  # every reference resolves

@@ -83,7 +83,9 @@ def test_crash_loop_is_n_crashes_within_the_window() -> None:
 
 async def test_pid_files_while_running_and_stop(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path, grace_s=5)
-    children = await sup.start_all([_py("wan", "import time; time.sleep(60)"), _py("relay", "import time; time.sleep(60)")])
+    children = await sup.start_all(
+        [_py("wan", "import time; time.sleep(60)"), _py("relay", "import time; time.sleep(60)")]
+    )
     assert [read_pid(tmp_path, c.name) for c in children] == [c.pid for c in children]
     await sup.stop_all()
     assert all(_gone(c.pid) for c in children) and not sup.children
@@ -92,7 +94,9 @@ async def test_pid_files_while_running_and_stop(tmp_path: Path) -> None:
 
 async def test_dead_child_is_named_with_its_log(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path)
-    await sup.start_all([_py("prefill", "import sys; print('boom: bad model path', flush=True); sys.exit(3)")])
+    await sup.start_all(
+        [_py("prefill", "import sys; print('boom: bad model path', flush=True); sys.exit(3)")]
+    )
     with pytest.raises(ProcessDied, match=r"(?s)prefill exited with code 3.*boom: bad model path"):
         await asyncio.wait_for(sup.until_exit(), 20)
     await sup.stop_all()
@@ -153,13 +157,17 @@ async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Pat
         "print('ready', flush=True)\ntime.sleep(60)\n"
     )
     sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
-    scaled_in, killed = await sup.start_all([_py("relay-1", drains), _py("relay", "import time; time.sleep(60)")])
+    scaled_in, killed = await sup.start_all(
+        [_py("relay-1", drains), _py("relay", "import time; time.sleep(60)")]
+    )
     caplog.set_level(logging.INFO, logger="pdd.supervisor")
     task = asyncio.create_task(sup.supervise(poll_s=0.02))
     try:
         first = killed.pid
         os.kill(killed.pid, signal.SIGTERM)
-        await until(lambda: killed.running and killed.pid != first and read_pid(tmp_path, "relay") == killed.pid)
+        await until(
+            lambda: killed.running and killed.pid != first and read_pid(tmp_path, "relay") == killed.pid
+        )
         await until(lambda: "ready" in scaled_in.log_path.read_text())  # its handler is in place
         os.kill(scaled_in.pid, signal.SIGTERM)
         await until(lambda: "relay-1 stopped cleanly; not restarted" in caplog.text)
@@ -175,8 +183,12 @@ async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Pat
 async def test_crash_loop_stops_supervising_with_the_childs_log(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
     await sup.start_all([_py("wan", "import time; time.sleep(60)")])
-    (crashing,) = await sup.start_all([_py("relay", "print('cannot bind socket', flush=True); raise SystemExit(2)")])
-    with pytest.raises(CrashLoop, match=r"(?s)3 exits within 60s.*relay exited with code 2.*cannot bind socket"):
+    (crashing,) = await sup.start_all(
+        [_py("relay", "print('cannot bind socket', flush=True); raise SystemExit(2)")]
+    )
+    with pytest.raises(
+        CrashLoop, match=r"(?s)3 exits within 60s.*relay exited with code 2.*cannot bind socket"
+    ):
         await asyncio.wait_for(sup.supervise(poll_s=0.02), 30)
     assert sup.children[0].running  # what stops the rest is the caller's stop_all
     await sup.stop_all()
@@ -224,8 +236,18 @@ async def test_up_starts_every_node_of_a_cluster_and_waits_for_its_routes(
     # comes only once each node is routed to the other.
     cluster_ports = [free_port(), free_port()]
     routes = [f"nats-route://127.0.0.1:{p}" for p in cluster_ports]
-    nodes = [NatsSpec(f"nats-a-{c}", "dc-a", free_port(), free_port(), cluster="nats-a",
-                      cluster_port=cluster_ports[c], routes=routes) for c in range(2)]  # fmt: skip
+    nodes = [
+        NatsSpec(
+            f"nats-a-{c}",
+            "dc-a",
+            free_port(),
+            free_port(),
+            cluster="nats-a",
+            cluster_port=cluster_ports[c],
+            routes=routes,
+        )
+        for c in range(2)
+    ]
     monkeypatch.setattr(up, "nats_specs", lambda o: nodes)
     task = await _run_up_until_up(fake_system, [])
     try:

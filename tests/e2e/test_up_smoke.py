@@ -17,7 +17,17 @@ from shared.ports import free_port_block
 
 def test_pdd_up_smoke(tmp_path: Path) -> None:
     base = free_port_block(PORT_BLOCK)
-    argv = [sys.executable, "-m", "pdd.cli", "up", "--smoke", "--workdir", str(tmp_path), "--base-port", str(base)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdd.cli",
+        "up",
+        "--smoke",
+        "--workdir",
+        str(tmp_path),
+        "--base-port",
+        str(base),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -36,8 +46,12 @@ def test_ctrl_c_stops_every_service_cleanly_before_nats(tmp_path: Path) -> None:
         system.stop()
     log = (tmp_path / "pdd-up.log").read_text()
     assert code == 0, log[-3000:]
-    assert "did not stop" not in log and not re.search(r"stopping \S+ failed", log), log[-3000:]  # none killed
+    assert "did not stop" not in log and not re.search(r"stopping \S+ failed", log), log[
+        -3000:
+    ]  # none killed
     for name in ("prefill", "relay", "main_decode", "router"):
         service_log = system.log(name)
         assert "Traceback" not in service_log, service_log[-3000:]
-        assert "WARNING shared.bus.connection" not in service_log, service_log[-3000:]  # NATS was up as it left
+        assert "WARNING shared.bus.connection" not in service_log, service_log[
+            -3000:
+        ]  # NATS was up as it left

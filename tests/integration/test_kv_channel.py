@@ -189,10 +189,17 @@ def _blocks_frame(rid: str, kv: torch.Tensor, seq: int = 0) -> tuple[dict, bytea
     """A valid single-frame group, as KVClient would send it: header and payload."""
     payload = bytearray(byte_view(kv))
     header = {
-        "kind": "blocks", "rid": rid, "seq": seq, "hashes": list(range(kv.shape[2])), "layers": [0, L],
-        "dtype": "float16", "shape": list(kv.shape), "nbytes": len(payload),
-        "csum": ["xxh3", checksum("xxh3", payload)], "tp": None,
-    }  # fmt: skip
+        "kind": "blocks",
+        "rid": rid,
+        "seq": seq,
+        "hashes": list(range(kv.shape[2])),
+        "layers": [0, L],
+        "dtype": "float16",
+        "shape": list(kv.shape),
+        "nbytes": len(payload),
+        "csum": ["xxh3", checksum("xxh3", payload)],
+        "tp": None,
+    }
     return header, payload
 
 
@@ -443,9 +450,17 @@ async def test_oversized_header_and_frame_drop_the_connection() -> None:
         stream = await _raw_authenticated(server.address)
         shape = [L, 2, 64, BS, H, D]  # 512 KiB > 64 KiB limit
         header = {
-            "kind": "blocks", "rid": "big", "seq": 0, "hashes": list(range(64)), "layers": [0, L],
-            "dtype": "float16", "shape": shape, "nbytes": 512 << 10, "csum": ["xxh3", 0], "tp": None,
-        }  # fmt: skip
+            "kind": "blocks",
+            "rid": "big",
+            "seq": 0,
+            "hashes": list(range(64)),
+            "layers": [0, L],
+            "dtype": "float16",
+            "shape": shape,
+            "nbytes": 512 << 10,
+            "csum": ["xxh3", 0],
+            "tp": None,
+        }
         await stream.send(pack(header))
         with pytest.raises(ConnectionError):
             await asyncio.wait_for(read_header(stream, 1 << 20), 5)

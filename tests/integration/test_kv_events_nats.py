@@ -37,7 +37,9 @@ PROMPT = [(i * 7 + 1) % 250 for i in range(70)]  # four full blocks of 16
 
 async def _router(nats_server, nats_security):
     nc = await nats_security.connect(nats_server, "router", user="router")
-    settings = RouterSettings(kv_snapshot_every_s=3600.0, kv_snapshot_timeout_s=5.0)  # a slow answer must not count as a second ask
+    settings = RouterSettings(
+        kv_snapshot_every_s=3600.0, kv_snapshot_timeout_s=5.0
+    )  # a slow answer must not count as a second ask
     core = RouterCore(settings, nc, model_id="m", block_size=16, kv_bytes_per_token=512)
     await core.start()
     await flushed(nc)
@@ -62,7 +64,9 @@ class FakeInstance:
         self.asked = 0
 
     async def start(self) -> None:
-        await subscribe(self.nc, subjects.kv_snapshot(self.role.value, "0"), KVSnapshotRequest, self._on_request)
+        await subscribe(
+            self.nc, subjects.kv_snapshot(self.role.value, "0"), KVSnapshotRequest, self._on_request
+        )
         await flushed(self.nc)
 
     async def _on_request(self, msg: KVSnapshotRequest, raw) -> None:
@@ -75,7 +79,9 @@ class FakeInstance:
 
 
 @pytest.mark.parametrize("role", [Role.MAIN_DECODE, Role.PREFILL])
-async def test_first_contact_a_lost_event_and_a_restart_each_fetch_a_snapshot(nats_server, nats_security, role):
+async def test_first_contact_a_lost_event_and_a_restart_each_fetch_a_snapshot(
+    nats_server, nats_security, role
+):
     core, router_nc = await _router(nats_server, nats_security)
     nc = await nats_security.connect(nats_server, role.value, user=role.value)
     index = core.index if role is Role.MAIN_DECODE else core.prefill_index
@@ -134,18 +140,26 @@ async def test_real_main_decode_and_prefill_keep_the_router_exact(nats_server, n
     core, router_nc = await _router(nats_server, nats_security)
     md_nc = await nats_security.connect(nats_server, "md", user="main_decode")
     p_nc = await nats_security.connect(nats_server, "prefill", user="prefill")
-    md = MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0"), md_nc, make_engine())
+    md = MainDecodeService(
+        MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0"), md_nc, make_engine()
+    )
     prefill = PrefillService(PrefillSettings(secret="s", instance="0"), p_nc, make_engine())
     await md.start()
     await prefill.start()
     try:
         async with asyncio.timeout(WAIT_S):  # idle instances tick: the router meets them anyway
-            while [_synced_epoch(core, s.role) for s in (md, prefill)] != [s.cache_events.epoch for s in (md, prefill)]:  # noqa: ASYNC110
+            while [_synced_epoch(core, s.role) for s in (md, prefill)] != [  # noqa: ASYNC110
+                s.cache_events.epoch for s in (md, prefill)
+            ]:
                 await asyncio.sleep(0.05)
         resume = ResumeRequest("r1", PROMPT, [], greedy(8))
-        assert (await request(router_nc, subjects.resume("main_decode", "0"), resume, ResumeReply, timeout=WAIT_S)).ok
+        assert (
+            await request(router_nc, subjects.resume("main_decode", "0"), resume, ResumeReply, timeout=WAIT_S)
+        ).ok
         submit = PrefillSubmit("r2", PROMPT[:40], greedy(8), Pipeline.P_MD)
-        assert (await request(router_nc, subjects.prefill_submit_to("0"), submit, SubmitReply, timeout=WAIT_S)).ok
+        assert (
+            await request(router_nc, subjects.prefill_submit_to("0"), submit, SubmitReply, timeout=WAIT_S)
+        ).ok
         async with asyncio.timeout(WAIT_S):
             while len(await _cached(md)) < 4 or len(await _cached(prefill)) < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)

@@ -27,10 +27,15 @@ async def md(nats_server, nats_security):
     ident = pki.identity("main_decode")
     nc = await nats_security.connect(nats_server, "md-trust-test")
     settings = MainDecodeSettings(
-        nats_url=nats_server.url, instance="trust", bulk_address="tcp://127.0.0.1:0",
-        engine=EngineSettings(kv_memory_mb=1.0), secret="md-trust-secret",
-        tls_ca=str(ident.ca), tls_cert=str(ident.cert), tls_key=str(ident.key),
-    )  # fmt: skip
+        nats_url=nats_server.url,
+        instance="trust",
+        bulk_address="tcp://127.0.0.1:0",
+        engine=EngineSettings(kv_memory_mb=1.0),
+        secret="md-trust-secret",
+        tls_ca=str(ident.ca),
+        tls_cert=str(ident.cert),
+        tls_key=str(ident.key),
+    )
     service = MainDecodeService(settings, nc)
     await service.start()
     try:
@@ -112,7 +117,9 @@ async def test_a_prepare_overtaken_by_its_abort_takes_no_part(md) -> None:
     would fail a request that already has all its tokens."""
     service, nc, _ = md
     prompt = [(5 * i) % 200 + 1 for i in range(40)]
-    await publish(nc, subjects.abort("overtaken", Role.RELAY.value), Abort("overtaken", AbortReason.RELAY_FINISHED))
+    await publish(
+        nc, subjects.abort("overtaken", Role.RELAY.value), Abort("overtaken", AbortReason.RELAY_FINISHED)
+    )
     async with asyncio.timeout(10):
         while not service.was_aborted("overtaken"):  # noqa: ASYNC110 - fed through NATS
             await asyncio.sleep(0.01)

@@ -160,7 +160,9 @@ async def test_link_cut_under_split_groups_resends_them_whole() -> None:
     sink = HashSink()
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, reconnect_grace=2.0)
     server.splits.wait_s = 3.0  # leftover pieces of the cut connections go sooner than by default
-    link = WanLink("bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
+    link = WanLink(
+        "bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), bandwidth_mbps=40
+    )
     await link.start()
     pool = KVClientPool(SECRET, parallel=PARALLEL, parallel_min_bytes=0)
     kv = blocks(8 * GROUP, seed=1)

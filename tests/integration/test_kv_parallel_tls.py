@@ -28,7 +28,9 @@ def pki(tmp_path_factory) -> Pki:
 @pytest.fixture
 async def tls_server(pki):
     sink = MemorySink()
-    server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, ssl=server_context(pki.identity("main_decode")))
+    server = await start_kv_server(
+        "tcp://127.0.0.1:0", SECRET, sink, ssl=server_context(pki.identity("main_decode"))
+    )
     try:
         yield sink, server
     finally:
@@ -37,7 +39,9 @@ async def tls_server(pki):
 
 async def test_a_split_group_over_tls_arrives_intact_and_in_order(pki, tls_server) -> None:
     sink, server = tls_server
-    pool = KVClientPool(SECRET, ssl=client_context(pki.identity("prefill")), parallel=PARALLEL, parallel_min_bytes=0)
+    pool = KVClientPool(
+        SECRET, ssl=client_context(pki.identity("prefill")), parallel=PARALLEL, parallel_min_bytes=0
+    )
     src = blocks(40, seed=5)
     transfer = KVTransfer(pool, server.address, "r")
     try:

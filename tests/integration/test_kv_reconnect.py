@@ -52,7 +52,9 @@ class HashSink(MemorySink):
 async def wan_kv():
     sink = HashSink()
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink, reconnect_grace=2.0)
-    link = WanLink("bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), bandwidth_mbps=40)
+    link = WanLink(
+        "bulk", f"127.0.0.1:{free_port()}", server.address.removeprefix("tcp://"), bandwidth_mbps=40
+    )
     await link.start()
     pool = KVClientPool(SECRET)
     try:

@@ -169,9 +169,17 @@ async def _raw_sender(address: str):
 def _group_start(rid: str, shape: list[int]) -> dict:
     """The first sub-frame of a group, carrying no bytes: all it takes to make a receiver reserve it."""
     return {
-        "kind": "blocks", "rid": rid, "seq": 0, "hashes": list(range(shape[2])), "layers": [0, 0],
-        "dtype": "float16", "shape": shape, "nbytes": 0, "csum": ["xxh3", checksum("xxh3", b"")], "tp": None,
-    }  # fmt: skip
+        "kind": "blocks",
+        "rid": rid,
+        "seq": 0,
+        "hashes": list(range(shape[2])),
+        "layers": [0, 0],
+        "dtype": "float16",
+        "shape": shape,
+        "nbytes": 0,
+        "csum": ["xxh3", checksum("xxh3", b"")],
+        "tp": None,
+    }
 
 
 async def _refusal(stream, rid: str) -> str:

@@ -42,8 +42,9 @@ async def test_two_receivers_through_one_via_link_bit_exact(pki) -> None:
     ports = sorted(_port(s.address) for s in servers)
     link = WanLink("bulk", "127.0.0.1:0", f"127.0.0.1:{ports[0]}-{ports[1]}")
     await link.start()
-    pool = KVClientPool(SECRET, ssl=client_context(pki.identity("prefill")), via=f"tcp://{link.listen}",
-                        server_name=MD)  # fmt: skip
+    pool = KVClientPool(
+        SECRET, ssl=client_context(pki.identity("prefill")), via=f"tcp://{link.listen}", server_name=MD
+    )
     try:
         for i, server in enumerate(servers):
             src = blocks(20, seed=i)
@@ -66,8 +67,13 @@ async def test_a_receiver_of_another_identity_is_refused(pki, identity) -> None:
     (impostor,) = await _receivers(pki, 1, identity)  # same CA, wrong name
     try:
         with pytest.raises(KVTransferError, match="certificate verify failed"):
-            await open_kv_client(impostor.address, SECRET, ssl=client_context(pki.identity("prefill")),
-                                 server_name=MD, timeout=5)  # fmt: skip
+            await open_kv_client(
+                impostor.address,
+                SECRET,
+                ssl=client_context(pki.identity("prefill")),
+                server_name=MD,
+                timeout=5,
+            )
         assert not impostor.sink.groups
     finally:
         await impostor.close()

@@ -22,11 +22,16 @@ def _dropped(reason: str) -> float:
     return REGISTRY.get_sample_value("pdd_handoff_batches_dropped_total", {"reason": reason}) or 0.0
 
 
-async def test_a_redelivered_handoff_batch_is_dropped_and_the_first_copy_applied(nats_server, nats_security) -> None:
+async def test_a_redelivered_handoff_batch_is_dropped_and_the_first_copy_applied(
+    nats_server, nats_security
+) -> None:
     nc = await nats_security.connect(nats_server, "md-handoff-test")  # the test user may say anything
     settings = MainDecodeSettings(
-        nats_url=nats_server.url, bulk_address="tcp://127.0.0.1:0", engine=EngineSettings(kv_memory_mb=1),
-        secret="test-secret", instance="0",
+        nats_url=nats_server.url,
+        bulk_address="tcp://127.0.0.1:0",
+        engine=EngineSettings(kv_memory_mb=1),
+        secret="test-secret",
+        instance="0",
     )
     md = MainDecodeService(settings, nc, make_engine())
     await md.start()

@@ -41,7 +41,9 @@ async def test_the_environment_reaches_the_pool(nats_server, nats_security, monk
     assert (pool.parallel, pool.parallel_min_bytes) == (2, 512 << 10)
 
 
-@pytest.mark.parametrize("field, value", [("bulk_parallel", 0), ("bulk_parallel", 17), ("bulk_parallel_min_mib", -1)])
+@pytest.mark.parametrize(
+    "field, value", [("bulk_parallel", 0), ("bulk_parallel", 17), ("bulk_parallel_min_mib", -1)]
+)
 def test_nonsense_is_refused(field: str, value: float) -> None:
     with pytest.raises(ValidationError, match=field):
         PrefillSettings(secret="s", instance="0", **{field: value})

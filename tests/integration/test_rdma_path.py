@@ -68,9 +68,16 @@ async def services(nats_server, nats_security):
     started = []
 
     async def start(p_rdma: RdmaSettings = TCP_MODE) -> tuple[MainDecodeService, PrefillService, object]:
-        md = MainDecodeService(MainDecodeSettings(bulk_address="tcp://127.0.0.1:0", secret="s", instance="0",
-                                                  kv_transport="rdma", rdma=TCP_MODE), nc, make_engine(4.0))  # fmt: skip
-        p = PrefillService(PrefillSettings(secret="s", instance="0", kv_transport="rdma", rdma=p_rdma), nc, make_engine(4.0))
+        md = MainDecodeService(
+            MainDecodeSettings(
+                bulk_address="tcp://127.0.0.1:0", secret="s", instance="0", kv_transport="rdma", rdma=TCP_MODE
+            ),
+            nc,
+            make_engine(4.0),
+        )
+        p = PrefillService(
+            PrefillSettings(secret="s", instance="0", kv_transport="rdma", rdma=p_rdma), nc, make_engine(4.0)
+        )
         for s in (md, p):
             await s.start()
             started.append(s)
@@ -110,11 +117,16 @@ async def cached(md: MainDecodeService) -> set[int]:
 
 async def test_prefill_writes_md_blocks_one_sided_and_md_caches_them(services, reference) -> None:
     md, _, nc = await services()
-    rdma_before, fallbacks_before = sample("pdd_kv_rdma_bytes_total"), sample("pdd_kv_rdma_fallbacks_total", reason="refused")
+    rdma_before, fallbacks_before = (
+        sample("pdd_kv_rdma_bytes_total"),
+        sample("pdd_kv_rdma_fallbacks_total", reason="refused"),
+    )
     assert await run_request(md, nc, "r1") == reference
     hashes = md.engine.block_hashes(PROMPT)
     per_block = md.engine.kv_cache[:, :, 0].numel() * md.engine.kv_cache.element_size()
-    assert sample("pdd_kv_rdma_bytes_total") - rdma_before == len(hashes) * per_block  # every block, none over TCP
+    assert (
+        sample("pdd_kv_rdma_bytes_total") - rdma_before == len(hashes) * per_block
+    )  # every block, none over TCP
     assert sample("pdd_kv_rdma_fallbacks_total", reason="refused") == fallbacks_before
     assert set(hashes) <= await cached(md)
     assert md.engine.exchange.pins == {} and md.rdma.offered == {} and md.rdma.quarantined == {}
@@ -157,7 +169,9 @@ async def test_a_failed_write_falls_back_to_tcp(services, reference) -> None:
     assert await run_request(md, nc, "r4") == reference
     assert sample("pdd_kv_rdma_fallbacks_total", reason="write") == before + 1
     # slots offered and never written stay out of use for quarantine_s, then go back to the pool
-    await until(lambda: md.rdma.quarantined == {} and md.engine.exchange.pins == {}, TCP_MODE.quarantine_s + WAIT_S)
+    await until(
+        lambda: md.rdma.quarantined == {} and md.engine.exchange.pins == {}, TCP_MODE.quarantine_s + WAIT_S
+    )
 
 
 async def offer(nc, md: MainDecodeService, rid: str, hashes: list[int]) -> RdmaSlots:
@@ -167,7 +181,9 @@ async def offer(nc, md: MainDecodeService, rid: str, hashes: list[int]) -> RdmaS
 
 async def written(nc, md: MainDecodeService, rid: str, hashes: list[int], sums: list[int]) -> RdmaVerdict:
     msg = RdmaWritten(rid, hashes, sums, DEFAULT_ALGO)
-    return await request(nc, subjects.md_rdma(md.advertise_address, "written"), msg, RdmaVerdict, timeout=WAIT_S)
+    return await request(
+        nc, subjects.md_rdma(md.advertise_address, "written"), msg, RdmaVerdict, timeout=WAIT_S
+    )
 
 
 async def test_md_gives_slots_only_for_announced_requests_and_their_missing_blocks(services) -> None:

@@ -31,12 +31,17 @@ def _open_jobs() -> float | None:
     return samples.get(("pdd_open_entries", frozenset({"service": "relay", "map": "jobs"}.items())))
 
 
-async def test_a_stuck_relay_job_ends_with_an_error_at_the_request_timeout(nats_server, nats_security, tmp_path):
+async def test_a_stuck_relay_job_ends_with_an_error_at_the_request_timeout(
+    nats_server, nats_security, tmp_path
+):
     nc = await nats_security.connect(nats_server, "relay-expire-test")  # the test user may say anything
     settings = RelaySettings(
-        nats_url=nats_server.url, local_address=f"unix://{tmp_path}/relay.sock", secret="test-secret",
-        engine=EngineSettings(kv_memory_mb=1), request_timeout_s=TIMEOUT_S,
-    )  # fmt: skip
+        nats_url=nats_server.url,
+        local_address=f"unix://{tmp_path}/relay.sock",
+        secret="test-secret",
+        engine=EngineSettings(kv_memory_mb=1),
+        request_timeout_s=TIMEOUT_S,
+    )
     relay = RelayService(settings, nc, make_engine())
     errors: asyncio.Queue[TokenEvent] = asyncio.Queue()
     aborts: asyncio.Queue[Abort] = asyncio.Queue()

@@ -19,18 +19,30 @@ async def test_instances_that_join_or_leave_are_used_or_dropped_and_sends_count_
     nats_server, nats_security
 ) -> None:
     nc = await nats_security.connect(nats_server, "fleet-router")
-    core = RouterCore(RouterSettings(lost_after_s=1.0), nc, model_id="m", block_size=16, kv_bytes_per_token=65536)
+    core = RouterCore(
+        RouterSettings(lost_after_s=1.0), nc, model_id="m", block_size=16, kv_bytes_per_token=65536
+    )
 
     def report(role: Role, instance: str, running: int = 0) -> None:
-        core.registry.update(LoadReport(role, instance, running=running, num_blocks=100, free_blocks=100,
-                                        address=f"tcp://{instance}:1" if role is Role.MAIN_DECODE else None))
+        core.registry.update(
+            LoadReport(
+                role,
+                instance,
+                running=running,
+                num_blocks=100,
+                free_blocks=100,
+                address=f"tcp://{instance}:1" if role is Role.MAIN_DECODE else None,
+            )
+        )
 
     try:
         for role, instance in ((Role.PREFILL, "p0"), (Role.MAIN_DECODE, "m0"), (Role.MAIN_DECODE, "m1")):
             report(role, instance)
         decision, md, relay, prefill, hashes = core.route(PROMPT, None)
         assert (relay, prefill, decision.pipeline) == (None, "p0", Pipeline.P_MD)
-        assert md in ("m0", "m1") and core.route(PROMPT, None)[1] == md  # idle: the prompt picks, the same each time
+        assert (
+            md in ("m0", "m1") and core.route(PROMPT, None)[1] == md
+        )  # idle: the prompt picks, the same each time
         core.index.apply("m1", hashes, [])
         core.prefill_index.apply("p1", hashes, [])
         report(Role.PREFILL, "p1", running=1)  # joins, busier, holding the prompt
@@ -44,7 +56,11 @@ async def test_instances_that_join_or_leave_are_used_or_dropped_and_sends_count_
         for _ in range(3):
             core.fleet.assignments.record((Role.MAIN_DECODE, "m2"), now)  # as a dispatch does
         report(Role.MAIN_DECODE, "m1", running=1)
-        assert {m.instance: m.pending for m in core.fleet.loads(Role.MAIN_DECODE)} == {"m0": 0, "m1": 0, "m2": 3}
+        assert {m.instance: m.pending for m in core.fleet.loads(Role.MAIN_DECODE)} == {
+            "m0": 0,
+            "m1": 0,
+            "m2": 3,
+        }
         assert core.route(PROMPT, None)[1] == "m1"  # m2 now has 3 requests in flight, m1 1
         report(Role.MAIN_DECODE, "m2", running=3)  # its report shows them: no longer counted twice
         assert [m.pending for m in core.fleet.loads(Role.MAIN_DECODE)] == [0, 0, 0]

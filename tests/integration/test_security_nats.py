@@ -76,10 +76,13 @@ async def test_anonymous_client_is_refused(nats_server: NatsServer, nats_securit
     assert "Authorization Violation" in wrong
 
 
-async def test_client_without_a_certificate_is_refused(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+async def test_client_without_a_certificate_is_refused(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
     trusts_ca_only = ssl.create_default_context(cafile=str(nats_security.creds.pki.ca_cert))
-    err = await _refused(nats_security, nats_server, tls=trusts_ca_only, user="test",
-                         password=nats_security.test_password)  # fmt: skip
+    err = await _refused(
+        nats_security, nats_server, tls=trusts_ca_only, user="test", password=nats_security.test_password
+    )
     # The server's alert, or (when it hangs up before the client reads the alert) a broken pipe.
     assert any(why in err for why in ("CERTIFICATE_REQUIRED", "Broken pipe", "Connection reset")), err
 
@@ -131,7 +134,9 @@ async def test_each_service_publishes_only_its_own_subjects(
         await nc.publish(subjects.abort("end", service), b"x")
         await asyncio.wait_for(done.wait(), 10)
         await flushed(nc)  # the server's -ERR replies precede its PONG, and nats-py reports them inline
-        assert set(got) - {subjects.abort("end", service)} == {s for s, who in table.items() if service in who}
+        assert set(got) - {subjects.abort("end", service)} == {
+            s for s, who in table.items() if service in who
+        }
         assert sum("permissions violation" in str(e).lower() for e in errors) == sum(
             service not in who for who in table.values()
         )
@@ -167,7 +172,9 @@ async def test_a_token_event_from_the_router_never_reaches_the_router(
         await relay.close()
 
 
-async def test_a_service_cannot_listen_outside_its_row(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
+async def test_a_service_cannot_listen_outside_its_row(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
     # The relay may not read token streams (only the router consumes them).
     relay = await nats_security.connect(nats_server, "relay", user="relay")
     prefill = await nats_security.connect(nats_server, "prefill", user="prefill")
@@ -231,7 +238,9 @@ async def tapped_pair(nats_security: NatsSecurity) -> AsyncIterator[tuple[NatsSe
     tap = Tap(gw_b)
     tap_port = await tap.start()
     b = nats_security.server("dc-b", "nats-b", gateway_port=gw_b)
-    a = nats_security.server("dc-a", gateway_port=free_port(), gateways={"dc-b": f"nats://127.0.0.1:{tap_port}"})
+    a = nats_security.server(
+        "dc-a", gateway_port=free_port(), gateways={"dc-b": f"nats://127.0.0.1:{tap_port}"}
+    )
     await b.start()
     try:
         await a.start()
@@ -244,7 +253,9 @@ async def tapped_pair(nats_security: NatsSecurity) -> AsyncIterator[tuple[NatsSe
         tap.close()
 
 
-async def test_the_gateway_runs_tls_and_carries_no_plaintext(tapped_pair, nats_security: NatsSecurity) -> None:
+async def test_the_gateway_runs_tls_and_carries_no_plaintext(
+    tapped_pair, nats_security: NatsSecurity
+) -> None:
     a, b, tap = tapped_pair
     assert "tls {" in a.config_text().split("gateway {")[1]  # both ends require certificates
     marker = b"plaintext-marker-" + os.urandom(8).hex().encode()
@@ -280,8 +291,14 @@ async def test_the_gateway_runs_tls_and_carries_no_plaintext(tapped_pair, nats_s
 def test_a_service_without_credentials_exits_at_once(service: str, prefix: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
     env[f"{prefix}NATS_USER"] = service
-    proc = subprocess.run([sys.executable, "-m", f"services.{service}"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", f"services.{service}"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"{service}: missing setting {prefix}NATS_PASSWORD[_FILE], {prefix}TLS_CA"), line

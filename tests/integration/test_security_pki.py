@@ -43,7 +43,9 @@ async def test_mutual_tls_13_between_identities_of_one_ca(tmp_path) -> None:
     pki.ensure(["a", "b"], ["127.0.0.1"])
     srv, port, got = await _serve(server_context(pki.identity("b")))
     async with srv:
-        r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=client_context(pki.identity("a"))), 5)
+        r, w = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port, ssl=client_context(pki.identity("a"))), 5
+        )
         w.write(b"hello")
         assert await asyncio.wait_for(r.readexactly(5), 5) == b"hello"
         assert w.get_extra_info("ssl_object").version() == "TLSv1.3"

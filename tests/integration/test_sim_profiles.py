@@ -47,7 +47,9 @@ def test_presets_are_read_from_the_engine_in_fp32():
 def test_roofline_decode_step_by_hand():
     # h100-sxm: 989e12 FLOP/s x 0.6, 3.35e12 B/s x 0.8, 2 ms overhead; llama-3.1-8b in bf16.
     step = chip("h100-sxm", model_spec("llama-3.1-8b")).step
-    flops = 8 * 15_009_316_864 + (8000 + 8) * 524_288  # 2 x matrix params per token, 4 x 32 x 32 x 128 per pair
+    flops = (
+        8 * 15_009_316_864 + (8000 + 8) * 524_288
+    )  # 2 x matrix params per token, 4 x 32 x 32 x 128 per pair
     memory = 16_059_990_016 + 131072 * (8000 + 8)  # all weights + KV read and written
     compute_s, memory_s = flops / (989e12 * 0.6), memory / (3.35e12 * 0.8)
     assert memory_s > compute_s  # decode is bandwidth-bound
@@ -122,7 +124,9 @@ def test_every_model_file_names_its_config():
 
 
 def test_expected_profiles_ship():
-    assert {"h100-sxm", "h200-sxm", "a100-80gb", "l40s", "gpu-a", "gpu-b", "cpu-calibrated"} <= set(profile_names())
+    assert {"h100-sxm", "h200-sxm", "a100-80gb", "l40s", "gpu-a", "gpu-b", "cpu-calibrated"} <= set(
+        profile_names()
+    )
 
 
 def test_user_profiles_win_over_builtin(tmp_path, monkeypatch):
@@ -145,8 +149,11 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_reproduces_two_regimes():
     # Steps that turn memory-bound past ~4k KV tokens: max(compute, memory) of two lines.
-    truth = StepCost(1e-3, Linear(const=0.01, per_token=4e-5, per_attn=3e-9, per_kv_read=1e-7, per_seq=2e-4),
-                     Linear(per_kv_read=4e-6))  # fmt: skip
+    truth = StepCost(
+        1e-3,
+        Linear(const=0.01, per_token=4e-5, per_attn=3e-9, per_kv_read=1e-7, per_seq=2e-4),
+        Linear(per_kv_read=4e-6),
+    )
     loads = [decode_load(b, b * c) for b in (1, 4, 8, 16) for c in (64, 512, 1536, 3072)]
     loads += [chunk_load(n, c) for n in (16, 128, 512) for c in (0, 1024, 2048)]
     seconds = [truth.step_s(x) for x in loads]
@@ -168,7 +175,12 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, monkeypatch, capsys
     assert calibrate.main(["--quick", "--preset", "tiny", "--out", "here", "--quiet"]) == 0
     assert "median |error|" in capsys.readouterr().out
     profile = json.loads((tmp_path / "here.json").read_text())
-    assert profile["model"] == {"name": "tiny", "dtype": "float32", "device": "cpu", "threads": profile["model"]["threads"]}
+    assert profile["model"] == {
+        "name": "tiny",
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": profile["model"]["threads"],
+    }
     assert len(profile["points"]) == 8 and all(p["measured_s"] > 0 for p in profile["points"])
     assert "here" in profile_names()
     assert chip("here", model_spec("tiny")).step.step_s(chunk_load(64, 0)) > 0
@@ -177,7 +189,10 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, monkeypatch, capsys
 
 def test_calibration_background_is_the_others_cpu():
     assert calibrate.background_cores(host_busy_s=30.0, own_cpu_s=10.0, wall_s=10.0) == 2.0
-    assert calibrate.background_cores(5.0, 10.0, 10.0) == 0.0 and calibrate.background_cores(5.0, 1.0, 0.0) == 0.0
+    assert (
+        calibrate.background_cores(5.0, 10.0, 10.0) == 0.0
+        and calibrate.background_cores(5.0, 1.0, 0.0) == 0.0
+    )
 
 
 def test_pdd_sim_help_lists_every_command(capsys):
@@ -198,8 +213,10 @@ def test_a_missing_command_module_is_named(monkeypatch, capsys):
 
 
 def test_pdd_help_does_not_import_torch():
-    code = ("import sys\nfrom pdd.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys\nfrom pdd.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
 

@@ -30,7 +30,9 @@ def test_engine_cores_are_what_the_background_leaves():
 def test_background_is_the_host_busy_time_less_the_engines():
     account = {"wall_s": 100.0, "host_busy_s": 170.0, "engines_s": 120.0}
     assert from_account(account, 2) == HostCpu(2, 0.5)
-    assert from_account({**account, "host_busy_s": 110.0}, 2).background_cores == 0.0  # clock skew: not negative
+    assert (
+        from_account({**account, "host_busy_s": 110.0}, 2).background_cores == 0.0
+    )  # clock skew: not negative
     assert from_account({**account, "wall_s": 0.0}, 2).background_cores == 0.0
 
 
@@ -54,25 +56,45 @@ def _snap(t, host, bench, procs):
 
 
 def test_an_account_splits_the_driven_system_from_the_idle_ones():
-    before = _snap(10.0, 100.0, 1.0, {"a": {"prefill": (11, 5.0), "router": (12, 2.0), "nats-a": (13, 1.0)},
-                                      "b": {"main_decode": (21, 3.0)}})  # fmt: skip
-    after = _snap(20.0, 116.0, 2.5, {"a": {"prefill": (11, 12.0), "router": (12, 4.0), "nats-a": (13, 1.5)},
-                                     "b": {"main_decode": (21, 3.5)}, "c": {"relay": (31, 9.0)}})  # fmt: skip
+    before = _snap(
+        10.0,
+        100.0,
+        1.0,
+        {
+            "a": {"prefill": (11, 5.0), "router": (12, 2.0), "nats-a": (13, 1.0)},
+            "b": {"main_decode": (21, 3.0)},
+        },
+    )
+    after = _snap(
+        20.0,
+        116.0,
+        2.5,
+        {
+            "a": {"prefill": (11, 12.0), "router": (12, 4.0), "nats-a": (13, 1.5)},
+            "b": {"main_decode": (21, 3.5)},
+            "c": {"relay": (31, 9.0)},
+        },
+    )
     acct = Account()
     acct.add(before, after, own="a")
-    acct.add(before, _snap(20.0, 100.0, 1.0, {"a": {"prefill": (99, 50.0)}}), own="a")  # restarted: not counted
+    acct.add(
+        before, _snap(20.0, 100.0, 1.0, {"a": {"prefill": (99, 50.0)}}), own="a"
+    )  # restarted: not counted
     j = acct.as_json()
     assert (j["wall_s"], j["host_busy_s"], j["bench_s"]) == (20.0, 16.0, 1.5)
     assert j["processes"] == {"nats-a": 0.5, "prefill": 7.0, "router": 2.0}
     assert j["other_systems_s"] == 0.5  # b's main_decode; c was not there before
     assert (j["engines_s"], j["non_engine_s"], j["other_tenants_s"]) == (7.0, 4.5, 16.0 - 11.5)
-    assert [is_engine(n) for n in ("prefill", "relay-1", "main_decode-2", "router", "nats-a", "router-1")] == [
-        True, True, True, False, False, False]
+    assert [
+        is_engine(n) for n in ("prefill", "relay-1", "main_decode-2", "router", "nats-a", "router-1")
+    ] == [True, True, True, False, False, False]
 
 
 def test_a_meter_reads_real_processes(tmp_path: Path):
     """A busy child named as an engine in a `pdd up`-like run directory, the bench's own loop."""
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"]
+    )
     idle = subprocess.Popen(["sleep", "30"])
     try:
         (tmp_path / "run").mkdir()
@@ -96,15 +118,34 @@ def test_a_meter_reads_real_processes(tmp_path: Path):
 def test_validate_takes_each_deployments_measured_host(tmp_path, capsys):
     """A hand-made run whose same-dc had a busy host: 1.5 background cores leave the engines 0.5,
     so its factor is (engines a step sees busy) / 0.5; naive's host was idle: full speed."""
+
     def account(host_busy, engines):
-        return {"wall_s": 10.0, "host_busy_s": host_busy, "bench_s": 2.0, "processes": {"router": 3.0, "prefill": engines},
-                "other_systems_s": 0.0, "engines_s": engines, "other_tenants_s": host_busy - engines - 5.0}  # fmt: skip
+        return {
+            "wall_s": 10.0,
+            "host_busy_s": host_busy,
+            "bench_s": 2.0,
+            "processes": {"router": 3.0, "prefill": engines},
+            "other_systems_s": 0.0,
+            "engines_s": engines,
+            "other_tenants_s": host_busy - engines - 5.0,
+        }
 
     names = AGENTIC["deployments"].split(",")
-    report = {"scenario": "agentic", "config": AGENTIC, "rows": _rows("deployment", names), "wall_s": 60.0,
-              "host": {"cores": 2, "loadavg_end": [3.0, 1.0, 1.0]},
-              "cpu": {"cores": 2, "accounts": {"same-dc": account(20.0, 5.0), "naive": account(5.0, 0.0),
-                                               "pdd": account(12.0, 5.0)}}}  # fmt: skip
+    report = {
+        "scenario": "agentic",
+        "config": AGENTIC,
+        "rows": _rows("deployment", names),
+        "wall_s": 60.0,
+        "host": {"cores": 2, "loadavg_end": [3.0, 1.0, 1.0]},
+        "cpu": {
+            "cores": 2,
+            "accounts": {
+                "same-dc": account(20.0, 5.0),
+                "naive": account(5.0, 0.0),
+                "pdd": account(12.0, 5.0),
+            },
+        },
+    }
     (tmp_path / "e2e_agentic.json").write_text(json.dumps(report))
     out = tmp_path / "validate.json"
     assert v.main(["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic"]) == 0
@@ -117,7 +158,12 @@ def test_validate_takes_each_deployments_measured_host(tmp_path, capsys):
     assert host["naive"]["engine_cores"] == 1.5 and host["naive"]["factor"] == 1.0  # 0.5 background
     assert host["pdd"]["background"] == pytest.approx(0.7)
     # The load-average model is still there, and a run without CPU accounts falls back to it.
-    assert v.main(["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic", "--cpu-share", "auto"]) == 0
+    assert (
+        v.main(
+            ["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic", "--cpu-share", "auto"]
+        )
+        == 0
+    )
     assert set(json.loads(out.read_text())["scenarios"]["agentic"]["shares"].values()) == {1.5}
     report.pop("cpu")
     (tmp_path / "e2e_agentic.json").write_text(json.dumps(report))

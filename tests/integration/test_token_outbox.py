@@ -29,8 +29,11 @@ async def test_a_step_sends_one_batch_per_router_in_order(nats_server, nats_secu
         await subscribe(listener, subjects.req("solo", Req.TOKENS), TokenEvent, on)
         await flushed(listener)
         outbox = TokenOutbox(sender)
-        a0, b0, a1 = (TokenEvent("a", Role.RELAY, 0, [1]), TokenEvent("b", Role.RELAY, 3, [2]),
-                      TokenEvent("a", Role.RELAY, 1, [5]))  # fmt: skip
+        a0, b0, a1 = (
+            TokenEvent("a", Role.RELAY, 0, [1]),
+            TokenEvent("b", Role.RELAY, 3, [2]),
+            TokenEvent("a", Role.RELAY, 1, [5]),
+        )
         other, solo = TokenEvent("c", Role.MAIN_DECODE, 0, [9]), TokenEvent("solo", Role.RELAY, 0, [4])
         async with outbox.collecting():
             await outbox.send("r1", a0)

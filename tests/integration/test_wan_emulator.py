@@ -96,7 +96,9 @@ async def test_bandwidth_cap() -> None:
         writer.close()
         await asyncio.wait_for(finished.wait(), 5)
         mbps = got["bytes"] * 8 / (got["t"] - t0) / 1e6
-        assert got["bytes"] == len(payload) and 16 <= mbps <= 21, mbps  # the cap holds; a stalled read only lowers
+        assert got["bytes"] == len(payload) and 16 <= mbps <= 21, (
+            mbps
+        )  # the cap holds; a stalled read only lowers
     finally:
         await wan.stop()
         server.close()

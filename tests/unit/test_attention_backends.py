@@ -28,9 +28,14 @@ def paged() -> PagedCpuBackend:
 
 
 def step(
-    seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int,
-    dtype: torch.dtype = torch.float32, seed: int = 0,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:  # fmt: skip
+    seqs: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """One step over sequences given as (cached tokens, new tokens), decodes first; blocks
     scattered over the pool. Returns the context's fields, the cache and the new q/k/v."""
     gen = torch.Generator().manual_seed(seed)
@@ -48,10 +53,12 @@ def step(
         slots += [row[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
         starts.append(starts[-1] + n)
     fields = dict(
-        slot_mapping=torch.tensor(slots), query_start=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+        query_start=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
         num_decode=sum(1 for _, n in seqs if n == 1),
-    )  # fmt: skip
+    )
     t = starts[-1]
     qkv = torch.randn(t, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
     return fields, cache, qkv
@@ -133,7 +140,9 @@ def test_setting_from_the_environment(monkeypatch):
 
 # ---- through the engine ------------------------------------------------------------------
 def engine_on(backend: str, **kw) -> LLMEngine:
-    engine = LLMEngine(ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=2, attention_backend=backend, **kw))
+    engine = LLMEngine(
+        ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=2, attention_backend=backend, **kw)
+    )
     assert engine.runner.backend.name == backend
     return engine
 

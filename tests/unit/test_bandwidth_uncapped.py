@@ -31,8 +31,10 @@ def test_the_router_prior_of_an_uncapped_link_is_finite_and_costs_are_numbers():
     ctx = RouteContext(settings, PrefixIndex(), PrefixIndex(), 16, 16 << 10)
     weights = md_weights(ctx, 4096)  # divided by the prior: a ZeroDivisionError before
     assert all(math.isfinite(w) for w in (weights.overlap, weights.load, weights.prefill))
-    options = md_options(ctx, 4096, list(range(256)), {"md0": LinkView(settings.default_bandwidth_bps, 0.0, 0)}, True)
-    (_, wan_s), = options.values()
+    options = md_options(
+        ctx, 4096, list(range(256)), {"md0": LinkView(settings.default_bandwidth_bps, 0.0, 0)}, True
+    )
+    ((_, wan_s),) = options.values()
     assert 0 <= wan_s < 0.01
 
 

@@ -31,9 +31,19 @@ def agentic_rows(n_clients: int = 3, n_steps: int = 12) -> list[dict]:
         for step in range(n_steps):
             base = rng.lognormvariate(-1.0, 0.8)
             for d, k in SLOWER.items():
-                rows.append({"deployment": d, "client": client, "step": step, "ok": True, "ttft": base * k,
-                             "tt2t": base * k * 1.2, "max_gap": base * k * 0.1, "tpot": 0.03 * k,
-                             "e2e": base * k * 3})
+                rows.append(
+                    {
+                        "deployment": d,
+                        "client": client,
+                        "step": step,
+                        "ok": True,
+                        "ttft": base * k,
+                        "tt2t": base * k * 1.2,
+                        "max_gap": base * k * 0.1,
+                        "tpot": 0.03 * k,
+                        "e2e": base * k * 3,
+                    }
+                )
     return rows
 
 
@@ -96,8 +106,15 @@ def test_agentic_targets_say_likely_when_the_interval_crosses_the_goal_or_n_is_s
     clear = {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "n": 600}
     short = {"ratio": 0.5, "lo": 0.4, "hi": 0.6, "n": 36}  # a p99 of 36 requests: not resolved
     worse = {"ratio": 1.3, "lo": 1.1, "hi": 1.5, "n": 36}
-    ratios = {"pdd/naive": {"tt2t_p99": noisy, "max_gap_p99": clear, "ttft_p50": worse, "ttft_p99": short,
-                            "sla_goodput": worse}}
+    ratios = {
+        "pdd/naive": {
+            "tt2t_p99": noisy,
+            "max_gap_p99": clear,
+            "ttft_p50": worse,
+            "ttft_p99": short,
+            "sla_goodput": worse,
+        }
+    }
     verdicts = [(t["verdict"], t["met"]) for t in _agentic_targets(ratios)]
     assert verdicts == [("likely", False), ("met", True), ("MISSED", False), ("likely", False), ("met", True)]
 
@@ -108,8 +125,17 @@ def single_rows(rounds: int = 3) -> list[dict]:
     for r in range(rounds):
         load = 1.0 + r  # the host's load moves every variant of a round alike
         for v, k in scale.items():
-            rows.append({"variant": v, "round": r, "ok": True, "ttft": load * k, "tt2t": load * k * 2,
-                         "max_gap": load * k * 0.5, "tpot": 0.02 * load * k})
+            rows.append(
+                {
+                    "variant": v,
+                    "round": r,
+                    "ok": True,
+                    "ttft": load * k,
+                    "tt2t": load * k * 2,
+                    "max_gap": load * k * 0.5,
+                    "tpot": 0.02 * load * k,
+                }
+            )
     return rows
 
 
@@ -124,8 +150,10 @@ def test_single_ratios_pair_variants_by_round():
             assert r["n"] == 3
     assert ratios["p-rld-md/p-md"]["max_gap"]["lo"] == pytest.approx(0.55)
     assert ratios["p-rld-md/p-md"]["max_gap"]["hi"] == pytest.approx(0.55)
-    summary = {v: {"n_tokens": 1000, "rld_share": 0.09, "rld_tokens": 90, "tt2t": 3.0, "max_gap": 1.5}
-               for v in ("no-wan", "p-md", "p-rld-md")}
+    summary = {
+        v: {"n_tokens": 1000, "rld_share": 0.09, "rld_tokens": 90, "tt2t": 3.0, "max_gap": 1.5}
+        for v in ("no-wan", "p-md", "p-rld-md")
+    }
     targets = {t["what"]: t for t in _single_targets(summary, ratios, 2.7)}
     assert targets["p-rld-md TTFT within 1.5x of no-WAN"]["verdict"] == "likely"  # 3 rounds: a median of 3
     assert targets["P→MD TTFT (P streams the 1st token itself)"]["value"] == "×2.00 [2.00–2.00] of no-WAN"
@@ -135,7 +163,15 @@ def test_single_ratios_pair_variants_by_round():
 
 
 def test_targets_print_their_verdict(capsys):
-    print_targets([{"what": "a", "value": "×0.8 [0.6–1.1] n.s.", "met": False, "verdict": "likely"},
-                   {"what": "b", "value": "1", "met": False}, {"what": "c", "value": "2", "met": None}])
+    print_targets(
+        [
+            {"what": "a", "value": "×0.8 [0.6–1.1] n.s.", "met": False, "verdict": "likely"},
+            {"what": "b", "value": "1", "met": False},
+            {"what": "c", "value": "2", "met": None},
+        ]
+    )
     assert capsys.readouterr().out.splitlines()[-3:] == [
-        "  [likely] a: ×0.8 [0.6–1.1] n.s.", "  [MISSED] b: 1", "  [info] c: 2"]
+        "  [likely] a: ×0.8 [0.6–1.1] n.s.",
+        "  [MISSED] b: 1",
+        "  [info] c: 2",
+    ]

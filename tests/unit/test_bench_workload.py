@@ -26,7 +26,10 @@ def simulated_hits(argv: list[str]) -> tuple[list[float], dict[str, int]]:
             assert len(prompt) + step.out <= a.context_max
             if new or step.kind == "outlier":
                 k = 0
-                while k + BLOCK <= min(len(prompt), len(shared)) and prompt[k : k + BLOCK] == shared[k : k + BLOCK]:
+                while (
+                    k + BLOCK <= min(len(prompt), len(shared))
+                    and prompt[k : k + BLOCK] == shared[k : k + BLOCK]
+                ):
                     k += BLOCK
             else:
                 k = (len(sess.ctx) - 1) // BLOCK * BLOCK

@@ -50,10 +50,20 @@ class Outer(Message):
 
 def sample() -> Outer:
     return Outer(
-        rid="r1", n=3, score=0.5, ok=True, raw=b"\x00\xff", ids=[1, 2], tags={"t": 1.5},
-        inner=Inner(7), inners=[Inner(1, "y")], maybe=4, by_id={5: "five"}, color=Color.BLUE,
+        rid="r1",
+        n=3,
+        score=0.5,
+        ok=True,
+        raw=b"\x00\xff",
+        ids=[1, 2],
+        tags={"t": 1.5},
+        inner=Inner(7),
+        inners=[Inner(1, "y")],
+        maybe=4,
+        by_id={5: "five"},
+        color=Color.BLUE,
         plain=Plain(2, ["a"]),
-    )  # fmt: skip
+    )
 
 
 def test_round_trip() -> None:
@@ -140,9 +150,8 @@ def _sample_message(cls: type) -> object:
 
 
 PROTOCOL = [
-    c for c in vars(messages).values()
-    if isinstance(c, type) and issubclass(c, Message) and c is not Message
-]  # fmt: skip
+    c for c in vars(messages).values() if isinstance(c, type) and issubclass(c, Message) and c is not Message
+]
 
 
 @pytest.mark.parametrize("cls", PROTOCOL, ids=lambda c: c.__name__)
@@ -198,11 +207,17 @@ def test_an_abort_names_its_sender_in_the_subject() -> None:
 
 def test_service_subjects_are_distinct_and_caught_by_their_wildcards() -> None:
     singles = [
-        subjects.prefill_submit(), subjects.prefill_submit_to("0"), subjects.md_prepare("0"),
-        subjects.kv_events("main_decode", "0"), subjects.kv_events("prefill", "0"),
-        subjects.kv_snapshot("main_decode", "0"), subjects.kv_snapshot("prefill", "0"),
-        subjects.load("relay", "0"), subjects.req("0", Req.TOKENS), subjects.router_tokens("0"),
-    ]  # fmt: skip
+        subjects.prefill_submit(),
+        subjects.prefill_submit_to("0"),
+        subjects.md_prepare("0"),
+        subjects.kv_events("main_decode", "0"),
+        subjects.kv_events("prefill", "0"),
+        subjects.kv_snapshot("main_decode", "0"),
+        subjects.kv_snapshot("prefill", "0"),
+        subjects.load("relay", "0"),
+        subjects.req("0", Req.TOKENS),
+        subjects.router_tokens("0"),
+    ]
     assert len(set(singles)) == len(singles) and all(s.startswith("pdd.") for s in singles)
     assert _matches(subjects.all_kv_events(), subjects.kv_events("main_decode", "md0"))
     assert _matches(subjects.all_kv_events("prefill"), subjects.kv_events("prefill", "p0"))
@@ -218,8 +233,13 @@ def test_service_subjects_are_distinct_and_caught_by_their_wildcards() -> None:
 
 @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "a\tb"])
 def test_ids_that_would_change_the_subject_are_refused(bad: str) -> None:
-    for make in (lambda: subjects.req(bad, Req.TOKENS), lambda: subjects.md_prepare(bad),
-                 lambda: subjects.kv_events("prefill", bad), lambda: subjects.kv_snapshot("prefill", bad),
-                 lambda: subjects.load("relay", bad), lambda: subjects.router_tokens(bad)):  # fmt: skip
+    for make in (
+        lambda: subjects.req(bad, Req.TOKENS),
+        lambda: subjects.md_prepare(bad),
+        lambda: subjects.kv_events("prefill", bad),
+        lambda: subjects.kv_snapshot("prefill", bad),
+        lambda: subjects.load("relay", bad),
+        lambda: subjects.router_tokens(bad),
+    ):
         with pytest.raises(ValueError):
             make()

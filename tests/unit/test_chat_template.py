@@ -164,20 +164,30 @@ CONVERSATIONS = {
     ],
     "tool": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        },
         {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "call_1", "name": "weather"},
         {"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": "call_2", "name": None},
     ],
     "user only": [{"role": "user", "content": "hello"}],
 }
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "weather", "description": "Weather <now> & 'here' in °C",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Weather <now> & 'here' in °C",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def write_checkpoint(tmp: Path, specials: list[str], bos: str | None, eos: str, **config) -> Path:
@@ -189,19 +199,27 @@ def write_checkpoint(tmp: Path, specials: list[str], bos: str | None, eos: str, 
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(specials)
     if bos is not None:
-        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tk.token_to_id(bos))])
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos).save_pretrained(tmp)
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tk.token_to_id(bos))]
+        )
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos).save_pretrained(
+        tmp
+    )
     path = tmp / "tokenizer_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     return tmp
 
 
 def llama(tmp: Path, template: str = LLAMA3, **config) -> Path:
-    return write_checkpoint(tmp, LLAMA_TOKENS, "<|begin_of_text|>", "<|eot_id|>", chat_template=template, **config)
+    return write_checkpoint(
+        tmp, LLAMA_TOKENS, "<|begin_of_text|>", "<|eot_id|>", chat_template=template, **config
+    )
 
 
 def qwen(tmp: Path, template: str = QWEN, **config) -> Path:
-    return write_checkpoint(tmp, QWEN_TOKENS, None, "<|im_end|>", chat_template=template, pad_token="<|endoftext|>", **config)
+    return write_checkpoint(
+        tmp, QWEN_TOKENS, None, "<|im_end|>", chat_template=template, pad_token="<|endoftext|>", **config
+    )
 
 
 def reference(path: Path, messages: list[dict], **kwargs) -> str:
@@ -210,8 +228,14 @@ def reference(path: Path, messages: list[dict], **kwargs) -> str:
 
 
 def parse_chat(tokenizer, body: dict):
-    return parse_request(json.dumps(body).encode(), True, model_id="m", tokenizer=tokenizer,
-                         max_model_len=1 << 16, max_tokens_default=16)  # fmt: skip
+    return parse_request(
+        json.dumps(body).encode(),
+        True,
+        model_id="m",
+        tokenizer=tokenizer,
+        max_model_len=1 << 16,
+        max_tokens_default=16,
+    )
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
@@ -235,8 +259,15 @@ def test_tools_render_like_transformers(tmp_path, make):
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_environment_and_variables_match_transformers(tmp_path, conversation):
-    path = write_checkpoint(tmp_path, QWEN_TOKENS + ["<unk>"], None, "<|im_end|>", chat_template=EXTRAS,
-                            unk_token="<unk>", pad_token={"__type": "AddedToken", "content": "<|endoftext|>", "special": True})  # fmt: skip
+    path = write_checkpoint(
+        tmp_path,
+        QWEN_TOKENS + ["<unk>"],
+        None,
+        "<|im_end|>",
+        chat_template=EXTRAS,
+        unk_token="<unk>",
+        pad_token={"__type": "AddedToken", "content": "<|endoftext|>", "special": True},
+    )
     messages = CONVERSATIONS[conversation]
     rendered = ChatTemplate.from_checkpoint(path).render(messages)
     assert "pad=<|endoftext|>" in rendered and "docs=True/True" in rendered
@@ -246,7 +277,9 @@ def test_environment_and_variables_match_transformers(tmp_path, conversation):
 def test_special_tokens_from_the_map_file_and_model_specific_ones(tmp_path):
     """An older checkpoint's special_tokens_map.json, `*_token` entries and named extra tokens."""
     template = "{{ bos_token }}|{{ unk_token }}|{{ image_token }}|{{ audio_token }}|{{ messages[0].content }}"
-    path = llama(tmp_path, template=template, image_token="<img>", extra_special_tokens={"audio_token": "<au>"})
+    path = llama(
+        tmp_path, template=template, image_token="<img>", extra_special_tokens={"audio_token": "<au>"}
+    )
     legacy = {"bos_token": {"content": "<|eot_id|>", "special": True}, "unk_token": "<unk>"}
     (path / "special_tokens_map.json").write_text(json.dumps(legacy))
     rendered = ChatTemplate.from_checkpoint(path).render(CONVERSATIONS["user only"])
@@ -258,12 +291,20 @@ def test_router_prompt_ids_are_transformers_ids_with_one_bos(tmp_path):
     template's BOS is the only one although the tokenizer's post-processor adds one."""
     path = llama(tmp_path)
     tokenizer = load_tokenizer(path, eos_token_id=0, with_chat_template=True)
-    body = {"messages": [
-        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}],
-         "name": None},
-    ]}  # fmt: skip
-    expected = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Part one.\nPart two."}]
+    body = {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}],
+                "name": None,
+            },
+        ]
+    }
+    expected = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Part one.\nPart two."},
+    ]
     ref = transformers.AutoTokenizer.from_pretrained(path)
     ids = ref.apply_chat_template(expected, add_generation_prompt=True, return_dict=False)
     assert parse_chat(tokenizer, body).prompt_ids == ids
@@ -274,17 +315,28 @@ def test_router_prompt_ids_are_transformers_ids_with_one_bos(tmp_path):
 
 def test_describe_model_gives_the_router_the_template(tmp_path):
     path = qwen(tmp_path)
-    transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=96, vocab_size=300, eos_token_id=2).save_pretrained(path)  # fmt: skip
+    transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=300,
+        eos_token_id=2,
+    ).save_pretrained(path)
     tokenizer = describe_model(ModelSettings(path=str(path))).tokenizer
     messages = CONVERSATIONS["multi-turn"]
     ids = parse_chat(tokenizer, {"messages": messages}).prompt_ids
     assert ids == transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
-        messages, add_generation_prompt=True, return_dict=False)
+        messages, add_generation_prompt=True, return_dict=False
+    )
 
 
 def test_template_list_form_uses_default_and_tool_use_for_tools(tmp_path):
-    named = [{"name": "tool_use", "template": "TOOLS {{ tools | length }}"}, {"name": "default", "template": QWEN}]
+    named = [
+        {"name": "tool_use", "template": "TOOLS {{ tools | length }}"},
+        {"name": "default", "template": QWEN},
+    ]
     path = qwen(tmp_path, template=named)
     messages = CONVERSATIONS["tool"]
     template = ChatTemplate.from_checkpoint(path)
@@ -297,7 +349,9 @@ def test_jinja_file_wins_over_tokenizer_config(tmp_path):
     (path / "chat_template.jinja").write_text(QWEN)
     messages = CONVERSATIONS["multi-turn"]
     rendered = ChatTemplate.from_checkpoint(path).render(messages)
-    assert rendered.startswith("<|im_start|>system") and rendered == reference(path, messages, add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system") and rendered == reference(
+        path, messages, add_generation_prompt=True
+    )
 
 
 def test_jinja_file_alone_is_enough(tmp_path):
@@ -305,28 +359,45 @@ def test_jinja_file_alone_is_enough(tmp_path):
     assert ChatTemplate.from_checkpoint(path) is None
     (path / "chat_template.jinja").write_text(LLAMA3)
     messages = CONVERSATIONS["tool"]
-    assert ChatTemplate.from_checkpoint(path).render(messages) == reference(path, messages, add_generation_prompt=True)
+    assert ChatTemplate.from_checkpoint(path).render(messages) == reference(
+        path, messages, add_generation_prompt=True
+    )
 
 
 def test_raise_exception_is_a_400_naming_the_problem(tmp_path):
     tokenizer = load_tokenizer(llama(tmp_path, template=RAISES), eos_token_id=0, with_chat_template=True)
-    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": ""}]}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "user", "content": [{"type": "text", "text": ""}]},
+        ]
+    }
     with pytest.raises(APIError) as err:
         parse_chat(tokenizer, body)
     assert err.value.status == 400 and err.value.param == "messages"
     assert str(err.value) == "chat template: Empty user turn at position 1"
-    assert parse_chat(tokenizer, {"messages": body["messages"][:1]}).prompt_ids  # the same template renders others
+    assert parse_chat(
+        tokenizer, {"messages": body["messages"][:1]}
+    ).prompt_ids  # the same template renders others
 
 
 def test_template_runtime_error_is_a_400(tmp_path):
-    tokenizer = load_tokenizer(llama(tmp_path, template="{{ messages[0].content.nothing() }}"), 0, with_chat_template=True)
+    tokenizer = load_tokenizer(
+        llama(tmp_path, template="{{ messages[0].content.nothing() }}"), 0, with_chat_template=True
+    )
     with pytest.raises(APIError) as err:
         parse_chat(tokenizer, {"messages": [{"role": "user", "content": "hi"}]})
-    assert err.value.status == 400 and str(err.value).startswith("chat template: ") and "nothing" in str(err.value)
+    assert (
+        err.value.status == 400
+        and str(err.value).startswith("chat template: ")
+        and "nothing" in str(err.value)
+    )
 
 
 def test_template_cannot_reach_python_internals(tmp_path):
-    tokenizer = load_tokenizer(llama(tmp_path, template="{{ messages.__class__.__mro__ }}"), 0, with_chat_template=True)
+    tokenizer = load_tokenizer(
+        llama(tmp_path, template="{{ messages.__class__.__mro__ }}"), 0, with_chat_template=True
+    )
     with pytest.raises(APIError) as err:
         parse_chat(tokenizer, {"messages": [{"role": "user", "content": "hi"}]})
     assert err.value.status == 400 and "__class__" in str(err.value)
@@ -349,8 +420,11 @@ def test_without_a_template_chat_keeps_the_plain_layout(tmp_path):
     path = write_checkpoint(tmp_path, LLAMA_TOKENS, "<|begin_of_text|>", "<|eot_id|>")
     tokenizer = load_tokenizer(path, eos_token_id=0, with_chat_template=True)
     assert tokenizer.chat_template is None
-    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                {"role": "tool", "content": "42", "tool_call_id": "c1"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
     layout = "<|system|>\nsys\n<|user|>\nhi\n<|tool|>\n42\n<|assistant|>\n"
     parsed = parse_chat(tokenizer, {"messages": messages})
     assert chat_prompt(parsed.body.messages) == layout

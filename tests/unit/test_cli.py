@@ -39,11 +39,28 @@ def test_base_port_moves_every_port_but_explicit_flags_win() -> None:
 
     opts = cli.up_options(cli.parse_args(["up", "--base-port", "20000", "--nats-b-port", "5555"])[0])
     ports = {k: v for k, v in vars(opts).items() if k.endswith("_port")}
-    assert opts.router_port == 20000 and opts.wan_control_port == 20000 + PORT_BLOCK - 1 and opts.nats_b_port == 5555
+    assert (
+        opts.router_port == 20000
+        and opts.wan_control_port == 20000 + PORT_BLOCK - 1
+        and opts.nats_b_port == 5555
+    )
     assert all(20000 <= p < 20000 + PORT_BLOCK for k, p in ports.items() if k != "nats_b_port")
     assert len(set(ports.values())) == len(ports)
-    argv = ["up", "--base-port", "20000", "--prefill", "8", "--relay", "8", "--md", "8", "--routers", "8",
-            "--nats-cluster", "8"]  # fmt: skip
+    argv = [
+        "up",
+        "--base-port",
+        "20000",
+        "--prefill",
+        "8",
+        "--relay",
+        "8",
+        "--md",
+        "8",
+        "--routers",
+        "8",
+        "--nats-cluster",
+        "8",
+    ]
     plan = port_plan(cli.up_options(cli.parse_args(argv)[0]))
     assert all(20000 <= p < 20000 + PORT_BLOCK for p in plan.ports())
 

@@ -11,14 +11,21 @@ from tests.promql import DASHBOARD, Selector, dashboard_exprs, selectors
 def test_tokenizer_finds_metrics_not_functions_labels_or_ranges() -> None:
     expr = "histogram_quantile(0.99, sum by (le, pipeline) (rate(pdd_ttft_seconds_bucket[$__rate_interval])))"
     assert selectors(expr) == [Selector("pdd_ttft_seconds_bucket")]
-    expr = ('sum(rate(pdd_output_tokens_total{role="relay", path=~"a|b"}[5m])) / '
-            "sum without (instance) (rate(pdd_output_tokens_total[1m] offset 5m)) * 1e3")
-    assert selectors(expr) == [Selector("pdd_output_tokens_total", {"role": "relay"}),
-                               Selector("pdd_output_tokens_total")]  # fmt: skip
+    expr = (
+        'sum(rate(pdd_output_tokens_total{role="relay", path=~"a|b"}[5m])) / '
+        "sum without (instance) (rate(pdd_output_tokens_total[1m] offset 5m)) * 1e3"
+    )
+    assert selectors(expr) == [
+        Selector("pdd_output_tokens_total", {"role": "relay"}),
+        Selector("pdd_output_tokens_total"),
+    ]
     assert selectors('pdd_kv_blocks_used > on (instance) group_left (service) up{job="x"} and bool 0') == [
-        Selector("pdd_kv_blocks_used"), Selector("up", {"job": "x"})]  # fmt: skip
+        Selector("pdd_kv_blocks_used"),
+        Selector("up", {"job": "x"}),
+    ]
     assert selectors('sum(increase(pdd_requests_total{outcome!="ok", le="2.0"}[$__rate_interval]))') == [
-        Selector("pdd_requests_total", {"le": "2.0"})]  # fmt: skip
+        Selector("pdd_requests_total", {"le": "2.0"})
+    ]
 
 
 def test_every_panel_queries_the_provisioned_datasource() -> None:
@@ -30,7 +37,17 @@ def test_every_panel_queries_the_provisioned_datasource() -> None:
     for title, expr in dashboard_exprs():
         assert selectors(expr), f"{title}: no metric in {expr!r}"
         assert all(s.name.startswith("pdd_") for s in selectors(expr)), f"{title}: {expr!r}"
-    wanted = {"TTFT", "Time to 2nd token", "TPOT", "Requests by pipeline", "WAN KV bytes", "Goodput",
-              "RLD share of output tokens", "Handoff batches by mode", "Handoff latency",
-              "KV blocks used per instance", "Aborts by reason"}  # fmt: skip
+    wanted = {
+        "TTFT",
+        "Time to 2nd token",
+        "TPOT",
+        "Requests by pipeline",
+        "WAN KV bytes",
+        "Goodput",
+        "RLD share of output tokens",
+        "Handoff batches by mode",
+        "Handoff latency",
+        "KV blocks used per instance",
+        "Aborts by reason",
+    }
     assert wanted <= {p["title"] for p in graphs}

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 def _engine(device: str, preset: str = "tiny", dtype: str = "float32") -> LLMEngine:
-    return LLMEngine(ModelSettings(preset=preset, device=device, dtype=dtype), EngineSettings(kv_memory_mb=8.0))
+    return LLMEngine(
+        ModelSettings(preset=preset, device=device, dtype=dtype), EngineSettings(kv_memory_mb=8.0)
+    )
 
 
 def _batch(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:

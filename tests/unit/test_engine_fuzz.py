@@ -75,7 +75,9 @@ def test_random_interleavings(seed):
             elif op < 0.38 and live:
                 engine.release(rng.choice(live))
             elif op < 0.45 and live:
-                engine.extend(rng.choice(live), random_prompt(rng, rng.randint(0, 5)), final=rng.random() < 0.5)
+                engine.extend(
+                    rng.choice(live), random_prompt(rng, rng.randint(0, 5)), final=rng.random() < 0.5
+                )
             elif op < 0.52:
                 prompt = rng.choice(prefixes) + random_prompt(rng, 16)
                 hashes = donor.block_hashes(prompt)
@@ -83,7 +85,9 @@ def test_random_interleavings(seed):
                     donor.add_request(rid, prompt, greedy(1))
                     while donor.has_unfinished():
                         donor.step()
-                engine.exchange.import_blocks(hashes, donor.exchange.export_blocks(hashes), pin=rng.choice([None, f"pin{step}"]))
+                engine.exchange.import_blocks(
+                    hashes, donor.exchange.export_blocks(hashes), pin=rng.choice([None, f"pin{step}"])
+                )
             elif op < 0.56:
                 engine.exchange.pin_blocks(f"pin{step}", engine.block_hashes(rng.choice(prefixes)))
             elif op < 0.6:

@@ -49,7 +49,10 @@ def test_generated_logprobs_are_the_raw_distribution_not_the_tempered_one():
         row = dense[len(prompt) - 1 + i]
         assert abs(o.logprobs.logprob - row[o.token_id].item()) < TOL
         assert o.logprobs.top_ids == row.topk(3).indices.tolist()
-        assert max(abs(a - b) for a, b in zip(o.logprobs.top_logprobs, row.topk(3).values.tolist(), strict=True)) < TOL
+        assert (
+            max(abs(a - b) for a, b in zip(o.logprobs.top_logprobs, row.topk(3).values.tolist(), strict=True))
+            < TOL
+        )
 
 
 def test_prompt_logprobs_across_chunks_and_despite_a_cached_prefix():
@@ -73,8 +76,12 @@ def test_nothing_extra_unless_asked_and_no_prompt_logprobs_for_a_continuation():
     assert all(o.logprobs is None and o.prompt_logprobs is None for o in plain)
     # A request taken over after output 0 (relay, MD, resume) samples output 1 first: its
     # prompt logprobs went to the client with output 0 already.
-    engine.add_request("cont", prompt + [plain[0].token_id], greedy(3, logprobs=1, prompt_logprobs=1),
-                       num_prompt_tokens=len(prompt))  # fmt: skip
+    engine.add_request(
+        "cont",
+        prompt + [plain[0].token_id],
+        greedy(3, logprobs=1, prompt_logprobs=1),
+        num_prompt_tokens=len(prompt),
+    )
     outs = run_all(engine)["cont"]
     assert outs[0].index == 1 and outs[0].prompt_logprobs is None and outs[0].logprobs is not None
 
@@ -88,7 +95,9 @@ def test_logprob_counts_out_of_range_are_refused(field, value):
 
 def test_token_event_carries_logprobs_on_the_wire():
     lps = [TokenLogprobs(-0.25, [3, 9], [-0.25, -1.5]), TokenLogprobs(-3.0)]
-    ev = TokenEvent("r", Role.RELAY, 4, [3, 7], logprobs=lps, prompt_logprobs=[TokenLogprobs(-2.0, [1], [-0.5])])
+    ev = TokenEvent(
+        "r", Role.RELAY, 4, [3, 7], logprobs=lps, prompt_logprobs=[TokenLogprobs(-2.0, [1], [-0.5])]
+    )
     assert decode(TokenEvent, encode(ev)) == ev
     plain = TokenEvent("r", Role.RELAY, 4, [3, 7])
     assert decode(TokenEvent, encode(plain)).logprobs is None

@@ -86,16 +86,25 @@ def test_a_row_draws_the_same_whatever_else_is_in_its_batch():
     gen = torch.Generator().manual_seed(0)
     vocab, n = 2000, 12
     logits = torch.randn(n, vocab, generator=gen) * 4
-    kinds = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=40),
-             SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=200, top_p=0.8),
-             SamplingParams(temperature=0.0)]  # fmt: skip
+    kinds = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=200, top_p=0.8),
+        SamplingParams(temperature=0.0),
+    ]
     params = [kinds[i % len(kinds)] for i in range(n)]
     seeds, positions = list(range(50, 50 + n)), list(range(7, 7 + n))
     batch = Sampler()(logits, params, seeds, positions)
-    alone = [Sampler()(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], positions[i : i + 1])[0] for i in range(n)]
+    alone = [
+        Sampler()(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], positions[i : i + 1])[0]
+        for i in range(n)
+    ]
     assert batch == alone
     order = list(reversed(range(n)))  # and in another order, next to other rows
-    shuffled = Sampler()(logits[order], [params[i] for i in order], [seeds[i] for i in order], [positions[i] for i in order])
+    shuffled = Sampler()(
+        logits[order], [params[i] for i in order], [seeds[i] for i in order], [positions[i] for i in order]
+    )
     assert shuffled == [batch[i] for i in order]
     assert batch[4::5] == logits[4::5].argmax(dim=-1).tolist()  # greedy rows are the argmax
 
@@ -121,4 +130,6 @@ def test_unseeded_requests_get_a_seed_that_replays_them():
 def test_sampling_params_wire_roundtrip():
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=5, stop=["\n"], seed=3)
     assert SamplingParams.from_dict(p.to_dict()) == p
-    assert SamplingParams.from_dict({"max_tokens": 3, "stop": None, "extra": 1}) == SamplingParams(max_tokens=3)
+    assert SamplingParams.from_dict({"max_tokens": 3, "stop": None, "extra": 1}) == SamplingParams(
+        max_tokens=3
+    )

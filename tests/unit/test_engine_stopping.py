@@ -17,7 +17,12 @@ PROMPT = list(b"the prompt ")
 def _reason(output: bytes | list[int], params: SamplingParams, max_model_len: int = 100):
     ids = PROMPT + list(output)
     return finish_reason(
-        ids, len(PROMPT), params, eos_token_ids=EOS_IDS, decode=ByteTokenizer().decode, max_model_len=max_model_len
+        ids,
+        len(PROMPT),
+        params,
+        eos_token_ids=EOS_IDS,
+        decode=ByteTokenizer().decode,
+        max_model_len=max_model_len,
     )
 
 

@@ -23,7 +23,11 @@ ALPHABETS = [
 def random_texts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     chars = "".join(ALPHABETS)
-    return ["".join(rng.choice(chars) for _ in range(rng.randint(0, 80))) for _ in range(n)] + [" x  y ", "  ", ""]
+    return ["".join(rng.choice(chars) for _ in range(rng.randint(0, 80))) for _ in range(n)] + [
+        " x  y ",
+        "  ",
+        "",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,5 +67,7 @@ def test_transformers_loads_the_same_tokenizer(checkpoint):
         ids = ByteTokenizer().encode(text)
         assert tok(text)["input_ids"] == ids
         assert tok.decode(ids, skip_special_tokens=True) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|user|>\nhi\n<|assistant|>\n"

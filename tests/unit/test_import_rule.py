@@ -47,8 +47,12 @@ def test_the_rule_names_file_and_line_of_a_bad_import(tmp_path):
     (tmp_path / "shared" / "kv").mkdir(parents=True)
     (tmp_path / "services" / "relay").mkdir(parents=True)
     (tmp_path / "shared" / "kv" / "ok.py").write_text("import shared.bus\nfrom . import frame\n")
-    (tmp_path / "shared" / "kv" / "bad.py").write_text("import os\n\ndef f():\n    from pdd.launch import SERVICES\n")
-    (tmp_path / "services" / "relay" / "bad.py").write_text("from shared import config\nfrom bench.client import Client\n")
+    (tmp_path / "shared" / "kv" / "bad.py").write_text(
+        "import os\n\ndef f():\n    from pdd.launch import SERVICES\n"
+    )
+    (tmp_path / "services" / "relay" / "bad.py").write_text(
+        "from shared import config\nfrom bench.client import Client\n"
+    )
     assert broken_imports(tmp_path) == [
         "shared/kv/bad.py:4 imports pdd.launch",
         "services/relay/bad.py:2 imports bench.client",

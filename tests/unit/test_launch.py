@@ -59,13 +59,24 @@ def test_env_is_read_by_settings(hosts, counts, monkeypatch: pytest.MonkeyPatch)
 def test_engines_share_the_machine_s_cores_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OMP_NUM_THREADS", "PDD_TORCH_THREADS", "PDD_MD_TORCH_THREADS"):
         monkeypatch.delenv(name, raising=False)
-    opts, hosts = UpOptions(prefill=2, relay=1, md=2), dataclasses.replace(Hosts.local("127.0.0.1"), shared_cores=16)
+    opts, hosts = (
+        UpOptions(prefill=2, relay=1, md=2),
+        dataclasses.replace(Hosts.local("127.0.0.1"), shared_cores=16),
+    )
 
     def threads(hosts: Hosts) -> dict[str, str | None]:
-        return {s.name: s.env.get(f"{ENV_PREFIX[s.service]}TORCH_THREADS") for s in service_specs(opts, hosts)[1:]}
+        return {
+            s.name: s.env.get(f"{ENV_PREFIX[s.service]}TORCH_THREADS") for s in service_specs(opts, hosts)[1:]
+        }
 
-    assert threads(hosts) == {"prefill": "3", "prefill-1": "3", "relay": "3", "main_decode": "3",
-                              "main_decode-1": "3", "router": None}  # fmt: skip
+    assert threads(hosts) == {
+        "prefill": "3",
+        "prefill-1": "3",
+        "relay": "3",
+        "main_decode": "3",
+        "main_decode-1": "3",
+        "router": None,
+    }
     assert set(threads(dataclasses.replace(hosts, shared_cores=3)).values()) == {"1", None}  # at least one
     assert set(threads(COMPOSE_HOSTS).values()) == {None}  # a container each: torch sizes itself
     monkeypatch.setenv("PDD_MD_TORCH_THREADS", "5")  # the operator's choice stands (services read it)
@@ -94,10 +105,20 @@ def test_topology() -> None:
     links = {link.name: link for link in wan_links(opts)}
     assert (links["bulk"].listen_port, links["bulk"].target) == (opts.wan_bulk_port, "127.0.0.1:7393-7400")
     a, b = nats_specs(opts)  # a lone server per DC: no cluster block, as always
-    assert (a.name, b.name, a.cluster, b.cluster, a.routes, b.routes) == ("nats-a", "nats-b", None, None, [], [])
+    assert (a.name, b.name, a.cluster, b.cluster, a.routes, b.routes) == (
+        "nats-a",
+        "nats-b",
+        None,
+        None,
+        [],
+        [],
+    )
     assert a.gateways == {"nats-b": f"nats://127.0.0.1:{links['gw-ab'].listen_port}"}
     assert b.gateways == {"nats-a": f"nats://127.0.0.1:{links['gw-ba'].listen_port}"}
-    assert links["gw-ab"].target == f"127.0.0.1:{b.gateway_port}" and links["gw-ba"].target == f"127.0.0.1:{a.gateway_port}"
+    assert (
+        links["gw-ab"].target == f"127.0.0.1:{b.gateway_port}"
+        and links["gw-ba"].target == f"127.0.0.1:{a.gateway_port}"
+    )
     assert (a.advertise, b.advertise) == ("127.0.0.1:7323", "127.0.0.1:7322")
     wan = specs["wan"].argv
     assert f"gw-ab=127.0.0.1:{opts.wan_gw_ab_port}>127.0.0.1:{opts.gw_b_port}" in wan
@@ -156,9 +177,17 @@ def test_every_instance_has_its_own_name_id_ports_and_socket() -> None:
     opts = UpOptions(**SCALED)
     specs = service_specs(opts)[1:]
     assert [s.name for s in specs] == [
-        "prefill", "prefill-1", "prefill-2", "relay", "relay-1", "main_decode", "main_decode-1",
-        "main_decode-2", "router", "router-1",
-    ]  # fmt: skip
+        "prefill",
+        "prefill-1",
+        "prefill-2",
+        "relay",
+        "relay-1",
+        "main_decode",
+        "main_decode-1",
+        "main_decode-2",
+        "router",
+        "router-1",
+    ]
     ids = [s.env[f"{ENV_PREFIX[s.service]}INSTANCE"] for s in specs]
     assert ids == ["0", "1", "2", "0", "1", "0", "1", "2", "0", "1"]
     ports = [v for s in specs for k, v in s.env.items() if k.endswith(("_METRICS_PORT", "_ROUTER_PORT"))]
@@ -176,12 +205,16 @@ def test_kv_bulk_reaches_every_md_through_the_one_link() -> None:
     host, ports = bulk.target.split(":")
     lo, hi = map(int, ports.split("-"))
     mds = [s.env["PDD_MD_BULK_ADDRESS"] for s in specs if s.service == "main_decode"]
-    assert len(set(mds)) == 3 and all(a.startswith(f"tcp://{host}:") and lo <= int(a.rsplit(":", 1)[1]) <= hi for a in mds)
+    assert len(set(mds)) == 3 and all(
+        a.startswith(f"tcp://{host}:") and lo <= int(a.rsplit(":", 1)[1]) <= hi for a in mds
+    )
     # the pattern allows the ports MDs may take (also one started later) and no other port of the plan
     assert hi - lo + 1 == MAX_COUNT
     others = set(port_plan(opts).ports()) - {int(a.rsplit(":", 1)[1]) for a in mds}
     assert not any(lo <= p <= hi for p in others)
-    assert {s.env["PDD_PREFILL_BULK_VIA"] for s in specs if s.service == "prefill"} == {f"tcp://127.0.0.1:{bulk.listen_port}"}
+    assert {s.env["PDD_PREFILL_BULK_VIA"] for s in specs if s.service == "prefill"} == {
+        f"tcp://127.0.0.1:{bulk.listen_port}"
+    }
     assert not any(k.endswith("ADVERTISE_ADDRESS") for s in specs for k in s.env)
 
 
@@ -198,9 +231,14 @@ def test_nats_cluster_per_dc_behind_its_own_wan_links() -> None:
             assert (node.cluster, node.identity, node.routes) == (f"nats-{d}", f"nats-{d}", routes)
             assert node.gateways == {f"nats-{other}": remote}  # every remote node, via the WAN
             link = links[f"{inbound}-{c}"]  # the one link in front of this node's gateway
-            assert (link.target, node.advertise) == (f"127.0.0.1:{node.gateway_port}", f"127.0.0.1:{link.listen_port}")
+            assert (link.target, node.advertise) == (
+                f"127.0.0.1:{node.gateway_port}",
+                f"127.0.0.1:{link.listen_port}",
+            )
     # every service instance is given every node of its own DC's cluster (it fails over among them)
-    urls = {s.name: set(s.env[f"{ENV_PREFIX[s.service]}NATS_URL"].split(",")) for s in service_specs(opts)[1:]}
+    urls = {
+        s.name: set(s.env[f"{ENV_PREFIX[s.service]}NATS_URL"].split(",")) for s in service_specs(opts)[1:]
+    }
     a = {f"tls://127.0.0.1:{nodes[f'nats-a-{c}'].port}" for c in range(3)}
     b = {f"tls://127.0.0.1:{nodes[f'nats-b-{c}'].port}" for c in range(3)}
     for name, got in urls.items():
@@ -233,8 +271,9 @@ def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pyt
     for spec in service_specs(opts)[1:]:
         for key, value in spec.env.items():
             monkeypatch.setenv(key, value)
-        settings = require_credentials(SETTINGS[spec.service](), spec.service, ENV_PREFIX[spec.service],
-                                       kv=spec.service != "router")  # fmt: skip
+        settings = require_credentials(
+            SETTINGS[spec.service](), spec.service, ENV_PREFIX[spec.service], kv=spec.service != "router"
+        )
         assert settings.nats_password == creds.password(spec.service)
         assert settings.secret == (None if spec.service == "router" else first[1])
     from cryptography import x509

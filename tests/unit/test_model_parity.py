@@ -14,8 +14,16 @@ from shared.model.export_hf import save_hf
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=96, vocab_size=300, max_position_embeddings=256, initializer_range=0.1)  # fmt: skip
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=300,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -41,12 +49,25 @@ def _check(hf_model, path, ids: list[int]) -> float:
 
 CASES = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, rope_theta=5000.0)),
-    "llama3-rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64})),  # fmt: skip
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=None)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)),
+    "llama3-rope": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **COMMON,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    ),
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, sliding_window=None)
+    ),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
+    ),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=32)),
 }
 

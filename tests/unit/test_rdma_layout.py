@@ -18,9 +18,11 @@ def test_write_runs_address_every_plane_of_every_slot() -> None:
     src, dst = Region(1000, 3, 2, 10), Region(50_000, 8, 2, 10)
     # src blocks 0, 1, 2 -> dst slots 5, 6, 1: per plane one run for 5-6 and one for 1
     assert write_runs(src, 0, dst, [5, 6, 1]) == [
-        (1000, 50_000 + 5 * 10, 20), (1000 + 3 * 10, 50_000 + (8 + 5) * 10, 20),
-        (1000 + 2 * 10, 50_000 + 1 * 10, 10), (1000 + (3 + 2) * 10, 50_000 + (8 + 1) * 10, 10),
-    ]  # fmt: skip
+        (1000, 50_000 + 5 * 10, 20),
+        (1000 + 3 * 10, 50_000 + (8 + 5) * 10, 20),
+        (1000 + 2 * 10, 50_000 + 1 * 10, 10),
+        (1000 + (3 + 2) * 10, 50_000 + (8 + 1) * 10, 10),
+    ]
     with pytest.raises(ValueError, match="layouts differ"):
         write_runs(src, 0, Region(0, 8, 4, 10), [0])
 
@@ -41,7 +43,11 @@ def test_runs_copy_exactly_the_blocks_into_their_slots() -> None:
 
 def test_a_block_checksum_covers_its_planes_in_order() -> None:
     kv = torch.randn(2, 2, 3, 4, 1, 2).to(torch.bfloat16)
-    whole = b"".join(kv[layer, k, 1].contiguous().view(torch.uint8).numpy().tobytes() for layer in range(2) for k in range(2))
+    whole = b"".join(
+        kv[layer, k, 1].contiguous().view(torch.uint8).numpy().tobytes()
+        for layer in range(2)
+        for k in range(2)
+    )
     assert block_checksum(kv, 1, "crc32") == checksum("crc32", whole)
     flipped = kv.clone()
     flipped[1, 1, 1].view(-1)[3] += 1

@@ -123,7 +123,9 @@ def test_p_md_is_with_md_from_dispatch_and_reports_md_figures() -> None:
     s = _stream(Pipeline.P_MD)
     s.dispatched("p0")
     assert s.state.state is StreamState.WITH_MD
-    s.observe(TokenEvent("r", Role.MAIN_DECODE, 1, [7], decode=DecodeReport("md0", md_tokens=4, wan_bytes=4096)))
+    s.observe(
+        TokenEvent("r", Role.MAIN_DECODE, 1, [7], decode=DecodeReport("md0", md_tokens=4, wan_bytes=4096))
+    )
     s.finish()
     summary = s.summary()
     assert (summary["pipeline"], summary["md_tokens"], summary["wan_bytes"]) == ("p-md", 4, 4096)
@@ -152,7 +154,11 @@ def test_a_first_token_that_beats_mds_answer_still_hands_the_request_on() -> Non
 def test_the_summary_names_the_instances_the_request_ran_on_also_after_a_move() -> None:
     s = _stream(Pipeline.P_RLD_MD)
     s.relay_instance = "r0"
-    assert s.summary()["instances"] == {"prefill": None, "relay": "r0", "main_decode": "md0"}  # not dispatched yet
+    assert s.summary()["instances"] == {
+        "prefill": None,
+        "relay": "r0",
+        "main_decode": "md0",
+    }  # not dispatched yet
     s.dispatched("p1")
     assert s.summary()["instances"] == {"prefill": "p1", "relay": "r0", "main_decode": "md0"}
     s.migrating()

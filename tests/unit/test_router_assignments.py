@@ -67,7 +67,9 @@ def _burst(n: int, count_pending: bool) -> list[str]:
     chosen = []
     for i in range(n):
         now = 1.01 + i * 0.01  # all after the reports, received at t=1
-        loads = [replace(r, pending=sent.pending((MD, r.instance), 1.0) if count_pending else 0) for r in reports]
+        loads = [
+            replace(r, pending=sent.pending((MD, r.instance), 1.0) if count_pending else 0) for r in reports
+        ]
         md = choose_main_decode(loads, {"a": 0.5, "b": 0.5, "c": 0.5}, W)
         sent.record((MD, md), now)
         chosen.append(md)

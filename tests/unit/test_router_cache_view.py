@@ -37,7 +37,9 @@ def test_first_contact_asks_once_and_buffers_until_the_snapshot() -> None:
     assert view.on_events(ev(5, stored=[50]))  # never met: ask
     assert not view.on_events(ev(6, stored=[60]))  # one fetch at a time
     assert view.syncing("0") and blocks(index) == set()  # nothing applied before the snapshot
-    assert not view.on_snapshot(snap(4, stored=[1]))  # older than the message that asked: that one applies too
+    assert not view.on_snapshot(
+        snap(4, stored=[1])
+    )  # older than the message that asked: that one applies too
     assert blocks(index) == {1, 50, 60} and not view.syncing("0")
 
 

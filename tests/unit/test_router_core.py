@@ -50,8 +50,15 @@ def _life() -> RequestLife:
 
 def _opened(life: RequestLife, pipeline: Pipeline = Pipeline.P_RLD_MD, rid: str = RID) -> RequestStream:
     relay = "rld0" if pipeline is Pipeline.P_RLD_MD else None
-    stream = RequestStream(rid, [1, 2, 3], RouteDecision(pipeline, 0.0, 0, 0.0), "md0", [7], relay,
-                           merger=TokenMerger(max_tokens=16))  # fmt: skip
+    stream = RequestStream(
+        rid,
+        [1, 2, 3],
+        RouteDecision(pipeline, 0.0, 0, 0.0),
+        "md0",
+        [7],
+        relay,
+        merger=TokenMerger(max_tokens=16),
+    )
     life.opened(stream)
     return stream
 
@@ -78,7 +85,9 @@ def test_a_request_lives_from_open_through_the_handoff_to_its_finish() -> None:
     assert life.streams == {RID: stream} and life.attempts == {RID: stream}
 
     # Dispatched: P learns where MD is; prefill produces until its first token.
-    assert _dispatched(life, stream) == [Publish(subjects.req(RID, Req.MD_TARGET), MDTarget(RID, "tcp://md0:1", [7]))]
+    assert _dispatched(life, stream) == [
+        Publish(subjects.req(RID, Req.MD_TARGET), MDTarget(RID, "tcp://md0:1", [7]))
+    ]
     assert stream.state.is_in(StreamState.RELAYED) and stream.producer == (Role.PREFILL, "p0")
 
     first = life.on_tokens(_tok(RID, Role.PREFILL, 0, [10]), now=stream.created + 0.25)
@@ -88,14 +97,17 @@ def test_a_request_lives_from_open_through_the_handoff_to_its_finish() -> None:
     rld = life.on_tokens(_tok(RID, Role.RELAY, 1, [11, 12]), now=time.monotonic())
     assert _tokens(rld) == [11, 12] and rld[0].ttft_s is None
 
-    handoff = RelayReport(handed_over=True, rld_tokens=3, handoff_mode=HandoffMode.ONE_SHOT, handoff_batches=1)
+    handoff = RelayReport(
+        handed_over=True, rld_tokens=3, handoff_mode=HandoffMode.ONE_SHOT, handoff_batches=1
+    )
     handed = life.on_tokens(_tok(RID, Role.RELAY, 3, [13], relay=handoff), now=time.monotonic())
     assert handed[0] == CountReports(handoff, None) and _tokens(handed) == [13]
     assert stream.state.is_in(StreamState.WITH_MD) and stream.producer == (Role.MAIN_DECODE, "md0")
 
     report = DecodeReport("md0", 2, 4096)
-    last = life.on_tokens(_tok(RID, Role.MAIN_DECODE, 4, [14, 15], outcome=Outcome.STOP, decode=report),
-                          now=time.monotonic())  # fmt: skip
+    last = life.on_tokens(
+        _tok(RID, Role.MAIN_DECODE, 4, [14, 15], outcome=Outcome.STOP, decode=report), now=time.monotonic()
+    )
     assert last[0] == CountReports(None, report)
     (delta,) = _delivered(last)
     assert delta == Delta([14, 15], True, "stop", [None, None])
@@ -103,7 +115,10 @@ def test_a_request_lives_from_open_through_the_handoff_to_its_finish() -> None:
     assert stream.summary()["rld_tokens"] == 3 and stream.summary()["md_tokens"] == 2
 
     # A late copy of the last message changes nothing and counts nothing twice.
-    assert life.on_tokens(_tok(RID, Role.MAIN_DECODE, 4, [14, 15], outcome=Outcome.STOP, decode=report), 0.0) == []
+    assert (
+        life.on_tokens(_tok(RID, Role.MAIN_DECODE, 4, [14, 15], outcome=Outcome.STOP, decode=report), 0.0)
+        == []
+    )
 
     closed = life.close(stream)
     assert closed == [Closed(stream), SendAbort(RID, AbortReason.FINISHED, stream)]
@@ -184,7 +199,9 @@ def test_no_instance_takes_a_moved_request_and_its_consumer_hears_why() -> None:
     life = _life()
     stream = _opened(life, Pipeline.P_MD)
     life.move(stream, "no prefill", "dispatch")
-    assert life.give_up(stream, "no live instance took it") == [Deliver(stream, Failure("no live instance took it"))]
+    assert life.give_up(stream, "no live instance took it") == [
+        Deliver(stream, Failure("no live instance took it"))
+    ]
     error = _tok(stream.attempt_rid, Role.MAIN_DECODE, 0, [], outcome=Outcome.ERROR, error="boom")
     assert life.on_tokens(error, 0.0) == []  # failed already: nothing more reaches the client
 
@@ -200,7 +217,9 @@ def test_md_lost_before_the_handoff_leaves_the_relay_to_finish_alone() -> None:
     assert life.tick(now, set()) == []  # told once
     solo = RelayReport(handed_over=False, rld_tokens=2)
     life.on_tokens(_tok(RID, Role.PREFILL, 0, [10]), now)
-    assert _delivered(life.on_tokens(_tok(RID, Role.RELAY, 1, [11], outcome=Outcome.STOP, relay=solo), now))[0].finished
+    assert _delivered(life.on_tokens(_tok(RID, Role.RELAY, 1, [11], outcome=Outcome.STOP, relay=solo), now))[
+        0
+    ].finished
     assert stream.pipeline is Pipeline.RLD_ONLY
 
 
@@ -211,10 +230,14 @@ def test_an_aborted_request_is_forgotten_and_its_late_messages_are_stopped_once(
     assert life.abort(RID, AbortReason.CLIENT_GONE) == [Forget(RID), SendAbort(RID, AbortReason.CLIENT_GONE)]
     assert stream.state.is_in(StreamState.FAILED) and stream.failure == "client_gone"
     assert life.streams == {} and life.attempts == {}
-    assert life.abort(RID, AbortReason.CLIENT_GONE) == [SendAbort(RID, AbortReason.CLIENT_GONE)]  # unknown: told anyway
+    assert life.abort(RID, AbortReason.CLIENT_GONE) == [
+        SendAbort(RID, AbortReason.CLIENT_GONE)
+    ]  # unknown: told anyway
 
-    assert life.on_tokens(_tok(RID, Role.MAIN_DECODE, 0, [10]), 100.0) == [UnknownMessage(RID),
-                                                                         SendAbort(RID, AbortReason.STALE)]  # fmt: skip
+    assert life.on_tokens(_tok(RID, Role.MAIN_DECODE, 0, [10]), 100.0) == [
+        UnknownMessage(RID),
+        SendAbort(RID, AbortReason.STALE),
+    ]
     assert life.on_tokens(_tok(RID, Role.MAIN_DECODE, 1, [11]), 101.0) == [UnknownMessage(RID)]
     life.tick(100.0 + STALE_ABORT_EVERY_S + 1, set())  # the rate limit's memory is bounded in time
     assert life.stale_aborted == {}
@@ -269,8 +292,10 @@ def test_a_token_lost_in_transit_moves_the_request() -> None:
 def test_a_refused_dispatch_ends_the_request_and_a_moved_one_ignores_the_late_answer() -> None:
     life = _life()
     stream = _opened(life, Pipeline.P_MD)
-    assert life.refused(stream, "main decode refused the request") == [Forget(RID),
-                                                                      SendAbort(RID, AbortReason.DISPATCH_FAILED)]  # fmt: skip
+    assert life.refused(stream, "main decode refused the request") == [
+        Forget(RID),
+        SendAbort(RID, AbortReason.DISPATCH_FAILED),
+    ]
     assert stream.failure == "main decode refused the request"
 
     moved = _opened(_life(), Pipeline.P_MD, rid=PREFIX + "2")

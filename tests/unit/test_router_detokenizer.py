@@ -78,7 +78,10 @@ class HF:
 
 
 def _corpus(rng: random.Random, n: int) -> list[str]:
-    return ["".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(1, 12))) for _ in range(n)]
+    return [
+        "".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(1, 12)))
+        for _ in range(n)
+    ]
 
 
 def byte_level_bpe() -> HF:
@@ -86,8 +89,9 @@ def byte_level_bpe() -> HF:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
     tk.train_from_iterator(_corpus(random.Random(1), 300), trainer)
     return HF(tk)
 
@@ -97,16 +101,18 @@ def sentencepiece_style() -> HF:
     for what the vocabulary lacks."""
     base = Tokenizer(models.BPE())
     base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    base.train_from_iterator(_corpus(random.Random(2), 300),
-                             trainers.BpeTrainer(vocab_size=150, limit_alphabet=20))  # fmt: skip
+    base.train_from_iterator(
+        _corpus(random.Random(2), 300), trainers.BpeTrainer(vocab_size=150, limit_alphabet=20)
+    )
     model = json.loads(base.to_str())["model"]
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
     vocab.update({piece: 256 + i for i, piece in enumerate(model["vocab"])})
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tk = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return HF(tk)
 
 
@@ -138,8 +144,21 @@ def _stops(rng: random.Random, text: str) -> list[str]:
 def test_byte_tokenizer_emits_what_full_decoding_emits():
     rng = random.Random(7)
     tok = ByteTokenizer()
-    pieces = [b"a", b" ", b"E", b"N", b"D", "é".encode(), "€".encode(), "日".encode(), "🙂".encode(),
-              b"\xff", b"\x80", b"\xe2\x82", b"\xf0\x9f"]  # fmt: skip
+    pieces = [
+        b"a",
+        b" ",
+        b"E",
+        b"N",
+        b"D",
+        "é".encode(),
+        "€".encode(),
+        "日".encode(),
+        "🙂".encode(),
+        b"\xff",
+        b"\x80",
+        b"\xe2\x82",
+        b"\xf0\x9f",
+    ]
     for _ in range(400):
         data = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         ids = list(data)

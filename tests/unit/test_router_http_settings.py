@@ -17,15 +17,21 @@ def test_defaults_are_bounded_and_open():
 
 def test_keys_from_both_variables_and_every_limit():
     env = {
-        "PDD_ROUTER_API_KEYS": " a, b ,,", "PDD_API_KEY": "c", "PDD_ROUTER_MAX_IN_FLIGHT": "3",
-        "PDD_ROUTER_MAX_WAITING": "0", "PDD_ROUTER_MAX_WAIT_S": "1.5", "PDD_ROUTER_MAX_BODY_BYTES": "1024",
+        "PDD_ROUTER_API_KEYS": " a, b ,,",
+        "PDD_API_KEY": "c",
+        "PDD_ROUTER_MAX_IN_FLIGHT": "3",
+        "PDD_ROUTER_MAX_WAITING": "0",
+        "PDD_ROUTER_MAX_WAIT_S": "1.5",
+        "PDD_ROUTER_MAX_BODY_BYTES": "1024",
         "PDD_ROUTER_BODY_TIMEOUT_S": "2",
-    }  # fmt: skip
+    }
     assert HttpSettings.from_env(env) == HttpSettings(("a", "b", "c"), 3, 0, 1.5, 1024, 2.0)
 
 
-@pytest.mark.parametrize("name, value", [("MAX_IN_FLIGHT", "0"), ("MAX_WAITING", "-1"), ("BODY_TIMEOUT_S", "0"),
-                                         ("MAX_BODY_BYTES", "lots")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, value",
+    [("MAX_IN_FLIGHT", "0"), ("MAX_WAITING", "-1"), ("BODY_TIMEOUT_S", "0"), ("MAX_BODY_BYTES", "lots")],
+)
 def test_a_limit_that_bounds_nothing_is_refused(name, value):
     with pytest.raises(ValueError):
         HttpSettings.from_env({f"PDD_ROUTER_{name}": value})

@@ -31,35 +31,41 @@ def parse(body: dict, chat: bool = False):
 
 
 # ---- the request ----------------------------------------------------------------------------
-@pytest.mark.parametrize("chat, body, counts", [
-    (False, {}, (None, None)),
-    (False, {"logprobs": 0}, (0, None)),
-    (False, {"logprobs": 5, "echo": True}, (5, 5)),
-    (False, {"echo": True}, (None, None)),  # the prompt's text only
-    (True, {"logprobs": True}, (0, None)),
-    (True, {"logprobs": True, "top_logprobs": 20}, (20, None)),
-    (True, {"logprobs": False, "top_logprobs": 0}, (None, None)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "chat, body, counts",
+    [
+        (False, {}, (None, None)),
+        (False, {"logprobs": 0}, (0, None)),
+        (False, {"logprobs": 5, "echo": True}, (5, 5)),
+        (False, {"echo": True}, (None, None)),  # the prompt's text only
+        (True, {"logprobs": True}, (0, None)),
+        (True, {"logprobs": True, "top_logprobs": 20}, (20, None)),
+        (True, {"logprobs": False, "top_logprobs": 0}, (None, None)),
+    ],
+)
 def test_the_requested_counts_reach_the_sampling_params(chat, body, counts):
     params = parse(body, chat).params
     assert (params.logprobs, params.prompt_logprobs) == counts
 
 
-@pytest.mark.parametrize("chat, body, param", [
-    (False, {"logprobs": 21}, "logprobs"),
-    (False, {"logprobs": -1}, "logprobs"),
-    (False, {"logprobs": True}, "logprobs"),
-    (False, {"logprobs": 2.5}, "logprobs"),
-    (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (True, {"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
-    (True, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
-    (True, {"logprobs": 3}, "logprobs"),
-    (True, {"logprobs": 1}, "logprobs"),  # (1 == True, yet not a boolean)
-    (True, {"echo": True}, "echo"),  # a completions field
-    (False, {"top_logprobs": 3}, "top_logprobs"),  # a chat field
-    (False, {"logprobs": 2, "n": 2}, "n"),
-    (False, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "chat, body, param",
+    [
+        (False, {"logprobs": 21}, "logprobs"),
+        (False, {"logprobs": -1}, "logprobs"),
+        (False, {"logprobs": True}, "logprobs"),
+        (False, {"logprobs": 2.5}, "logprobs"),
+        (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (True, {"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
+        (True, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        (True, {"logprobs": 3}, "logprobs"),
+        (True, {"logprobs": 1}, "logprobs"),  # (1 == True, yet not a boolean)
+        (True, {"echo": True}, "echo"),  # a completions field
+        (False, {"top_logprobs": 3}, "top_logprobs"),  # a chat field
+        (False, {"logprobs": 2, "n": 2}, "n"),
+        (False, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ],
+)
 def test_out_of_range_or_misplaced_fields_are_a_400_naming_them(chat, body, param):
     with pytest.raises(APIError) as e:
         parse(body, chat)
@@ -67,11 +73,18 @@ def test_out_of_range_or_misplaced_fields_are_a_400_naming_them(chat, body, para
 
 
 def test_output_options():
-    opts = output_options(parse({"logprobs": 1, "echo": True, "stream": True,
-                                 "stream_options": {"include_usage": True}}), TOK)  # fmt: skip
+    opts = output_options(
+        parse({"logprobs": 1, "echo": True, "stream": True, "stream_options": {"include_usage": True}}), TOK
+    )
     assert (opts.chat, opts.logprobs, opts.echo, opts.include_usage) == (False, True, "hi", True)
-    by_ids = parse_request(json.dumps({"prompt": [A, B], "echo": True}).encode(), False, model_id="m",
-                           tokenizer=TOK, max_model_len=512, max_tokens_default=8)  # fmt: skip
+    by_ids = parse_request(
+        json.dumps({"prompt": [A, B], "echo": True}).encode(),
+        False,
+        model_id="m",
+        tokenizer=TOK,
+        max_model_len=512,
+        max_tokens_default=8,
+    )
     assert output_options(by_ids, TOK).echo == "ab"
     chat = output_options(parse({"logprobs": True, "stream": True}, chat=True), TOK)
     assert (chat.chat, chat.logprobs, chat.echo, chat.include_usage) == (True, True, None, False)
@@ -97,9 +110,11 @@ def test_completions_format_puts_the_chosen_token_among_the_top_and_offsets_run_
     fmt = LogprobsFormatter(TOK, chat=False)
     first = fmt([A, B], [TokenLogprobs(-0.5, [A, C], [-0.5, -1.0]), TokenLogprobs(-4.0, [A], [-0.1])])
     assert first == {
-        "tokens": ["a", "b"], "token_logprobs": [-0.5, -4.0],
-        "top_logprobs": [{"a": -0.5, "c": -1.0}, {"a": -0.1, "b": -4.0}], "text_offset": [0, 1],
-    }  # fmt: skip
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -4.0],
+        "top_logprobs": [{"a": -0.5, "c": -1.0}, {"a": -0.1, "b": -4.0}],
+        "text_offset": [0, 1],
+    }
     later = fmt([C], [TokenLogprobs(float("-inf"), [], [])])  # the next stream chunk
     assert later["text_offset"] == [2] and later["token_logprobs"] == [FLOOR]  # JSON has no -inf
     CompletionLogprobs.model_validate(first)
@@ -118,8 +133,10 @@ def test_chat_format_has_bytes_and_exactly_the_top_asked_for():
     body = LogprobsFormatter(TOK, chat=True)([0xE2], [TokenLogprobs(-0.5, [B, C], [-0.25, -0.5])])
     (entry,) = body["content"]
     assert entry["logprob"] == -0.5 and entry["bytes"] == list(entry["token"].encode())
-    assert entry["top_logprobs"] == [{"token": "b", "logprob": -0.25, "bytes": [B]},
-                                     {"token": "c", "logprob": -0.5, "bytes": [C]}]  # fmt: skip
+    assert entry["top_logprobs"] == [
+        {"token": "b", "logprob": -0.25, "bytes": [B]},
+        {"token": "c", "logprob": -0.5, "bytes": [C]},
+    ]
     ChatLogprobs.model_validate(body)
 
 
@@ -135,8 +152,18 @@ def stream_of(prompt: list[int]) -> RequestStream:
 def test_stream_chunks_carry_their_tokens_logprobs_the_echo_and_the_usage():
     stream = stream_of([A, B])
     stream.prompt_logprobs = [lp(-7.0)]
-    opts = output_options(parse({"prompt": [A, B], "logprobs": 1, "echo": True, "stream": True,
-                                 "stream_options": {"include_usage": True}}), TOK)  # fmt: skip
+    opts = output_options(
+        parse(
+            {
+                "prompt": [A, B],
+                "logprobs": 1,
+                "echo": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ),
+        TOK,
+    )
     chunks = SSEChunks(stream, opts, "m", TOK)
     echo = sse_json(chunks.echo("ab"))["choices"][0]
     assert echo["text"] == "ab" and echo["logprobs"]["token_logprobs"] == [None, -7.0]
@@ -146,10 +173,21 @@ def test_stream_chunks_carry_their_tokens_logprobs_the_echo_and_the_usage():
     assert last["logprobs"] is None and last["finish_reason"] == "length"
     usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
     assert sse_json(chunks.usage(usage)) | {"created": 0} == {
-        "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage}
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": "m",
+        "choices": [],
+        "usage": usage,
+    }
 
 
 def test_chat_stream_chunks_without_logprobs_asked_carry_none():
     opts = output_options(parse({"stream": True}, chat=True), TOK)
     chunk = sse_json(SSEChunks(stream_of([A]), opts, "m", TOK).tokens("a", [A], [None]))
-    assert chunk["choices"][0] == {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"content": "a"}}
+    assert chunk["choices"][0] == {
+        "index": 0,
+        "finish_reason": None,
+        "logprobs": None,
+        "delta": {"content": "a"},
+    }

@@ -86,7 +86,11 @@ def test_load_counts_requests_held_or_running_those_sent_since_and_the_kv_in_use
 
 
 def test_least_loaded_relay():
-    loads = [InstanceLoad("x", running=3), InstanceLoad("y", running=1, waiting=1), InstanceLoad("z", running=5)]
+    loads = [
+        InstanceLoad("x", running=3),
+        InstanceLoad("y", running=1, waiting=1),
+        InstanceLoad("z", running=5),
+    ]
     assert choose_least_loaded(loads) == "y"
     assert choose_least_loaded(loads + [InstanceLoad("w", pending=1)]) == "w"
     assert choose_least_loaded([InstanceLoad("x", running=2), InstanceLoad("y", held=1, pending=2)]) == "x"
@@ -119,7 +123,10 @@ def test_the_md_holding_the_prefix_wins_within_the_bound_and_loses_over_it():
     over = [InstanceLoad("a", running=11), InstanceLoad("b", running=1)]  # bound 1.5 × 13/2 + 2 = 11.75
     assert choose_main_decode(over, wan_s, W) == "b"
     # requests sent since a's report count: they push it over the bound as well
-    assert choose_main_decode([InstanceLoad("a", running=4, pending=10), InstanceLoad("b", running=2)], wan_s, W) == "b"
+    assert (
+        choose_main_decode([InstanceLoad("a", running=4, pending=10), InstanceLoad("b", running=2)], wan_s, W)
+        == "b"
+    )
 
 
 def test_one_candidate_is_chosen_however_loaded():
@@ -138,8 +145,10 @@ def test_with_no_prefix_anywhere_the_least_loaded_md_wins():
     idle = [InstanceLoad("b"), InstanceLoad("a")]
     assert choose_main_decode(idle, {"a": 1.0, "b": 1.0}, W) == "a"  # all equal: by name, stable
     # equally busy: the one with more free KV
-    room = [InstanceLoad("a", running=1, free_blocks=10, num_blocks=100), InstanceLoad("b", running=1, free_blocks=90,
-                                                                                          num_blocks=100)]
+    room = [
+        InstanceLoad("a", running=1, free_blocks=10, num_blocks=100),
+        InstanceLoad("b", running=1, free_blocks=90, num_blocks=100),
+    ]
     assert choose_main_decode(room, {"a": 1.0, "b": 1.0}, W) == "b"
 
 
@@ -168,8 +177,10 @@ def test_a_far_md_with_a_longer_prefix_against_a_near_one():
     whole = {"far": wan_s(2000, 2000, 1e6, 0.2), "near": wan_s(2000, 0, 100e6, 0.01)}  # 0.1 s vs 0.33 s
     assert choose_main_decode(mds, whole, W) == "far"
     # a backlog queued toward the near one weighs as much as its own blocks
-    jammed = {"far": whole["far"], "near": choose_pipeline(2000, 0, 16_384, 100e6, 0.01, 0.5, True,
-                                                           backlog_bytes=10**9).est_wan_s}  # fmt: skip
+    jammed = {
+        "far": whole["far"],
+        "near": choose_pipeline(2000, 0, 16_384, 100e6, 0.01, 0.5, True, backlog_bytes=10**9).est_wan_s,
+    }
     assert choose_main_decode([InstanceLoad("far", running=3), InstanceLoad("near")], jammed, W) == "far"
 
 
@@ -214,8 +225,10 @@ def test_near_equal_mds_are_picked_by_the_prompt_so_simultaneous_new_sessions_sp
     wan_s = {"a": 1.0, "b": 1.0}
     picks = {choose_main_decode(idle, wan_s, W, spread_key=k) for k in range(8)}
     assert picks == {"a", "b"}  # within one request of load: the prompt's hash decides
-    assert all(choose_main_decode(idle, wan_s, W, spread_key=k) == choose_main_decode(idle, wan_s, W, spread_key=k)
-               for k in range(8))  # fmt: skip
+    assert all(
+        choose_main_decode(idle, wan_s, W, spread_key=k) == choose_main_decode(idle, wan_s, W, spread_key=k)
+        for k in range(8)
+    )
     busier = [InstanceLoad("a"), InstanceLoad("b", pending=2)]
     assert {choose_main_decode(busier, wan_s, W, spread_key=k) for k in range(8)} == {"a"}
     holder = {"a": 0.1, "b": 1.0}  # a prefix: far more than one request of load
@@ -254,10 +267,18 @@ def test_md_wan_costs_are_each_mds_wan_cost(slow_b):
     its comparable bandwidth, whether every MD shares one line or not."""
     ctx = RouteContext(S, PrefixIndex(), PrefixIndex(), 16, 1000)
     line = LinkView(1e6, 0.01)
-    links = {"a": line, "b": LinkView(0.2e6, 0.05) if slow_b else line, "c": LinkView(1e6, 0.01, 5000), "d": line}
+    links = {
+        "a": line,
+        "b": LinkView(0.2e6, 0.05) if slow_b else line,
+        "c": LinkView(1e6, 0.01, 5000),
+        "d": line,
+    }
     cached = {"a": 3, "c": 1, "d": 3, "gone": 2}  # (blocks; "gone" is no MD any more)
     compared = comparable_bandwidths({m: link.bandwidth for m, link in links.items()})
     queued = queued_ahead(compared, {m: link.backlog for m, link in links.items()})
-    expected = {m: wan_cost_s(missing_kv_bytes(100, cached.get(m, 0) * 16, 1000), queued[m], compared[m]) for m in links}
+    expected = {
+        m: wan_cost_s(missing_kv_bytes(100, cached.get(m, 0) * 16, 1000), queued[m], compared[m])
+        for m in links
+    }
     assert md_wan_costs(ctx, 100, cached, links) == expected
     assert len(set(expected.values())) == 3  # (a and d alike, b, c)

@@ -68,4 +68,10 @@ def test_the_run_every_holder_shares_follows_each_change():
     assert idx.cached_prefix_blocks_all(system + [30])["c"] == 1
     idx.forget("a")
     assert "a" not in idx.cached_prefix_blocks_all(system + [10])
-    assert idx.cached_prefix_blocks_all([1, 2, 9]) == {"b": 2, "c": 1, "d": 2, "e": 2, "f": 2}  # another prompt, same first block
+    assert idx.cached_prefix_blocks_all([1, 2, 9]) == {
+        "b": 2,
+        "c": 1,
+        "d": 2,
+        "e": 2,
+        "f": 2,
+    }  # another prompt, same first block

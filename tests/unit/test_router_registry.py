@@ -6,9 +6,15 @@ from shared.bus.messages import LinkReport, LoadReport, Role
 
 def test_registry_reads_link_estimates_and_backlog_from_prefill_reports():
     reg = Registry()
-    reg.update(LoadReport(Role.PREFILL, "0", links=[LinkReport("tcp://md:1", backlog=500, bandwidth=2e6, rtt=0.02)]))
-    reg.update(LoadReport(Role.PREFILL, "1", links=[LinkReport("tcp://md:1", backlog=700)]))  # no measurement yet
-    reg.update(LoadReport(Role.MAIN_DECODE, "md", links=[LinkReport("tcp://md:1", backlog=10**9)]))  # not prefill's
+    reg.update(
+        LoadReport(Role.PREFILL, "0", links=[LinkReport("tcp://md:1", backlog=500, bandwidth=2e6, rtt=0.02)])
+    )
+    reg.update(
+        LoadReport(Role.PREFILL, "1", links=[LinkReport("tcp://md:1", backlog=700)])
+    )  # no measurement yet
+    reg.update(
+        LoadReport(Role.MAIN_DECODE, "md", links=[LinkReport("tcp://md:1", backlog=10**9)])
+    )  # not prefill's
     assert reg.link_to("tcp://md:1") == (2e6, 0.02)
     assert reg.wan_backlog("tcp://md:1") == 1200
     assert reg.link_to("tcp://other:1") is None and reg.wan_backlog("tcp://other:1") == 0

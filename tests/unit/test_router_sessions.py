@@ -86,12 +86,20 @@ def replay(num_mds: int, sessions: list[list[list[int]]], seed: int) -> tuple[fl
         hashes = block_hashes(sessions[s][turn], BLOCK, "toy")
         cached = {m.name: m.prefix_blocks(hashes) for m in mds}
         prompt = sessions[s][turn]
-        missing = {name: choose_pipeline(len(prompt), blocks * BLOCK, KV_BYTES_PER_TOKEN, BANDWIDTH, RTT,
-                                         S.wan_time_threshold_s, True).missing_bytes for name, blocks in cached.items()}
+        missing = {
+            name: choose_pipeline(
+                len(prompt), blocks * BLOCK, KV_BYTES_PER_TOKEN, BANDWIDTH, RTT, S.wan_time_threshold_s, True
+            ).missing_bytes
+            for name, blocks in cached.items()
+        }
         wan_s = {name: wan_cost_s(b, 0, BANDWIDTH) for name, b in missing.items()}
-        weights = request_weights(W, len(prompt) * KV_BYTES_PER_TOKEN / BANDWIDTH)  # as RouterCore weighs load
-        loads = [InstanceLoad(r.instance, r.running, pending=sent.pending(("md", r.instance), reported_at))
-                 for r in reports]  # fmt: skip
+        weights = request_weights(
+            W, len(prompt) * KV_BYTES_PER_TOKEN / BANDWIDTH
+        )  # as RouterCore weighs load
+        loads = [
+            InstanceLoad(r.instance, r.running, pending=sent.pending(("md", r.instance), reported_at))
+            for r in reports
+        ]
         chosen = choose_main_decode(loads, wan_s, weights)
         md = next(m for m in mds if m.name == chosen)
         if turn > 0:

@@ -8,7 +8,9 @@ def test_events_run_by_time_then_insertion():
     loop.at(2.0, lambda: seen.append(("b", loop.now)))
     loop.at(1.0, lambda: seen.append(("a1", loop.now)))
     loop.at(1.0, lambda: seen.append(("a2", loop.now)))
-    loop.after(0.5, lambda: loop.after(0.5, lambda: seen.append(("a3", loop.now))))  # set at 0.5 for 1.0: after a1, a2
+    loop.after(
+        0.5, lambda: loop.after(0.5, lambda: seen.append(("a3", loop.now)))
+    )  # set at 0.5 for 1.0: after a1, a2
     loop.run()
     assert seen == [("a1", 1.0), ("a2", 1.0), ("a3", 1.0), ("b", 2.0)]
     assert loop.events == 5

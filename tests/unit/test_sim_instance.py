@@ -63,14 +63,13 @@ def test_a_decode_run_fast_forwarded_equals_its_steps():
     runs = []
     d.join(Seq(100, 300, lambda *run: runs.append(run), lambda: None))
     loop.run()
-    (first, last, n, gap), = runs
+    ((first, last, n, gap),) = runs
     steps = [step.step_s(decode_load(1, 100 + i)) for i in range(300)]
     assert n == 300
     assert first == pytest.approx(steps[0], rel=1e-12)
     assert last == pytest.approx(sum(steps), rel=1e-12)
     assert gap == pytest.approx(max(steps[1:]), rel=1e-12)
     assert d.busy_s == pytest.approx(sum(steps), rel=1e-12)
-
 
 
 def test_the_steps_within_a_budget_are_the_most_whose_run_fits():
@@ -81,13 +80,17 @@ def test_the_steps_within_a_budget_are_the_most_whose_run_fits():
         ends = [step.decode_run_s(seqs, context, k) for k in range(400)]
         for k in (1, 2, 7, 50, 200, 398):
             for budget in (ends[k], ends[k] * (1 - 1e-12), (ends[k] + ends[k + 1]) / 2):
-                assert step.decode_steps_within(seqs, context, budget) == max(i for i, e in enumerate(ends) if e <= budget)
+                assert step.decode_steps_within(seqs, context, budget) == max(
+                    i for i, e in enumerate(ends) if e <= budget
+                )
 
 
 def test_a_run_cut_by_a_joiner_goes_on_from_the_context_it_reached():
     step = StepCost(0.002, Linear(per_token=1e-4, per_attn=1e-7), Linear(const=1e-3, per_kv_read=2e-6))
     loop = EventLoop()
-    d = DecodeInstance("d0", Chip("lin", step, 1 << 30, 1.0), loop, 1000, 16, max_num_seqs=8, max_batched_tokens=64)
+    d = DecodeInstance(
+        "d0", Chip("lin", step, 1 << 30, 1.0), loop, 1000, 16, max_num_seqs=8, max_batched_tokens=64
+    )
     runs = {"a": [], "b": []}
     d.join(Seq(100, 300, lambda *run: runs["a"].append(run), lambda: None))
     loop.at(0.1, lambda: d.join(Seq(50, 10, lambda *run: runs["b"].append(run), lambda: None)))
@@ -112,7 +115,9 @@ def test_a_run_cut_by_a_joiner_goes_on_from_the_context_it_reached():
 
 def test_prefix_hits_on_p_and_md():
     second = request(1, 1.0, 3, 5, first_hash=0)  # its first 2 blocks are the first request's
-    a, b = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5), second), TINY).records
+    a, b = simulate(
+        same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5), second), TINY
+    ).records
     assert (a.prefill_hit, a.hit_rate, a.wan_bytes) == (0.0, 0.0, KV)
     assert b.prefill_hit == pytest.approx(32 / 48) and b.hit_rate == pytest.approx(32 / 48)
     assert b.wan_bytes == 16 * 16  # only the block D lacks
@@ -140,7 +145,9 @@ def test_the_simulated_pool_behaves_as_the_engine_pool():
     sim, engine = SimBlockPool(n), BlockPool(n)
     held: list[list[int]] = []
     for _ in range(600):
-        hashes = [rng.randrange(60) * 1000 + i for i in range(rng.randrange(1, 6))]  # chains of a few prefixes
+        hashes = [
+            rng.randrange(60) * 1000 + i for i in range(rng.randrange(1, 6))
+        ]  # chains of a few prefixes
         r = rng.random()
         if held and (r < 0.4 or sim.num_free < 400):
             bids = held.pop(rng.randrange(len(held)))
@@ -155,7 +162,7 @@ def test_the_simulated_pool_behaves_as_the_engine_pool():
             assert fresh == engine.allocate_many(len(fresh))
             bids = sim.register_or_share_many(hits + fresh[: len(hashes) - len(hits)], hashes)
             assert bids == engine.register_or_share_many(hits + fresh[: len(hashes) - len(hits)], hashes)
-            held.append(bids + fresh[len(hashes) - len(hits):])
+            held.append(bids + fresh[len(hashes) - len(hits) :])
         elif r < 0.8:  # computed without a lookup: blocks whose twin is cached are shared
             fresh = sim.allocate_many(len(hashes))
             assert fresh == engine.allocate_many(len(fresh))

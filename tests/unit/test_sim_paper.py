@@ -64,12 +64,28 @@ def test_a_tiny_run_writes_every_metric_beside_the_papers(tmp_path):
     result = json.loads(out.read_text())
     assert result["paper"] == paper.PAPER_FIGURES
     metrics = result["metrics"]
-    for key in ("ttft_p50_change", "ttft_p99_change", "goodput_change", "bcr_change_20", "bcr_change_30",
-                "cost_change_20", "cost_change_30", "bandwidth_ratio", "wan_gbps_mean", "wan_gbps_p99",
-                "rld_token_share", "pipelines", "filtered_share"):  # fmt: skip
+    for key in (
+        "ttft_p50_change",
+        "ttft_p99_change",
+        "goodput_change",
+        "bcr_change_20",
+        "bcr_change_30",
+        "cost_change_20",
+        "cost_change_30",
+        "bandwidth_ratio",
+        "wan_gbps_mean",
+        "wan_gbps_p99",
+        "rld_token_share",
+        "pipelines",
+        "filtered_share",
+    ):
         assert key in metrics, key
-    assert {r["metric"].split(",")[0] for r in result["rows"]} >= {"TTFT p50 change", "SLA goodput change",
-                                                                   "BCR change", "cost change"}  # fmt: skip
+    assert {r["metric"].split(",")[0] for r in result["rows"]} >= {
+        "TTFT p50 change",
+        "SLA goodput change",
+        "BCR change",
+        "cost change",
+    }
     assert set(result["fleets"]) == {"same-dc", "naive", "pdd"}
     assert result["fleets"]["same-dc"]["goodput_rps"] > 0
     assert (tmp_path / "paper.png").exists()

@@ -98,16 +98,45 @@ def test_floors_by_hand():
 
 def test_plan_writes_both_fleets(tmp_path):
     out = tmp_path / "plan.json"
-    rc = plan.main(["--rate", "1", "--duration", "12", "--dc-a", "gpu-a,h100-sxm", "--dc-b", "gpu-b", "--max-evals", "4",
-                    "--drain", "20", "--sla-ttft", "10", "--out", str(out), "--quiet"])  # fmt: skip
+    rc = plan.main(
+        [
+            "--rate",
+            "1",
+            "--duration",
+            "12",
+            "--dc-a",
+            "gpu-a,h100-sxm",
+            "--dc-b",
+            "gpu-b",
+            "--max-evals",
+            "4",
+            "--drain",
+            "20",
+            "--sla-ttft",
+            "10",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     cross, same = r["pdd"]["fleet"], r["same_dc"]["fleet"]
-    assert (cross["prefill"]["profile"], cross["relay"]["profile"], cross["decode"]["profile"]) == ("gpu-a", "gpu-a", "gpu-b")
+    assert (cross["prefill"]["profile"], cross["relay"]["profile"], cross["decode"]["profile"]) == (
+        "gpu-a",
+        "gpu-a",
+        "gpu-b",
+    )
     assert same["dc"] in ("dc-a", "dc-b") and "relay" not in same
     for f in (cross, same):
         assert f["attainment"] >= 0.9 and f["requests"] > 0 and not math.isnan(f["ttft_p99_s"])
-    assert cross["cost_per_hour"] == cross["prefill"]["count"] * 3.0 + cross["relay"]["count"] * 3.0 + cross["decode"]["count"] * 3.75 + 10.0
+    assert (
+        cross["cost_per_hour"]
+        == cross["prefill"]["count"] * 3.0
+        + cross["relay"]["count"] * 3.0
+        + cross["decode"]["count"] * 3.75
+        + 10.0
+    )
     # h100-sxm is gpu-a under another name: searched once, as gpu-a
     assert r["twins"] == {"h100-sxm": "gpu-a"}
     assert "h100-sxm" not in json.dumps(r["pdd"]["evaluations"] + r["same_dc"]["evaluations"])

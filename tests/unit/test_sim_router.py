@@ -12,7 +12,9 @@ from services.router.routing.policy import InstanceLoad, load_of
 from shared.bus.messages import Role
 from tests.sim_util import BLOCK, FLAT, TINY
 
-SMALL = Chip("small", FLAT.step, kv_capacity_bytes=16 * 16 * 600, price_per_hour=1.0)  # 600 blocks: requests wait
+SMALL = Chip(
+    "small", FLAT.step, kv_capacity_bytes=16 * 16 * 600, price_per_hour=1.0
+)  # 600 blocks: requests wait
 WAN = LinkSpec(2e6, 0.02, 0.005)
 
 
@@ -22,8 +24,16 @@ def _afresh(router: SimRouter, role: Role, inst) -> InstanceLoad:
     reported_at = now - router.md_report_delay_s if role is Role.MAIN_DECODE else now
     pending = router.assignments.pending(key, reported_at) if key in router.assignments.unreported() else 0
     running, waiting = inst.load_counts()
-    return InstanceLoad(inst.name, running, waiting, len(inst.pool.free), inst.pool.num_blocks, inst.held, pending,
-                        router.assignments.recent_all(now).get(key, 0.0))  # fmt: skip
+    return InstanceLoad(
+        inst.name,
+        running,
+        waiting,
+        len(inst.pool.free),
+        inst.pool.num_blocks,
+        inst.held,
+        pending,
+        router.assignments.recent_all(now).get(key, 0.0),
+    )
 
 
 def _checked_routes(monkeypatch, fleet) -> tuple[int, int]:
@@ -37,7 +47,9 @@ def _checked_routes(monkeypatch, fleet) -> tuple[int, int]:
             for m in members:
                 fresh = _afresh(router, role, m.inst)
                 fields = ("running", "waiting", "free_blocks", "num_blocks", "held", "pending", "recent")
-                assert tuple(getattr(m, f) for f in fields) == tuple(getattr(fresh, f) for f in fields), m.instance
+                assert tuple(getattr(m, f) for f in fields) == tuple(getattr(fresh, f) for f in fields), (
+                    m.instance
+                )
                 assert m.load == load_of(fresh)
                 counts[1] += last.get(m.instance, m.load) != m.load
                 last[m.instance] = m.load
@@ -53,7 +65,10 @@ def _checked_routes(monkeypatch, fleet) -> tuple[int, int]:
 
 @pytest.mark.parametrize(
     "fleet",
-    [pdd(RoleSpec(3, SMALL), RoleSpec(2, SMALL), RoleSpec(3, SMALL), WAN), same_dc(RoleSpec(3, SMALL), RoleSpec(3, SMALL))],
+    [
+        pdd(RoleSpec(3, SMALL), RoleSpec(2, SMALL), RoleSpec(3, SMALL), WAN),
+        same_dc(RoleSpec(3, SMALL), RoleSpec(3, SMALL)),
+    ],
     ids=["pdd", "same-dc"],
 )
 def test_the_loads_kept_in_place_equal_loads_made_afresh_at_every_route(monkeypatch, fleet):

@@ -18,5 +18,7 @@ def test_the_next_turn_hits_the_previous_turns_output():
     assert len(out) == 2
     hashes = first.block_hashes + out + (999_001,)  # the whole first turn, then one fresh block
     second = replace(request(1, 0.0, 5, 4), block_hashes=hashes, client=7)
-    result = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), Workload("t", BLOCK, (first, second), True), TINY)
+    result = simulate(
+        same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), Workload("t", BLOCK, (first, second), True), TINY
+    )
     assert [r.hit_rate for r in result.records] == [0.0, pytest.approx(4 / 5)]

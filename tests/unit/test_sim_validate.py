@@ -17,14 +17,39 @@ from pdd.sim.records import SimResult
 from pdd.sim.step_cost import decode_load
 
 AGENTIC = {  # what bench/e2e.py records (vars of its arguments), cut to a tiny workload
-    "scenario": "agentic", "seed": 0, "prefill_chunk": 256, "delay_ms": 15.0, "jitter_ms": 2.0,
-    "bandwidth_mbps": 100.0, "deployments": "same-dc,naive,pdd", "requests": 4, "clients": 2, "wave": 2,
-    "shared_prefix": 64, "new_min": 64, "new_max": 128, "append_min": 8, "context_max": 256,
-    "output_min": 4, "output_max": 8, "outlier_frac": 0.0, "think_s": 0.0, "md_kv_mb": 8.0,
+    "scenario": "agentic",
+    "seed": 0,
+    "prefill_chunk": 256,
+    "delay_ms": 15.0,
+    "jitter_ms": 2.0,
+    "bandwidth_mbps": 100.0,
+    "deployments": "same-dc,naive,pdd",
+    "requests": 4,
+    "clients": 2,
+    "wave": 2,
+    "shared_prefix": 64,
+    "new_min": 64,
+    "new_max": 128,
+    "append_min": 8,
+    "context_max": 256,
+    "output_min": 4,
+    "output_max": 8,
+    "outlier_frac": 0.0,
+    "think_s": 0.0,
+    "md_kv_mb": 8.0,
 }
-SINGLE = {"scenario": "single", "seed": 0, "prefill_chunk": 0, "delay_ms": 15.0, "jitter_ms": 0.0,
-          "bandwidth_mbps": 100.0, "prompt_tokens": 64, "output_tokens": 6, "rounds": 2,
-          "variants": "no-wan,p-md,p-rld-md/one-shot"}  # fmt: skip
+SINGLE = {
+    "scenario": "single",
+    "seed": 0,
+    "prefill_chunk": 0,
+    "delay_ms": 15.0,
+    "jitter_ms": 0.0,
+    "bandwidth_mbps": 100.0,
+    "prompt_tokens": 64,
+    "output_tokens": 6,
+    "rounds": 2,
+    "variants": "no-wan,p-md,p-rld-md/one-shot",
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +59,18 @@ def base():
 
 def test_agentic_scenario_from_the_recorded_config(base):
     cases = v.agentic_cases(AGENTIC, base)
-    assert {d: c.deployment.kind for d, c in cases.items()} == {"same-dc": "same-dc", "naive": "naive", "pdd": "pdd"}
+    assert {d: c.deployment.kind for d, c in cases.items()} == {
+        "same-dc": "same-dc",
+        "naive": "naive",
+        "pdd": "pdd",
+    }
     d = cases["pdd"].deployment
     assert d.wan == LinkSpec(12.5e6, 0.013, 0.004)  # 100 Mbit/s; 15 ms ±2 ms uniform
-    assert (d.prefill.chip.kv_capacity_bytes, d.decode.chip.kv_capacity_bytes, d.relay.chip.kv_capacity_bytes) == (
-        8 * 2**20, 8 * 2**20, 256 * 2**20)
+    assert (
+        d.prefill.chip.kv_capacity_bytes,
+        d.decode.chip.kv_capacity_bytes,
+        d.relay.chip.kv_capacity_bytes,
+    ) == (8 * 2**20, 8 * 2**20, 256 * 2**20)
     assert d.prefill.chip.step == base.step and d.prefill.count == d.decode.count == d.relay.count == 1
     s = cases["pdd"].settings
     assert (s.max_batched_tokens, s.max_num_seqs, s.router.wan_time_threshold_s) == (256, 64, 0.5)
@@ -59,17 +91,25 @@ def test_the_agents_run_in_the_benchs_waves(base):
 
 def test_single_scenario_from_the_recorded_config(base):
     cases = v.single_cases(SINGLE, base)
-    assert {n: c.deployment.kind for n, c in cases.items()} == {"no-wan": "same-dc", "p-md": "naive",
-                                                                "p-rld-md/one-shot": "pdd"}
+    assert {n: c.deployment.kind for n, c in cases.items()} == {
+        "no-wan": "same-dc",
+        "p-md": "naive",
+        "p-rld-md/one-shot": "pdd",
+    }
     one_shot = cases["p-rld-md/one-shot"]
     assert one_shot.settings.relay.catchup_threshold == 100_000
     assert one_shot.settings.router.wan_time_threshold_s == 0.0  # the relay is forced, as the bench forces it
-    assert cases["p-md"].settings.relay.catchup_threshold == 64 and cases["p-md"].settings.max_batched_tokens == 2048
+    assert (
+        cases["p-md"].settings.relay.catchup_threshold == 64
+        and cases["p-md"].settings.max_batched_tokens == 2048
+    )
     assert one_shot.deployment.wan == LinkSpec(12.5e6, 0.015, 0.0)
     assert one_shot.deployment.relay.chip.kv_capacity_bytes == 256 * 2**20
     reqs = one_shot.workload.requests
     assert [(r.input_tokens, r.output_tokens, len(r.block_hashes), r.arrival_s) for r in reqs] == [
-        (64, 6, 4, 0.0), (64, 6, 4, 1.0)]
+        (64, 6, 4, 0.0),
+        (64, 6, 4, 1.0),
+    ]
     assert not set(reqs[0].block_hashes) & set(reqs[1].block_hashes)  # uncached, round after round
 
 
@@ -82,8 +122,15 @@ def test_cpu_share_factor(base):
     assert d.decode.chip.kv_capacity_bytes == 8 * 2**20
     # The engines' busy spells over the measured part: from the first request after the warm-up (60 s).
     first = SimpleNamespace(arrival_s=60.0, kind="low")
-    run = SimResult("pdd", "w", [SimpleNamespace(arrival_s=0.0, kind="warm"), first], 100.0, 0.0, [],
-                    busy_spells={"p0": [(0.0, 10.0), (55.0, 70.0)], "md0": [(61.0, 100.0)]})  # fmt: skip
+    run = SimResult(
+        "pdd",
+        "w",
+        [SimpleNamespace(arrival_s=0.0, kind="warm"), first],
+        100.0,
+        0.0,
+        [],
+        busy_spells={"p0": [(0.0, 10.0), (55.0, 70.0)], "md0": [(61.0, 100.0)]},
+    )
     assert v.measured_spells(run, warm=1) == ([[(60.0, 70.0)], [(61.0, 100.0)]], 40.0)
     assert v.measured_spells(run, warm=0)[1] == 100.0  # no warm-up: all of it
 
@@ -100,15 +147,29 @@ def test_cpu_share_from_the_hosts_recorded_load():
 
 
 def _stats(ttft, tt2t, gap, tpot):
-    return {"ttft_p50": ttft, "ttft_p99": 9.0, "tt2t_p50": tt2t, "tt2t_p99": 9.0,
-            "max_gap_p50": gap, "max_gap_p99": 9.0, "tpot_p50": tpot, "tpot_p99": 9.0}  # fmt: skip
+    return {
+        "ttft_p50": ttft,
+        "ttft_p99": 9.0,
+        "tt2t_p50": tt2t,
+        "tt2t_p99": 9.0,
+        "max_gap_p50": gap,
+        "max_gap_p99": 9.0,
+        "tpot_p50": tpot,
+        "tpot_p99": 9.0,
+    }
 
 
 def test_comparison_marks_the_tolerance_and_the_ordering():
-    measured = {"same-dc": _stats(1.0, 1.0, 1.0, 1.0), "naive": _stats(2.0, 2.0, 2.0, 2.0),
-                "pdd": _stats(3.0, 3.0, 3.0, 3.0)}  # fmt: skip
-    simulated = {"same-dc": _stats(1.25, 1.26, 1.0, 1.0), "naive": _stats(1.5, 2.0, 1.49, 2.0),
-                 "pdd": _stats(2.4, 3.0, 3.0, 1.9)}  # fmt: skip
+    measured = {
+        "same-dc": _stats(1.0, 1.0, 1.0, 1.0),
+        "naive": _stats(2.0, 2.0, 2.0, 2.0),
+        "pdd": _stats(3.0, 3.0, 3.0, 3.0),
+    }
+    simulated = {
+        "same-dc": _stats(1.25, 1.26, 1.0, 1.0),
+        "naive": _stats(1.5, 2.0, 1.49, 2.0),
+        "pdd": _stats(2.4, 3.0, 3.0, 1.9),
+    }
     rows = v.compare("agentic", simulated, measured)
     within = {(r.deployment, r.metric): r.within for r in rows}
     assert within[("same-dc", "ttft_p50")] is True  # +25%: on the bound
@@ -116,7 +177,9 @@ def test_comparison_marks_the_tolerance_and_the_ordering():
     assert within[("naive", "ttft_p50")] is True  # -25%
     assert within[("naive", "max_gap_p50")] is False  # -25.5%
     assert within[("pdd", "ttft_p50")] is True and within[("pdd", "ttft_p99")] is None  # a p99 is not judged
-    assert next(r for r in rows if r.metric == "tt2t_p50" and r.deployment == "same-dc").error == pytest.approx(0.26)
+    assert next(
+        r for r in rows if r.metric == "tt2t_p50" and r.deployment == "same-dc"
+    ).error == pytest.approx(0.26)
     orders = v.orderings(rows)
     assert orders["ttft_p50"] == ("same-dc < naive < pdd", "same-dc < naive < pdd", True)
     assert orders["max_gap_p50"][2] is True  # 1.0 < 1.49 < 3.0
@@ -128,9 +191,10 @@ def test_comparison_marks_the_tolerance_and_the_ordering():
 
 
 def _rows(side: str, names: list[str]) -> list[dict]:
-    return [{side: n, "ok": True, "ttft": 0.1 * (i + 1), "tt2t": 0.2, "max_gap": 0.05, "tpot": 0.03}
-            for i, n in enumerate(names)] + [{side: names[0], "ok": False, "ttft": 99.0, "tt2t": None,
-                                              "max_gap": None, "tpot": None}]  # fmt: skip
+    return [
+        {side: n, "ok": True, "ttft": 0.1 * (i + 1), "tt2t": 0.2, "max_gap": 0.05, "tpot": 0.03}
+        for i, n in enumerate(names)
+    ] + [{side: names[0], "ok": False, "ttft": 99.0, "tt2t": None, "max_gap": None, "tpot": None}]
 
 
 def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
@@ -147,13 +211,19 @@ def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
     rows = {(r["deployment"], r["metric"]): r for s in res.values() for r in s["rows"]}
     assert len(rows) == 6 * 8
     assert rows[("same-dc", "ttft_p50")]["measured"] == pytest.approx(0.1)  # the failed row left out
-    assert all(r["simulated"] > 0 and not math.isnan(r["simulated"]) for k, r in rows.items() if k[1] != "max_gap_p99")
+    assert all(
+        r["simulated"] > 0 and not math.isnan(r["simulated"])
+        for k, r in rows.items()
+        if k[1] != "max_gap_p99"
+    )
     assert set(res["agentic"]["shares"].values()) == {1.5}
     assert all(f >= 1.0 for f in res["single"]["shares"].values())
 
 
 def test_main_says_when_a_measured_run_is_missing(tmp_path, capsys):
-    assert v.main(["--measured", str(tmp_path), "--scenario", "single", "--out", str(tmp_path / "x.json")]) == 2
+    assert (
+        v.main(["--measured", str(tmp_path), "--scenario", "single", "--out", str(tmp_path / "x.json")]) == 2
+    )
     assert "no measured run" in capsys.readouterr().out
 
 
@@ -162,7 +232,11 @@ def test_the_warm_up_is_not_measured(base):
     case = v.agentic_cases(AGENTIC, base)["pdd"]
     result, share, engines = v.run_case(case, model, None, 2.0)
     mean, seen = v.full_speed_engines(case, model)  # engines: the mean over the measured part
-    assert engines == mean and share == max(1.0, engines / 2.0) and sorted(r.kind for r in result.records).count("warm") == 1
+    assert (
+        engines == mean
+        and share == max(1.0, engines / 2.0)
+        and sorted(r.kind for r in result.records).count("warm") == 1
+    )
     assert 1.0 <= seen <= 3.0 and mean < seen  # a step sees itself and some of the others
     records = [replace(r, ttft_s=1e6) if r.kind == "warm" else r for r in result.records]
     assert v.simulated_stats(records)["ttft_p99"] < 100.0  # the tiny prompts take well under a second

@@ -16,9 +16,12 @@ EXACT = 1e-12
 def _run(waves: tuple[int, int, int, int]):
     short, long = request(0, 0.0, 2, 2), request(1, 0.0, 2, 30)  # wave 0: client 0 ends first
     then0, then1 = request(2, 0.1, 2, 2), request(3, 0.2, 2, 2)  # each after its think time
-    reqs = [replace(r, client=r.rid % 2, wave=w) for r, w in zip((short, long, then0, then1), waves, strict=True)]
-    return simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), Workload("w", 16, tuple(reqs), closed_loop=True),
-                    TINY).records  # fmt: skip
+    reqs = [
+        replace(r, client=r.rid % 2, wave=w) for r, w in zip((short, long, then0, then1), waves, strict=True)
+    ]
+    return simulate(
+        same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), Workload("w", 16, tuple(reqs), closed_loop=True), TINY
+    ).records
 
 
 def test_a_later_wave_starts_when_the_earlier_one_ended():

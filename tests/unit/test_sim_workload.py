@@ -31,17 +31,40 @@ from pdd.sim.workload import SimRequest, Workload
 
 # Computed with bench/e2e.py's own make_plans / build_prompt before they moved here.
 OLD_FIRST_STEPS = [  # --requests 12 --seed 7: each client's first three steps
-    [("high", 0.981895789179, 50, 3527346212), ("high", 0.977001315436, 47, 3551302831),
-     ("high", 0.970537813135, 170, 505913792)],
-    [("high", 0.952841947314, 161, 922121676), ("low", 0.599094619945, 181, 4070378921),
-     ("high", 0.983418132043, 58, 2497953681)],
-    [("outlier", 0.0, 8, 1862494042), ("high", 0.952429876356, 88, 200071088),
-     ("high", 0.954774098224, 48, 2423943363)],
+    [
+        ("high", 0.981895789179, 50, 3527346212),
+        ("high", 0.977001315436, 47, 3551302831),
+        ("high", 0.970537813135, 170, 505913792),
+    ],
+    [
+        ("high", 0.952841947314, 161, 922121676),
+        ("low", 0.599094619945, 181, 4070378921),
+        ("high", 0.983418132043, 58, 2497953681),
+    ],
+    [
+        ("outlier", 0.0, 8, 1862494042),
+        ("high", 0.952429876356, 88, 200071088),
+        ("high", 0.954774098224, 48, 2423943363),
+    ],
 ]
 OLD_PLANS_SHA = "691df2c6c5bdec5a49884207bc4f86ed9635db8d1c08ad013c27e09582ae1a0e"  # --requests 300 --seed 1
-OLD_PROMPTS_SHA = "0569f92ea0b74a62d2a4a7b3334b7229e9cbd90e06747eba4e8beda170b60570"  # --requests 120 --seed 1
-OLD_PROMPT_LENS = [(1218, True), (1362, False), (1498, False), (1650, False), (2002, True), (2185, False),
-                   (2358, False), (2460, False), (2697, False), (3238, False), (3407, False), (1607, True)]
+OLD_PROMPTS_SHA = (
+    "0569f92ea0b74a62d2a4a7b3334b7229e9cbd90e06747eba4e8beda170b60570"  # --requests 120 --seed 1
+)
+OLD_PROMPT_LENS = [
+    (1218, True),
+    (1362, False),
+    (1498, False),
+    (1650, False),
+    (2002, True),
+    (2185, False),
+    (2358, False),
+    (2460, False),
+    (2697, False),
+    (3238, False),
+    (3407, False),
+    (1607, True),
+]
 
 
 def bench_params(*argv: str) -> tuple:
@@ -113,7 +136,11 @@ def test_closed_loop_has_the_benchs_prompts_and_hits():
         if step.kind == "outlier":
             want = 0
         elif new:
-            kept = next((i for i, (x, y) in enumerate(zip(prompt, shared, strict=False)) if x != y), len(shared)) // BLOCK * BLOCK
+            kept = (
+                next((i for i, (x, y) in enumerate(zip(prompt, shared, strict=False)) if x != y), len(shared))
+                // BLOCK
+                * BLOCK
+            )
             want, shared_seen = min(kept, shared_seen), max(kept, shared_seen)
         else:
             want = (len(sess.ctx) - 1) // BLOCK * BLOCK
@@ -136,12 +163,16 @@ def test_closed_loop_hits_meet_the_plans_targets():
 # ---------------------------------------------------------------- open loop
 
 
-@pytest.mark.parametrize("preset, block, mean_band, outlier_band", [
-    # PAPER aims low-hit requests at 60-95%: the paper's ~90% mean. BENCH keeps the bench's
-    # defaults (low-hit requests uniform down to 0%, 4% outliers): a mean near 0.8.
-    (PAPER, 512, (0.86, 0.94), (0.03, 0.04)),
-    (BENCH, 16, (0.75, 0.92), (0.03, 0.045)),
-], ids=["paper", "bench"])
+@pytest.mark.parametrize(
+    "preset, block, mean_band, outlier_band",
+    [
+        # PAPER aims low-hit requests at 60-95%: the paper's ~90% mean. BENCH keeps the bench's
+        # defaults (low-hit requests uniform down to 0%, 4% outliers): a mean near 0.8.
+        (PAPER, 512, (0.86, 0.94), (0.03, 0.04)),
+        (BENCH, 16, (0.75, 0.92), (0.03, 0.045)),
+    ],
+    ids=["paper", "bench"],
+)
 def test_open_loop_is_paper_like(preset, block, mean_band, outlier_band):
     rate, duration = 20.0, 1800.0
     w = agentic_open_loop(preset, rate, duration, block, seed=3)
@@ -185,8 +216,15 @@ def test_fixed_hit_hits_exactly(hit):
 def relabelled(w: Workload) -> list[tuple]:
     """Requests with block hashes numbered in order of first use (what a trace can keep)."""
     ids: dict[int, int] = {}
-    return [(round(r.arrival_s, 6), r.input_tokens, r.output_tokens,
-             tuple(ids.setdefault(h, len(ids)) for h in r.block_hashes)) for r in w.requests]
+    return [
+        (
+            round(r.arrival_s, 6),
+            r.input_tokens,
+            r.output_tokens,
+            tuple(ids.setdefault(h, len(ids)) for h in r.block_hashes),
+        )
+        for r in w.requests
+    ]
 
 
 def test_mooncake_round_trip(tmp_path):
@@ -197,8 +235,10 @@ def test_mooncake_round_trip(tmp_path):
     assert relabelled(back) == relabelled(w) and len(w.requests) > 200
     assert prefix_hits(back, outputs=False) == prefix_hits(w, outputs=False)
     # the format's own rule: one id per 512-token block, the last one partial
-    assert all(len(json.loads(line)["hash_ids"]) == -(-r.input_tokens // 512)
-               for line, r in zip(path.read_text().splitlines(), w.requests, strict=True))
+    assert all(
+        len(json.loads(line)["hash_ids"]) == -(-r.input_tokens // 512)
+        for line, r in zip(path.read_text().splitlines(), w.requests, strict=True)
+    )
     assert len(read_mooncake(path, limit=10).requests) == 10
     with pytest.raises(ValueError, match="closed-loop"):
         write_mooncake(agentic_closed_loop(BENCH, 16), path)
@@ -208,33 +248,50 @@ def test_mooncake_hand_written_trace(tmp_path):
     path = tmp_path / "hand.jsonl"
     path.write_text(
         '{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [7, 8, 9]}\n'
-        '\n'
+        "\n"
         '{"timestamp": 1500, "input_length": 1536, "output_length": 20, "hash_ids": [7, 8, 11]}\n'
         '{"timestamp": 2250.5, "input_length": 1100, "output_length": 30, "hash_ids": [12, 8, 13]}\n'
     )
     w = read_mooncake(path)
     a, b, c = w.requests
     assert (w.block_size, [r.arrival_s for r in w.requests]) == (512, [0.0, 1.5, 2.2505])
-    assert [(r.input_tokens, r.output_tokens, len(r.block_hashes)) for r in w.requests] == \
-        [(1100, 10, 2), (1536, 20, 3), (1100, 30, 2)]  # a trailing partial block is not hashed
+    assert [(r.input_tokens, r.output_tokens, len(r.block_hashes)) for r in w.requests] == [
+        (1100, 10, 2),
+        (1536, 20, 3),
+        (1100, 30, 2),
+    ]  # a trailing partial block is not hashed
     assert b.block_hashes[:2] == a.block_hashes and b.block_hashes[2] not in a.block_hashes
     assert not set(c.block_hashes) & set(a.block_hashes + b.block_hashes)  # id 8 after 12: another prefix
     assert prefix_hits(w, outputs=False) == [0.0, 1024 / 1536, 0.0]
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"timestamp": 0, "input_length": 1100', "not JSON"),
-    ('[1, 2]', "expected an object"),
-    ('{"input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}', "'timestamp' missing"),
-    ('{"timestamp": 0, "input_length": "1100", "output_length": 1, "hash_ids": [1, 2, 3]}', "'input_length'"),
-    ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3, 4]}', "must be 3 integers"),
-    ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1]}', "got 1"),
-    ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, -2, 3]}', "integers"),
-    ('{"timestamp": -5, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}', "timestamp >= 0"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"timestamp": 0, "input_length": 1100', "not JSON"),
+        ("[1, 2]", "expected an object"),
+        ('{"input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}', "'timestamp' missing"),
+        (
+            '{"timestamp": 0, "input_length": "1100", "output_length": 1, "hash_ids": [1, 2, 3]}',
+            "'input_length'",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3, 4]}',
+            "must be 3 integers",
+        ),
+        ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1]}', "got 1"),
+        ('{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, -2, 3]}', "integers"),
+        (
+            '{"timestamp": -5, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2, 3]}',
+            "timestamp >= 0",
+        ),
+    ],
+)
 def test_malformed_trace_lines_name_the_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    path.write_text(
+        '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n' + line + "\n"
+    )
     with pytest.raises(TraceError, match=message) as e:
         read_mooncake(path)
     assert f"{path}:2:" in str(e.value)
@@ -249,12 +306,29 @@ def test_the_shipped_sample_trace_reads():
 
 def test_hit_profile_buckets():
     def req(rid: int, hashes: tuple[int, ...]) -> SimRequest:
-        return SimRequest(rid, float(rid), 100 * len(hashes), 1, hashes, kind="outlier" if rid == 3 else "high")
+        return SimRequest(
+            rid, float(rid), 100 * len(hashes), 1, hashes, kind="outlier" if rid == 3 else "high"
+        )
 
-    w = Workload("hand", 100, (req(0, tuple(range(100))), req(1, tuple(range(100))),
-                               req(2, (*range(96), -1, -2, -3, -4)), req(3, (-5,))))
+    w = Workload(
+        "hand",
+        100,
+        (
+            req(0, tuple(range(100))),
+            req(1, tuple(range(100))),
+            req(2, (*range(96), -1, -2, -3, -4)),
+            req(3, (-5,)),
+        ),
+    )
     prof = hit_profile(w, outputs=False)
     assert prefix_hits(w, outputs=False) == [0.0, 1.0, 0.96, 0.0]
-    assert prof["buckets"] == {"0-90%": 0.5, "90-95%": 0.0, "95-96%": 0.0, "96-97%": 0.25, "97-98%": 0.0,
-                               "98-99%": 0.0, "99-100%": 0.25}
+    assert prof["buckets"] == {
+        "0-90%": 0.5,
+        "90-95%": 0.0,
+        "95-96%": 0.0,
+        "96-97%": 0.25,
+        "97-98%": 0.0,
+        "98-99%": 0.0,
+        "99-100%": 0.25,
+    }
     assert (prof["mean"], prof["above_95"], prof["outlier_share"]) == (pytest.approx(0.49), 0.5, 0.25)

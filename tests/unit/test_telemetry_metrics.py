@@ -97,9 +97,12 @@ def test_the_router_counts_each_report_once() -> None:
     stream = RequestStream("r", [1, 2, 3], RouteDecision(Pipeline.P_RLD_MD, 0.0, 0, 0.0), "md-r")
 
     def values() -> tuple:
-        return (_sample("pdd_router_wan_bytes_total", md="md-r") or 0, _sample("pdd_router_handoffs_total", mode="catch-up") or 0,
-                _sample("pdd_router_output_tokens_total", role="relay") or 0,
-                _sample("pdd_router_output_tokens_total", role="main_decode") or 0)  # fmt: skip
+        return (
+            _sample("pdd_router_wan_bytes_total", md="md-r") or 0,
+            _sample("pdd_router_handoffs_total", mode="catch-up") or 0,
+            _sample("pdd_router_output_tokens_total", role="relay") or 0,
+            _sample("pdd_router_output_tokens_total", role="main_decode") or 0,
+        )
 
     start = values()
     handed = TokenEvent("r", Role.RELAY, 9, [], relay=RelayReport(True, 8, HandoffMode.CATCH_UP, 3))

@@ -44,10 +44,18 @@ pdd_wan_bandwidth_bytes_per_second{peer="0"} 1.25e+07
 pdd_wan_bandwidth_bytes_per_second{peer="1"} 2.5e+06
 """
 INSTANCES = {
-    "main_decode/3f2a9c1b7d4e": dict(running=1, waiting=0, used_blocks=30, free_blocks=70, num_blocks=100, held=1, draining=True),
-    "prefill/0": dict(running=2, waiting=1, used_blocks=5, free_blocks=95, num_blocks=100, held=2, draining=False),
-    "main_decode/0": dict(running=3, waiting=0, used_blocks=50, free_blocks=50, num_blocks=100, held=3, draining=False),
-    "relay/0": dict(running=1, waiting=0, used_blocks=20, free_blocks=80, num_blocks=100, held=1, draining=False),
+    "main_decode/3f2a9c1b7d4e": dict(
+        running=1, waiting=0, used_blocks=30, free_blocks=70, num_blocks=100, held=1, draining=True
+    ),
+    "prefill/0": dict(
+        running=2, waiting=1, used_blocks=5, free_blocks=95, num_blocks=100, held=2, draining=False
+    ),
+    "main_decode/0": dict(
+        running=3, waiting=0, used_blocks=50, free_blocks=50, num_blocks=100, held=3, draining=False
+    ),
+    "relay/0": dict(
+        running=1, waiting=0, used_blocks=20, free_blocks=80, num_blocks=100, held=1, draining=False
+    ),
 }
 
 
@@ -58,13 +66,21 @@ def _scrapes() -> tuple[Scrape, Scrape]:
 def test_parse_and_sum_by_label() -> None:
     samples = parse_metrics(AFTER)
     assert samples[("pdd_requests_total", frozenset({"outcome": "ok", "pipeline": "p-md"}.items()))] == 15.0
-    assert by_label(samples, "pdd_requests_total", "pipeline") == {"p-md": 18.0, "p-rld-md": 6.0, "rld-only": 1.0}
+    assert by_label(samples, "pdd_requests_total", "pipeline") == {
+        "p-md": 18.0,
+        "p-rld-md": 6.0,
+        "rld-only": 1.0,
+    }
     assert by_label(samples, "pdd_requests_total", "nope") == {}
 
 
 def test_rates_between_two_scrapes() -> None:
     before, after = _scrapes()  # 2 s apart
-    assert rates(before, after, "pdd_requests_total", "pipeline") == {"p-md": 3.0, "p-rld-md": 1.0, "rld-only": 0.5}
+    assert rates(before, after, "pdd_requests_total", "pipeline") == {
+        "p-md": 3.0,
+        "p-rld-md": 1.0,
+        "rld-only": 0.5,
+    }
     assert rates(after, after, "pdd_requests_total", "pipeline") == {}  # no time passed: no rate
     # a counter that went down restarted (the router was restarted): what it has now is the increase
     restarted = Scrape(104.0, parse_metrics('pdd_requests_total{pipeline="p-md",outcome="ok"} 4.0\n'), {})
@@ -91,7 +107,11 @@ def test_view_of_two_scrapes() -> None:
 def test_instances_by_datacenter_then_role() -> None:
     rows = instance_rows(INSTANCES)
     assert [(r.dc, r.role, r.instance) for r in rows] == [
-        ("dc-a", "prefill", "0"), ("dc-a", "relay", "0"), ("dc-b", "main_decode", "0"), ("dc-b", "main_decode", "3f2a9c1b7d4e")]  # fmt: skip
+        ("dc-a", "prefill", "0"),
+        ("dc-a", "relay", "0"),
+        ("dc-b", "main_decode", "0"),
+        ("dc-b", "main_decode", "3f2a9c1b7d4e"),
+    ]
     assert rows[-1].draining and rows[-1].used_blocks == 30
 
 
@@ -109,4 +129,9 @@ def test_one_frame_shows_every_instance_and_the_rates() -> None:
 
 
 def test_human_bytes() -> None:
-    assert [human_bytes(n) for n in (12, 2048, 3 * 2**20, 5 * 2**40)] == ["12 B", "2.0 KiB", "3.0 MiB", "5120.0 GiB"]
+    assert [human_bytes(n) for n in (12, 2048, 3 * 2**20, 5 * 2**40)] == [
+        "12 B",
+        "2.0 KiB",
+        "3.0 MiB",
+        "5120.0 GiB",
+    ]

@@ -36,10 +36,17 @@ def test_jitter_never_reorders() -> None:
 
 
 BAD_SETTINGS = [
-    {"delay_ms": -1}, {"delay_ms": float("inf")}, {"delay_ms": float("nan")}, {"delay_ms": 1e308},
-    {"jitter_ms": -0.5}, {"jitter_ms": 60_001}, {"bandwidth_mbps": -1}, {"bandwidth_mbps": float("inf")},
-    {"bandwidth_mbps": float("nan")}, {"bandwidth_mbps": 2e6},
-]  # fmt: skip
+    {"delay_ms": -1},
+    {"delay_ms": float("inf")},
+    {"delay_ms": float("nan")},
+    {"delay_ms": 1e308},
+    {"jitter_ms": -0.5},
+    {"jitter_ms": 60_001},
+    {"bandwidth_mbps": -1},
+    {"bandwidth_mbps": float("inf")},
+    {"bandwidth_mbps": float("nan")},
+    {"bandwidth_mbps": 2e6},
+]
 
 
 @pytest.mark.parametrize("bad", BAD_SETTINGS, ids=lambda b: "{}={}".format(*next(iter(b.items()))))

@@ -19,8 +19,16 @@ from .effects import Effects
 
 
 class BusAdapter:
-    def __init__(self, settings: RouterSettings, nc, identity: str, requests: RequestLife, fleet: FleetView,
-                 effects: Effects, life: Lifecycle) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: RouterSettings,
+        nc,
+        identity: str,
+        requests: RequestLife,
+        fleet: FleetView,
+        effects: Effects,
+        life: Lifecycle,
+    ) -> None:
         self.settings, self.nc, self.identity, self.life = settings, nc, identity, life
         self.requests, self.fleet, self.effects = requests, fleet, effects
         self.conn = ConnectionWatch(nc)
@@ -28,7 +36,9 @@ class BusAdapter:
 
     async def start(self) -> None:
         # One batch per engine step, addressed to this router alone.
-        await self.life.subscribe(self.nc, subjects.router_tokens(self.identity), TokenBatch, self._on_token_batch)
+        await self.life.subscribe(
+            self.nc, subjects.router_tokens(self.identity), TokenBatch, self._on_token_batch
+        )
         await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self.cache_sync.on_kv_events)
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
         self.life.every(HEARTBEAT_S, self._heartbeat)

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class CacheSync:
-    def __init__(self, settings: RouterSettings, nc, identity: str, caches: dict[Role, CacheView],
-                 life: Lifecycle) -> None:  # fmt: skip
+    def __init__(
+        self, settings: RouterSettings, nc, identity: str, caches: dict[Role, CacheView], life: Lifecycle
+    ) -> None:
         self.settings, self.nc, self.identity, self.caches, self.life = settings, nc, identity, caches, life
 
     async def on_kv_events(self, ev: KVEvents, raw) -> None:
@@ -44,7 +45,9 @@ class CacheSync:
         timeout = self.settings.kv_snapshot_timeout_s
         while view.syncing(instance):
             try:
-                snap = await request(self.nc, subject, KVSnapshotRequest(self.identity), KVSnapshot, timeout=timeout)
+                snap = await request(
+                    self.nc, subject, KVSnapshotRequest(self.identity), KVSnapshot, timeout=timeout
+                )
                 if (snap.role, snap.instance) != (role, instance):
                     raise ValueError(f"the snapshot is {snap.role.value} {snap.instance}'s")
             except Exception as e:  # gone, busy, or NATS trouble: ask again

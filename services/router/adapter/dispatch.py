@@ -39,8 +39,16 @@ from ..routing.fleet_view import FleetView
 from .effects import Effects
 
 
-async def ask(nc, fleet: FleetView, lost_after_s: float, peer: tuple[Role, str], subject: str, msg, reply_cls: type,
-              timeout: float):  # fmt: skip
+async def ask(
+    nc,
+    fleet: FleetView,
+    lost_after_s: float,
+    peer: tuple[Role, str],
+    subject: str,
+    msg,
+    reply_cls: type,
+    timeout: float,
+):
     """Request/reply to one instance, given up as soon as the instance is lost (a request
     to a dead instance across the gateway gets no "no responders", only silence)."""
     task = asyncio.ensure_future(request(nc, subject, msg, reply_cls, timeout=timeout))
@@ -54,14 +62,27 @@ async def ask(nc, fleet: FleetView, lost_after_s: float, peer: tuple[Role, str],
 
 
 class Dispatcher:
-    def __init__(self, settings: RouterSettings, nc, tracer, identity: str, rid_prefix: str, requests: RequestLife,
-                 fleet: FleetView, effects: Effects) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: RouterSettings,
+        nc,
+        tracer,
+        identity: str,
+        rid_prefix: str,
+        requests: RequestLife,
+        fleet: FleetView,
+        effects: Effects,
+    ) -> None:
         self.settings, self.nc, self.tracer = settings, nc, tracer
         self.identity, self.rid_prefix = identity, rid_prefix
         self.requests, self.fleet, self.effects = requests, fleet, effects
 
     async def open(
-        self, prompt_ids: list[int], params: SamplingParams, options: PddOptions | None, trace_context: Context | None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        options: PddOptions | None,
+        trace_context: Context | None,
     ) -> RequestStream:
         """Route and dispatch a request; `trace_context` is the caller's (W3C headers), if any."""
         if params.seed is None:  # every instance must sample a request the same way
@@ -91,17 +112,34 @@ class Dispatcher:
         self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, params: SamplingParams
     ) -> tuple[RequestStream, str | None]:
         """The request's stream, routed, and the prefill instance chosen for it."""
-        with self.tracer.start_as_current_span("router.route", attributes={REQUEST_ID_ATTR: rid}) as route_span:
+        with self.tracer.start_as_current_span(
+            "router.route", attributes={REQUEST_ID_ATTR: rid}
+        ) as route_span:
             decision, md, relay, prefill, hashes = self.fleet.route(prompt_ids, forced)
-            route_span.set_attributes({
-                "pdd.hit_rate": decision.hit_rate, "pdd.missing_bytes": decision.missing_bytes,
-                "pdd.est_wan_s": decision.est_wan_s, "pdd.pipeline": decision.pipeline.value,
-                "pdd.md_instance": md, "pdd.relay_instance": relay or "",
-                "pdd.instances.prefill": prefill or "", "pdd.instances.relay": relay or "",
-                "pdd.instances.main_decode": md,
-            })  # fmt: skip
-        stream = RequestStream(rid, prompt_ids, decision, md, hashes, relay, span=span, params=params,
-                               merger=TokenMerger(params.max_tokens))  # fmt: skip
+            route_span.set_attributes(
+                {
+                    "pdd.hit_rate": decision.hit_rate,
+                    "pdd.missing_bytes": decision.missing_bytes,
+                    "pdd.est_wan_s": decision.est_wan_s,
+                    "pdd.pipeline": decision.pipeline.value,
+                    "pdd.md_instance": md,
+                    "pdd.relay_instance": relay or "",
+                    "pdd.instances.prefill": prefill or "",
+                    "pdd.instances.relay": relay or "",
+                    "pdd.instances.main_decode": md,
+                }
+            )
+        stream = RequestStream(
+            rid,
+            prompt_ids,
+            decision,
+            md,
+            hashes,
+            relay,
+            span=span,
+            params=params,
+            merger=TokenMerger(params.max_tokens),
+        )
         span.set_attribute("pdd.pipeline", decision.pipeline.value)
         metrics.PREFIX_HIT_RATE.observe(decision.hit_rate)
         self.requests.opened(stream)
@@ -113,21 +151,28 @@ class Dispatcher:
         MD's answer (which blocks it lacks) follows P as an MDTarget. If an instance does not
         answer, the request starts on another one instead (by token IDs)."""
         now = time.monotonic()
-        for role, instance in ((Role.PREFILL, prefill), (Role.RELAY, stream.relay_instance),
-                               (Role.MAIN_DECODE, stream.md_instance)):  # fmt: skip
+        for role, instance in (
+            (Role.PREFILL, prefill),
+            (Role.RELAY, stream.relay_instance),
+            (Role.MAIN_DECODE, stream.md_instance),
+        ):
             if instance:  # its load counts it until it reports again (or the request ends)
                 self.fleet.assignments.record((role, instance), now)
                 stream.assigned.append(((role, instance), now))
         try:
-            prep, reply = await asyncio.gather(self._prepare_md(stream), self._submit(stream, prefill, catchup))
+            prep, reply = await asyncio.gather(
+                self._prepare_md(stream), self._submit(stream, prefill, catchup)
+            )
         except Exception as e:  # an instance vanished, or NATS trouble
             await self.start_elsewhere(stream, f"could not dispatch the request: {e or type(e).__name__}")
             return
         if not stream.state.is_in(StreamState.DISPATCHING):
             return  # an instance failed it meanwhile and it moved (or ended)
         if not (reply.ok and prep.ok):
-            error = md_refusal(prep) if reply.ok else APIError(
-                f"prefill refused the request: {reply.error}", 400, "invalid_request_error"
+            error = (
+                md_refusal(prep)
+                if reply.ok
+                else APIError(f"prefill refused the request: {reply.error}", 400, "invalid_request_error")
             )
             await self.effects.perform_in_order(self.requests.refused(stream, str(error)))
             raise error
@@ -149,21 +194,35 @@ class Dispatcher:
             raise APIError(stream.failure or why, 503)
 
     async def _prepare_md(self, stream: RequestStream) -> PrepareReply:
-        msg = PrepareRequest(stream.rid, stream.prompt_ids, stream.params, stream.block_hashes, stream.decision.pipeline,
-                             router=self.identity)  # fmt: skip
+        msg = PrepareRequest(
+            stream.rid,
+            stream.prompt_ids,
+            stream.params,
+            stream.block_hashes,
+            stream.decision.pipeline,
+            router=self.identity,
+        )
         subject = subjects.md_prepare(stream.md_instance)
         return await self._ask((Role.MAIN_DECODE, stream.md_instance), subject, msg, PrepareReply)
 
     async def _submit(self, stream: RequestStream, prefill: str, catchup: int | None) -> SubmitReply:
         relay = self.fleet.registry.get(Role.RELAY, stream.relay_instance) if stream.relay_instance else None
-        msg = PrefillSubmit(stream.rid, stream.prompt_ids, stream.params, stream.decision.pipeline,
-                            relay_address=relay.address if relay else None, catchup_threshold=catchup,
-                            router=self.identity)  # fmt: skip
+        msg = PrefillSubmit(
+            stream.rid,
+            stream.prompt_ids,
+            stream.params,
+            stream.decision.pipeline,
+            relay_address=relay.address if relay else None,
+            catchup_threshold=catchup,
+            router=self.identity,
+        )
         return await self._ask((Role.PREFILL, prefill), subjects.prefill_submit_to(prefill), msg, SubmitReply)
 
     async def _ask(self, peer: tuple[Role, str], subject: str, msg, reply_cls: type):
         timeout = self.settings.prepare_timeout_s
-        return await ask(self.nc, self.fleet, self.settings.lost_after_s, peer, subject, msg, reply_cls, timeout)
+        return await ask(
+            self.nc, self.fleet, self.settings.lost_after_s, peer, subject, msg, reply_cls, timeout
+        )
 
 
 def md_refusal(prep: PrepareReply) -> APIError:

@@ -88,17 +88,23 @@ class Effects:
         for key, at in stream.assigned:
             self.assignments.finished(key, at)
         if stream.span:
-            stream.span.set_attributes({
-                "pdd.pipeline": stream.pipeline.value, "pdd.output_tokens": stream.merger.next_index,
-                "pdd.outcome": "ok" if stream.done else "aborted", "pdd.migrations": stream.attempt,
-            })  # fmt: skip
+            stream.span.set_attributes(
+                {
+                    "pdd.pipeline": stream.pipeline.value,
+                    "pdd.output_tokens": stream.merger.next_index,
+                    "pdd.outcome": "ok" if stream.done else "aborted",
+                    "pdd.migrations": stream.attempt,
+                }
+            )
             stream.span.end()
 
     async def _send(self, action: Publish | SendAbort) -> None:
         if isinstance(action, Publish):
             await publish(self.nc, action.subject, action.msg)
         else:
-            await self.publish_abort(action.attempt_rid, action.reason, action.stream.span if action.stream else None)
+            await self.publish_abort(
+                action.attempt_rid, action.reason, action.stream.span if action.stream else None
+            )
 
     async def publish_abort(self, attempt_rid: str, reason: AbortReason, parent: Span | None = None) -> None:
         ctx = trace.set_span_in_context(parent) if parent else None
@@ -106,6 +112,8 @@ class Effects:
             with self.tracer.start_as_current_span(
                 "abort", context=ctx, attributes={REQUEST_ID_ATTR: attempt_rid, "reason": reason.value}
             ):
-                await publish(self.nc, subjects.abort(attempt_rid, Role.ROUTER.value), Abort(attempt_rid, reason))
+                await publish(
+                    self.nc, subjects.abort(attempt_rid, Role.ROUTER.value), Abort(attempt_rid, reason)
+                )
         except Exception as e:  # NATS gone: peers drop the request when this router's heartbeat stops
             log.warning("could not publish abort for %s: %s", attempt_rid, e)

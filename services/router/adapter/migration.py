@@ -28,8 +28,16 @@ log = logging.getLogger(__name__)
 
 
 class Mover:
-    def __init__(self, settings: RouterSettings, nc, tracer, identity: str, requests: RequestLife, fleet: FleetView,
-                 effects: Effects) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: RouterSettings,
+        nc,
+        tracer,
+        identity: str,
+        requests: RequestLife,
+        fleet: FleetView,
+        effects: Effects,
+    ) -> None:
         self.settings, self.nc, self.tracer, self.identity = settings, nc, tracer, identity
         self.requests, self.fleet, self.effects = requests, fleet, effects
 
@@ -42,10 +50,16 @@ class Mover:
             return False  # ended, moving already, or out of moves
         log.warning("request %s (attempt %s): %s; moving it by token IDs", stream.rid, old, why)
         metrics.MIGRATIONS.labels(cause=cause).inc()
-        avoid = {lost} if lost and self.fleet.registry.silent_for(*lost) > self.settings.lost_after_s else set()
+        avoid = (
+            {lost} if lost and self.fleet.registry.silent_for(*lost) > self.settings.lost_after_s else set()
+        )
         ctx = trace.set_span_in_context(stream.span) if stream.span else None
-        attrs = {REQUEST_ID_ATTR: stream.rid, "reason": why, "attempt": stream.attempt,
-                 "tokens_sent": stream.merger.next_index}  # fmt: skip
+        attrs = {
+            REQUEST_ID_ATTR: stream.rid,
+            "reason": why,
+            "attempt": stream.attempt,
+            "tokens_sent": stream.merger.next_index,
+        }
         with self.tracer.start_as_current_span("router.migrate", context=ctx, attributes=attrs) as span:
             target = await self._resume(stream, avoid)
             span.set_attribute("target", f"{target[0].value}/{target[1]}" if target else "")
@@ -59,20 +73,35 @@ class Mover:
         """Offer the request to the candidates (best first) until one takes it; wait a little
         for one to (re)appear. The instance that took it, or None."""
         assert stream.params is not None
-        msg = ResumeRequest(stream.attempt_rid, stream.prompt_ids, list(stream.merger.released), stream.params,
-                            router=self.identity)  # fmt: skip
+        msg = ResumeRequest(
+            stream.attempt_rid,
+            stream.prompt_ids,
+            list(stream.merger.released),
+            stream.params,
+            router=self.identity,
+        )
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
             for role, instance in self.fleet.move_targets(stream.prompt_ids, stream.block_hashes, avoid):
                 try:
                     subject = subjects.resume(role.value, instance)
-                    reply = await ask(self.nc, self.fleet, self.settings.lost_after_s, (role, instance), subject, msg,
-                                      ResumeReply, self.settings.resume_timeout_s)  # fmt: skip
+                    reply = await ask(
+                        self.nc,
+                        self.fleet,
+                        self.settings.lost_after_s,
+                        (role, instance),
+                        subject,
+                        msg,
+                        ResumeReply,
+                        self.settings.resume_timeout_s,
+                    )
                 except Exception as e:  # gone, frozen, or NATS trouble: try the next one
                     reply = ResumeReply(ok=False, error=str(e) or type(e).__name__)
                 if reply.ok:
                     return role, instance
-                log.warning("request %s: %s %s did not take it: %s", stream.rid, role.value, instance, reply.error)
+                log.warning(
+                    "request %s: %s %s did not take it: %s", stream.rid, role.value, instance, reply.error
+                )
                 avoid = avoid | {(role, instance)}
             if time.monotonic() > deadline:
                 return None

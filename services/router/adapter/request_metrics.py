@@ -35,8 +35,9 @@ def delivered(stream: RequestStream, delta: Delta, ttft_s: float | None) -> None
     if ttft_s is not None:
         metrics.TTFT.labels(pipeline=pipeline).observe(ttft_s)
     after = stream.merger.next_index
-    lat = token_latency(stream.created, stream.first_token_at, time.monotonic(), after - len(delta.tokens), after,
-                        stream.done)  # fmt: skip
+    lat = token_latency(
+        stream.created, stream.first_token_at, time.monotonic(), after - len(delta.tokens), after, stream.done
+    )
     if lat.second_token_s is not None:
         metrics.SECOND_TOKEN.labels(pipeline=pipeline).observe(lat.second_token_s)
     if lat.tpot_s is not None:

@@ -54,8 +54,11 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="pdd router", lifespan=lifespan)
     app.state.http = http
-    app.add_middleware(Gate, keys=ApiKeys(http.api_keys),
-                       admission=Admission(http.max_in_flight, http.max_waiting, http.max_wait_s))  # fmt: skip
+    app.add_middleware(
+        Gate,
+        keys=ApiKeys(http.api_keys),
+        admission=Admission(http.max_in_flight, http.max_waiting, http.max_wait_s),
+    )
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
@@ -95,16 +98,24 @@ async def health(request: Request) -> JSONResponse:
     core = _core(request)
     ready = core.ready()
     ok = core.nc.is_connected and ready[Role.PREFILL] > 0 and ready[Role.MAIN_DECODE] > 0
-    return JSONResponse({"status": "ok" if ok else "unavailable", "instances": ready}, status_code=200 if ok else 503)
+    return JSONResponse(
+        {"status": "ok" if ok else "unavailable", "instances": ready}, status_code=200 if ok else 503
+    )
 
 
 @api.get("/v1/models")
 async def models(request: Request) -> dict:
     """In vLLM's shape: its clients read `root` and `max_model_len`."""
     core = _core(request)
-    card = {"id": core.model_id, "object": "model", "created": STARTED, "owned_by": "pdd",
-            "root": core.settings.model.path or core.model_id, "parent": None,
-            "max_model_len": request.app.state.max_model_len}  # fmt: skip
+    card = {
+        "id": core.model_id,
+        "object": "model",
+        "created": STARTED,
+        "owned_by": "pdd",
+        "root": core.settings.model.path or core.model_id,
+        "parent": None,
+        "max_model_len": request.app.state.max_model_len,
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -114,10 +125,15 @@ async def instances(request: Request) -> dict:
     registry = _core(request).registry
     return {
         f"{role.value}/{r.instance}": {
-            "running": r.running, "waiting": r.waiting, "used_blocks": r.used_blocks,
-            "free_blocks": r.free_blocks, "num_blocks": r.num_blocks, "address": r.address,
-            "held": len(r.held), "draining": r.draining,
-        }  # fmt: skip
+            "running": r.running,
+            "waiting": r.waiting,
+            "used_blocks": r.used_blocks,
+            "free_blocks": r.free_blocks,
+            "num_blocks": r.num_blocks,
+            "address": r.address,
+            "held": len(r.held),
+            "draining": r.draining,
+        }
         for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)
         for r in registry.alive(role)
     }
@@ -156,11 +172,17 @@ async def _serve(request: Request, chat: bool) -> Response:
     core, tokenizer, http = _core(request), request.app.state.tokenizer, request.app.state.http
     raw = await read_body(request, http.max_body_bytes, http.body_timeout_s)
     parsed = parse_request(
-        raw, chat, model_id=core.model_id, tokenizer=tokenizer,
-        max_model_len=request.app.state.max_model_len, max_tokens_default=core.settings.max_tokens_default,
-    )  # fmt: skip
+        raw,
+        chat,
+        model_id=core.model_id,
+        tokenizer=tokenizer,
+        max_model_len=request.app.state.max_model_len,
+        max_tokens_default=core.settings.max_tokens_default,
+    )
     try:
-        stream = await core.open(parsed.prompt_ids, parsed.params, parsed.body.pdd, extract(dict(request.headers)))
+        stream = await core.open(
+            parsed.prompt_ids, parsed.params, parsed.body.pdd, extract(dict(request.headers))
+        )
     except APIError:
         metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
         raise

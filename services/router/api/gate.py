@@ -22,8 +22,11 @@ def _authorization(scope) -> bytes | None:
 
 
 def _unauthorized(authorization: bytes | None) -> JSONResponse:
-    message = "incorrect API key provided" if authorization else (
-        "no API key provided: send it as 'Authorization: Bearer <key>'")  # fmt: skip
+    message = (
+        "incorrect API key provided"
+        if authorization
+        else ("no API key provided: send it as 'Authorization: Bearer <key>'")
+    )
     return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
 
 
@@ -44,8 +47,9 @@ class Gate:
             await self.admission.acquire()
         except Overloaded as e:
             metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
-            body = error_body(f"the server is busy ({e}); retry later", type_="rate_limit_error",
-                              code="rate_limit_exceeded")  # fmt: skip
+            body = error_body(
+                f"the server is busy ({e}); retry later", type_="rate_limit_error", code="rate_limit_exceeded"
+            )
             retry = str(max(1, math.ceil(self.admission.max_wait_s)))
             return await JSONResponse(body, 429, headers={"Retry-After": retry})(scope, receive, send)
         try:

@@ -33,8 +33,13 @@ class HttpSettings:
     def from_env(cls, env: Mapping[str, str] = os.environ) -> HttpSettings:
         keys = f"{env.get(PREFIX + 'API_KEYS', '')},{env.get('PDD_API_KEY', '')}"
         limits = {}
-        for name, kind in (("max_in_flight", int), ("max_waiting", int), ("max_wait_s", float),
-                           ("max_body_bytes", int), ("body_timeout_s", float)):  # fmt: skip
+        for name, kind in (
+            ("max_in_flight", int),
+            ("max_waiting", int),
+            ("max_wait_s", float),
+            ("max_body_bytes", int),
+            ("body_timeout_s", float),
+        ):
             value = env.get(PREFIX + name.upper())
             if value is not None:
                 limits[name] = kind(value)

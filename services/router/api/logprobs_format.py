@@ -31,7 +31,9 @@ class LogprobsFormatter:
         return {
             "tokens": texts,
             "token_logprobs": [None if lp is None else _num(lp.logprob) for lp in lps],
-            "top_logprobs": [None if lp is None else self._top_map(t, lp) for t, lp in zip(texts, lps, strict=True)],
+            "top_logprobs": [
+                None if lp is None else self._top_map(t, lp) for t, lp in zip(texts, lps, strict=True)
+            ],
             "text_offset": offsets,
         }
 
@@ -48,15 +50,21 @@ class LogprobsFormatter:
         return top
 
     def _chat_entry(self, text: str, lp: TokenLogprobs | None) -> dict:
-        top = [] if lp is None else [
-            {"token": (t := self._text(i)), "logprob": _num(v), "bytes": list(t.encode())}
-            for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
-        ]  # fmt: skip
+        top = (
+            []
+            if lp is None
+            else [
+                {"token": (t := self._text(i)), "logprob": _num(v), "bytes": list(t.encode())}
+                for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ]
+        )
         logprob = None if lp is None else _num(lp.logprob)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": top}
 
 
-def prompt_entries(num_prompt_tokens: int, prompt_logprobs: list[TokenLogprobs] | None) -> list[TokenLogprobs | None]:
+def prompt_entries(
+    num_prompt_tokens: int, prompt_logprobs: list[TokenLogprobs] | None
+) -> list[TokenLogprobs | None]:
     """One per prompt token: the first has none (nothing comes before it)."""
     known: list[TokenLogprobs | None] = [None, *(prompt_logprobs or [])][:num_prompt_tokens]
     return known + [None] * (num_prompt_tokens - len(known))

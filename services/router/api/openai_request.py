@@ -109,8 +109,10 @@ def check_output_limit(payload: dict) -> None:
     """max_completion_tokens (OpenAI's current name) and max_tokens are one limit: both only if equal."""
     a, b = payload.get("max_tokens"), payload.get("max_completion_tokens")
     if a is not None and b is not None and a != b:
-        raise _bad(f"'max_tokens' ({a!r}) and 'max_completion_tokens' ({b!r}) differ; give one of them",
-                   param="max_completion_tokens")  # fmt: skip
+        raise _bad(
+            f"'max_tokens' ({a!r}) and 'max_completion_tokens' ({b!r}) differ; give one of them",
+            param="max_completion_tokens",
+        )
 
 
 def parse_body(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
@@ -148,8 +150,12 @@ def parse_request(
 ) -> ParsedRequest:
     body = parse_body(raw, chat)
     if body.model is not None and body.model != model_id:
-        raise _bad(f"model '{body.model}' does not exist; this server serves '{model_id}'",
-                   param="model", status=404, code="model_not_found")  # fmt: skip
+        raise _bad(
+            f"model '{body.model}' does not exist; this server serves '{model_id}'",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
     prompt_ids = prompt_ids_of(body, tokenizer)
     max_tokens = body.max_tokens or max_tokens_default
     if len(prompt_ids) + max_tokens > max_model_len:
@@ -160,9 +166,14 @@ def parse_request(
             code="context_length_exceeded",
         )
     params = SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
-        stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos,
-    )  # fmt: skip
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        max_tokens=max_tokens,
+        stop=body.stop,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+    )
     params.logprobs, params.prompt_logprobs = logprob_counts(body)
     return ParsedRequest(body, prompt_ids, params)
 

@@ -30,7 +30,10 @@ ERRORS = {
 
 def completion_docs(request: type[BaseModel], response: type[BaseModel]) -> dict[str, Any]:
     """Route keyword arguments declaring a completion endpoint's bodies."""
-    body = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=request.__name__)}}}}
+    body = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": REF.format(model=request.__name__)}}},
+    }
     sse = {"schema": {"type": "string", "description": "with stream=true: SSE chunks, then `data: [DONE]`"}}
     responses: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": sse}}}
     responses.update({status: {"model": ErrorResponse, "description": why} for status, why in ERRORS.items()})

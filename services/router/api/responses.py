@@ -61,7 +61,11 @@ def openai_reason(reason: str | None) -> str:
 
 def usage(stream: RequestStream, completion_tokens: int) -> dict:
     prompt = len(stream.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
 
 
 async def _collect(core: RouterCore, stream: RequestStream, detok: Detokenizer, lps: Logprobs) -> str | None:
@@ -92,7 +96,12 @@ async def _until_done_or_gone(request: Request, task: asyncio.Task) -> bool:
 
 
 async def complete(
-    request: Request, core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions, headers: dict
+    request: Request,
+    core: RouterCore,
+    stream: RequestStream,
+    detok: Detokenizer,
+    opts: OutputOptions,
+    headers: dict,
 ) -> Response:
     lps: Logprobs = []
     task = asyncio.create_task(_collect(core, stream, detok, lps))
@@ -111,22 +120,31 @@ async def complete(
     detok.flush()
     count(stream, "ok")
     headers["x-pdd-pipeline"] = stream.pipeline.value
-    choice: dict = {"index": 0, "finish_reason": openai_reason(finish_reason),
-                    "logprobs": _body_logprobs(stream, detok, lps, opts)}  # fmt: skip
+    choice: dict = {
+        "index": 0,
+        "finish_reason": openai_reason(finish_reason),
+        "logprobs": _body_logprobs(stream, detok, lps, opts),
+    }
     if opts.chat:
         choice["message"] = {"role": "assistant", "content": detok.emitted}
     else:
         choice["text"] = (opts.echo or "") + detok.emitted
         choice["token_ids"] = detok.tokens
     body = {
-        "id": stream.rid, "object": "chat.completion" if opts.chat else "text_completion",
-        "created": int(time.time()), "model": core.model_id, "choices": [choice],
-        "usage": usage(stream, len(detok.tokens)), "pdd": stream.summary(),
-    }  # fmt: skip
+        "id": stream.rid,
+        "object": "chat.completion" if opts.chat else "text_completion",
+        "created": int(time.time()),
+        "model": core.model_id,
+        "choices": [choice],
+        "usage": usage(stream, len(detok.tokens)),
+        "pdd": stream.summary(),
+    }
     return JSONResponse(body, headers=headers)
 
 
-def _body_logprobs(stream: RequestStream, detok: Detokenizer, lps: Logprobs, opts: OutputOptions) -> dict | None:
+def _body_logprobs(
+    stream: RequestStream, detok: Detokenizer, lps: Logprobs, opts: OutputOptions
+) -> dict | None:
     if not opts.logprobs:
         return None
     fmt = LogprobsFormatter(detok.tokenizer, opts.chat)
@@ -145,17 +163,27 @@ class SSEChunks:
         self.logprobs = LogprobsFormatter(tokenizer, opts.chat) if opts.logprobs else None
 
     def _data(self, choices: list[dict], extra: dict | None = None) -> bytes:
-        data = {"id": self.stream.rid, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, **(extra or {})}  # fmt: skip
+        data = {
+            "id": self.stream.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **(extra or {}),
+        }
         return f"data: {json.dumps(data)}\n\n".encode()
 
     def role(self) -> bytes:
         return self._data([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
 
     def tokens(
-        self, text: str, tokens: list[int], lps: Logprobs | None = None, reason: str | None = None,
+        self,
+        text: str,
+        tokens: list[int],
+        lps: Logprobs | None = None,
+        reason: str | None = None,
         extra: dict | None = None,
-    ) -> bytes:  # fmt: skip
+    ) -> bytes:
         """A chunk of new text and the tokens (with their logprobs, when asked for) behind it."""
         logprobs = self.logprobs(tokens, lps or [None] * len(tokens)) if self.logprobs and tokens else None
         choice: dict = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
@@ -167,8 +195,12 @@ class SSEChunks:
 
     def echo(self, text: str) -> bytes:
         """Completions with echo: the prompt's text (and its tokens' logprobs) comes first."""
-        logprobs = self.logprobs(self.stream.prompt_ids, echo_logprobs(self.stream)) if self.logprobs else None
-        return self._data([{"index": 0, "finish_reason": None, "logprobs": logprobs, "text": text, "token_ids": []}])
+        logprobs = (
+            self.logprobs(self.stream.prompt_ids, echo_logprobs(self.stream)) if self.logprobs else None
+        )
+        return self._data(
+            [{"index": 0, "finish_reason": None, "logprobs": logprobs, "text": text, "token_ids": []}]
+        )
 
     def usage(self, usage: dict) -> bytes:
         """stream_options.include_usage: OpenAI's last chunk, no choices."""
@@ -179,7 +211,9 @@ class SSEResponse(StreamingResponse):
     """The SSE response of one stream, which it releases however the response ends: also when
     the client left before the body was ever iterated (then deltas() never ran)."""
 
-    def __init__(self, core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions, headers: dict):
+    def __init__(
+        self, core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions, headers: dict
+    ):
         super().__init__(sse(core, stream, detok, opts), media_type="text/event-stream", headers=headers)
         self.core, self.stream = core, stream
 
@@ -191,7 +225,9 @@ class SSEResponse(StreamingResponse):
             self.core.release(self.stream)  # ...an unstarted one is freed here
 
 
-async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions) -> AsyncIterator[bytes]:
+async def sse(
+    core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions
+) -> AsyncIterator[bytes]:
     chunks = SSEChunks(stream, opts, core.model_id, detok.tokenizer)
     try:
         if opts.chat:
@@ -208,7 +244,9 @@ async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, opts:
         tail = detok.flush()
         count(stream, "ok")
         done_usage = usage(stream, len(detok.tokens))
-        yield chunks.tokens(tail, [], None, openai_reason(reason), {"pdd": stream.summary(), "usage": done_usage})
+        yield chunks.tokens(
+            tail, [], None, openai_reason(reason), {"pdd": stream.summary(), "usage": done_usage}
+        )
         if opts.include_usage:
             yield chunks.usage(done_usage)
     except APIError as e:
@@ -217,7 +255,9 @@ async def sse(core: RouterCore, stream: RequestStream, detok: Detokenizer, opts:
     yield b"data: [DONE]\n\n"
 
 
-async def _texts(core: RouterCore, stream: RequestStream, detok: Detokenizer) -> AsyncIterator[tuple[str, Delta, str | None]]:
+async def _texts(
+    core: RouterCore, stream: RequestStream, detok: Detokenizer
+) -> AsyncIterator[tuple[str, Delta, str | None]]:
     """(new text, the delta, finish reason so far) per delta; stops at a stop string."""
     last, seen = time.monotonic(), 0
     async with aclosing(core.deltas(stream)) as deltas:

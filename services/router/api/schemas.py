@@ -63,8 +63,12 @@ class _Sampling(BaseModel):
         stops = [v] if isinstance(v, str) else v
         if not isinstance(stops, list):
             return stops  # the type check says what is wrong
-        if len(stops) > MAX_STOPS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        if len(stops) > MAX_STOPS or any(
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in stops
+        ):
+            raise ValueError(
+                f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
         return stops
 
 
@@ -109,4 +113,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (needs logprobs: true)
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS
+    )  # alternatives per token (needs logprobs: true)

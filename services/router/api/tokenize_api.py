@@ -61,8 +61,12 @@ async def _parse(request: Request, schema: type[BaseModel]) -> BaseModel:
         raise _bad(describe(e.errors())) from None
     model_id = request.app.state.core.model_id
     if body.model is not None and body.model != model_id:
-        raise _bad(f"model '{body.model}' does not exist; this server serves '{model_id}'",
-                   param="model", status=404, code="model_not_found")  # fmt: skip
+        raise _bad(
+            f"model '{body.model}' does not exist; this server serves '{model_id}'",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
     return body
 
 
@@ -74,7 +78,12 @@ async def tokenize(request: Request) -> dict:
         ids = chat_prompt_ids(body.messages, tokenizer)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"count": len(ids), "max_model_len": request.app.state.max_model_len, "tokens": ids, "token_strs": None}
+    return {
+        "count": len(ids),
+        "max_model_len": request.app.state.max_model_len,
+        "tokens": ids,
+        "token_strs": None,
+    }
 
 
 @tokenize_api.post("/detokenize")

@@ -33,9 +33,13 @@ class TokenMerger:
         self.duplicates = 0
 
     def add(
-        self, index: int, tokens: list[int], finished: bool = False, finish_reason: str | None = None,
+        self,
+        index: int,
+        tokens: list[int],
+        finished: bool = False,
+        finish_reason: str | None = None,
         logprobs: list[TokenLogprobs] | None = None,
-    ) -> MergeResult:  # fmt: skip
+    ) -> MergeResult:
         """`logprobs[i]` (if given) goes with tokens[i], and is released with it."""
         for i, tok in enumerate(tokens[: max(0, self.max_tokens - index)]):
             idx = index + i

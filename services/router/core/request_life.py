@@ -80,8 +80,9 @@ class RequestLife:
     def _merge(self, stream: RequestStream, ev: TokenEvent, now: float) -> list[Action]:
         if stream.merger.finished:
             return []  # finished while dispatching: the client has had the finish once
-        merged = stream.merger.add(ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None,
-                                   ev.logprobs)  # fmt: skip
+        merged = stream.merger.add(
+            ev.index, ev.tokens, ev.finished, ev.outcome.value if ev.outcome else None, ev.logprobs
+        )
         if ev.prompt_logprobs is not None and stream.prompt_logprobs is None:
             stream.prompt_logprobs = ev.prompt_logprobs
         ttft = None

@@ -76,7 +76,9 @@ class RequestStream:
     assigned: list = field(default_factory=list)  # ((role, instance), sent at): counted as their load
     span: Span | None = None  # the request's root span: one trace across both datacenters
     params: SamplingParams | None = None  # what a migration resends, with the prompt and tokens so far
-    state: StateMachine[StreamState] = field(default_factory=lambda: StateMachine(StreamState.DISPATCHING, MOVES))
+    state: StateMachine[StreamState] = field(
+        default_factory=lambda: StateMachine(StreamState.DISPATCHING, MOVES)
+    )
     # The router passes one bounded by the request's max_tokens; a stream built without one takes no tokens.
     merger: TokenMerger = field(default_factory=lambda: TokenMerger(max_tokens=0))
     failure: str | None = None  # why the router gave up
@@ -128,7 +130,9 @@ class RequestStream:
         elif self.state.is_in(StreamState.WITH_MD):
             self.hand_to(Role.MAIN_DECODE, self.md_instance)
 
-    def stall(self, now: float, lost_after_s: float, gap_after_s: float, stall_after_s: float) -> tuple[str, str] | None:
+    def stall(
+        self, now: float, lost_after_s: float, gap_after_s: float, stall_after_s: float
+    ) -> tuple[str, str] | None:
         """(why, cause) if the request must move: the instance that should produce it stopped
         listing it in its heartbeat (it died, dropped it, or its heartbeats stopped); a token
         went missing in transit (NATS delivers at most once); or, once tokens flowed, none came
@@ -222,4 +226,8 @@ class RequestStream:
     def instances(self) -> dict[str, str | None]:
         """Per role, the last instance of it the request ran on (None: none): after a move,
         the one that took it over."""
-        return {"prefill": self.prefill_instance, "relay": self.relay_instance, "main_decode": self.md_instance or None}
+        return {
+            "prefill": self.prefill_instance,
+            "relay": self.relay_instance,
+            "main_decode": self.md_instance or None,
+        }

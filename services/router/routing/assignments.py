@@ -37,8 +37,10 @@ class Assignments:
 
     def recent_all(self, now: float) -> dict[Key, float]:
         """recent() of every key with a count (absent: 0.0), at once."""
-        return {key: count * 0.5 ** ((now - at if now >= at else 0.0) / RECENT_HALF_LIFE_S)
-                for key, (count, at) in self._recent.items()}  # fmt: skip
+        return {
+            key: count * 0.5 ** ((now - at if now >= at else 0.0) / RECENT_HALF_LIFE_S)
+            for key, (count, at) in self._recent.items()
+        }
 
     def pending(self, key: Key, reported_at: float) -> int:
         """Requests sent to `key` after its last report (received at reported_at); those sent

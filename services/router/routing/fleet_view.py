@@ -29,14 +29,18 @@ from .registry import Registry
 
 
 class FleetView:
-    def __init__(self, settings: RouterSettings, *, model_id: str, block_size: int, kv_bytes_per_token: int) -> None:
+    def __init__(
+        self, settings: RouterSettings, *, model_id: str, block_size: int, kv_bytes_per_token: int
+    ) -> None:
         self.settings = settings
         self.model_id = model_id
         self.block_size = block_size
         self.index = PrefixIndex()  # MDs' blocks
         self.prefill_index = PrefixIndex()  # prefills' blocks
         self.assignments = Assignments()
-        self.route_ctx = RouteContext(settings, self.index, self.prefill_index, block_size, kv_bytes_per_token)
+        self.route_ctx = RouteContext(
+            settings, self.index, self.prefill_index, block_size, kv_bytes_per_token
+        )
         self.caches = {Role.MAIN_DECODE: CacheView(self.index), Role.PREFILL: CacheView(self.prefill_index)}
         self.registry = Registry(stale_after_s=settings.lost_after_s)
 
@@ -51,7 +55,9 @@ class FleetView:
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self.loads(Role.MAIN_DECODE)
         loads = (mds, self.loads(Role.RELAY), self.loads(Role.PREFILL))
-        plan = plan_route(self.route_ctx, len(prompt_ids), hashes, loads, self.links([m.instance for m in mds]), forced)
+        plan = plan_route(
+            self.route_ctx, len(prompt_ids), hashes, loads, self.links([m.instance for m in mds]), forced
+        )
         return plan.decision, plan.md, plan.relay, plan.prefill, hashes
 
     def move_targets(
@@ -73,24 +79,32 @@ class FleetView:
         for load in self.registry.loads(role):
             report = self.registry.get(role, load.instance)
             reported_at = now - self.registry.silent_for(role, load.instance)
-            loads.append(replace(
-                load, num_blocks=report.num_blocks if report else 0, held=len(report.held) if report else 0,
-                pending=self.assignments.pending((role, load.instance), reported_at),
-                recent=self.assignments.recent((role, load.instance), now),
-            ))  # fmt: skip
+            loads.append(
+                replace(
+                    load,
+                    num_blocks=report.num_blocks if report else 0,
+                    held=len(report.held) if report else 0,
+                    pending=self.assignments.pending((role, load.instance), reported_at),
+                    recent=self.assignments.recent((role, load.instance), now),
+                )
+            )
         return loads
 
     def links(self, mds: list[str]) -> dict[str, LinkView]:
         """Per MD: the link figures as prefill measured them, and the KV queued toward it."""
         links = self._links_to_mds(mds)
-        return {md: LinkView(bandwidth, rtt, self.registry.wan_backlog(address) if address else 0)
-                for md, (address, bandwidth, rtt) in links.items()}  # fmt: skip
+        return {
+            md: LinkView(bandwidth, rtt, self.registry.wan_backlog(address) if address else 0)
+            for md, (address, bandwidth, rtt) in links.items()
+        }
 
     def _links_to_mds(self, mds: list[str]) -> dict[str, tuple[str | None, float, float]]:
         """Per MD: (its bulk address, bandwidth B/s, RTT s) as prefill measured them. An MD no
         transfer went to yet gets the mean of the others' (MDs of one DC are usually behind one
         line; the configured prior only when nothing was measured)."""
-        addresses = {md: (r.address if (r := self.registry.get(Role.MAIN_DECODE, md)) else None) for md in mds}
+        addresses = {
+            md: (r.address if (r := self.registry.get(Role.MAIN_DECODE, md)) else None) for md in mds
+        }
         measured = {md: link for md, a in addresses.items() if a and (link := self.registry.link_to(a))}
         if measured:
             fallback = tuple(sum(x) / len(measured) for x in zip(*measured.values(), strict=True))

@@ -113,7 +113,9 @@ def _load(c: InstanceLoad) -> float:
     return load_from(c.running, c.waiting, c.free_blocks, c.num_blocks, c.held, c.pending)
 
 
-def load_from(running: int, waiting: int, free_blocks: int, num_blocks: int, held: int, pending: int) -> float:
+def load_from(
+    running: int, waiting: int, free_blocks: int, num_blocks: int, held: int, pending: int
+) -> float:
     """load_of() of an instance with these figures (InstanceLoad's fields of the same names):
     for a caller that keeps its own candidates, such as the fleet simulator's."""
     used = 1.0 - free_blocks / num_blocks if num_blocks else 0.0
@@ -127,7 +129,10 @@ def _bound(total: float, count: int, balance_factor: float) -> float:
     return balance_factor * (total + 1) / count + BOUND_SLACK
 
 
-_load_attr, _recent_attr = attrgetter("load"), attrgetter("recent")  # (sums over candidates without a Python step each)
+_load_attr, _recent_attr = (
+    attrgetter("load"),
+    attrgetter("recent"),
+)  # (sums over candidates without a Python step each)
 
 
 def within_bound(candidates: list[InstanceLoad], balance_factor: float) -> list[InstanceLoad]:
@@ -156,7 +161,9 @@ def _cheapest(pool: list[InstanceLoad], costs: dict[str, float]) -> InstanceLoad
     return tied[0] if len(tied) == 1 else min(tied, key=lambda c: (c.load, c.instance))
 
 
-def _ranked(candidates: list[InstanceLoad], costs: dict[str, float], eligible: set[str]) -> list[InstanceLoad]:
+def _ranked(
+    candidates: list[InstanceLoad], costs: dict[str, float], eligible: set[str]
+) -> list[InstanceLoad]:
     return sorted(candidates, key=_rank_key(costs, eligible))
 
 
@@ -174,7 +181,9 @@ def request_weights(w: RouteWeights, request_s: float) -> RouteWeights:
     so one request of load weighs the same against a prefix hit whatever the model's KV size:
     with the tiny preset's 512 B/token a prefix saves microseconds of WAN, and so does a
     request of load."""
-    return RouteWeights(w.overlap, w.load * request_s, w.prefill, w.balance_factor)  # (replace(), made faster)
+    return RouteWeights(
+        w.overlap, w.load * request_s, w.prefill, w.balance_factor
+    )  # (replace(), made faster)
 
 
 def wan_cost_s(missing_bytes: int, backlog_bytes: int, bandwidth: float) -> float:
@@ -244,7 +253,10 @@ def choose_prefill(
         return None
     pool = within_bound(candidates, w.balance_factor)
     per_token, per_load, cached = w.prefill, w.load, cached_tokens.get
-    costs = {c.instance: per_token * max(prompt_tokens - cached(c.instance, 0), 0) + per_load * c.load for c in pool}
+    costs = {
+        c.instance: per_token * max(prompt_tokens - cached(c.instance, 0), 0) + per_load * c.load
+        for c in pool
+    }
     return _cheapest(pool, costs).instance
 
 
@@ -266,7 +278,9 @@ def resume_candidates(
 
 
 # ---- one request's route ---------------------------------------------------------------
-class LinkView(NamedTuple):  # (a tuple: made per route and MD with bytes queued, cheaper than a frozen dataclass)
+class LinkView(
+    NamedTuple
+):  # (a tuple: made per route and MD with bytes queued, cheaper than a frozen dataclass)
     """What the router knows of the KV path toward one MD."""
 
     bandwidth: float  # bytes/s
@@ -299,16 +313,24 @@ class RoutePlan:
 
 
 def md_options(
-    ctx: RouteContext, prompt_tokens: int, hashes: list[int], links: dict[str, LinkView], relay_available: bool
+    ctx: RouteContext,
+    prompt_tokens: int,
+    hashes: list[int],
+    links: dict[str, LinkView],
+    relay_available: bool,
 ) -> dict[str, tuple[RouteDecision, float]]:
     """Per MD: the pipeline if the request went there, and the WAN seconds its cost counts."""
     cached = ctx.index.cached_prefix_blocks_all(hashes)
     wan_s = md_wan_costs(ctx, prompt_tokens, cached, links)
-    return {md: (md_pipeline(ctx, prompt_tokens, cached.get(md, 0), link, relay_available), wan_s[md])
-            for md, link in links.items()}  # fmt: skip
+    return {
+        md: (md_pipeline(ctx, prompt_tokens, cached.get(md, 0), link, relay_available), wan_s[md])
+        for md, link in links.items()
+    }
 
 
-def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], links: dict[str, LinkView]) -> dict[str, float]:
+def md_wan_costs(
+    ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], links: dict[str, LinkView]
+) -> dict[str, float]:
     """Per MD: the WAN seconds its cost counts (wan_cost_s), from each MD's cached prefix in
     blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
     compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
@@ -325,12 +347,20 @@ def md_wan_costs(ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], 
     return out
 
 
-def md_pipeline(ctx: RouteContext, prompt_tokens: int, cached_blocks: int, link: LinkView, relay_available: bool) -> RouteDecision:
+def md_pipeline(
+    ctx: RouteContext, prompt_tokens: int, cached_blocks: int, link: LinkView, relay_available: bool
+) -> RouteDecision:
     """The pipeline if the request went to an MD holding `cached_blocks` of its prefix."""
     return choose_pipeline(
-        prompt_tokens, cached_blocks * ctx.block_size, ctx.kv_bytes_per_token, link.bandwidth, link.rtt,
-        ctx.settings.wan_time_threshold_s, relay_available, backlog_bytes=link.backlog,
-    )  # fmt: skip
+        prompt_tokens,
+        cached_blocks * ctx.block_size,
+        ctx.kv_bytes_per_token,
+        link.bandwidth,
+        link.rtt,
+        ctx.settings.wan_time_threshold_s,
+        relay_available,
+        backlog_bytes=link.backlog,
+    )
 
 
 def md_weights(ctx: RouteContext, prompt_tokens: int) -> RouteWeights:
@@ -339,7 +369,9 @@ def md_weights(ctx: RouteContext, prompt_tokens: int) -> RouteWeights:
     return request_weights(ctx.weights, request_s)
 
 
-def plan_prefill(ctx: RouteContext, prompt_tokens: int, hashes: list[int], prefills: list[InstanceLoad]) -> str | None:
+def plan_prefill(
+    ctx: RouteContext, prompt_tokens: int, hashes: list[int], prefills: list[InstanceLoad]
+) -> str | None:
     blocks = ctx.prefill_index.cached_prefix_blocks_all(hashes)
     cached = {p: n * ctx.block_size for p, n in blocks.items()}  # (absent: 0 tokens)
     # Load weighed against this request's whole prefill.

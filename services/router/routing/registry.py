@@ -48,8 +48,11 @@ class Registry:
     def loads(self, service: str) -> list[InstanceLoad]:
         """The instances that may be chosen for new work: alive and not leaving (a draining one
         stays alive() until it exits, so the requests it still runs are not taken for lost)."""
-        return [InstanceLoad(r.instance, r.running, r.waiting, r.free_blocks) for r in self.alive(service)
-                if not r.draining]  # fmt: skip
+        return [
+            InstanceLoad(r.instance, r.running, r.waiting, r.free_blocks)
+            for r in self.alive(service)
+            if not r.draining
+        ]
 
     def _links_to(self, address: str) -> list[LinkReport]:
         return [link for r in self.alive(Role.PREFILL) for link in r.links if link.peer == address]

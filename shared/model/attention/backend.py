@@ -24,9 +24,14 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (already in the cache) -> [T, H, D]."""
         ...
 

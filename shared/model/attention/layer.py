@@ -23,7 +23,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D]."""
         if ctx is None:  # dense: one sequence, no cache
-            return sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True).transpose(0, 1)
+            return sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True).transpose(
+                0, 1
+            )
         k_cache, v_cache = ctx.kv_cache[self.layer_idx, 0], ctx.kv_cache[self.layer_idx, 1]
         _, _, kvh, d = k_cache.shape
         k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, k)

@@ -17,9 +17,14 @@ class PagedCpuBackend:
         self.ops = ops
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
         self.ops.paged_attention(

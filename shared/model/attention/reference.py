@@ -68,9 +68,14 @@ class ReferenceBackend:
     name = "reference"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
         if ctx.prepared is None:
             ctx.prepared = make_plan(ctx)
         plan: Plan = ctx.prepared

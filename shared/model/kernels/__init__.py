@@ -44,9 +44,12 @@ def build(verbose: bool = False) -> ModuleType:
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
     return load(
-        name="pdd_paged_attention", sources=[str(SOURCE)], build_directory=str(where),
-        extra_cflags=FLAGS, verbose=verbose,
-    )  # fmt: skip
+        name="pdd_paged_attention",
+        sources=[str(SOURCE)],
+        build_directory=str(where),
+        extra_cflags=FLAGS,
+        verbose=verbose,
+    )
 
 
 @functools.cache
@@ -54,6 +57,9 @@ def paged_attention_ops() -> ModuleType | None:
     try:
         return build()
     except Exception as e:  # any failure to build or load means the reference path, never a crash
-        log.warning("paged attention kernel unavailable (%s: %s); attention falls back to the reference backend",
-                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")  # fmt: skip
+        log.warning(
+            "paged attention kernel unavailable (%s: %s); attention falls back to the reference backend",
+            type(e).__name__,
+            str(e).strip().splitlines()[-1] if str(e).strip() else "",
+        )
         return None

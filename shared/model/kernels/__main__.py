@@ -16,8 +16,11 @@ def main(argv: list[str]) -> int:
     try:
         build()
     except Exception as e:
-        print(f"warning: the paged attention kernel did not build ({type(e).__name__}: {e}); "
-              "attention will use the reference backend", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: the paged attention kernel did not build ({type(e).__name__}: {e}); "
+            "attention will use the reference backend",
+            file=sys.stderr,
+        )
         return 1
     print(f"paged attention kernel ready in {build_dir()} ({time.perf_counter() - t0:.1f} s)")
     return 0
