@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.serving.token_outbox import TokenOutbox
 from shared.bus import subjects
 from shared.bus.connection import flushed, publish, subscribe
 from shared.bus.messages import Role, TokenBatch, TokenEvent
 from shared.bus.subjects import Req
+from shared.serving.token_outbox import TokenOutbox
 
 MARK = subjects.router_tokens("marker")
 
