@@ -68,6 +68,7 @@ def _top_p(x: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor) -> torch.
     probs = torch.exp(sorted_x - torch.logsumexp(x, dim=-1, keepdim=True))  # the same whatever w is
     # Drop a token when the ones before it already reach top_p (the first always stays).
     drop = ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # a top_p below fp32's smallest number is 0 here, and would drop it too
     closed = drop[:, -1] | ((x > float("-inf")).sum(dim=-1) <= ranked.shape[-1]) | (top_p >= 1.0)
     if not bool(closed.all()):
         return None

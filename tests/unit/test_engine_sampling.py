@@ -133,3 +133,13 @@ def test_sampling_params_wire_roundtrip():
     assert SamplingParams.from_dict({"max_tokens": 3, "stop": None, "extra": 1}) == SamplingParams(
         max_tokens=3
     )
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_a_tiny_nucleus_keeps_the_best_token(top_p: float):
+    # 5e-324 passes validation (> 0) but is 0 in fp32: the best token must still stay.
+    x = torch.tensor([[3.0, 1.0, 1.0, 0.0, -2.0], [0.0, 0.0, 5.0, 1.0, 1.0]])
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * 2
+    kept = filtered_logits(x, params) > float("-inf")
+    assert kept.tolist() == [[True, False, False, False, False], [False, False, True, False, False]]
+    assert Sampler()(x, params, seeds=[1, 2], positions=[0, 0]) == [0, 2]
