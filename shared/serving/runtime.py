@@ -56,6 +56,9 @@ def spawn(coro: Awaitable, tasks: set[asyncio.Task], name: str | None = None) ->
     return task
 
 
+CLOSE_TASKS_S = 2.0  # a cancelled task that takes longer is stuck in a blocking call
+
+
 class Lifecycle:
     """The subscriptions and background tasks one service owns, stopped together."""
 
@@ -74,14 +77,21 @@ class Lifecycle:
     def every(self, interval_s: float, fn: Callable[[], Awaitable[None]]) -> asyncio.Task:
         return spawn(every(interval_s, fn), self.tasks, getattr(fn, "__name__", None))
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = CLOSE_TASKS_S) -> None:
+        """Unsubscribe, cancel every task and wait (bounded) until each has ended, so nothing
+        this service started still runs once it says it stopped."""
         for sub in self.subs:
             try:
                 await sub.unsubscribe()
             except Exception as e:  # the connection may already be closed
                 log.debug("unsubscribe failed: %s", e)
-        for t in list(self.tasks):
+        pending = [t for t in self.tasks if t is not asyncio.current_task()]
+        for t in pending:
             t.cancel()
+        if pending:
+            _, stuck = await asyncio.wait(pending, timeout=timeout_s)
+            for t in stuck:
+                log.warning("task %s did not end within %.1f s of its cancellation", t.get_name(), timeout_s)
 
 
 async def serve_service(name: str, settings, factory) -> None:

@@ -76,6 +76,8 @@ CASES = {
     "one prefill chunk": [(0, 53)],
     "chunks after a cached prefix": [(32, 40), (37, 9), (5, 2)],
     "decodes, prefill and extends together": [(7, 1), (300, 1), (0, 70), (64, 33), (17, 100)],
+    # Fresh chunks long enough for SDPA between and after the kernel's runs.
+    "long fresh chunks among the rest": [(3, 1), (0, 300), (20, 5), (0, 260), (0, 256), (10, 40), (0, 280)],
 }
 
 

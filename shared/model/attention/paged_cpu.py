@@ -1,13 +1,57 @@
 """Paged attention on the CPU: one C++ call per layer reads K/V in place through the block
-tables (shared/model/kernels/paged_attention.cpp): no gathered copy, no mask tensor."""
+tables (shared/model/kernels/paged_attention.cpp): no gathered copy, no mask tensor.
+
+A long chunk with nothing cached before it (a fresh prompt) attends only to its own new K/V,
+which are at hand contiguous: SDPA's flash kernel does that faster than reading pages (about
+x1.8 at 2048 tokens here), so those chunks go to it and the rest of the batch to the kernel.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from shared.model.attention.context import AttentionContext
+from shared.model.attention.reference import sdpa
+
+DENSE_MIN_TOKENS = 256  # a fresh chunk this long goes to SDPA (below it the two are even)
+
+
+@dataclass
+class PagedRun:
+    """Consecutive sequences the kernel attends in one call: their rows are q[start:end]."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor  # rebased to the run's first row
+
+
+def split_batch(ctx: AttentionContext) -> tuple[list[PagedRun], list[tuple[int, int]]]:
+    """The step's sequences as kernel runs and dense fresh chunks (row ranges)."""
+    starts, lens = ctx.query_start.tolist(), ctx.seq_lens.tolist()
+    dense = [
+        b
+        for b in range(ctx.num_decode, len(lens))
+        if lens[b] == starts[b + 1] - starts[b] >= DENSE_MIN_TOKENS
+    ]
+    runs, first = [], 0
+    for stop in [*dense, len(lens)]:
+        if stop > first:
+            runs.append(
+                PagedRun(
+                    starts[first],
+                    starts[stop],
+                    ctx.block_tables[first:stop],
+                    ctx.seq_lens[first:stop],
+                    ctx.query_start[first : stop + 1] - starts[first],
+                )
+            )
+        first = stop + 1
+    return runs, [(starts[b], starts[b + 1]) for b in dense]
 
 
 class PagedCpuBackend:
@@ -25,9 +69,21 @@ class PagedCpuBackend:
         v_cache: torch.Tensor,
         ctx: AttentionContext,
     ) -> torch.Tensor:
+        if ctx.prepared is None:
+            ctx.prepared = split_batch(ctx)
+        runs, dense = ctx.prepared
         q = q.contiguous()
         out = torch.empty_like(q)
-        self.ops.paged_attention(
-            out, q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start, q.shape[-1] ** -0.5
-        )
+        scale = q.shape[-1] ** -0.5
+        for r in runs:
+            whole = r.start == 0 and r.end == q.shape[0]
+            qr, o = (q, out) if whole else (q[r.start : r.end], torch.empty_like(q[r.start : r.end]))
+            self.ops.paged_attention(
+                o, qr, k_cache, v_cache, r.block_tables, r.seq_lens, r.query_start, scale
+            )
+            if not whole:
+                out[r.start : r.end] = o
+        for start, end in dense:
+            qc, kc, vc = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            out[start:end] = sdpa(qc, kc, vc, is_causal=True).transpose(0, 1)
         return out
