@@ -132,7 +132,9 @@ class MainDecodeService(EngineService):
         await self.subscribe_admission(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
         )
-        await self.life.subscribe(self.nc, subjects.all_req(Req.HANDOFF), HandoffBatch, self._on_handoff)
+        await self.life.subscribe(
+            self.nc, subjects.to_instance(self.role, inst, Req.HANDOFF), HandoffBatch, self._on_handoff
+        )
 
     # ---- prepare: which blocks must cross the WAN -------------------------------------
     async def _prepare(self, msg: PrepareRequest, raw) -> None:
@@ -253,7 +255,7 @@ class MainDecodeService(EngineService):
         if job.receive_span:
             job.receive_span.set_attributes({"bytes": job.wan_bytes, "blocks": len(job.received)})
             job.receive_span.end()
-        if job.req.pipeline is Pipeline.P_RLD_MD:  # only a relay waits for it
+        if job.req.pipeline is Pipeline.P_RLD_MD and job.req.relay:  # only a relay waits for it
             await self._send_kv_ready(job)
         await self._drain_handoffs(job)
 
@@ -261,7 +263,7 @@ class MainDecodeService(EngineService):
         token = otel_context.attach(job.ctx) if job.ctx is not None else None
         try:  # kv_ready belongs to the request's trace, not to the bulk connection's
             ready = KVReady(job.rid, self.settings.instance, job.wan_bytes)
-            await publish(self.nc, subjects.req(job.rid, Req.KV_READY), ready)
+            await publish(self.nc, subjects.to_instance(Role.RELAY, job.req.relay, Req.KV_READY), ready)
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -333,9 +335,9 @@ class MainDecodeService(EngineService):
             self.engine.extend(req.rid, batch.tokens, final=batch.final)
 
     async def request_outputs(self, job: MDJob, outs: list[StepOutput]) -> None:
-        if any(o.computed for o in outs):  # a catch-up batch is in: ask for the next one
+        if job.req.relay and any(o.computed for o in outs):  # a catch-up batch is in: ask for the next one
             ack = HandoffAck(job.rid, job.next_seq - 1)
-            await publish(self.nc, subjects.req(job.rid, Req.HANDOFF_ACK), ack)
+            await publish(self.nc, subjects.to_instance(Role.RELAY, job.req.relay, Req.HANDOFF_ACK), ack)
         first = next((o.index for o in outs if o.index is not None), job.next_index)
         event = token_event(job.rid, self.role, first, outs)
         last = outs[-1]

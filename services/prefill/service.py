@@ -85,6 +85,7 @@ class PrefillJob:
         default_factory=lambda: StateMachine(PrefillState.PREFILLING, MOVES)
     )
     md_address: str = ""
+    md_instance: str = ""  # P→MD: where the first token is handed over
     md_missing: list[int] = field(default_factory=list)  # blocks MD lacks
     md_pending: set[int] = field(default_factory=set)  # blocks MD lacks, not queued yet
     md_end_queued: bool = False
@@ -141,8 +142,12 @@ class PrefillService(EngineService):
         await self.subscribe_admission(
             subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill"
         )
-        await self.life.subscribe(self.nc, subjects.all_req(Req.MD_TARGET), MDTarget, self._on_md_target)
-        await self.life.subscribe(self.nc, subjects.all_req(Req.MD_LOST), MainDecodeLost, self._on_md_lost)
+        inst = self.settings.instance
+        for kind, cls, handler in (
+            (Req.MD_TARGET, MDTarget, self._on_md_target),
+            (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
+        ):
+            await self.life.subscribe(self.nc, subjects.to_instance(self.role, inst, kind), cls, handler)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -194,6 +199,7 @@ class PrefillService(EngineService):
             return  # a duplicate target, or the request is gone
         # The WAN sender exists before any await, so draining cannot see "all senders done"
         # while MD's blocks are still to come.
+        job.md_instance = msg.md_instance
         job.md_address, job.md_missing, job.md_pending = (
             msg.md_bulk_address,
             msg.md_missing,
@@ -238,7 +244,9 @@ class PrefillService(EngineService):
         hands its one token over; the request is released once the senders are done."""
         if job.submit.pipeline is Pipeline.P_MD:
             batch = HandoffBatch(job.rid, 0, 0, [job.first_token], final=True, mode=HandoffMode.PREFILL)
-            await publish(self.nc, subjects.req(job.rid, Req.HANDOFF), batch)
+            await publish(
+                self.nc, subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF), batch
+            )
         await self._release_if_drained(job)
 
     # ---- blocks from the engine thread ------------------------------------------------

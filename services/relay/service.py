@@ -87,6 +87,7 @@ class RelayJob:
     timers: list[asyncio.Task] = field(default_factory=list)
     span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
     router: str = ""  # the router that owns the request
+    md_instance: str = ""  # the MD that said it is ready: the handoff goes to it
 
 
 class RelayService(EngineService):
@@ -95,7 +96,8 @@ class RelayService(EngineService):
 
     def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.early_ready: OrderedDict[str, float] = OrderedDict()  # kv_ready that beat the local KV: when
+        # kv_ready that beat the local KV: when, and from which MD
+        self.early_ready: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
@@ -109,7 +111,9 @@ class RelayService(EngineService):
             (Req.HANDOFF_ACK, HandoffAck, self._on_ack),
             (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
         ]:
-            await self.life.subscribe(self.nc, subjects.all_req(kind), cls, handler)
+            await self.life.subscribe(
+                self.nc, subjects.to_instance(self.role, self.settings.instance, kind), cls, handler
+            )
         inst = self.settings.instance
         await self.subscribe_admission(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
@@ -173,7 +177,7 @@ class RelayService(EngineService):
         )
         job.timers.append(self.life.spawn(self._md_deadline(job)))
         if rid in self.early_ready:
-            del self.early_ready[rid]
+            job.md_instance = self.early_ready.pop(rid)[1]
             job.state.to(RelayState.HANDING_OFF)
             await self._start_handoff(job)
 
@@ -220,11 +224,12 @@ class RelayService(EngineService):
     async def _on_kv_ready(self, msg: KVReady, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.early_ready[msg.rid] = time.monotonic()
+            self.early_ready[msg.rid] = (time.monotonic(), msg.md_instance)
             if len(self.early_ready) > EARLY_READY_MAX:  # only seconds matter: drop the oldest
                 self.early_ready.popitem(last=False)
             return
         if job.state.is_in(RelayState.RELAYING):  # a duplicate kv_ready cannot start a second handoff
+            job.md_instance = msg.md_instance
             job.state.to(RelayState.HANDING_OFF)
             self.life.spawn(self._start_handoff(job))
 
@@ -304,7 +309,8 @@ class RelayService(EngineService):
             "final": batch.final,
         }
         with self.tracer.start_as_current_span("relay.handoff_batch", context=ctx, attributes=attrs):
-            await publish(self.nc, subjects.req(job.rid, Req.HANDOFF), batch)
+            subject = subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF)
+            await publish(self.nc, subject, batch)
 
     async def _on_ack(self, msg: HandoffAck, raw) -> None:
         job = self.jobs.get(msg.rid)
@@ -360,7 +366,7 @@ class RelayService(EngineService):
         the router gets an error, the other roles an abort, and the relay frees it. A kv_ready
         whose request never came (or had already ended) is dropped after EARLY_READY_TTL_S."""
         now = time.monotonic()
-        while self.early_ready and next(iter(self.early_ready.values())) < now - EARLY_READY_TTL_S:
+        while self.early_ready and next(iter(self.early_ready.values()))[0] < now - EARLY_READY_TTL_S:
             self.early_ready.popitem(last=False)
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):

@@ -71,6 +71,7 @@ class PrepareRequest(Message):
     block_hashes: list[int]
     pipeline: Pipeline
     router: str = ""  # the router instance that owns the request (its heartbeat keeps it alive)
+    relay: str = ""  # on P→RLD→MD, the relay instance MD tells it is ready and acknowledges
 
 
 @dataclass
@@ -129,6 +130,7 @@ class MDTarget(Message):
     rid: str
     md_bulk_address: str
     md_missing: list[int]
+    md_instance: str = ""  # where P→MD hands its token over
 
 
 @dataclass

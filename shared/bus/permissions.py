@@ -85,8 +85,9 @@ PERMISSIONS: dict[str, Permissions] = {
             ANY_PREFILL_SUBMIT,
             ANY_MD_RESUME,
             ANY_RELAY_RESUME,
-            subjects.all_req(Req.MD_TARGET),
-            subjects.all_req(Req.MD_LOST),
+            subjects.any_instance("prefill", Req.MD_TARGET),
+            subjects.any_instance("prefill", Req.MD_LOST),
+            subjects.any_instance("relay", Req.MD_LOST),
             own_abort("router"),
             own_load("router"),
             kv_snapshots("prefill"),
@@ -97,7 +98,7 @@ PERMISSIONS: dict[str, Permissions] = {
     "prefill": Permissions(
         publish=(
             *TOKENS,
-            subjects.all_req(Req.HANDOFF),
+            subjects.any_instance("main_decode", Req.HANDOFF),
             own_abort("prefill"),
             own_load("prefill"),
             subjects.all_kv_events("prefill"),
@@ -106,8 +107,8 @@ PERMISSIONS: dict[str, Permissions] = {
         subscribe=(
             subjects.prefill_submit(),
             ANY_PREFILL_SUBMIT,
-            subjects.all_req(Req.MD_TARGET),
-            subjects.all_req(Req.MD_LOST),
+            subjects.any_instance("prefill", Req.MD_TARGET),
+            subjects.any_instance("prefill", Req.MD_LOST),
             ABORTS,
             ROUTER_HEARTBEATS,
             DISCOVERY,
@@ -117,11 +118,16 @@ PERMISSIONS: dict[str, Permissions] = {
         responds=True,
     ),
     "relay": Permissions(
-        publish=(*TOKENS, subjects.all_req(Req.HANDOFF), own_abort("relay"), own_load("relay")),
+        publish=(
+            *TOKENS,
+            subjects.any_instance("main_decode", Req.HANDOFF),
+            own_abort("relay"),
+            own_load("relay"),
+        ),
         subscribe=(
-            subjects.all_req(Req.KV_READY),
-            subjects.all_req(Req.HANDOFF_ACK),
-            subjects.all_req(Req.MD_LOST),
+            subjects.any_instance("relay", Req.KV_READY),
+            subjects.any_instance("relay", Req.HANDOFF_ACK),
+            subjects.any_instance("relay", Req.MD_LOST),
             ANY_RELAY_RESUME,
             ABORTS,
             ROUTER_HEARTBEATS,
@@ -132,8 +138,8 @@ PERMISSIONS: dict[str, Permissions] = {
     "main_decode": Permissions(
         publish=(
             *TOKENS,
-            subjects.all_req(Req.KV_READY),
-            subjects.all_req(Req.HANDOFF_ACK),
+            subjects.any_instance("relay", Req.KV_READY),
+            subjects.any_instance("relay", Req.HANDOFF_ACK),
             subjects.all_kv_events("main_decode"),
             own_abort("main_decode"),
             own_load("main_decode"),
@@ -141,7 +147,7 @@ PERMISSIONS: dict[str, Permissions] = {
         subscribe=(
             ANY_MD_PREPARE,
             ANY_MD_RESUME,
-            subjects.all_req(Req.HANDOFF),
+            subjects.any_instance("main_decode", Req.HANDOFF),
             ABORTS,
             ROUTER_HEARTBEATS,
             DISCOVERY,

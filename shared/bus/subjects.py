@@ -9,7 +9,9 @@ PREFIX = "pdd"
 
 
 class Req(StrEnum):
-    """The per-request subjects: `pdd.req.<rid>.<kind>`."""
+    """The kinds of per-request message. Tokens of a request no router owns go to
+    `pdd.req.<rid>.tokens`; every other kind goes to the one instance that holds the request,
+    `pdd.<role>.<instance>.<kind>` (to_instance), the request id inside the message."""
 
     TOKENS = "tokens"  # P / RLD / MD → whoever follows a request no router owns (router_tokens otherwise)
     KV_READY = "kv_ready"  # MD → RLD
@@ -17,6 +19,9 @@ class Req(StrEnum):
     HANDOFF_ACK = "handoff_ack"  # MD → RLD
     MD_TARGET = "md_target"  # router → P
     MD_LOST = "md_lost"  # router → P, RLD
+
+
+_ROLE_TOKEN = {"prefill": "prefill", "relay": "relay", "main_decode": "md"}
 
 
 def _tok(value: str) -> str:
@@ -34,6 +39,17 @@ def req(rid: str, kind: Req) -> str:
 def all_req(kind: Req) -> str:
     """Every request's `kind` subject."""
     return f"{PREFIX}.req.*.{Req(kind)}"
+
+
+def to_instance(role: str, inst: str, kind: Req) -> str:
+    """`pdd.<prefill|relay|md>.<inst>.<kind>`: a per-request message addressed to the one
+    instance that needs it, so no instance receives (and drops) the others' traffic."""
+    return f"{PREFIX}.{_ROLE_TOKEN[role]}.{_tok(inst)}.{Req(kind)}"
+
+
+def any_instance(role: str, kind: Req) -> str:
+    """to_instance's subjects for every instance of a role (permissions)."""
+    return f"{PREFIX}.{_ROLE_TOKEN[role]}.*.{Req(kind)}"
 
 
 def router_tokens(router: str) -> str:
@@ -84,8 +100,7 @@ def md_rdma(bulk_address: str, kind: str) -> str:
 
 def resume(role: str, inst: str) -> str:
     """`pdd.md.<inst>.resume` / `pdd.relay.<inst>.resume`: take over a request by token IDs."""
-    short = {"main_decode": "md", "relay": "relay"}[role]
-    return f"{PREFIX}.{short}.{_tok(inst)}.resume"
+    return f"{PREFIX}.{_ROLE_TOKEN[role]}.{_tok(inst)}.resume"
 
 
 def kv_events(role: str, inst: str) -> str:

@@ -100,7 +100,8 @@ async def run_request(md: MainDecodeService, nc, rid: str) -> list[int]:
     assert ready.ok and ready.missing, ready
     submit = PrefillSubmit(rid, PROMPT, greedy(MAX_TOKENS), Pipeline.P_MD)
     assert (await request(nc, subjects.prefill_submit_to("0"), submit, SubmitReply, timeout=WAIT_S)).ok
-    await publish(nc, subjects.req(rid, Req.MD_TARGET), MDTarget(rid, ready.bulk_address, ready.missing))
+    target = MDTarget(rid, ready.bulk_address, ready.missing, "0")
+    await publish(nc, subjects.to_instance("prefill", "0", Req.MD_TARGET), target)
     tokens: dict[int, int] = {}
     async with asyncio.timeout(WAIT_S):
         while True:

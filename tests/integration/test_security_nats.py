@@ -34,11 +34,13 @@ def _publishers() -> dict[str, set[str]]:
     table = {
         subjects.req(RID, Req.TOKENS): data,
         subjects.router_tokens("router-0-ab12"): data,
-        subjects.req(RID, Req.KV_READY): {"main_decode"},
-        subjects.req(RID, Req.HANDOFF): {"prefill", "relay"},
-        subjects.req(RID, Req.HANDOFF_ACK): {"main_decode"},
-        subjects.req(RID, Req.MD_TARGET): {"router"},
-        subjects.req(RID, Req.MD_LOST): {"router"},
+        subjects.to_instance("relay", "0", Req.KV_READY): {"main_decode"},
+        subjects.to_instance("main_decode", "0", Req.HANDOFF): {"prefill", "relay"},
+        subjects.to_instance("relay", "0", Req.HANDOFF_ACK): {"main_decode"},
+        subjects.to_instance("prefill", "0", Req.MD_TARGET): {"router"},
+        subjects.to_instance("prefill", "0", Req.MD_LOST): {"router"},
+        subjects.to_instance("relay", "0", Req.MD_LOST): {"router"},
+        subjects.req(RID, Req.HANDOFF): set(),  # per-request messages go to an instance, not here
         subjects.prefill_submit(): {"router"},
         subjects.prefill_submit_to("0"): {"router"},
         subjects.md_prepare("0"): {"router"},

@@ -64,7 +64,7 @@ def _opened(life: RequestLife, pipeline: Pipeline = Pipeline.P_RLD_MD, rid: str 
 
 
 def _dispatched(life: RequestLife, stream: RequestStream) -> list:
-    return life.dispatched(stream, "p0", MDTarget(stream.rid, "tcp://md0:1", [7]))
+    return life.dispatched(stream, "p0", MDTarget(stream.rid, "tcp://md0:1", [7], "md0"))
 
 
 def _tok(rid: str, source: Role, index: int, tokens: list[int], **kw) -> TokenEvent:
@@ -86,7 +86,9 @@ def test_a_request_lives_from_open_through_the_handoff_to_its_finish() -> None:
 
     # Dispatched: P learns where MD is; prefill produces until its first token.
     assert _dispatched(life, stream) == [
-        Publish(subjects.req(RID, Req.MD_TARGET), MDTarget(RID, "tcp://md0:1", [7]))
+        Publish(
+            subjects.to_instance("prefill", "p0", Req.MD_TARGET), MDTarget(RID, "tcp://md0:1", [7], "md0")
+        )
     ]
     assert stream.state.is_in(StreamState.RELAYED) and stream.producer == (Role.PREFILL, "p0")
 
@@ -212,7 +214,11 @@ def test_md_lost_before_the_handoff_leaves_the_relay_to_finish_alone() -> None:
     _dispatched(life, stream)
     now = time.monotonic()
     assert life.tick(now, {"md0"}) == []
-    assert life.tick(now, set()) == [Publish(subjects.req(RID, Req.MD_LOST), MainDecodeLost(RID, "md0"))]
+    lost = MainDecodeLost(RID, "md0")  # P stops its WAN stream, the relay goes on alone
+    assert life.tick(now, set()) == [
+        Publish(subjects.to_instance("prefill", "p0", Req.MD_LOST), lost),
+        Publish(subjects.to_instance("relay", "rld0", Req.MD_LOST), lost),
+    ]
     assert stream.state.is_in(StreamState.RELAY_SOLO)
     assert life.tick(now, set()) == []  # told once
     solo = RelayReport(handed_over=False, rld_tokens=2)

@@ -176,7 +176,7 @@ class Dispatcher:
             )
             await self.effects.perform_in_order(self.requests.refused(stream, str(error)))
             raise error
-        target = MDTarget(stream.rid, prep.bulk_address, prep.missing)
+        target = MDTarget(stream.rid, prep.bulk_address, prep.missing, stream.md_instance)
         await self.effects.perform_in_order(self.requests.dispatched(stream, reply.instance, target))
         # MD keeps the prompt's blocks once they arrive: count them as its own now, as a
         # session's next turn may come before MD's cache events say so (a snapshot or an
@@ -201,6 +201,7 @@ class Dispatcher:
             stream.block_hashes,
             stream.decision.pipeline,
             router=self.identity,
+            relay=stream.relay_instance or "",
         )
         subject = subjects.md_prepare(stream.md_instance)
         return await self._ask((Role.MAIN_DECODE, stream.md_instance), subject, msg, PrepareReply)

@@ -50,7 +50,7 @@ class RequestLife:
         stream.dispatched(prefill)
         if stream.merger.finished:  # prefill's tokens were all it took (e.g. max_tokens 1)
             stream.finish()
-        return [Publish(subjects.req(stream.rid, Req.MD_TARGET), target)]
+        return [Publish(subjects.to_instance(Role.PREFILL, prefill, Req.MD_TARGET), target)]
 
     def refused(self, stream: RequestStream, why: str) -> list[Action]:
         """P or MD refused the request itself: it ends here."""
@@ -124,7 +124,12 @@ class RequestLife:
             if stream.state.is_in(StreamState.RELAYED) and stream.md_instance not in alive_md:
                 stream.md_lost()  # before the handoff the relay finishes it: no move needed
                 lost = MainDecodeLost(stream.attempt_rid, stream.md_instance)
-                actions.append(Publish(subjects.req(stream.attempt_rid, Req.MD_LOST), lost))
+                for role, inst in (
+                    (Role.PREFILL, stream.prefill_instance),
+                    (Role.RELAY, stream.relay_instance),
+                ):
+                    if inst:  # P stops the WAN stream, the relay finishes the request
+                        actions.append(Publish(subjects.to_instance(role, inst, Req.MD_LOST), lost))
             stall = stream.stall(now, s.lost_after_s, s.gap_timeout_s, s.stall_timeout_s)
             if stall is not None:
                 actions.append(Move(stream, *stall))
