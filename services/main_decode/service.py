@@ -122,14 +122,14 @@ class MainDecodeService(EngineService):
 
     async def subscribe(self) -> None:
         inst = self.settings.instance
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.md_prepare(inst),
             PrepareRequest,
             PrepareReply,
             self._prepare,
             if_aborted=self._takes_no_part,
         )
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
         )
         await self.life.subscribe(self.nc, subjects.all_req(Req.HANDOFF), HandoffBatch, self._on_handoff)

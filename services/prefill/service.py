@@ -135,10 +135,10 @@ class PrefillService(EngineService):
         # Least-loaded choice by the router on the instance subject; the queue group serves
         # clients that do not pick an instance.
         inst = self.settings.instance
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.prefill_submit_to(inst), PrefillSubmit, SubmitReply, self._submit
         )
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill"
         )
         await self.life.subscribe(self.nc, subjects.all_req(Req.MD_TARGET), MDTarget, self._on_md_target)

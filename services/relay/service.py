@@ -111,7 +111,7 @@ class RelayService(EngineService):
         ]:
             await self.life.subscribe(self.nc, subjects.all_req(kind), cls, handler)
         inst = self.settings.instance
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
         )
 
