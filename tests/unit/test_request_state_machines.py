@@ -4,8 +4,8 @@ import pytest
 
 from services.main_decode.service import MOVES as MD_MOVES
 from services.main_decode.service import DecodeState
-from services.prefill.service import MOVES as P_MOVES
-from services.prefill.service import PrefillState
+from services.prefill.job import MOVES as P_MOVES
+from services.prefill.job import PrefillState
 from services.relay.service import MOVES as RLD_MOVES
 from services.relay.service import RelayState
 from services.router.core.merger import TokenMerger
