@@ -30,7 +30,7 @@ from shared.bus.messages import (
 )
 from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
 from shared.engine.outputs import group_by_request
-from shared.kv import KVServer, start_kv_server
+from shared.kv import KVServer, KVSink, start_kv_server
 from shared.kv.tls import server_tls
 from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
@@ -132,14 +132,16 @@ class EngineService:
         """Give up a request at the end of a drain, so that its router moves it."""
         raise NotImplementedError
 
-    async def serve_kv(self, address: str) -> None:
-        """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort).
+    async def serve_kv(self, address: str, sink: KVSink | None = None) -> None:
+        """Receive KV on the bulk channel into `sink` (default: this service's on_blocks/on_done/on_abort).
         TLS on tcp:// when the settings name certificates; groups that are not this model's
         dtype and per-block shape are refused before any memory is reserved for them."""
         layers, two, _, *block = self.engine.kv_cache.shape
         expect = (self.engine.kv_cache.dtype, (layers, two, *block))
         tls = server_tls(self.settings)
-        self.kv_server = await start_kv_server(address, self.settings.secret, self, ssl=tls, expect=expect)
+        self.kv_server = await start_kv_server(
+            address, self.settings.secret, sink or self, ssl=tls, expect=expect
+        )
 
     # ---- what each service defines ---------------------------------------------------
     async def subscribe(self) -> None:

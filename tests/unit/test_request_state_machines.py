@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.main_decode.service import MOVES as MD_MOVES
-from services.main_decode.service import DecodeState
+from services.main_decode.job import MOVES as MD_MOVES
+from services.main_decode.job import DecodeState
 from services.prefill.job import MOVES as P_MOVES
 from services.prefill.job import PrefillState
 from services.relay.service import MOVES as RLD_MOVES
