@@ -20,7 +20,8 @@ from shared.kv.rdma_layout import block_checksum, region_of
 from shared.telemetry import metrics
 
 if TYPE_CHECKING:
-    from .service import MainDecodeService, MDJob
+    from .job import MDJob
+    from .service import MainDecodeService
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,16 @@ class RdmaIntake:
         if self.engine is None:
             return RdmaSlots(ok=False, error="no RDMA path on this main decoder")
         refused = RdmaSlots(ok=False, session=self.engine.session)
-        job = self.service.receiving_job(msg.rid)
+        job = self.service.prompt_kv.receiving_job(msg.rid)
         if job is None or msg.rid in self.offered:
             refused.error = f"request {msg.rid} is not awaiting KV here"
             return refused
         hashes = [h for h in dict.fromkeys(msg.hashes) if h in job.missing and h not in job.received]
         loop = self.service.engine_loop
         slots = await loop.call(self.service.engine.exchange.take_spare, msg.rid, len(hashes))
-        if self.service.receiving_job(msg.rid) is not job:  # dropped meanwhile: nothing was written yet
+        if (
+            self.service.prompt_kv.receiving_job(msg.rid) is not job
+        ):  # dropped meanwhile: nothing was written yet
             await loop.call(self.service.engine.exchange.release_blocks, slots, must_run=True)
             refused.error = f"request {msg.rid} ended"
             return refused
@@ -108,7 +111,7 @@ class RdmaIntake:
         ):
             return RdmaVerdict(ok=False, error="blocks not offered to this request")
         slots = [offered.pop(h) for h in msg.hashes]  # written: out of quarantine's reach
-        job, transfer = self.service.receiving_job(msg.rid), self.service.engine.exchange
+        job, transfer = self.service.prompt_kv.receiving_job(msg.rid), self.service.engine.exchange
         if job is None:
             await self.service.engine_loop.call(transfer.release_blocks, slots, must_run=True)
             return RdmaVerdict(ok=False, error=f"request {msg.rid} ended")
@@ -119,7 +122,7 @@ class RdmaIntake:
         per_block = (
             self.service.engine.kv_cache[:, :, 0].numel() * self.service.engine.kv_cache.element_size()
         )
-        self.service.received(job, good, per_block * len(good), msg.traceparent, "rdma")
+        self.service.prompt_kv.received(job, good, per_block * len(good), msg.traceparent, "rdma")
         return RdmaVerdict(ok=True, corrupt=corrupt)
 
     def _verify(

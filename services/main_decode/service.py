@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from enum import Enum, auto
 
-import torch
 from opentelemetry import context as otel_context
-from opentelemetry.context import Context
-from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
@@ -39,54 +34,16 @@ from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, Ste
 from shared.engine.request_admission import Verdict
 from shared.kv.transport import advertised_address
 from shared.serving.engine_service import EngineService, outcome_of, token_event
-from shared.serving.state_machine import StateMachine, table_of
+from shared.serving.state_machine import StateMachine
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
-from shared.telemetry.tracing import context_from_traceparent
 
+from .job import MOVES, DecodeState, MDJob
 from .prepare_admission import KVAdmissionQueue, KVBusy
+from .prompt_kv import PromptKVIntake
 from .rdma_intake import RdmaIntake
 
 log = logging.getLogger(__name__)
-
-
-class DecodeState(Enum):
-    RECEIVING = auto()  # prepared: prompt KV crossing the WAN; handoff batches wait
-    READY = auto()  # prompt KV complete: the next handoff batch can be applied
-    EXTENDING = auto()  # one handoff batch's extend pass is running
-    DECODING = auto()  # the final batch is in: MD generates until the end
-    DONE = auto()  # finished or dropped: nothing is held
-
-
-MOVES = table_of(
-    DecodeState,
-    RECEIVING=("READY", "DONE"),
-    READY=("EXTENDING", "DONE"),
-    EXTENDING=("READY", "DECODING", "DONE"),
-    DECODING=("DONE",),
-    DONE=(),
-)
-
-
-@dataclass
-class MDJob:
-    req: PrepareRequest
-    rid = property(lambda self: self.req.rid)
-    router = property(lambda self: self.req.router)
-    missing: set[int]
-    state: StateMachine[DecodeState] = field(
-        default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES)
-    )
-    received: set[int] = field(default_factory=set)
-    batches: dict[int, tuple[HandoffBatch, Context]] = field(default_factory=dict)  # seq -> batch, sender ctx
-    next_seq: int = 0
-    next_index: int = 0  # output index the next handoff batch must start at
-    wan_bytes: int = 0
-    md_tokens: int = 0
-    created: float = field(default_factory=time.monotonic)
-    ctx: Context | None = None  # the router's request context
-    receive_span: Span | None = None
-    decode_span: Span | None = None
 
 
 class MainDecodeService(EngineService):
@@ -100,6 +57,15 @@ class MainDecodeService(EngineService):
             settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed
         )
         self.rdma = RdmaIntake(self)
+        self.prompt_kv = PromptKVIntake(
+            self.jobs,
+            self.engine_loop,
+            self.engine.exchange,
+            self.tracer,
+            self.rdma.take_back,
+            self._kv_complete,
+            self._drop,
+        )
 
     advertise_address = ""  # where P dials this MD's bulk listener, once it listens
 
@@ -107,7 +73,7 @@ class MainDecodeService(EngineService):
         return self.advertise_address
 
     async def start(self) -> None:
-        await self.serve_kv(self.settings.bulk_address)
+        await self.serve_kv(self.settings.bulk_address, self.prompt_kv)
         assert self.kv_server is not None
         self.advertise_address = self.settings.advertise_address or await advertised_address(
             self.kv_server.address
@@ -122,14 +88,14 @@ class MainDecodeService(EngineService):
 
     async def subscribe(self) -> None:
         inst = self.settings.instance
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.md_prepare(inst),
             PrepareRequest,
             PrepareReply,
             self._prepare,
             if_aborted=self._takes_no_part,
         )
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
         )
         await self.life.subscribe(
@@ -199,62 +165,8 @@ class MainDecodeService(EngineService):
 
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
 
-    # ---- KV sink (bulk channel over the WAN) -------------------------------------------
-    def receiving_job(self, rid: str) -> MDJob | None:
-        job = self.jobs.get(rid)
-        return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
-
-    def received(
-        self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
-    ) -> None:
-        """Blocks of the request are cached and pinned for it (over TCP or RDMA)."""
-        if job.receive_span is None:  # parented by prefill's transfer span
-            job.receive_span = self.tracer.start_span(
-                "md.kv_receive",
-                context=context_from_traceparent(traceparent),
-                attributes={REQUEST_ID_ATTR: job.rid, "path": "wan", "transport": transport},
-            )
-        job.received.update(hashes)
-        job.wan_bytes += nbytes
-
-    def _receiving(self, rid: str) -> MDJob:
-        job = self.jobs.get(rid)
-        if job is None:
-            raise KeyError(f"unknown request id {rid}")
-        if not job.state.is_in(DecodeState.RECEIVING):
-            raise ValueError(f"request {rid} is not receiving KV ({job.state.state.name})")
-        return job
-
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
-        """Idempotent by block hash: after a dropped connection prefill sends every block again,
-        and a block this request already holds is skipped (even once its KV is complete)."""
-        job = self.jobs.get(rid)
-        if job is None:
-            raise KeyError(f"unknown request id {rid}")
-        if not set(hashes) <= job.missing:
-            raise ValueError(f"request {rid}: unexpected blocks")
-        fresh = [i for i, h in enumerate(hashes) if h not in job.received]
-        if not fresh:
-            return
-        job = self._receiving(rid)
-        if len(fresh) < len(hashes):
-            hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
-        await self.rdma.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
-        await self.engine_loop.call(self.engine.exchange.import_blocks, hashes, kv, pin=rid)
-        self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
-
-    async def on_done(self, rid: str, payload: bytes) -> None:
-        job = self.jobs.get(rid)
-        if job is not None and not job.state.is_in(DecodeState.RECEIVING):
-            return  # again after a dropped connection lost the ack: the first one was applied
-        job = self._receiving(rid)
-        lacking = job.missing - job.received
-        if lacking:
-            raise ValueError(f"request {rid}: {len(lacking)} prompt blocks never arrived")
-        job.state.to(DecodeState.READY)
-        if job.receive_span:
-            job.receive_span.set_attributes({"bytes": job.wan_bytes, "blocks": len(job.received)})
-            job.receive_span.end()
+    # ---- prompt KV complete (bulk channel over the WAN) --------------------------------
+    async def _kv_complete(self, job: MDJob) -> None:
         if job.req.pipeline is Pipeline.P_RLD_MD and job.req.relay:  # only a relay waits for it
             await self._send_kv_ready(job)
         await self._drain_handoffs(job)
@@ -268,20 +180,14 @@ class MainDecodeService(EngineService):
             if token is not None:
                 otel_context.detach(token)
 
-    async def on_abort(self, rid: str, reason: str) -> None:
-        """The sender aborted the transfer: drop a request whose KV never completed."""
-        job = self.jobs.get(rid)
-        if job is not None and job.state.is_in(DecodeState.RECEIVING):
-            await self._drop(job)
-
     # ---- handoff: extend by token IDs --------------------------------------------------
     async def _on_handoff(self, msg: HandoffBatch, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
             self.count_unknown_request()
             return
-        if msg.seq < job.next_seq or msg.seq in job.batches:  # a redelivery: the first copy stands
-            reason = "stale" if msg.seq < job.next_seq else "duplicate"
+        reason = job.redelivery(msg.seq)
+        if reason is not None:  # the first copy stands
             metrics.HANDOFF_BATCHES_DROPPED.labels(reason=reason).inc()
             log.warning(
                 "request %s: %s handoff batch %d dropped (next %d)", msg.rid, reason, msg.seq, job.next_seq
@@ -372,20 +278,12 @@ class MainDecodeService(EngineService):
     async def release_on_leaving(self, job: MDJob) -> None:
         await self._fail(job, "main decode is leaving")
 
-    def _end_spans(self, job: MDJob) -> None:
-        if job.decode_span and job.decode_span.is_recording():
-            job.decode_span.set_attribute("md_tokens", job.md_tokens)
-            job.decode_span.end()
-        if job.receive_span and job.receive_span.is_recording():
-            job.receive_span.set_attribute("aborted", True)
-            job.receive_span.end()
-
     async def _drop(self, job: MDJob) -> None:
         if job.state.is_in(DecodeState.DONE):
             return
         job.state.to(DecodeState.DONE)
         self.jobs.pop(job.rid, None)
-        self._end_spans(job)
+        job.end_spans()
         self.rdma.forget(job.rid)
         await self.free(job.rid)
 

@@ -6,18 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import weakref
-from dataclasses import dataclass, field
-from enum import Enum, StrEnum, auto
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.codec import encode
 from shared.bus.connection import publish, respond
 from shared.bus.messages import (
     Abort,
@@ -30,7 +22,6 @@ from shared.bus.messages import (
     Outcome,
     Pipeline,
     PrefillSubmit,
-    RelayStart,
     Role,
     SubmitReply,
     TokenEvent,
@@ -38,70 +29,18 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
-from shared.kv import KVClient, KVClientPool, KVTransfer, KVTransferError, LinkEstimator
+from shared.kv import KVClientPool
 from shared.kv.tls import client_tls
 from shared.serving.engine_service import EngineService, outcome_of, token_event
-from shared.serving.state_machine import StateMachine, table_of
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
-from shared.telemetry.tracing import traceparent
 
 from .exporter import BlockExport, BlockExporter
-from .rdma_path import RdmaLink, RdmaPeers, start_writer
+from .job import END, KVPath, PrefillJob, PrefillState, after_first_token, after_target
+from .kv_stream import KVStreamer
+from .rdma_path import RdmaPeers, start_writer
 
 log = logging.getLogger(__name__)
-_END = None  # queue sentinel: no more blocks for this destination
-
-
-class KVPath(StrEnum):
-    WAN = "wan"  # to MD, across the datacenters
-    LOCAL = "local"  # to the relay, next door
-
-
-class PrefillState(Enum):
-    PREFILLING = auto()  # computing; MD's target not known yet
-    TARGETED = auto()  # computing; the blocks MD lacks stream over the WAN
-    AWAITING_TARGET = auto()  # first token out; MD's target not known yet
-    DRAINING = auto()  # first token out, target known: the senders finish their queues
-    RELEASED = auto()  # nothing held
-
-
-MOVES = table_of(
-    PrefillState,
-    PREFILLING=("TARGETED", "AWAITING_TARGET", "RELEASED"),
-    TARGETED=("DRAINING", "RELEASED"),
-    AWAITING_TARGET=("DRAINING", "RELEASED"),
-    DRAINING=("RELEASED",),
-    RELEASED=(),
-)
-
-
-@dataclass
-class PrefillJob:
-    """One request's event-loop state (the engine thread has its own, in BlockExporter)."""
-
-    submit: PrefillSubmit
-    state: StateMachine[PrefillState] = field(
-        default_factory=lambda: StateMachine(PrefillState.PREFILLING, MOVES)
-    )
-    md_address: str = ""
-    md_instance: str = ""  # P→MD: where the first token is handed over
-    md_missing: list[int] = field(default_factory=list)  # blocks MD lacks
-    md_pending: set[int] = field(default_factory=set)  # blocks MD lacks, not queued yet
-    md_end_queued: bool = False
-    md_queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    local_queue: asyncio.Queue | None = None
-    first_token: int | None = None
-    wan_bytes: int = 0
-    rdma_bytes: int = 0  # of wan_bytes, written over the RDMA path
-    wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
-    senders: dict[KVPath, asyncio.Task] = field(default_factory=dict)
-    transfers: dict[KVPath, KVTransfer] = field(default_factory=dict)  # each sender's (it survives drops)
-    ctx: Context | None = None  # trace context of the router's request
-    compute_span: Span | None = None
-
-    rid = property(lambda self: self.submit.rid)
-    router = property(lambda self: self.submit.router)
 
 
 class PrefillService(EngineService):
@@ -122,11 +61,17 @@ class PrefillService(EngineService):
             parallel=settings.bulk_parallel,
             parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)),
         )
-        self.links = LinkEstimator()
-        self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
-        self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series
         self.track("export_plans", lambda: len(self.exporter._plans))
         self.rdma = RdmaPeers(nc, None, settings.rdma.control_timeout_s)  # the RDMA path to MD, once started
+        self.streams = KVStreamer(
+            settings,
+            self.tracer,
+            self.life.spawn,
+            self.kv_clients,
+            self.rdma,
+            self._stream_failed,
+            self._release_if_drained,
+        )
 
     async def start(self) -> None:
         self.rdma.writer = await start_writer(self.settings)
@@ -136,10 +81,10 @@ class PrefillService(EngineService):
         # Least-loaded choice by the router on the instance subject; the queue group serves
         # clients that do not pick an instance.
         inst = self.settings.instance
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.prefill_submit_to(inst), PrefillSubmit, SubmitReply, self._submit
         )
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill"
         )
         inst = self.settings.instance
@@ -180,7 +125,7 @@ class PrefillService(EngineService):
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
         if job.local_queue is not None and msg.relay_address:  # P→RLD→MD
-            self._start_sender(job, KVPath.LOCAL, msg.relay_address, job.local_queue)
+            self.streams.start(job, KVPath.LOCAL, msg.relay_address, job.local_queue)
         self.life.spawn(self._watch(job))
         await respond(raw, SubmitReply(ok=True, instance=self.settings.instance))
 
@@ -190,13 +135,11 @@ class PrefillService(EngineService):
         if job is None:
             self.count_unknown_request()
             return
-        starts_draining = job.state.is_in(PrefillState.AWAITING_TARGET)  # the first token is out
-        if job.state.is_in(PrefillState.PREFILLING):
-            job.state.to(PrefillState.TARGETED)  # the first token will start draining
-        elif starts_draining:
-            job.state.to(PrefillState.DRAINING)
-        else:
+        moved = after_target(job.state.state)
+        if moved is None:
             return  # a duplicate target, or the request is gone
+        job.state.to(moved)
+        starts_draining = moved is PrefillState.DRAINING
         # The WAN sender exists before any await, so draining cannot see "all senders done"
         # while MD's blocks are still to come.
         job.md_instance = msg.md_instance
@@ -205,7 +148,7 @@ class PrefillService(EngineService):
             msg.md_missing,
             set(msg.md_missing),
         )
-        self._start_sender(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
+        self.streams.start(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
         self._close_wan_if_complete(job)
         export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
         if export is not None:
@@ -232,11 +175,11 @@ class PrefillService(EngineService):
             return
         await self.send_tokens(job.router, token_event(job.rid, self.role, 0, [out]))
         if job.local_queue is not None:
-            job.local_queue.put_nowait(_END)  # the relay's stream ends with the first token
-        if job.state.is_in(PrefillState.PREFILLING):
-            job.state.to(PrefillState.AWAITING_TARGET)
-        elif job.state.is_in(PrefillState.TARGETED):
-            job.state.to(PrefillState.DRAINING)
+            job.local_queue.put_nowait(END)  # the relay's stream ends with the first token
+        moved = after_first_token(job.state.state)
+        if moved is not None:
+            job.state.to(moved)
+        if moved is PrefillState.DRAINING:
             await self._on_draining(job)
 
     async def _on_draining(self, job: PrefillJob) -> None:
@@ -278,136 +221,12 @@ class PrefillService(EngineService):
         """MD asked for an exact set of blocks: the WAN stream ends once all are queued."""
         if not job.md_pending and not job.md_end_queued:
             job.md_end_queued = True
-            job.md_queue.put_nowait(_END)
+            job.md_queue.put_nowait(END)
 
-    # ---- transfers -------------------------------------------------------------------
-    def _start_sender(self, job: PrefillJob, path: KVPath, address: str, queue: asyncio.Queue) -> None:
-        job.senders[path] = self.life.spawn(self._ship(job, path, address, queue))
-
-    async def _ship(self, job: PrefillJob, path: KVPath, address: str, queue: asyncio.Queue) -> None:
-        """Stream one destination's blocks for one request, then wait for its ack."""
-        span = self.tracer.start_span(
-            "kv.transfer",
-            context=job.ctx,
-            attributes={REQUEST_ID_ATTR: job.rid, "path": path.value, "peer": address},
-        )
-        t_start, sent = time.monotonic(), 0
-        transfer = job.transfers[path] = KVTransfer(
-            self.kv_clients, address, job.rid, timeout=self.settings.request_timeout_s
-        )
-        try:
-            sent, t_first = await self._stream(job, path, transfer, queue, traceparent_of(span))
-            payload = encode(self._relay_start(job, span)) if path is KVPath.LOCAL else b""
-            await transfer.finish(payload)
-            if path is KVPath.WAN and transfer.client is not None and not transfer.reconnects:
-                self._observe_link(
-                    address, transfer.client, sent, t_first, time.monotonic()
-                )  # no outage in it
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
-            await self._transfer_failed(job, path, address, span, e)
-        finally:
-            span.set_attributes(
-                {
-                    "bytes": sent,
-                    "duration_s": time.monotonic() - t_start,
-                    "reconnects": transfer.reconnects,
-                    "rdma_bytes": job.rdma_bytes,
-                }
-            )
-            span.end()
-            job.transfers.pop(path, None)
-            transfer.close()
-            await self._release_if_drained(job)
-
-    async def _stream(
-        self, job: PrefillJob, path: KVPath, transfer: KVTransfer, queue: asyncio.Queue, tp: str | None
-    ) -> tuple[int, float | None]:
-        """Send queued blocks until the end marker: (bytes sent, time of the first block).
-        To MD over the RDMA path where both ends have it, the rest over the TCP channel."""
-        timeout = self.settings.request_timeout_s
-        sent, t_first = 0, None
-        link = await self._open_rdma(job) if path is KVPath.WAN else None
-        try:
-            while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not _END:
-                hashes, kv = item
-                t_first = t_first or time.monotonic()
-                n = await self._send_group(transfer, link, hashes, kv, tp)
-                sent += n
-                if path is KVPath.WAN:
-                    job.wan_bytes += n
-                    job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
-                metrics.KV_BYTES.labels(path=path.value).inc(n)
-            if link is not None:
-                sent += await self._resend(job, transfer, link, tp)
-        finally:
-            if link is not None:
-                link.cancel()
-                job.rdma_bytes = link.bytes
-        return sent, t_first
-
-    async def _open_rdma(self, job: PrefillJob) -> RdmaLink | None:
-        if self.settings.kv_transport != "rdma":
-            return None
-        return await self.rdma.open(job.md_address, job.rid, job.md_missing)
-
-    async def _send_group(
-        self, transfer: KVTransfer, link: RdmaLink | None, hashes: list[int], kv, tp: str | None
-    ) -> int:
-        """One exported group: what MD gave RDMA slots for one-sided, the rest over TCP."""
-        written, rest = await link.send(hashes, kv, tp) if link is not None else (0, list(range(len(hashes))))
-        if not rest:
-            return written
-        part = kv if len(rest) == len(hashes) else kv[:, :, rest]
-        return written + await transfer.send_blocks([hashes[i] for i in rest], part, traceparent=tp)
-
-    async def _resend(self, job: PrefillJob, transfer: KVTransfer, link: RdmaLink, tp: str | None) -> int:
-        """Blocks MD did not verify go again over TCP."""
-        again, kv = await link.settle()
-        if kv is None:
-            return 0
-        n = await transfer.send_blocks(again, kv, traceparent=tp)
-        job.wan_bytes += n
-        metrics.KV_BYTES.labels(path=KVPath.WAN.value).inc(n)
-        return n
-
-    def _relay_start(self, job: PrefillJob, span: Span) -> RelayStart:
-        s = job.submit
-        assert job.first_token is not None  # the local stream ends only after the first token
-        return RelayStart(
-            s.rid,
-            s.prompt_ids,
-            job.first_token,
-            s.params,
-            s.catchup_threshold,
-            traceparent_of(span),
-            router=s.router,
-        )
-
-    async def _transfer_failed(
-        self, job: PrefillJob, path: KVPath, address: str, span: Span, e: Exception
-    ) -> None:
-        if not isinstance(e, KVTransferError | TimeoutError | OSError):
-            log.exception("%s transfer of %s crashed", path.value, job.rid)
-        log.warning("%s transfer of %s to %s failed: %s", path.value, job.rid, address, e)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+    async def _stream_failed(self, job: PrefillJob, path: KVPath, e: Exception) -> None:
         if path is KVPath.LOCAL or job.submit.pipeline is Pipeline.P_MD:
             await self._fail(job, f"KV transfer to {path.value} peer failed: {e}")
         # On P→RLD→MD a WAN failure is the relay's to absorb (it finishes the request).
-
-    def _observe_link(
-        self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float
-    ) -> None:
-        """Feed the link estimator: each connection's handshake RTT once, and goodput from
-        first byte to ack."""
-        if client.rtt and client not in self._rtt_seen:
-            self._rtt_seen.add(client)
-            self.links.observe_rtt(address, client.rtt)
-        if t_first is not None:
-            self.links.observe_transfer(address, sent, t_end - t_first)  # small transfers are ignored there
-        metrics.WAN_BANDWIDTH.labels(peer=address).set(self.links.bandwidth(address))
-        self._labelled_peers.add(address)
 
     # ---- endings ---------------------------------------------------------------------
     async def _watch(self, job: PrefillJob) -> None:
@@ -439,27 +258,13 @@ class PrefillService(EngineService):
     async def _on_md_lost(self, msg: MainDecodeLost, raw) -> None:
         """Only the WAN stream goes: the relay's local stream must go on."""
         job = self.jobs.get(msg.rid)
-        if job is not None and await self._cancel_sender(job, KVPath.WAN, "md_lost"):
+        if job is not None and await self.streams.cancel(job, KVPath.WAN, "md_lost"):
             metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason("md_lost")).inc()
-
-    async def _cancel_sender(self, job: PrefillJob, path: KVPath, reason: str) -> bool:
-        """Stop one stream and tell its peer to drop what it got; False if it had ended."""
-        task = job.senders.get(path)
-        if task is None or task.done() or task is asyncio.current_task():
-            return False
-        transfer = job.transfers.get(path)
-        task.cancel()
-        if transfer is not None:
-            try:
-                await transfer.abort(reason)
-            except Exception as e:  # the peer may already be gone
-                log.debug("abort of %s on the %s path failed: %s", job.rid, path.value, e)
-        return True
 
     async def _drop(self, job: PrefillJob, reason: AbortReason) -> None:
         """Cancel transfers (peers are told to drop what they got) and free the blocks."""
         for path in list(job.senders):
-            if await self._cancel_sender(job, path, reason.value) and path is KVPath.WAN:
+            if await self.streams.cancel(job, path, reason.value) and path is KVPath.WAN:
                 metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason(reason.value)).inc()
         await self._release(job)
 
@@ -483,19 +288,7 @@ class PrefillService(EngineService):
 
     # ---- reporting -------------------------------------------------------------------
     def load_links(self) -> list[LinkReport]:
-        """Measured links (otherwise the router keeps its configured prior) and the KV still
-        queued toward each MD."""
-        known = self.links.snapshot()
-        metrics.forget_peers_except(self._labelled_peers, known)  # the estimator dropped them
-        links = {
-            peer: LinkReport(peer, bandwidth=info["bandwidth"], rtt=info["rtt"])
-            for peer, info in known.items()
-            if info["transfers"]
-        }
-        for job in self.jobs.values():
-            if job.md_address and job.wan_queued:
-                links.setdefault(job.md_address, LinkReport(job.md_address)).backlog += job.wan_queued
-        return list(links.values())
+        return self.streams.link_reports(self.jobs.values())
 
 
 def chunked(engine: EngineSettings, prefill_chunk: int) -> EngineSettings:
@@ -504,8 +297,3 @@ def chunked(engine: EngineSettings, prefill_chunk: int) -> EngineSettings:
     if prefill_chunk <= 0:
         return engine
     return engine.model_copy(update={"max_batched_tokens": min(engine.max_batched_tokens, prefill_chunk)})
-
-
-def traceparent_of(span: Span) -> str | None:
-    with trace.use_span(span, end_on_exit=False):
-        return traceparent()

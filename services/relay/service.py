@@ -10,22 +10,15 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from enum import Enum, auto
 
 import torch
-from opentelemetry import trace
-from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.codec import MessageError, decode
-from shared.bus.connection import publish
 from shared.bus.messages import (
     Abort,
     AbortReason,
     HandoffAck,
-    HandoffBatch,
-    HandoffMode,
     KVReady,
     MainDecodeLost,
     Outcome,
@@ -41,53 +34,18 @@ from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
 from shared.engine.errors import KVShortageError
 from shared.serving.engine_service import EngineService, outcome_of, token_event
-from shared.serving.state_machine import StateMachine, table_of
+from shared.serving.state_machine import StateMachine
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from .handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
+from .handoff import HandoffSender
+from .job import HOLDS_REQUEST, MOVES, RelayJob, RelayState
 
 log = logging.getLogger(__name__)
 
 EARLY_READY_MAX = 1024
 EARLY_READY_TTL_S = 5.0  # a kv_ready beats the local KV by well under this, or its request is gone
-
-
-class RelayState(Enum):
-    RELAYING = auto()  # decoding; MD's copy of the prompt KV is still crossing the WAN
-    HANDING_OFF = auto()  # MD is ready: token-ID batches are on their way to MD
-    HANDED = auto()  # the final batch is sent: MD owns the request
-    SOLO = auto()  # MD is out of the picture: the relay finishes the request
-    DONE = auto()  # the relay holds nothing more of the request
-
-
-MOVES = table_of(
-    RelayState,
-    RELAYING=("HANDING_OFF", "SOLO", "DONE"),
-    HANDING_OFF=("HANDED", "SOLO", "DONE"),
-    HANDED=("DONE",),
-    SOLO=("DONE",),
-    DONE=(),
-)
-HOLDS_REQUEST = (RelayState.RELAYING, RelayState.HANDING_OFF, RelayState.SOLO)  # the relay may end it
-
-
-@dataclass
-class RelayJob:
-    rid: str
-    catchup_threshold: int
-    state: StateMachine[RelayState] = field(default_factory=lambda: StateMachine(RelayState.RELAYING, MOVES))
-    mode: HandoffMode | None = None
-    handed: int = 0  # output tokens already sent to MD
-    seq: int = 0  # next handoff batch number (= catch-up rounds done, before the final one)
-    produced: int = 0  # tokens this relay generated (the first one came from prefill)
-    handoff_at: float | None = None  # when MD's kv_ready started the handoff
-    created: float = field(default_factory=time.monotonic)
-    timers: list[asyncio.Task] = field(default_factory=list)
-    span: Span | None = None  # relay.decode: from the local KV landing to handoff or finish
-    router: str = ""  # the router that owns the request
-    md_instance: str = ""  # the MD that said it is ready: the handoff goes to it
 
 
 class RelayService(EngineService):
@@ -98,6 +56,7 @@ class RelayService(EngineService):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
         # kv_ready that beat the local KV: when, and from which MD
         self.early_ready: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        self.handoff = HandoffSender(self.settings, nc, self.tracer, self.life.spawn, self.jobs, self)
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
@@ -115,7 +74,7 @@ class RelayService(EngineService):
                 self.nc, subjects.to_instance(self.role, self.settings.instance, kind), cls, handler
             )
         inst = self.settings.instance
-        await self.subscribe_admission(
+        await self.admission.subscribe(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
         )
 
@@ -179,7 +138,7 @@ class RelayService(EngineService):
         if rid in self.early_ready:
             job.md_instance = self.early_ready.pop(rid)[1]
             job.state.to(RelayState.HANDING_OFF)
-            await self._start_handoff(job)
+            await self.handoff.start(job)
 
     async def _resume(self, msg: ResumeRequest, raw) -> None:
         """The request moved here by its token IDs (its instance was lost, or no MD is
@@ -231,23 +190,7 @@ class RelayService(EngineService):
         if job.state.is_in(RelayState.RELAYING):  # a duplicate kv_ready cannot start a second handoff
             job.md_instance = msg.md_instance
             job.state.to(RelayState.HANDING_OFF)
-            self.life.spawn(self._start_handoff(job))
-
-    async def _start_handoff(self, job: RelayJob) -> None:
-        job.handoff_at = time.monotonic()
-        tokens = await self.engine_loop.call(self._snapshot, job.rid, False)
-        if tokens is None:
-            return  # finished in the meantime: the output path handles it
-        running = (await self.engine_loop.call(self.engine.stats)).running
-        if not job.state.is_in(RelayState.HANDING_OFF):
-            return  # MD gave up meanwhile: the relay finishes the request
-        job.mode = choose_handoff_mode(
-            len(tokens), running, job.catchup_threshold, self.settings.catchup_load
-        )
-        if job.mode is HandoffMode.ONE_SHOT:
-            await self._send_final(job)
-        else:
-            await self._send_batch(job, tokens)
+            self.life.spawn(self.handoff.start(job))
 
     def _snapshot(self, rid: str, final: bool) -> list[int] | None:
         """Engine thread: the output tokens so far; on the final batch also stop decoding."""
@@ -259,38 +202,22 @@ class RelayService(EngineService):
             self._free_now(rid)
         return tokens
 
-    async def _send_batch(self, job: RelayJob, tokens: list[int]) -> None:
-        batch = tokens[job.handed : job.handed + catchup_batch_size(len(tokens), job.handed)]
-        msg = HandoffBatch(job.rid, job.seq, job.handed, batch, final=False, mode=HandoffMode.CATCH_UP)
-        job.handed += len(batch)
-        job.seq += 1
-        await self._publish_batch(job, msg)
-        job.timers.append(self.life.spawn(self._ack_deadline(job, msg.seq)))
+    async def tokens_so_far(self, rid: str, final: bool) -> list[int] | None:
+        return await self.engine_loop.call(self._snapshot, rid, final)
 
-    async def _send_final(self, job: RelayJob) -> None:
-        tokens = await self.engine_loop.call(self._snapshot, job.rid, True)
-        if tokens is None:
-            return
-        if not job.state.is_in(RelayState.HANDING_OFF):  # MD gave up while decoding stopped
-            await self._lost_after_stop(job)
-            return
-        job.state.to(RelayState.HANDED)
-        mode = job.mode or HandoffMode.ONE_SHOT
-        await self._publish_batch(
-            job, HandoffBatch(job.rid, job.seq, job.handed, tokens[job.handed :], True, mode)
-        )
-        if job.handoff_at is not None:
-            metrics.HANDOFF_SECONDS.labels(mode=mode.value).observe(time.monotonic() - job.handoff_at)
-        report = RelayReport(
-            handed_over=True,
-            rld_tokens=max(len(tokens) - 1, 0),
-            handoff_mode=mode,
-            handoff_batches=job.seq + 1,
-        )
-        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, len(tokens), [], relay=report))
+    async def running(self) -> int:
+        return (await self.engine_loop.call(self.engine.stats)).running
+
+    async def handed(self, job: RelayJob, index: int, report: RelayReport) -> None:
+        await self.send_tokens(job.router, TokenEvent(job.rid, self.role, index, [], relay=report))
         self._forget(job)
 
-    async def _lost_after_stop(self, job: RelayJob) -> None:
+    async def _on_ack(self, msg: HandoffAck, raw) -> None:
+        job = self.jobs.get(msg.rid)
+        if job is not None:
+            self.handoff.acked(job, msg.seq)
+
+    async def lost_after_stop(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.SOLO):
             error = "main decode was lost during the handoff"
             await self.send_tokens(
@@ -298,49 +225,13 @@ class RelayService(EngineService):
             )
         self._forget(job)
 
-    async def _publish_batch(self, job: RelayJob, batch: HandoffBatch) -> None:
-        metrics.HANDOFF_BATCHES.labels(mode=batch.mode.value).inc()
-        ctx = trace.set_span_in_context(job.span) if job.span else None
-        attrs = {
-            REQUEST_ID_ATTR: job.rid,
-            "mode": batch.mode.value,
-            "seq": batch.seq,
-            "tokens": len(batch.tokens),
-            "final": batch.final,
-        }
-        with self.tracer.start_as_current_span("relay.handoff_batch", context=ctx, attributes=attrs):
-            subject = subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF)
-            await publish(self.nc, subject, batch)
-
-    async def _on_ack(self, msg: HandoffAck, raw) -> None:
-        job = self.jobs.get(msg.rid)
-        if job is not None and job.state.is_in(RelayState.HANDING_OFF) and msg.seq == job.seq - 1:
-            self.life.spawn(self._continue_catchup(job))
-
-    async def _continue_catchup(self, job: RelayJob) -> None:
-        tokens = await self.engine_loop.call(self._snapshot, job.rid, False)
-        if tokens is None:
-            return
-        if not job.state.is_in(RelayState.HANDING_OFF):
-            return  # MD gave up meanwhile: the relay finishes the request
-        pending = len(tokens) - job.handed
-        if catchup_is_final(pending, job.seq, job.catchup_threshold, self.settings.catchup_max_rounds):
-            await self._send_final(job)
-        else:
-            await self._send_batch(job, tokens)
-
     # ---- faults ------------------------------------------------------------------------
     async def _md_deadline(self, job: RelayJob) -> None:
         await asyncio.sleep(self.settings.md_ready_timeout_s)
         if self.jobs.get(job.rid) is job and job.state.is_in(RelayState.RELAYING):
-            await self._go_solo(job, "MD not ready in time")
+            await self.go_solo(job, "MD not ready in time")
 
-    async def _ack_deadline(self, job: RelayJob, seq: int) -> None:
-        await asyncio.sleep(self.settings.md_ready_timeout_s)
-        if self.jobs.get(job.rid) is job and job.state.is_in(RelayState.HANDING_OFF) and job.seq - 1 == seq:
-            await self._go_solo(job, "MD did not acknowledge the handoff")
-
-    async def _go_solo(self, job: RelayJob, why: str) -> None:
+    async def go_solo(self, job: RelayJob, why: str) -> None:
         """Fault fallback: MD is out of the picture; the relay finishes the request."""
         log.warning("request %s: %s; relay finishes it", job.rid, why)
         job.state.to(RelayState.SOLO)
@@ -349,14 +240,14 @@ class RelayService(EngineService):
     async def _on_md_lost(self, msg: MainDecodeLost, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
-            await self._go_solo(job, f"main decode {msg.md_instance} was lost")
+            await self.go_solo(job, f"main decode {msg.md_instance} was lost")
 
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
             await self.unpin(msg.rid)
         elif source is Role.MAIN_DECODE and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
-            await self._go_solo(job, f"MD gave up: {msg.reason.value} {msg.detail}")
+            await self.go_solo(job, f"MD gave up: {msg.reason.value} {msg.detail}")
         else:
             self._forget(job)
             await self.free(msg.rid)

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from ssl import SSLCertVerificationError, SSLContext
 from typing import Any
@@ -64,6 +65,18 @@ class _Layers:
 
     def slice(self, lo: int, hi: int) -> memoryview:
         return self.data[lo * self.layer_bytes : hi * self.layer_bytes]
+
+    def frames(
+        self, base: dict[str, Any], first: dict[str, Any] | None, ranges: list, algo: str
+    ) -> Iterator[tuple[dict[str, Any], memoryview]]:
+        """(header, bytes) of the sub-frames `ranges`, `first` added to the lo == 0 one. Lazy:
+        each slice is hashed only when the next frame is asked for, right before it is sent."""
+        for lo, hi in ranges:
+            data = self.slice(lo, hi)
+            header = {**base, "layers": [lo, hi], "nbytes": len(data), "csum": [algo, checksum(algo, data)]}
+            if lo == 0 and first is not None:
+                header.update(first)
+            yield header, data
 
 
 def sendable(kv: torch.Tensor, hashes: list[int]) -> torch.Tensor:
@@ -338,12 +351,7 @@ class KVClient:
         copy into the socket then reads it from cache (hashing in a worker thread read it from
         memory twice and cost a GIL hand-off per frame, more than it overlapped on a busy host)."""
         sent = 0
-        for lo, hi in ranges:
-            data = layers.slice(lo, hi)
-            csum = checksum(self.checksum, data)
-            header = {**base, "layers": [lo, hi], "nbytes": len(data), "csum": [self.checksum, csum]}
-            if lo == 0 and first is not None:
-                header.update(first)
+        for header, data in layers.frames(base, first, ranges, self.checksum):
             sent += await self._send_frame(st, header, data, deadline=deadline)
         return sent
 

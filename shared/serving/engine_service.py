@@ -10,14 +10,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
-from shared.bus.connection import publish, respond, respond_error
+from shared.bus.connection import publish, respond
 from shared.bus.messages import (
     Abort,
     AbortReason,
@@ -31,7 +30,7 @@ from shared.bus.messages import (
 )
 from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
 from shared.engine.outputs import group_by_request
-from shared.kv import KVServer, start_kv_server
+from shared.kv import KVServer, KVSink, start_kv_server
 from shared.kv.tls import server_tls
 from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
@@ -40,6 +39,7 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
+from .admission_gate import AdmissionGate
 from .cache_events import CacheEvents
 from .token_outbox import TokenOutbox
 
@@ -75,8 +75,7 @@ class EngineService:
         self.conn = ConnectionWatch(nc)
         self._freed = asyncio.Event()  # set when KV blocks went back to the pool
         self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine.exchange)
-        self.draining = False  # leaving: refuse new work, finish what is held
-        self._admitting = 0  # admissions under way (not jobs yet)
+        self.admission = AdmissionGate(self.life, nc, self.jobs, self.aborted, self.on_abort_message)
         self.track("jobs", lambda: len(self.jobs))
         self.track("engine_requests", lambda: len(engine.seqs))
         self.track("pins", lambda: len(engine.exchange.pins))
@@ -111,87 +110,38 @@ class EngineService:
         this instance), refuse new work (the router takes it elsewhere), and wait up to
         timeout_s for the requests held to end. Those still held then are released with an
         error, so their router moves them to another instance by token IDs."""
-        self.draining = True
+        self.admission.close(f"{self.role.value} {self.settings.instance} is leaving")
         log.info("%s %s leaving: %d requests held", self.role.value, self.settings.instance, len(self.jobs))
         try:
             await self.report_load()
         except Exception as e:  # the periodic heartbeat says it soon enough
             log.warning("could not announce the drain: %s", e)
         deadline = time.monotonic() + timeout_s
-        while (self.jobs or self._admitting) and time.monotonic() < deadline:  # noqa: ASYNC110 - jobs end in many places
+        while (self.jobs or self.admission.in_flight) and time.monotonic() < deadline:  # noqa: ASYNC110 - jobs end in many places
             await asyncio.sleep(DRAIN_POLL_S)
         for job in list(self.jobs.values()):
             log.warning("request %s still held after the %g s drain: released", job.rid, timeout_s)
             await self.release_on_leaving(job)
 
+    @property
+    def draining(self) -> bool:
+        """Leaving: new work is refused, what is held is finished."""
+        return self.admission.closed is not None
+
     async def release_on_leaving(self, job: Any) -> None:
         """Give up a request at the end of a drain, so that its router moves it."""
         raise NotImplementedError
 
-    async def subscribe_admission(
-        self,
-        subject: str,
-        cls: type,
-        reply_cls: type,
-        admit: Callable[[Any, Any], Awaitable[None]],
-        queue: str = "",
-        if_aborted: Callable[[Any], Any] | None = None,
-    ) -> None:
-        """Messages that create a job. Admission waits for the engine thread (up to one
-        step), so it runs off the subscription: requests arriving together are admitted
-        together. A duplicate request id is refused with `reply_cls(ok=False, error=...)`;
-        so is one already aborted, unless `if_aborted(msg)` gives the reply for that."""
-
-        async def on_message(msg: Any, raw: Any) -> None:
-            self.life.spawn(self._admit(msg, raw, reply_cls, admit, if_aborted))
-
-        await self.life.subscribe(self.nc, subject, cls, on_message, queue=queue)
-
-    async def _admit(
-        self,
-        msg: Any,
-        raw: Any,
-        reply_cls: type,
-        admit: Callable[[Any, Any], Awaitable[None]],
-        if_aborted: Callable[[Any], Any] | None = None,
-    ) -> None:
-        if self.draining:
-            # A service error: the router's request raises and it takes the request elsewhere.
-            await respond_error(raw, "503", f"{self.role.value} {self.settings.instance} is leaving")
-            return
-        self._admitting += 1
-        try:
-            await self._admit_new(msg, raw, reply_cls, admit, if_aborted)
-        finally:
-            self._admitting -= 1
-
-    async def _admit_new(
-        self,
-        msg: Any,
-        raw: Any,
-        reply_cls: type,
-        admit: Callable[[Any, Any], Awaitable[None]],
-        if_aborted: Callable[[Any], Any] | None = None,
-    ) -> None:
-        if msg.rid in self.jobs:
-            await respond(raw, reply_cls(ok=False, error=f"duplicate request id {msg.rid}"))
-        elif msg.rid in self.aborted:
-            refusal = reply_cls(ok=False, error=f"request {msg.rid} was aborted")
-            await respond(raw, if_aborted(msg) if if_aborted else refusal)
-        else:
-            await admit(msg, raw)
-            late = self.aborted.get(msg.rid)
-            if late is not None and msg.rid in self.jobs:  # its abort overtook the admission
-                await self.on_abort_message(*late[1:])
-
-    async def serve_kv(self, address: str) -> None:
-        """Receive KV on the bulk channel; this service is the sink (on_blocks/on_done/on_abort).
+    async def serve_kv(self, address: str, sink: KVSink | None = None) -> None:
+        """Receive KV on the bulk channel into `sink` (default: this service's on_blocks/on_done/on_abort).
         TLS on tcp:// when the settings name certificates; groups that are not this model's
         dtype and per-block shape are refused before any memory is reserved for them."""
         layers, two, _, *block = self.engine.kv_cache.shape
         expect = (self.engine.kv_cache.dtype, (layers, two, *block))
         tls = server_tls(self.settings)
-        self.kv_server = await start_kv_server(address, self.settings.secret, self, ssl=tls, expect=expect)
+        self.kv_server = await start_kv_server(
+            address, self.settings.secret, sink or self, ssl=tls, expect=expect
+        )
 
     # ---- what each service defines ---------------------------------------------------
     async def subscribe(self) -> None:

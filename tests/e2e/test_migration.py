@@ -182,7 +182,7 @@ async def test_an_abort_that_overtakes_its_admission_still_wins(nats_server, nat
         sub = await nc.subscribe(subjects.md_prepare("1"), cb=on)
         reply_task = asyncio.ensure_future(nc.request(subjects.md_prepare("1"), encode(msg), timeout=10))
         raw = await asyncio.wait_for(got.get(), 10)
-        await md._admit(msg, raw, PrepareReply, prepare_overtaken)
+        await md.admission.admit(msg, raw, PrepareReply, prepare_overtaken)
         await reply_task
         await sub.unsubscribe()
         assert md.jobs == {} and (await md.engine_loop.call(md.engine.stats)).used_blocks == 0

@@ -221,11 +221,13 @@ async def test_main_decode_takes_a_resent_block_as_a_no_op(md) -> None:  # noqa:
     reply = await prepare(nc, "again", prompt, hashes)
     assert reply.ok and reply.missing == hashes
     kv = torch.randn(layers, two, len(hashes), *block).to(engine.kv_cache.dtype)
-    await service.on_blocks("again", hashes[:1], kv[:, :, :1], None)
-    await service.on_blocks("again", hashes, kv, None)  # a resend: the first block again, plus the rest
-    await service.on_blocks("again", hashes, kv, None)
-    await service.on_done("again", b"")
-    await service.on_done("again", b"")  # its ack was lost: done once more
+    await service.prompt_kv.on_blocks("again", hashes[:1], kv[:, :, :1], None)
+    await service.prompt_kv.on_blocks(
+        "again", hashes, kv, None
+    )  # a resend: the first block again, plus the rest
+    await service.prompt_kv.on_blocks("again", hashes, kv, None)
+    await service.prompt_kv.on_done("again", b"")
+    await service.prompt_kv.on_done("again", b"")  # its ack was lost: done once more
     pinned = await service.engine_loop.call(lambda: list(engine.exchange.pins["again"]))
     assert len(pinned) == len(set(pinned)) == len(hashes)  # one reference per block, none twice
     assert service.jobs["again"].wan_bytes == kv.numel() * kv.element_size()

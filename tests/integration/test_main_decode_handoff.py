@@ -41,7 +41,7 @@ async def test_a_redelivered_handoff_batch_is_dropped_and_the_first_copy_applied
         reply = await request(nc, subjects.md_prepare("0"), prepare, PrepareReply, timeout=10)
         assert reply.ok and reply.missing == []
         job = md.jobs["r"]
-        await md.on_done("r", b"")  # prompt KV complete: READY for batches
+        await md.prompt_kv.on_done("r", b"")  # prompt KV complete: READY for batches
 
         await md._on_handoff(_batch(0, 0, [5]), None)
         await md._drain_handoffs(job)

@@ -2,12 +2,12 @@
 
 import pytest
 
-from services.main_decode.service import MOVES as MD_MOVES
-from services.main_decode.service import DecodeState
-from services.prefill.service import MOVES as P_MOVES
-from services.prefill.service import PrefillState
-from services.relay.service import MOVES as RLD_MOVES
-from services.relay.service import RelayState
+from services.main_decode.job import MOVES as MD_MOVES
+from services.main_decode.job import DecodeState
+from services.prefill.job import MOVES as P_MOVES
+from services.prefill.job import PrefillState
+from services.relay.job import MOVES as RLD_MOVES
+from services.relay.job import RelayState
 from services.router.core.merger import TokenMerger
 from services.router.core.request_stream import MOVES as ROUTER_MOVES
 from services.router.core.request_stream import RequestStream, StreamState

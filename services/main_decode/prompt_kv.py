@@ -1,0 +1,103 @@
+"""Main decode's sink for prompt KV from prefill (the bulk channel over the WAN, or the RDMA
+path): blocks of a prepared request go into the cache pinned for it, idempotently by block
+hash (after a dropped connection prefill sends every block again); once all it lacked are in,
+the request is READY for its handoff batches."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+import torch
+from opentelemetry import trace
+
+from shared.engine.block_exchange import BlockExchange
+from shared.serving.engine_loop import EngineLoop
+from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.tracing import context_from_traceparent
+
+from .job import DecodeState, MDJob
+
+JobStep = Callable[[MDJob], Awaitable[None]]
+
+
+class PromptKVIntake:
+    def __init__(
+        self,
+        jobs: Mapping[str, MDJob],
+        engine_loop: EngineLoop,
+        exchange: BlockExchange,
+        tracer: trace.Tracer,
+        take_back: Callable[[MDJob, list[int]], Awaitable[None]],
+        complete: JobStep,
+        abandoned: JobStep,
+    ):
+        self.jobs = jobs
+        self.engine_loop = engine_loop
+        self.exchange = exchange
+        self.tracer = tracer
+        self.take_back = take_back  # RDMA slots of blocks that came over TCP instead
+        self.complete = complete  # the prompt KV is all in: the job is READY
+        self.abandoned = abandoned  # the sender gave up before the KV was complete
+
+    def receiving_job(self, rid: str) -> MDJob | None:
+        job = self.jobs.get(rid)
+        return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
+
+    def received(
+        self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
+    ) -> None:
+        """Blocks of the request are cached and pinned for it (over TCP or RDMA)."""
+        if job.receive_span is None:  # parented by prefill's transfer span
+            job.receive_span = self.tracer.start_span(
+                "md.kv_receive",
+                context=context_from_traceparent(traceparent),
+                attributes={REQUEST_ID_ATTR: job.rid, "path": "wan", "transport": transport},
+            )
+        job.received.update(hashes)
+        job.wan_bytes += nbytes
+
+    def _receiving(self, rid: str) -> MDJob:
+        job = self.jobs.get(rid)
+        if job is None:
+            raise KeyError(f"unknown request id {rid}")
+        if not job.state.is_in(DecodeState.RECEIVING):
+            raise ValueError(f"request {rid} is not receiving KV ({job.state.state.name})")
+        return job
+
+    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
+        """Idempotent by block hash: after a dropped connection prefill sends every block again,
+        and a block this request already holds is skipped (even once its KV is complete)."""
+        job = self.jobs.get(rid)
+        if job is None:
+            raise KeyError(f"unknown request id {rid}")
+        if not set(hashes) <= job.missing:
+            raise ValueError(f"request {rid}: unexpected blocks")
+        fresh = [i for i, h in enumerate(hashes) if h not in job.received]
+        if not fresh:
+            return
+        job = self._receiving(rid)
+        if len(fresh) < len(hashes):
+            hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
+        await self.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
+        await self.engine_loop.call(self.exchange.import_blocks, hashes, kv, pin=rid)
+        self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
+
+    async def on_done(self, rid: str, payload: bytes) -> None:
+        job = self.jobs.get(rid)
+        if job is not None and not job.state.is_in(DecodeState.RECEIVING):
+            return  # again after a dropped connection lost the ack: the first one was applied
+        job = self._receiving(rid)
+        lacking = job.missing - job.received
+        if lacking:
+            raise ValueError(f"request {rid}: {len(lacking)} prompt blocks never arrived")
+        job.state.to(DecodeState.READY)
+        if job.receive_span:
+            job.receive_span.set_attributes({"bytes": job.wan_bytes, "blocks": len(job.received)})
+            job.receive_span.end()
+        await self.complete(job)
+
+    async def on_abort(self, rid: str, reason: str) -> None:
+        """The sender aborted the transfer: drop a request whose KV never completed."""
+        job = self.jobs.get(rid)
+        if job is not None and job.state.is_in(DecodeState.RECEIVING):
+            await self.abandoned(job)

@@ -1,0 +1,86 @@
+"""One prefill request on the event loop: its states, and the two events that move it toward
+draining (MD's target and the first token) as pure functions of the state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum, auto
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
+from shared.bus.messages import PrefillSubmit
+from shared.kv import KVTransfer
+from shared.serving.state_machine import StateMachine, table_of
+
+END = None  # queue sentinel: no more blocks for this destination
+
+
+class KVPath(StrEnum):
+    WAN = "wan"  # to MD, across the datacenters
+    LOCAL = "local"  # to the relay, next door
+
+
+class PrefillState(Enum):
+    PREFILLING = auto()  # computing; MD's target not known yet
+    TARGETED = auto()  # computing; the blocks MD lacks stream over the WAN
+    AWAITING_TARGET = auto()  # first token out; MD's target not known yet
+    DRAINING = auto()  # first token out, target known: the senders finish their queues
+    RELEASED = auto()  # nothing held
+
+
+MOVES = table_of(
+    PrefillState,
+    PREFILLING=("TARGETED", "AWAITING_TARGET", "RELEASED"),
+    TARGETED=("DRAINING", "RELEASED"),
+    AWAITING_TARGET=("DRAINING", "RELEASED"),
+    DRAINING=("RELEASED",),
+    RELEASED=(),
+)
+
+
+def after_target(state: PrefillState) -> PrefillState | None:
+    """The state once MD's target is known; None if it changes nothing (a duplicate, or gone)."""
+    if state is PrefillState.PREFILLING:
+        return PrefillState.TARGETED  # the first token will start draining
+    if state is PrefillState.AWAITING_TARGET:
+        return PrefillState.DRAINING  # the first token is out
+    return None
+
+
+def after_first_token(state: PrefillState) -> PrefillState | None:
+    """The state once the first token is out (and more is to decode elsewhere)."""
+    if state is PrefillState.PREFILLING:
+        return PrefillState.AWAITING_TARGET
+    if state is PrefillState.TARGETED:
+        return PrefillState.DRAINING
+    return None
+
+
+@dataclass
+class PrefillJob:
+    """One request's event-loop state (the engine thread has its own, in BlockExporter)."""
+
+    submit: PrefillSubmit
+    state: StateMachine[PrefillState] = field(
+        default_factory=lambda: StateMachine(PrefillState.PREFILLING, MOVES)
+    )
+    md_address: str = ""
+    md_instance: str = ""  # P→MD: where the first token is handed over
+    md_missing: list[int] = field(default_factory=list)  # blocks MD lacks
+    md_pending: set[int] = field(default_factory=set)  # blocks MD lacks, not queued yet
+    md_end_queued: bool = False
+    md_queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    local_queue: asyncio.Queue | None = None
+    first_token: int | None = None
+    wan_bytes: int = 0
+    rdma_bytes: int = 0  # of wan_bytes, written over the RDMA path
+    wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
+    senders: dict[KVPath, asyncio.Task] = field(default_factory=dict)
+    transfers: dict[KVPath, KVTransfer] = field(default_factory=dict)  # each sender's (it survives drops)
+    ctx: Context | None = None  # trace context of the router's request
+    compute_span: Span | None = None
+
+    rid = property(lambda self: self.submit.rid)
+    router = property(lambda self: self.submit.router)
