@@ -1,5 +1,7 @@
 """One main-decode request: its states and what it holds while its prompt KV arrives, its
-handoff batches are applied, and it decodes."""
+handoff batches are applied, and it decodes. The handoff protocol lives here as plain methods
+of (job, event) with no I/O: a batch arrives (`hold`), the next one to apply (`next_extend`),
+its extend pass ran (`extended`). The service performs what they decide."""
 
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ MOVES = table_of(
 
 
 @dataclass
+class Extend:
+    """One handoff batch to apply: the first one adds the request to the engine."""
+
+    batch: HandoffBatch
+    ctx: Context
+    first: bool
+
+
+@dataclass
 class MDJob:
     req: PrepareRequest
     rid = property(lambda self: self.req.rid)
@@ -58,6 +69,32 @@ class MDJob:
         if seq < self.next_seq:
             return "stale"
         return "duplicate" if seq in self.batches else None
+
+    def hold(self, batch: HandoffBatch, ctx: Context) -> str | None:
+        """A batch arrived: keep it until its turn. Returns why it is dropped instead (a
+        redelivery: the first copy stands)."""
+        reason = self.redelivery(batch.seq)
+        if reason is None:
+            self.batches[batch.seq] = (batch, ctx)
+        return reason
+
+    def next_extend(self) -> Extend | str | None:
+        """The batch to apply now, strictly in seq order: only a READY job starts one, and
+        EXTENDING keeps a second one out until it is applied. None: nothing to do yet; a str:
+        why the request fails (a batch that does not continue the output, or an empty one)."""
+        if not (self.state.is_in(DecodeState.READY) and self.next_seq in self.batches):
+            return None
+        batch, ctx = self.batches.pop(self.next_seq)
+        if batch.start_index != self.next_index or not batch.tokens:
+            return f"handoff batch {batch.seq} out of order or empty"
+        self.state.to(DecodeState.EXTENDING)
+        return Extend(batch, ctx, first=self.next_seq == 0)
+
+    def extended(self, batch: HandoffBatch) -> None:
+        """The batch's extend pass ran: after the final one MD decodes on its own."""
+        self.next_seq += 1
+        self.next_index += len(batch.tokens)
+        self.state.to(DecodeState.DECODING if batch.final else DecodeState.READY)
 
     def end_spans(self) -> None:
         if self.decode_span and self.decode_span.is_recording():

@@ -186,25 +186,22 @@ class MainDecodeService(EngineService):
         if job is None:
             self.count_unknown_request()
             return
-        reason = job.redelivery(msg.seq)
-        if reason is not None:  # the first copy stands
+        reason = job.hold(msg, otel_context.get_current())
+        if reason is not None:
             metrics.HANDOFF_BATCHES_DROPPED.labels(reason=reason).inc()
             log.warning(
                 "request %s: %s handoff batch %d dropped (next %d)", msg.rid, reason, msg.seq, job.next_seq
             )
             return
-        job.batches[msg.seq] = (msg, otel_context.get_current())
         self.life.spawn(self._drain_handoffs(job))  # keep this subscription free for other requests
 
     async def _drain_handoffs(self, job: MDJob) -> None:
-        """Apply batches strictly in seq order, one at a time: only a READY job starts one,
-        and the EXTENDING state keeps a second drainer out until it is applied."""
-        while job.state.is_in(DecodeState.READY) and job.next_seq in job.batches:
-            batch, ctx = job.batches.pop(job.next_seq)
-            if batch.start_index != job.next_index or not batch.tokens:
-                await self._fail(job, f"handoff batch {batch.seq} out of order or empty")
+        """Apply the batches the job says are due, one extend pass each."""
+        while (step := job.next_extend()) is not None:
+            if isinstance(step, str):
+                await self._fail(job, step)
                 return
-            job.state.to(DecodeState.EXTENDING)
+            batch = step.batch
             attrs = {
                 REQUEST_ID_ATTR: job.rid,
                 "seq": batch.seq,
@@ -213,16 +210,14 @@ class MainDecodeService(EngineService):
                 "final": batch.final,
             }
             try:
-                with self.tracer.start_as_current_span("md.extend", context=ctx, attributes=attrs):
-                    await self.engine_loop.call(self._apply, job.req, batch, job.next_seq == 0)
+                with self.tracer.start_as_current_span("md.extend", context=step.ctx, attributes=attrs):
+                    await self.engine_loop.call(self._apply, job.req, batch, step.first)
             except EngineError as e:
                 await self._fail(job, f"extend failed: {e}")
                 return
             if job.state.is_in(DecodeState.DONE):  # dropped while extending
                 return
-            job.next_seq += 1
-            job.next_index += len(batch.tokens)
-            job.state.to(DecodeState.DECODING if batch.final else DecodeState.READY)
+            job.extended(batch)
             if batch.final:
                 job.decode_span = self.tracer.start_span(
                     "md.decode",
