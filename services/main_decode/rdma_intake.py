@@ -45,7 +45,7 @@ class RdmaIntake:
             ("offer", RdmaOffer, self._on_offer),
             ("written", RdmaWritten, self._on_written),
         ):
-            await s.life.subscribe(s.nc, subjects.md_rdma(s.advertise_address, kind), cls, handler)
+            await s.life.endpoint(s.nc, subjects.md_rdma(s.advertise_address, kind), cls, handler)
 
     def _start_engine(self) -> RdmaEngine | None:
         rdma, kv = self.service.settings.rdma, self.service.engine.kv_cache

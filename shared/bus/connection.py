@@ -129,6 +129,14 @@ async def subscribe(
 ) -> Subscription:
     """Subscribe with decoding. nats-py calls the callback of one subscription sequentially:
     a slow handler delays the next message of the same subscription (spawn a task if needed)."""
+    return await nc.subscribe(subject, queue=queue, cb=decoding(subject, cls, handler))
+
+
+def decoding(
+    subject: str, cls: type[M], handler: Callable[[M, Msg], Awaitable[None]]
+) -> Callable[[Msg], Awaitable[None]]:
+    """The callback that decodes a message as `cls` (a malformed one is counted and dropped),
+    joins the sender's trace and calls handler(message, raw NATS message)."""
 
     async def on_msg(raw: Msg) -> None:
         try:
@@ -146,7 +154,7 @@ async def subscribe(
         finally:
             otel_context.detach(token)
 
-    return await nc.subscribe(subject, queue=queue, cb=on_msg)
+    return on_msg
 
 
 async def request(nc: Client, subject: str, msg: Message, reply_cls: type[R], *, timeout: float) -> R:

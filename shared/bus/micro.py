@@ -1,4 +1,5 @@
-"""Register a service with `nats.micro`, so `$SRV.PING/INFO/STATS` discovery works."""
+"""Register a service with `nats.micro`, so `$SRV.PING/INFO/STATS` discovery works and lists
+the request/reply subjects it answers as endpoints."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service
 
 Handler = Callable[[Request], Awaitable[None]]
+SERVICE_VERSION = "0.1.0"
 
 
 def endpoint_name(subject: str) -> str:
@@ -45,3 +48,19 @@ async def register_service(
         await svc.stop()
         raise
     return svc
+
+
+async def add_endpoint(
+    svc: Service, subject: str, on_msg: Callable[[Msg], Awaitable[None]], queue: str = ""
+) -> None:
+    """Answer `subject` as an endpoint of svc ($SRV.INFO lists it, $SRV.STATS counts its
+    requests). on_msg gets the NATS message itself, so it replies as any responder does. Without
+    a queue the endpoint takes micro's default group: one instance's own subject has one member."""
+
+    async def handle(request: Request) -> None:
+        await on_msg(request._msg)  # the message a micro Request wraps (nats-py keeps it private)
+
+    config = EndpointConfig(
+        name=endpoint_name(subject), subject=subject, queue_group=queue or None, handler=handle
+    )
+    await svc.add_endpoint(config)

@@ -52,7 +52,7 @@ class AdmissionGate:
         async def on_message(msg: Any, raw: Any) -> None:
             self.life.spawn(self.admit(msg, raw, reply_cls, admit, if_aborted))
 
-        await self.life.subscribe(self.nc, subject, cls, on_message, queue=queue)
+        await self.life.endpoint(self.nc, subject, cls, on_message, queue=queue)
 
     async def admit(
         self,

@@ -42,7 +42,7 @@ class CacheEvents:
 
     async def start(self, life: Lifecycle) -> None:
         subject = subjects.kv_snapshot(self.role.value, self.instance)
-        await life.subscribe(self.nc, subject, KVSnapshotRequest, self._answer)
+        await life.endpoint(self.nc, subject, KVSnapshotRequest, self._answer)
         life.every(EVENTS_EVERY_S, self.publish)
 
     # ---- engine thread -------------------------------------------------------------------

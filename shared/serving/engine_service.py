@@ -65,7 +65,8 @@ class EngineService:
         self.tokens = TokenOutbox(nc)
         self.engine_loop = EngineLoop(engine, self._on_step, post_step, settings.engine_call_timeout_s)
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
-        self.life = Lifecycle()
+        discovery = {"instance": settings.instance, "datacenter": settings.datacenter}
+        self.life = Lifecycle(f"pdd-{self.role.value.replace('_', '-')}", discovery)
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
         self.routers = Heartbeats(settings.orphan_after_s)
@@ -85,6 +86,7 @@ class EngineService:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.engine_loop.start()
+        await self.life.announce(self.nc)
         await self.subscribe()
         await self.life.subscribe(self.nc, subjects.all_aborts(), Abort, self._on_abort)
         await self.life.subscribe(

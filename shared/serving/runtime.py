@@ -57,14 +57,37 @@ def spawn(coro: Awaitable, tasks: set[asyncio.Task], name: str | None = None) ->
 
 
 CLOSE_TASKS_S = 2.0  # a cancelled task that takes longer is stuck in a blocking call
+LEAVE_NATS_S = 3.0  # each NATS step of leaving; the supervisor kills a child after 10 s
 
 
 class Lifecycle:
-    """The subscriptions and background tasks one service owns, stopped together."""
+    """The subscriptions, request/reply endpoints and background tasks one service owns,
+    stopped together. `name` and `metadata`: how nats.micro discovery shows the service."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "", metadata: dict[str, str] | None = None) -> None:
+        self.name, self.metadata = name, metadata or {}
         self.subs: list = []
         self.tasks: set[asyncio.Task] = set()
+        self.micro = None  # the nats.micro service, once announced
+        self._nc = None
+
+    async def announce(self, nc) -> None:
+        """Register with nats.micro ($SRV.PING / INFO / STATS), once."""
+        from shared.bus.micro import SERVICE_VERSION, register_service
+
+        if self.micro is None:
+            desc = f"pdd {self.name}"
+            self.micro = await register_service(nc, self.name, SERVICE_VERSION, desc, metadata=self.metadata)
+            self._nc = nc
+
+    async def endpoint(self, nc, subject: str, cls, handler, *, queue: str = "") -> None:
+        """A request/reply subject this service answers: a nats.micro endpoint, decoded as
+        `cls`, handler(message, raw) replying on raw."""
+        from shared.bus.connection import decoding
+        from shared.bus.micro import add_endpoint
+
+        await self.announce(nc)
+        await add_endpoint(self.micro, subject, decoding(subject, cls, handler), queue)
 
     async def subscribe(self, nc, subject: str, cls, handler, *, queue: str = "") -> None:
         from shared.bus.connection import subscribe
@@ -80,6 +103,13 @@ class Lifecycle:
     async def close(self, timeout_s: float = CLOSE_TASKS_S) -> None:
         """Unsubscribe, cancel every task and wait (bounded) until each has ended, so nothing
         this service started still runs once it says it stopped."""
+        if self.micro is not None and self._nc.is_connected:
+            try:  # leaves discovery and unsubscribes the endpoints
+                async with asyncio.timeout(LEAVE_NATS_S):
+                    await self.micro.stop()
+            except Exception as e:
+                log.warning("leaving the service registry failed: %r", e)
+        self.micro = None
         for sub in self.subs:
             try:
                 await sub.unsubscribe()
@@ -101,7 +131,6 @@ async def serve_service(name: str, settings, factory) -> None:
     requests it holds first (up to settings.drain_timeout_s), so the process exits 0 having
     failed none."""
     from shared.bus.connection import connect
-    from shared.bus.micro import register_service
     from shared.config import ENV_PREFIX
     from shared.security.credentials import nats_options, require_credentials
     from shared.telemetry.metrics import start_metrics_server
@@ -118,36 +147,21 @@ async def serve_service(name: str, settings, factory) -> None:
         start_metrics_server(settings.metrics_port, settings.metrics_host)
     nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}", **nats_options(settings))
     service = factory(settings, nc)
-    await service.start()
-    micro = await register_service(
-        nc,
-        f"pdd-{name.replace('_', '-')}",
-        "0.1.0",
-        f"pdd {name}",
-        metadata={"instance": settings.instance, "datacenter": settings.datacenter},
-    )
+    await service.start()  # announces it to nats.micro discovery with its endpoints
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
     try:
         if await shutdown == signal.SIGTERM and hasattr(service, "drain"):
             await service.drain(settings.drain_timeout_s)
     finally:
-        await _leave(nc, micro, service)
+        await _leave(nc, service)
         shutdown_tracing()
 
 
-LEAVE_NATS_S = 3.0  # each NATS step of leaving; the supervisor kills a child after 10 s
-
-
-async def _leave(nc, micro, service) -> None:
-    """Deregister, stop the service, drain the connection. With NATS unreachable (stopped first,
-    or down) the NATS steps are skipped, and bounded otherwise, instead of each waiting out a flush
-    timeout, so the service stops (and exits 0) within the supervisor's grace either way."""
-    if nc.is_connected:
-        try:
-            async with asyncio.timeout(LEAVE_NATS_S):
-                await micro.stop()
-        except Exception as e:
-            log.warning("leaving the service registry failed: %r", e)
+async def _leave(nc, service) -> None:
+    """Stop the service (it leaves discovery), drain the connection. With NATS unreachable
+    (stopped first, or down) the NATS steps are skipped, and bounded otherwise, instead of each
+    waiting out a flush timeout, so the service stops (and exits 0) within the supervisor's
+    grace either way."""
     await service.stop()
     if nc.is_connected:
         try:

@@ -159,13 +159,19 @@ class Dispatcher:
             if instance:  # its load counts it until it reports again (or the request ends)
                 self.fleet.assignments.record((role, instance), now)
                 stream.assigned.append(((role, instance), now))
-        try:
-            prep, reply = await asyncio.gather(
-                self._prepare_md(stream), self._submit(stream, prefill, catchup)
+        failed: Exception | None = None
+        try:  # if one side fails, the other is cancelled (and awaited) rather than left running
+            async with asyncio.TaskGroup() as both:
+                asked_md = both.create_task(self._prepare_md(stream))
+                asked_p = both.create_task(self._submit(stream, prefill, catchup))
+        except* Exception as group:  # an instance vanished, or NATS trouble
+            failed = group.exceptions[0]
+        if failed is not None:
+            await self.start_elsewhere(
+                stream, f"could not dispatch the request: {failed or type(failed).__name__}"
             )
-        except Exception as e:  # an instance vanished, or NATS trouble
-            await self.start_elsewhere(stream, f"could not dispatch the request: {e or type(e).__name__}")
             return
+        prep, reply = asked_md.result(), asked_p.result()
         if not stream.state.is_in(StreamState.DISPATCHING):
             return  # an instance failed it meanwhile and it moved (or ended)
         if not (reply.ok and prep.ok):
