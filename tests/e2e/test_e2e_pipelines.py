@@ -85,17 +85,23 @@ def test_p_md_matches_single_engine(system, reference):
     assert body["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=24, ignore_eos=True)
 
 
-def test_relay_one_shot_matches(system, reference):
-    prompt = prompt_of(600, salt=2)
+def relayed(system, prompt: list[int], catchup_threshold: int):
+    """A P→RLD→MD completion of 250 tokens over a slow bulk link: the relay decodes a while."""
     with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
         r = complete(
             system,
             prompt,
             max_tokens=250,
             ignore_eos=True,
-            pdd={"pipeline": "p-rld-md", "catchup_threshold": 10_000},
+            pdd={"pipeline": "p-rld-md", "catchup_threshold": catchup_threshold},
         )
     assert r.status_code == 200, r.text
+    return r
+
+
+def test_relay_one_shot_matches(system, reference):
+    prompt = prompt_of(600, salt=2)
+    r = relayed(system, prompt, catchup_threshold=10_000)
     stats = r.json()["pdd"]
     assert r.headers["x-pdd-pipeline"] == "p-rld-md"
     assert stats["handoff_mode"] == "one-shot"
@@ -109,15 +115,7 @@ def test_relay_one_shot_matches(system, reference):
 
 def test_relay_catch_up_several_batches_matches(system, reference):
     prompt = prompt_of(600, salt=3)
-    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
-        r = complete(
-            system,
-            prompt,
-            max_tokens=250,
-            ignore_eos=True,
-            pdd={"pipeline": "p-rld-md", "catchup_threshold": 1},
-        )
-    assert r.status_code == 200, r.text
+    r = relayed(system, prompt, catchup_threshold=1)
     stats = r.json()["pdd"]
     assert stats["handoff_mode"] == "catch-up"
     assert stats["pipeline"] == "p-rld-md"

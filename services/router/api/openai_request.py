@@ -71,6 +71,17 @@ def _bad(message: str, param: str | None = None, status: int = 400, code: str | 
     return APIError(message, status, "invalid_request_error", param=param, code=code)
 
 
+def check_model(requested: str | None, model_id: str) -> None:
+    """A request naming another model is a 404, as OpenAI answers it."""
+    if requested is not None and requested != model_id:
+        raise _bad(
+            f"model '{requested}' does not exist; this server serves '{model_id}'",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
+
+
 # Fields of the other endpoint's logprob options, and their neutral values.
 OTHER_ENDPOINT: dict[bool, dict[str, tuple[Any, ...]]] = {
     False: {"top_logprobs": (None, 0)},  # completions: `logprobs` is the count
@@ -149,13 +160,7 @@ def parse_request(
     raw: bytes, chat: bool, *, model_id: str, tokenizer, max_model_len: int, max_tokens_default: int
 ) -> ParsedRequest:
     body = parse_body(raw, chat)
-    if body.model is not None and body.model != model_id:
-        raise _bad(
-            f"model '{body.model}' does not exist; this server serves '{model_id}'",
-            param="model",
-            status=404,
-            code="model_not_found",
-        )
+    check_model(body.model, model_id)
     prompt_ids = prompt_ids_of(body, tokenizer)
     max_tokens = body.max_tokens or max_tokens_default
     if len(prompt_ids) + max_tokens > max_model_len:

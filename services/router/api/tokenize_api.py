@@ -13,7 +13,7 @@ from pydantic_core import from_json
 
 from .body import read_body
 from .errors import APIError
-from .openai_request import chat_prompt_ids, describe
+from .openai_request import chat_prompt_ids, check_model, describe
 from .schemas import ChatMessage
 
 tokenize_api = APIRouter()
@@ -42,8 +42,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _bad(message: str, param: str | None = None, status: int = 400, code: str | None = None) -> APIError:
-    return APIError(message, status, "invalid_request_error", param=param, code=code)
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, "invalid_request_error", param=param)
 
 
 async def _parse(request: Request, schema: type[BaseModel]) -> BaseModel:
@@ -59,14 +59,7 @@ async def _parse(request: Request, schema: type[BaseModel]) -> BaseModel:
         body = schema.model_validate(payload)
     except ValidationError as e:
         raise _bad(describe(e.errors())) from None
-    model_id = request.app.state.core.model_id
-    if body.model is not None and body.model != model_id:
-        raise _bad(
-            f"model '{body.model}' does not exist; this server serves '{model_id}'",
-            param="model",
-            status=404,
-            code="model_not_found",
-        )
+    check_model(body.model, request.app.state.core.model_id)
     return body
 
 
