@@ -53,12 +53,10 @@ class RdmaReceiver:
         life: Lifecycle,
         nc,
     ):
-        self.settings, self.prompt_kv, self.engine_loop, self.exchange = (
-            settings,
-            prompt_kv,
-            engine_loop,
-            exchange,
-        )
+        self.settings = settings
+        self.prompt_kv = prompt_kv
+        self.engine_loop = engine_loop
+        self.exchange = exchange
         self.life, self.nc = life, nc
         self.pool = exchange.kv_cache  # registered whole; prefill writes into its slots
         self.engine: RdmaEngine | None = None

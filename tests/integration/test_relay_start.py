@@ -121,3 +121,18 @@ async def test_an_abort_drops_a_kept_relay_start(relay) -> None:
     with pytest.raises(ValueError, match="aborted"):
         await land(relay, "gone")
     assert "gone" not in relay.jobs
+
+
+async def test_a_relay_start_the_engine_refuses_ends_the_request_with_an_error(relay) -> None:
+    relay, nc = relay
+    events = await tokens(nc, "too-long")
+    aborts: asyncio.Queue[Abort] = asyncio.Queue()
+    await subscribe(nc, subjects.abort("too-long", "relay"), Abort, lambda msg, raw: aborts.put(msg))
+    await land(relay, "too-long")
+    start = RelayStart("too-long", PROMPT, 7, greedy(100_000))  # more than the whole pool holds
+    await publish(nc, subjects.to_instance("relay", "0", Req.RELAY_START), start)
+    ev = await asyncio.wait_for(events.get(), WAIT_S)
+    assert "could not start" in (ev.error or "")
+    assert (await asyncio.wait_for(aborts.get(), WAIT_S)).reason is AbortReason.FAILED
+    await until(lambda: "too-long" not in relay.engine.exchange.pins, WAIT_S)
+    assert "too-long" not in relay.jobs
