@@ -32,6 +32,7 @@ from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings
 from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
 from shared.engine.request_admission import Verdict
+from shared.kv.rdma_receiver import RdmaReceiver
 from shared.kv.transport import advertised_address
 from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.serving.state_machine import StateMachine
@@ -41,7 +42,6 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from .job import MOVES, DecodeState, MDJob
 from .prepare_admission import KVAdmissionQueue, KVBusy
 from .prompt_kv import PromptKVIntake
-from .rdma_intake import RdmaIntake
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +56,18 @@ class MainDecodeService(EngineService):
         self.kv_admission = KVAdmissionQueue(
             settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed
         )
-        self.rdma = RdmaIntake(self)
+        loop, ex = self.engine_loop, self.engine.exchange
         self.prompt_kv = PromptKVIntake(
-            self.jobs,
-            self.engine_loop,
-            self.engine.exchange,
-            self.tracer,
-            self.rdma.take_back,
-            self._kv_complete,
-            self._drop,
+            self.jobs, loop, ex, self.tracer, self._take_back, self._kv_complete, self._drop
         )
+        self.rdma = RdmaReceiver(settings, self.prompt_kv, loop, ex, self.life, nc)
+        self.track("rdma_offered", lambda: len(self.rdma.offered))
+        self.track("rdma_quarantined", lambda: len(self.rdma.quarantined))
 
     advertise_address = ""  # where P dials this MD's bulk listener, once it listens
+
+    async def _take_back(self, job: MDJob, hashes: list[int]) -> None:
+        await self.rdma.take_back(job.rid, hashes)  # sent over TCP instead of into their RDMA slots
 
     def load_address(self) -> str:
         return self.advertise_address
@@ -78,7 +78,7 @@ class MainDecodeService(EngineService):
         self.advertise_address = self.settings.advertise_address or await advertised_address(
             self.kv_server.address
         )
-        await self.rdma.start()
+        await self.rdma.start(self.advertise_address)
         await super().start()
         self.life.every(1.0, self._expire)
 

@@ -10,8 +10,8 @@ from enum import Enum, StrEnum, auto
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-from shared.bus.messages import PrefillSubmit
-from shared.kv import KVTransfer
+from shared.bus.messages import PrefillSubmit, RelayStart
+from shared.kv.sender import KVSender
 from shared.serving.state_machine import StateMachine, table_of
 
 END = None  # queue sentinel: no more blocks for this destination
@@ -78,9 +78,17 @@ class PrefillJob:
     rdma_bytes: int = 0  # of wan_bytes, written over the RDMA path
     wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
     senders: dict[KVPath, asyncio.Task] = field(default_factory=dict)
-    transfers: dict[KVPath, KVTransfer] = field(default_factory=dict)  # each sender's (it survives drops)
+    transfers: dict[KVPath, KVSender] = field(default_factory=dict)  # each stream's (it survives drops)
     ctx: Context | None = None  # trace context of the router's request
     compute_span: Span | None = None
 
     rid = property(lambda self: self.submit.rid)
     router = property(lambda self: self.submit.router)
+
+    def relay_start(self, traceparent: str | None) -> RelayStart:
+        """What the relay decodes from, once it holds the prompt KV."""
+        s = self.submit
+        assert self.first_token is not None  # the local stream ends only after the first token
+        return RelayStart(
+            s.rid, s.prompt_ids, self.first_token, s.params, s.catchup_threshold, traceparent, router=s.router
+        )

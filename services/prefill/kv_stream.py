@@ -1,6 +1,6 @@
 """Prefill's KV streams: per request, one sender per destination that sends the blocks queued
-for it (to MD over the WAN, over the RDMA path where both ends have it; to the relay over the
-local path), waits for the ack, and feeds the WAN link estimator."""
+for it (to MD over the WAN, to the relay over the local path; shared/kv/sender.py picks how),
+waits for the ack, and feeds the WAN link estimator."""
 
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ from collections.abc import Awaitable, Callable, Iterable
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from shared.bus.codec import encode
-from shared.bus.messages import LinkReport, RelayStart
+from shared.bus.messages import LinkReport
 from shared.config import PrefillSettings
-from shared.kv import KVClient, KVClientPool, KVTransfer, KVTransferError, LinkEstimator
+from shared.kv import KVClient, KVTransferError, LinkEstimator
+from shared.kv.sender import KVSender, KVSenders
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import traceparent
 
 from .job import END, KVPath, PrefillJob
-from .rdma_path import RdmaLink, RdmaPeers
 
 log = logging.getLogger(__name__)
 
 Failed = Callable[[PrefillJob, KVPath, Exception], Awaitable[None]]  # a stream failed (logged already)
+Acked = Callable[[PrefillJob, KVPath, str | None], Awaitable[None]]  # the peer holds it all (traceparent)
 Ended = Callable[[PrefillJob], Awaitable[None]]  # a sender is done, in its own task
 
 
@@ -36,17 +36,17 @@ class KVStreamer:
         settings: PrefillSettings,
         tracer: trace.Tracer,
         spawn: Callable[[Awaitable], asyncio.Task],
-        kv_clients: KVClientPool,
-        rdma: RdmaPeers,
+        senders: KVSenders,
         failed: Failed,
+        acked: Acked,
         ended: Ended,
     ):
         self.settings = settings
         self.tracer = tracer
         self.spawn = spawn
-        self.kv_clients = kv_clients
-        self.rdma = rdma
+        self.senders = senders
         self.failed = failed
+        self.acked = acked
         self.ended = ended
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
@@ -92,17 +92,17 @@ class KVStreamer:
             attributes={REQUEST_ID_ATTR: job.rid, "path": path.value, "peer": address},
         )
         t_start, sent = time.monotonic(), 0
-        transfer = job.transfers[path] = KVTransfer(
-            self.kv_clients, address, job.rid, timeout=self.settings.request_timeout_s
-        )
+        missing = job.md_missing if path is KVPath.WAN else None  # MD may take them in place
+        sender = job.transfers[path] = self.senders.open(address, job.rid, missing)
         try:
-            sent, t_first = await self._stream(job, path, transfer, queue, traceparent_of(span))
-            payload = encode(self._relay_start(job, span)) if path is KVPath.LOCAL else b""
-            await transfer.finish(payload)
-            if path is KVPath.WAN and transfer.client is not None and not transfer.reconnects:
-                self._observe_link(
-                    address, transfer.client, sent, t_first, time.monotonic()
-                )  # no outage in it
+            tp = traceparent_of(span)
+            sent, t_first = await self._stream(job, path, sender, queue, tp)
+            again = await sender.finish()
+            sent += again
+            self._count(job, path, again)
+            if path is KVPath.WAN and sender.client is not None and not sender.reconnects:
+                self._observe_link(address, sender.client, sent, t_first, time.monotonic())  # no outage in it
+            await self.acked(job, path, tp)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
@@ -112,82 +112,44 @@ class KVStreamer:
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
             await self.failed(job, path, e)
         finally:
+            if path is KVPath.WAN:
+                job.rdma_bytes = sender.rdma_bytes
             span.set_attributes(
                 {
                     "bytes": sent,
                     "duration_s": time.monotonic() - t_start,
-                    "reconnects": transfer.reconnects,
+                    "reconnects": sender.reconnects,
                     "rdma_bytes": job.rdma_bytes,
                 }
             )
             span.end()
             job.transfers.pop(path, None)
-            transfer.close()
+            sender.close()
             await self.ended(job)
 
     async def _stream(
-        self, job: PrefillJob, path: KVPath, transfer: KVTransfer, queue: asyncio.Queue, tp: str | None
+        self, job: PrefillJob, path: KVPath, sender: KVSender, queue: asyncio.Queue, tp: str | None
     ) -> tuple[int, float | None]:
-        """Send queued blocks until the end marker: (bytes sent, time of the first block).
-        To MD over the RDMA path where both ends have it, the rest over the TCP channel."""
+        """Send queued blocks until the end marker: (bytes sent, time of the first block)."""
         timeout = self.settings.request_timeout_s
         sent, t_first = 0, None
-        link = await self._open_rdma(job) if path is KVPath.WAN else None
-        try:
-            while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not END:
-                hashes, kv = item
-                t_first = t_first or time.monotonic()
-                n = await self._send_group(transfer, link, hashes, kv, tp)
-                sent += n
-                if path is KVPath.WAN:
-                    job.wan_bytes += n
-                    job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
-                metrics.KV_BYTES.labels(path=path.value).inc(n)
-            if link is not None:
-                sent += await self._resend(job, transfer, link, tp)
-        finally:
-            if link is not None:
-                link.cancel()
-                job.rdma_bytes = link.bytes
+        while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not END:
+            hashes, kv = item
+            t_first = t_first or time.monotonic()
+            n = await sender.send(hashes, kv, tp)
+            sent += n
+            if path is KVPath.WAN:
+                job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
+            self._count(job, path, n)
         return sent, t_first
 
-    async def _open_rdma(self, job: PrefillJob) -> RdmaLink | None:
-        if self.settings.kv_transport != "rdma":
-            return None
-        return await self.rdma.open(job.md_address, job.rid, job.md_missing)
-
-    async def _send_group(
-        self, transfer: KVTransfer, link: RdmaLink | None, hashes: list[int], kv, tp: str | None
-    ) -> int:
-        """One exported group: what MD gave RDMA slots for one-sided, the rest over TCP."""
-        written, rest = await link.send(hashes, kv, tp) if link is not None else (0, list(range(len(hashes))))
-        if not rest:
-            return written
-        part = kv if len(rest) == len(hashes) else kv[:, :, rest]
-        return written + await transfer.send_blocks([hashes[i] for i in rest], part, traceparent=tp)
-
-    async def _resend(self, job: PrefillJob, transfer: KVTransfer, link: RdmaLink, tp: str | None) -> int:
-        """Blocks MD did not verify go again over TCP."""
-        again, kv = await link.settle()
-        if kv is None:
-            return 0
-        n = await transfer.send_blocks(again, kv, traceparent=tp)
-        job.wan_bytes += n
-        metrics.KV_BYTES.labels(path=KVPath.WAN.value).inc(n)
-        return n
-
-    def _relay_start(self, job: PrefillJob, span: Span) -> RelayStart:
-        s = job.submit
-        assert job.first_token is not None  # the local stream ends only after the first token
-        return RelayStart(
-            s.rid,
-            s.prompt_ids,
-            job.first_token,
-            s.params,
-            s.catchup_threshold,
-            traceparent_of(span),
-            router=s.router,
-        )
+    @staticmethod
+    def _count(job: PrefillJob, path: KVPath, n: int) -> None:
+        if not n:
+            return
+        if path is KVPath.WAN:
+            job.wan_bytes += n
+        metrics.KV_BYTES.labels(path=path.value).inc(n)
 
     def _observe_link(
         self, address: str, client: KVClient, sent: int, t_first: float | None, t_end: float

@@ -30,6 +30,7 @@ from shared.bus.subjects import Req
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
 from shared.kv import KVClientPool
+from shared.kv.sender import KVSenders
 from shared.kv.tls import client_tls
 from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.telemetry import metrics
@@ -38,7 +39,6 @@ from shared.telemetry.span_store import REQUEST_ID_ATTR
 from .exporter import BlockExport, BlockExporter
 from .job import END, KVPath, PrefillJob, PrefillState, after_first_token, after_target
 from .kv_stream import KVStreamer
-from .rdma_path import RdmaPeers, start_writer
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +62,19 @@ class PrefillService(EngineService):
             parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)),
         )
         self.track("export_plans", lambda: len(self.exporter._plans))
-        self.rdma = RdmaPeers(nc, None, settings.rdma.control_timeout_s)  # the RDMA path to MD, once started
+        self.senders = KVSenders(settings, nc, self.kv_clients)
         self.streams = KVStreamer(
             settings,
             self.tracer,
             self.life.spawn,
-            self.kv_clients,
-            self.rdma,
+            self.senders,
             self._stream_failed,
+            self._stream_acked,
             self._release_if_drained,
         )
 
     async def start(self) -> None:
-        self.rdma.writer = await start_writer(self.settings)
+        await self.senders.start()
         await super().start()
 
     async def subscribe(self) -> None:
@@ -87,7 +87,6 @@ class PrefillService(EngineService):
         await self.admission.subscribe(
             subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill"
         )
-        inst = self.settings.instance
         for kind, cls, handler in (
             (Req.MD_TARGET, MDTarget, self._on_md_target),
             (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
@@ -222,6 +221,11 @@ class PrefillService(EngineService):
         if not job.md_pending and not job.md_end_queued:
             job.md_end_queued = True
             job.md_queue.put_nowait(END)
+
+    async def _stream_acked(self, job: PrefillJob, path: KVPath, traceparent: str | None) -> None:
+        if path is KVPath.LOCAL:  # the relay holds the prompt KV: it decodes once told from where
+            start = subjects.to_instance(Role.RELAY, job.submit.relay, Req.RELAY_START)
+            await publish(self.nc, start, job.relay_start(traceparent))
 
     async def _stream_failed(self, job: PrefillJob, path: KVPath, e: Exception) -> None:
         if path is KVPath.LOCAL or job.submit.pipeline is Pipeline.P_MD:

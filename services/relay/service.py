@@ -1,5 +1,5 @@
-"""Relay decode (RLD): decodes as soon as its local KV copy lands and streams eager
-tokens while MD's copy crosses the WAN; on MD's kv_ready it hands over by token IDs
+"""Relay decode (RLD): decodes as soon as its local KV copy lands and prefill's RelayStart
+is in (on the bus, either may come first), and streams eager tokens while MD's copy crosses the WAN; on MD's kv_ready it hands over by token IDs
 (one-shot or catch-up) and frees the request. If MD never gets ready, or the request
 ends first (the anomalous-traffic filter), it finishes the request itself and stops the
 WAN transfer."""
@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 
 from shared.bus import subjects
-from shared.bus.codec import MessageError, decode
 from shared.bus.messages import (
     Abort,
     AbortReason,
@@ -32,20 +30,18 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
-from shared.engine.errors import KVShortageError
 from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.serving.state_machine import StateMachine
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
+from .early import EARLY_TTL_S, Early
 from .handoff import HandoffSender
 from .job import HOLDS_REQUEST, MOVES, RelayJob, RelayState
+from .kv_import import import_when_room
 
 log = logging.getLogger(__name__)
-
-EARLY_READY_MAX = 1024
-EARLY_READY_TTL_S = 5.0  # a kv_ready beats the local KV by well under this, or its request is gone
 
 
 class RelayService(EngineService):
@@ -54,18 +50,20 @@ class RelayService(EngineService):
 
     def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        # kv_ready that beat the local KV: when, and from which MD
-        self.early_ready: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        self.early = Early()
         self.handoff = HandoffSender(self.settings, nc, self.tracer, self.life.spawn, self.jobs, self)
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
         await super().start()
-        self.track("early_ready", lambda: len(self.early_ready))
+        self.track("early_ready", lambda: len(self.early.ready))
+        self.track("early_start", lambda: len(self.early.start))
+        self.track("landed", lambda: len(self.early.landed))
         self.life.every(1.0, self._expire)
 
     async def subscribe(self) -> None:
         for kind, cls, handler in [
+            (Req.RELAY_START, RelayStart, self._on_relay_start),
             (Req.KV_READY, KVReady, self._on_kv_ready),
             (Req.HANDOFF_ACK, HandoffAck, self._on_ack),
             (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
@@ -85,41 +83,34 @@ class RelayService(EngineService):
 
     # ---- KV sink (local fast path from prefill) ----------------------------------------
     async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
-        await self._import_when_room(rid, hashes, kv)
-
-    async def _import_when_room(self, rid: str, hashes: list[int], kv: torch.Tensor) -> int:
-        """Import, waiting (bounded) while the pool is full: decoding requests finish and
-        prompts already here start decoding (and drop their pins), so blocks free up.
-        Meanwhile this connection holds back the sender."""
-        wait = self.settings.kv_import_wait_s
-        try:
-            async with asyncio.timeout(wait):
-                while True:
-                    try:
-                        return await self.engine_loop.call(
-                            self.engine.exchange.import_blocks, hashes, kv, pin=rid
-                        )
-                    except KVShortageError:
-                        await self.blocks_freed()
-        except TimeoutError:
-            raise KVShortageError(f"no room for {len(hashes)} KV blocks within {wait:g} s") from None
+        exchange, wait_s = self.engine.exchange, self.settings.kv_import_wait_s
+        await import_when_room(self.engine_loop, exchange, self.blocks_freed, wait_s, rid, hashes, kv)
 
     async def on_done(self, rid: str, payload: bytes) -> None:
-        """All prompt blocks are here: start decoding after prefill's first token."""
-        try:
-            start = decode(RelayStart, payload)
-        except MessageError as e:
-            raise ValueError(f"request {rid}: bad relay start: {e}") from None
-        if start.rid != rid:
-            raise ValueError(f"request {rid}: relay start for {start.rid!r}")
+        """All prompt blocks are here: decode once prefill's RelayStart is in too."""
         if self.was_aborted(rid):
             raise ValueError(f"request {rid} was aborted")
         if rid in self.jobs:
             return  # resent after the connection dropped before its ack: it is running already
-        threshold = (
-            start.catchup_threshold if start.catchup_threshold and start.catchup_threshold > 0 else None
-        )
-        job = RelayJob(rid, threshold or self.settings.catchup_threshold, router=start.router)
+        if (start := self.early.kv_landed(rid)) is not None:
+            await self._begin(start)
+
+    async def _on_relay_start(self, msg: RelayStart, raw) -> None:
+        """Prefill's first token and the request's parameters, once the local KV is acked."""
+        if msg.rid in self.jobs or self.was_aborted(msg.rid) or not self.early.start_came(msg):
+            return
+        try:
+            await self._begin(msg)
+        except EngineError as e:  # nobody waits on this message: give the request up here
+            job = self.jobs.get(msg.rid)
+            if job is not None:
+                await self._fail(job, f"relay could not start: {e}")
+
+    async def _begin(self, start: RelayStart) -> None:
+        """Decode from prefill's first token over the landed prompt KV."""
+        rid = start.rid
+        asked = start.catchup_threshold or 0
+        job = RelayJob(rid, asked if asked > 0 else self.settings.catchup_threshold, router=start.router)
         job.span = self.tracer.start_span(
             "relay.decode",
             context=context_from_traceparent(start.traceparent),
@@ -135,8 +126,8 @@ class RelayService(EngineService):
             num_prompt_tokens=len(prompt),
         )
         job.timers.append(self.life.spawn(self._md_deadline(job)))
-        if rid in self.early_ready:
-            job.md_instance = self.early_ready.pop(rid)[1]
+        if (md := self.early.ready.pop(rid)) is not None:
+            job.md_instance = md
             job.state.to(RelayState.HANDING_OFF)
             await self.handoff.start(job)
 
@@ -155,6 +146,7 @@ class RelayService(EngineService):
 
     async def on_abort(self, rid: str, reason: str) -> None:
         if rid not in self.jobs:  # stream aborted before decoding began: just unpin
+            self.early.forget(rid)
             await self.unpin(rid)
 
     # ---- decoding ----------------------------------------------------------------------
@@ -183,9 +175,7 @@ class RelayService(EngineService):
     async def _on_kv_ready(self, msg: KVReady, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
-            self.early_ready[msg.rid] = (time.monotonic(), msg.md_instance)
-            if len(self.early_ready) > EARLY_READY_MAX:  # only seconds matter: drop the oldest
-                self.early_ready.popitem(last=False)
+            self.early.ready.put(msg.rid, msg.md_instance)
             return
         if job.state.is_in(RelayState.RELAYING):  # a duplicate kv_ready cannot start a second handoff
             job.md_instance = msg.md_instance
@@ -245,6 +235,7 @@ class RelayService(EngineService):
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
         job = self.jobs.get(msg.rid)
         if job is None:
+            self.early.forget(msg.rid)
             await self.unpin(msg.rid)
         elif source is Role.MAIN_DECODE and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
             await self.go_solo(job, f"MD gave up: {msg.reason.value} {msg.detail}")
@@ -254,11 +245,13 @@ class RelayService(EngineService):
 
     async def _expire(self) -> None:
         """No request outlives the timeout on the relay, whatever its peers (or the engine) did:
-        the router gets an error, the other roles an abort, and the relay frees it. A kv_ready
-        whose request never came (or had already ended) is dropped after EARLY_READY_TTL_S."""
+        the router gets an error, the other roles an abort, and the relay frees it. What came
+        early for a request that never started (or had already ended) goes after EARLY_TTL_S,
+        local KV whose RelayStart never came unpinned."""
         now = time.monotonic()
-        while self.early_ready and next(iter(self.early_ready.values()))[0] < now - EARLY_READY_TTL_S:
-            self.early_ready.popitem(last=False)
+        for rid in self.early.expire(now):
+            log.warning("request %s: no RelayStart within %g s of its local KV; dropped", rid, EARLY_TTL_S)
+            await self.unpin(rid)
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):
                 await self._fail(job, "request timed out on the relay")

@@ -94,6 +94,7 @@ class PrefillSubmit(Message):
     relay_address: str | None = None  # P→RLD→MD: the relay's local fast-path address
     catchup_threshold: int | None = None  # operator override of the relay's handoff threshold
     router: str = ""  # the router instance that owns the request
+    relay: str = ""  # P→RLD→MD: the relay instance (its RelayStart goes there)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class RdmaVerdict(Message):
 
 @dataclass
 class RelayStart(Message):
-    """P → RLD, with the last frame of the local KV stream: decode from here."""
+    """P → RLD, on the relay's own subject once the local KV stream is acked: decode from here."""
 
     rid: str
     prompt_ids: list[int]

@@ -9,12 +9,12 @@ receives the message); a subscription outside its subscribe list never sees a me
     router       md prepare, prefill submit, md/relay resume,           router tokens, kv events, load,
                  kv snapshot (requests), md_target, md_lost,            its request inboxes
                  abort.router, load.router (its heartbeat)
-    prefill      tokens, handoff, kv events.prefill, abort.prefill,     prefill submit, md_target,
-                 load.prefill, rdma offer / written                     md_lost, kv snapshot.prefill,
+    prefill      tokens, handoff, relay_start, kv events.prefill,      prefill submit, md_target,
+                 abort.prefill, load.prefill, rdma offer / written      md_lost, kv snapshot.prefill,
                                                                         every abort, router heartbeats,
                                                                         its request inboxes
-    relay        tokens, handoff, abort.relay, load.relay               kv_ready, handoff_ack,
-                                                                        md_lost, relay resume,
+    relay        tokens, handoff, abort.relay, load.relay               relay_start, kv_ready,
+                                                                        handoff_ack, md_lost, relay resume,
                                                                         every abort, router heartbeats
     main_decode  tokens, kv_ready, handoff_ack, kv events.main_decode,  md prepare, md resume, handoff,
                  abort.main_decode, load.main_decode                    kv snapshot.main_decode,
@@ -99,6 +99,7 @@ PERMISSIONS: dict[str, Permissions] = {
         publish=(
             *TOKENS,
             subjects.any_instance("main_decode", Req.HANDOFF),
+            subjects.any_instance("relay", Req.RELAY_START),
             own_abort("prefill"),
             own_load("prefill"),
             subjects.all_kv_events("prefill"),
@@ -125,6 +126,7 @@ PERMISSIONS: dict[str, Permissions] = {
             own_load("relay"),
         ),
         subscribe=(
+            subjects.any_instance("relay", Req.RELAY_START),
             subjects.any_instance("relay", Req.KV_READY),
             subjects.any_instance("relay", Req.HANDOFF_ACK),
             subjects.any_instance("relay", Req.MD_LOST),

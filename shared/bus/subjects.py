@@ -19,6 +19,7 @@ class Req(StrEnum):
     HANDOFF_ACK = "handoff_ack"  # MD → RLD
     MD_TARGET = "md_target"  # router → P
     MD_LOST = "md_lost"  # router → P, RLD
+    RELAY_START = "relay_start"  # P → RLD
 
 
 _ROLE_TOKEN = {"prefill": "prefill", "relay": "relay", "main_decode": "md"}

@@ -69,7 +69,10 @@ class _Group:
 
 
 class KVTransfer:
-    """send_blocks()* then finish(), or abort(); close() always (it returns the connection)."""
+    """send_blocks()* then finish(), or abort(); close() always (it returns the connection).
+    A KVSender (shared/kv/sender.py) over the TCP channel alone."""
+
+    rdma_bytes = 0
 
     def __init__(
         self,
@@ -100,12 +103,17 @@ class KVTransfer:
         await self._deliver(lambda client: self._send(client, group), after_resend=False)
         return self.bytes_sent - before
 
-    async def finish(self, payload: bytes = b"") -> None:
-        """KVClient.finish; once acked the kept groups are let go."""
+    async def send(self, hashes: list[int], kv: torch.Tensor, traceparent: str | None = None) -> int:
+        return await self.send_blocks(hashes, kv, traceparent=traceparent)
+
+    async def finish(self, payload: bytes = b"") -> int:
+        """KVClient.finish; once acked the kept groups are let go. Returns 0: what a drop here
+        makes it send again shows in bytes_sent only."""
         await self._deliver(
             lambda client: client.finish(self.rid, payload=payload, timeout=self.timeout), after_resend=True
         )
         self._groups.clear()
+        return 0
 
     async def abort(self, reason: str) -> None:
         self._groups.clear()

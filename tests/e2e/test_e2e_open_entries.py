@@ -23,9 +23,11 @@ from tests.prometheus_samples import PER_INSTANCE, moved, open_entries, scrape, 
 
 DRAIN_S = 30
 ENGINES = ("prefill", "relay", "main_decode")
-TRACKED = {("router", "streams"), *PER_INSTANCE, ("relay", "early_ready"), ("prefill", "export_plans")} | {
-    (svc, name) for svc in ENGINES for name in ("jobs", "engine_requests", "pins", "kv_blocks_used")
-}
+TRACKED = (
+    {("router", "streams"), *PER_INSTANCE, ("prefill", "export_plans")}
+    | {("relay", name) for name in ("early_ready", "early_start", "landed")}
+    | {(svc, name) for svc in ENGINES for name in ("jobs", "engine_requests", "pins", "kv_blocks_used")}
+)
 LONG = 3000  # output tokens of a request that must be cut short by an abort
 
 

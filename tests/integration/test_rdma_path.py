@@ -157,7 +157,7 @@ async def test_a_corrupted_block_is_never_cached_and_comes_again_over_tcp(servic
 
 async def test_an_engine_that_fails_to_start_falls_back_to_tcp(services, reference) -> None:
     md, p, nc = await services(RdmaSettings(protocol="infiniband-over-carrier-pigeon"))
-    assert p.rdma.writer is None
+    assert p.senders.rdma is not None and p.senders.rdma.writer is None
     before = sample("pdd_kv_rdma_fallbacks_total", reason="unavailable")
     assert await run_request(md, nc, "r3") == reference
     assert sample("pdd_kv_rdma_fallbacks_total", reason="unavailable") == before + 1

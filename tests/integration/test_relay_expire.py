@@ -1,7 +1,8 @@
 """No request outlives request_timeout_s on the relay: a job that never decodes (the engine
 refused its sequence after the prompt KV landed, and nobody aborts it) ends with an error
 TokenEvent to the router, an abort to the other roles, and its pinned KV freed. A real relay
-on a real NATS server with a tiny engine; its KV sink is called directly."""
+on a real NATS server with a tiny engine; its RelayStart comes first on the bus, its KV sink
+is called directly."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import torch
 
 from services.relay.service import RelayService
 from shared.bus import subjects
-from shared.bus.codec import encode
-from shared.bus.connection import subscribe
+from shared.bus.connection import flushed, publish, subscribe
 from shared.bus.messages import Abort, AbortReason, Outcome, RelayStart, TokenEvent
 from shared.bus.subjects import Req
 from shared.config import EngineSettings, RelaySettings
 from shared.engine.errors import InvalidRequestError
 from shared.telemetry import metrics
 from tests.engine_util import greedy, make_engine
+from tests.polling import until
 from tests.prometheus_samples import parse_samples
 
 TIMEOUT_S = 1.0  # the relay's request_timeout_s
@@ -61,8 +62,12 @@ async def test_a_stuck_relay_job_ends_with_an_error_at_the_request_timeout(
         hashes = relay.engine.block_hashes(prompt)
         layers, two, _, *block = relay.engine.kv_cache.shape
         await relay.on_blocks("stuck", hashes, torch.zeros(layers, two, len(hashes), *block), None)
+        start = RelayStart("stuck", prompt, 6, greedy(4000))
+        await publish(nc, subjects.to_instance("relay", settings.instance, Req.RELAY_START), start)
+        await flushed(nc)
+        await until(lambda: "stuck" in relay.early.start, WAIT_S)
         with pytest.raises(InvalidRequestError):  # more tokens than the whole pool holds
-            await relay.on_done("stuck", encode(RelayStart("stuck", prompt, 6, greedy(4000))))
+            await relay.on_done("stuck", b"")
         assert _open_jobs() == 1 and "stuck" in relay.engine.exchange.pins
 
         ev = await asyncio.wait_for(errors.get(), WAIT_S)

@@ -35,6 +35,7 @@ def _publishers() -> dict[str, set[str]]:
         subjects.req(RID, Req.TOKENS): data,
         subjects.router_tokens("router-0-ab12"): data,
         subjects.to_instance("relay", "0", Req.KV_READY): {"main_decode"},
+        subjects.to_instance("relay", "0", Req.RELAY_START): {"prefill"},
         subjects.to_instance("main_decode", "0", Req.HANDOFF): {"prefill", "relay"},
         subjects.to_instance("relay", "0", Req.HANDOFF_ACK): {"main_decode"},
         subjects.to_instance("prefill", "0", Req.MD_TARGET): {"router"},

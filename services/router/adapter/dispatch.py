@@ -222,6 +222,7 @@ class Dispatcher:
             relay_address=relay.address if relay else None,
             catchup_threshold=catchup,
             router=self.identity,
+            relay=stream.relay_instance or "",
         )
         return await self._ask((Role.PREFILL, prefill), subjects.prefill_submit_to(prefill), msg, SubmitReply)
 

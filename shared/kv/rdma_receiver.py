@@ -1,4 +1,4 @@
-"""Main decode's side of the RDMA path: its KV pool registered once with the transfer engine;
+"""The receiving side of the RDMA path (main decode): its KV pool registered once with the transfer engine;
 for a request it prepared, pool slots for exactly the blocks it still lacks (set aside, not
 cached), where prefill writes them one-sided; each written block is checked against prefill's
 checksum before it is cached. A block that fails is never cached: its slot goes back to the
@@ -8,53 +8,77 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from shared.bus import subjects
 from shared.bus.connection import respond
 from shared.bus.messages import RdmaOffer, RdmaSlots, RdmaVerdict, RdmaWritten
+from shared.config import MainDecodeSettings
+from shared.engine.block_exchange import BlockExchange
 from shared.kv.checksum import ALGOS
 from shared.kv.rdma_engine import RdmaEngine, RdmaError
 from shared.kv.rdma_layout import block_checksum, region_of
+from shared.serving.engine_loop import EngineLoop
+from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
-
-if TYPE_CHECKING:
-    from .job import MDJob
-    from .service import MainDecodeService
 
 log = logging.getLogger(__name__)
 
 
-class RdmaIntake:
-    def __init__(self, service: MainDecodeService):
-        self.service = service
+class ReceivingJob(Protocol):
+    missing: set[int]  # the prompt blocks it lacked
+    received: set[int]  # those in its pool so far
+
+
+class PromptKV(Protocol):
+    """The receiving end's requests, as the RDMA path needs them (main decode's prompt KV sink)."""
+
+    def receiving_job(self, rid: str) -> ReceivingJob | None:
+        """The request if it awaits its prompt KV here (the same object while it does)."""
+        ...
+
+    def received(self, job, hashes: list[int], nbytes: int, traceparent: str | None, transport: str) -> None:
+        """Blocks of the request are cached and pinned for it."""
+        ...
+
+
+class RdmaReceiver:
+    def __init__(
+        self,
+        settings: MainDecodeSettings,
+        prompt_kv: PromptKV,
+        engine_loop: EngineLoop,
+        exchange: BlockExchange,
+        life: Lifecycle,
+        nc,
+    ):
+        self.settings = settings
+        self.prompt_kv = prompt_kv
+        self.engine_loop = engine_loop
+        self.exchange = exchange
+        self.life, self.nc = life, nc
+        self.pool = exchange.kv_cache  # registered whole; prefill writes into its slots
         self.engine: RdmaEngine | None = None
         self.offered: dict[str, dict[int, int]] = {}  # rid -> hash -> slot given to prefill, not yet written
         self.quarantined: dict[str, dict[int, int]] = {}  # the same, of requests that ended
-        service.track("rdma_offered", lambda: len(self.offered))
-        service.track("rdma_quarantined", lambda: len(self.quarantined))
 
-    async def start(self) -> None:
+    async def start(self, address: str) -> None:
         """Start the engine and register the pool when the path is on; answer offers either way
-        (a refusal at once sends prefill to the TCP channel)."""
-        s = self.service
-        if s.settings.kv_transport == "rdma":
-            self.engine = await asyncio.to_thread(self._start_engine)
+        (a refusal at once sends prefill to the TCP channel). address: this MD's bulk address,
+        which names its subjects."""
+        if self.settings.kv_transport == "rdma":
+            self.engine = await asyncio.to_thread(self._start_engine, address)
         for kind, cls, handler in (
             ("offer", RdmaOffer, self._on_offer),
             ("written", RdmaWritten, self._on_written),
         ):
-            await s.life.endpoint(s.nc, subjects.md_rdma(s.advertise_address, kind), cls, handler)
+            await self.life.endpoint(self.nc, subjects.md_rdma(address, kind), cls, handler)
 
-    def _start_engine(self) -> RdmaEngine | None:
-        rdma, kv = self.service.settings.rdma, self.service.engine.kv_cache
+    def _start_engine(self, address: str) -> RdmaEngine | None:
+        rdma, kv = self.settings.rdma, self.pool
         try:
-            engine = RdmaEngine(
-                rdma.host or urlsplit(self.service.advertise_address).hostname or "",
-                rdma.protocol,
-                rdma.device,
-            )
+            engine = RdmaEngine(rdma.host or urlsplit(address).hostname or "", rdma.protocol, rdma.device)
             engine.register(kv)  # the whole pool, once
         except (RdmaError, ValueError, OSError) as e:
             log.warning("RDMA path off, KV comes over the TCP channel: %s", e)
@@ -75,22 +99,20 @@ class RdmaIntake:
         if self.engine is None:
             return RdmaSlots(ok=False, error="no RDMA path on this main decoder")
         refused = RdmaSlots(ok=False, session=self.engine.session)
-        job = self.service.prompt_kv.receiving_job(msg.rid)
+        job = self.prompt_kv.receiving_job(msg.rid)
         if job is None or msg.rid in self.offered:
             refused.error = f"request {msg.rid} is not awaiting KV here"
             return refused
         hashes = [h for h in dict.fromkeys(msg.hashes) if h in job.missing and h not in job.received]
-        loop = self.service.engine_loop
-        slots = await loop.call(self.service.engine.exchange.take_spare, msg.rid, len(hashes))
-        if (
-            self.service.prompt_kv.receiving_job(msg.rid) is not job
-        ):  # dropped meanwhile: nothing was written yet
-            await loop.call(self.service.engine.exchange.release_blocks, slots, must_run=True)
+        loop = self.engine_loop
+        slots = await loop.call(self.exchange.take_spare, msg.rid, len(hashes))
+        if self.prompt_kv.receiving_job(msg.rid) is not job:  # dropped meanwhile: nothing was written yet
+            await loop.call(self.exchange.release_blocks, slots, must_run=True)
             refused.error = f"request {msg.rid} ended"
             return refused
         hashes = hashes[: len(slots)]
         self.offered[msg.rid] = dict(zip(hashes, slots, strict=True))
-        r = region_of(self.service.engine.kv_cache)
+        r = region_of(self.pool)
         return RdmaSlots(
             True, self.engine.session, r.base, r.num_blocks, r.planes, r.block_bytes, hashes, slots
         )
@@ -111,25 +133,21 @@ class RdmaIntake:
         ):
             return RdmaVerdict(ok=False, error="blocks not offered to this request")
         slots = [offered.pop(h) for h in msg.hashes]  # written: out of quarantine's reach
-        job, transfer = self.service.prompt_kv.receiving_job(msg.rid), self.service.engine.exchange
+        job = self.prompt_kv.receiving_job(msg.rid)
         if job is None:
-            await self.service.engine_loop.call(transfer.release_blocks, slots, must_run=True)
+            await self.engine_loop.call(self.exchange.release_blocks, slots, must_run=True)
             return RdmaVerdict(ok=False, error=f"request {msg.rid} ended")
         checks = list(zip(msg.hashes, slots, msg.checksums, strict=True))
-        good, corrupt = await self.service.engine_loop.call(
-            self._verify, msg.rid, checks, msg.algo, must_run=True
-        )
-        per_block = (
-            self.service.engine.kv_cache[:, :, 0].numel() * self.service.engine.kv_cache.element_size()
-        )
-        self.service.prompt_kv.received(job, good, per_block * len(good), msg.traceparent, "rdma")
+        good, corrupt = await self.engine_loop.call(self._verify, msg.rid, checks, msg.algo, must_run=True)
+        r = region_of(self.pool)
+        self.prompt_kv.received(job, good, r.planes * r.block_bytes * len(good), msg.traceparent, "rdma")
         return RdmaVerdict(ok=True, corrupt=corrupt)
 
     def _verify(
         self, rid: str, checks: list[tuple[int, int, int]], algo: str
     ) -> tuple[list[int], list[int]]:  # engine thread
         """Cache each block whose slot holds what prefill wrote; hand back the others' slots."""
-        kv, transfer = self.service.engine.kv_cache, self.service.engine.exchange
+        kv, transfer = self.pool, self.exchange
         good, corrupt = [], []
         for h, slot, expected in checks:
             if block_checksum(kv, slot, algo) == expected:
@@ -148,14 +166,13 @@ class RdmaIntake:
         return good, corrupt
 
     # ---- the request's other ends ---------------------------------------------------------
-    async def take_back(self, job: MDJob, hashes: list[int]) -> None:
+    async def take_back(self, rid: str, hashes: list[int]) -> None:
         """Blocks coming over TCP instead: their slots are the request's spare again (prefill
         wrote none of them, or its write ended: it falls back only then)."""
-        offered = self.offered.get(job.rid, {})
+        offered = self.offered.get(rid, {})
         slots = [offered.pop(h) for h in hashes if h in offered]
-        transfer = self.service.engine.exchange
         for slot in slots:
-            await self.service.engine_loop.call(transfer.return_spare, job.rid, slot, must_run=True)
+            await self.engine_loop.call(self.exchange.return_spare, rid, slot, must_run=True)
 
     def forget(self, rid: str) -> None:
         """The request ended: slots still offered may yet be written by a late one-sided
@@ -164,10 +181,10 @@ class RdmaIntake:
         slots = self.offered.pop(rid, {})
         if slots:
             self.quarantined[rid] = slots
-            self.service.life.spawn(self._release_later(rid))
+            self.life.spawn(self._release_later(rid))
 
     async def _release_later(self, rid: str) -> None:
-        await asyncio.sleep(self.service.settings.rdma.quarantine_s)
+        await asyncio.sleep(self.settings.rdma.quarantine_s)
         await self._release(rid, list(self.quarantined.get(rid, {})))
 
     async def _release(self, rid: str, hashes: list[int]) -> None:
@@ -176,9 +193,7 @@ class RdmaIntake:
         if not held:
             self.quarantined.pop(rid, None)
         if slots:
-            await self.service.engine_loop.call(
-                self.service.engine.exchange.release_blocks, slots, must_run=True
-            )
+            await self.engine_loop.call(self.exchange.release_blocks, slots, must_run=True)
 
     def close(self) -> None:
         if self.engine is not None:
