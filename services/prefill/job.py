@@ -14,6 +14,8 @@ from shared.bus.messages import PrefillSubmit, RelayStart
 from shared.kv.sender import KVSender
 from shared.serving.state_machine import StateMachine, table_of
 
+from .exporter import BlockExport
+
 END = None  # queue sentinel: no more blocks for this destination
 
 
@@ -84,6 +86,23 @@ class PrefillJob:
 
     rid = property(lambda self: self.submit.rid)
     router = property(lambda self: self.submit.router)
+
+    def queue_blocks(self, export: BlockExport) -> None:
+        """A step's exported blocks, onto the queue of each stream that sends them."""
+        if export.local is not None and self.local_queue is not None:
+            self.local_queue.put_nowait(export.local)
+        if export.wan is not None:
+            hashes, kv = export.wan
+            self.md_queue.put_nowait(export.wan)
+            self.wan_queued += kv.numel() * kv.element_size()
+            self.md_pending.difference_update(hashes)
+            self.close_wan_if_complete()
+
+    def close_wan_if_complete(self) -> None:
+        """MD asked for an exact set of blocks: the WAN stream ends once all are queued."""
+        if not self.md_pending and not self.md_end_queued:
+            self.md_end_queued = True
+            self.md_queue.put_nowait(END)
 
     def relay_start(self, traceparent: str | None) -> RelayStart:
         """What the relay decodes from, once it holds the prompt KV."""

@@ -102,6 +102,9 @@ class PrefillService(EngineService):
 
     # ---- admission -------------------------------------------------------------------
     async def _submit(self, msg: PrefillSubmit, raw) -> None:
+        if bool(msg.relay_address) != bool(msg.relay):  # RelayStart goes to the relay by its instance
+            await respond(raw, SubmitReply(ok=False, error="relay_address and relay must be given together"))
+            return
         local = bool(msg.relay_address)
         job = PrefillJob(msg, local_queue=asyncio.Queue() if local else None, ctx=otel_context.get_current())
         job.compute_span = self.tracer.start_span(
@@ -148,10 +151,10 @@ class PrefillService(EngineService):
             set(msg.md_missing),
         )
         self.streams.start(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
-        self._close_wan_if_complete(job)
+        job.close_wan_if_complete()
         export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
         if export is not None:
-            self._queue_blocks(job, export)
+            job.queue_blocks(export)
         if starts_draining and job.state.is_in(PrefillState.DRAINING):
             await self._on_draining(job)
 
@@ -196,7 +199,7 @@ class PrefillService(EngineService):
         for export in exports or []:
             job = self.jobs.get(export.rid)
             if job is not None:
-                self._queue_blocks(job, export)
+                job.queue_blocks(export)
         for out in outputs:
             job = self.jobs.get(out.rid)
             if job is None:
@@ -205,22 +208,6 @@ class PrefillService(EngineService):
                 await self._first_token(job, out)
             elif out.finished:  # error or abort inside the engine
                 await self._fail(job, out.error or "prefill failed")
-
-    def _queue_blocks(self, job: PrefillJob, export: BlockExport) -> None:
-        if export.local is not None and job.local_queue is not None:
-            job.local_queue.put_nowait(export.local)
-        if export.wan is not None:
-            hashes, kv = export.wan
-            job.md_queue.put_nowait(export.wan)
-            job.wan_queued += kv.numel() * kv.element_size()
-            job.md_pending.difference_update(hashes)
-            self._close_wan_if_complete(job)
-
-    def _close_wan_if_complete(self, job: PrefillJob) -> None:
-        """MD asked for an exact set of blocks: the WAN stream ends once all are queued."""
-        if not job.md_pending and not job.md_end_queued:
-            job.md_end_queued = True
-            job.md_queue.put_nowait(END)
 
     async def _stream_acked(self, job: PrefillJob, path: KVPath, traceparent: str | None) -> None:
         if path is KVPath.LOCAL:  # the relay holds the prompt KV: it decodes once told from where

@@ -13,9 +13,9 @@ from services.main_decode.service import MainDecodeService
 from services.prefill.service import PrefillService
 from shared.bus import subjects
 from shared.bus.connection import request
-from shared.bus.messages import KVSnapshot, KVSnapshotRequest
+from shared.bus.messages import KVSnapshot, KVSnapshotRequest, Pipeline, PrefillSubmit, SubmitReply
 from shared.config import MainDecodeSettings, PrefillSettings
-from tests.engine_util import make_engine
+from tests.engine_util import greedy, make_engine
 
 
 async def _srv(nc, verb: str, name: str) -> dict:
@@ -65,3 +65,20 @@ async def test_each_services_request_subjects_are_its_endpoints(nats_server, nat
         await nc.request(subjects.md_prepare("0"), b"", timeout=2)
     for c in (md_nc, p_nc, nc):
         await c.drain()
+
+
+async def test_a_submit_naming_a_relay_address_but_no_relay_is_refused(nats_server, nats_security):
+    # P tells the relay to start on the relay's own subject: without its instance it could not.
+    p_nc = await nats_security.connect(nats_server, "prefill", user="prefill")
+    nc = await nats_security.connect(nats_server, "router", user="router")
+    prefill = PrefillService(PrefillSettings(secret="s", instance="0"), p_nc, make_engine())
+    await prefill.start()
+    try:
+        submit = PrefillSubmit("r1", [1, 2, 3], greedy(4), Pipeline.P_RLD_MD, relay_address="unix:/tmp/x")
+        reply = await request(nc, subjects.prefill_submit_to("0"), submit, SubmitReply, timeout=10)
+        assert not reply.ok and "relay" in (reply.error or "")
+        assert "r1" not in prefill.jobs
+    finally:
+        await prefill.stop()
+        for c in (p_nc, nc):
+            await c.drain()
