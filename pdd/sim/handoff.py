@@ -5,21 +5,29 @@ finishes before handing over ends there, and its WAN transfer stops."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from pdd.sim.decoder import Extend, Seq
-from pdd.sim.instance import Blocks
+from pdd.sim.instance import Blocks, Instance
 from pdd.sim.job import Job
 from services.relay.handoff_policy import catchup_batch_size, catchup_is_final, choose_handoff_mode
 from shared.bus.messages import HandoffMode
 from shared.config import RelaySettings
 
-if TYPE_CHECKING:
-    from pdd.sim.fleet import Fleet
+
+class FleetSide(Protocol):
+    """What the relay's half asks of the fleet it runs in (pdd/sim/fleet.py)."""
+
+    def cross(self, fn: Callable[[], None]) -> None: ...
+    def reserve(self, job: Job, inst: Instance, then: Callable[[Job, Blocks], None]) -> None: ...
+    def abort_wan(self, job: Job) -> None: ...
+    def drop_md(self, job: Job) -> None: ...
+    def finish(self, job: Job) -> None: ...
 
 
 class Relaying:
-    def __init__(self, fleet: Fleet, settings: RelaySettings):
+    def __init__(self, fleet: FleetSide, settings: RelaySettings):
         self.fleet, self.settings = fleet, settings
 
     # ---- decoding on the relay ---------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Main decode's sink for prompt KV from prefill (the bulk channel over the WAN; the RDMA path's
-receiver, shared/kv/rdma_receiver.py, reports its blocks here too): blocks of a prepared request go into the cache pinned for it, idempotently by block
-hash (after a dropped connection prefill sends every block again); once all it lacked are in,
-the request is READY for its handoff batches."""
+receiver, shared/kv/rdma_receiver.py, reports its blocks here too): blocks of a prepared
+request go into the cache pinned for it, idempotently by block hash (after a dropped connection
+prefill sends every block again); once all it lacked are in, the request is READY for its
+handoff batches."""
 
 from __future__ import annotations
 

@@ -9,31 +9,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
-from shared.model.attention.context import AttentionContext
+from shared.model.attention.context import AttentionBackend
 
 log = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "paged", "reference"]
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] (already in the cache) -> [T, H, D]."""
-        ...
 
 
 def attention_backend(name: str, device: torch.device | str) -> AttentionBackend:

@@ -1,14 +1,12 @@
-"""What one step tells every attention layer: built once by the model runner, read by all."""
+"""What one step tells every attention layer (built once by the model runner, read by all),
+and the backend each layer hands it to."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from shared.model.attention.backend import AttentionBackend
 
 
 @dataclass
@@ -31,3 +29,19 @@ class AttentionContext:
     @property
     def block_size(self) -> int:
         return self.kv_cache.shape[3]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (already in the cache) -> [T, H, D]."""
+        ...
