@@ -73,6 +73,12 @@ def attend(backend, fields, cache, qkv, heads: int, kv_heads: int) -> torch.Tens
 
 CASES = {
     "decodes of mixed lengths": [(0, 1), (4, 1), (15, 1), (16, 1), (31, 1), (99, 1), (250, 1)],
+    # Enough decodes (for up to 16 threads) that each takes all its kv heads in one work item;
+    # a few decodes among other sequences take one kv head per item.
+    "many decodes": [
+        (c, 1) for c in (0, 3, 15, 16, 17, 31, 40, 63, 64, 99, 120, 128, 170, 200, 255, 256, 300)
+    ]
+    * 2,
     "one prefill chunk": [(0, 53)],
     "chunks after a cached prefix": [(32, 40), (37, 9), (5, 2)],
     "decodes, prefill and extends together": [(7, 1), (300, 1), (0, 70), (64, 33), (17, 100)],
@@ -95,9 +101,10 @@ def test_paged_equals_reference(case, heads, kv_heads, dim, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_cache_matches_the_fp32_result(dtype):
+@pytest.mark.parametrize("case", ["many decodes", "decodes, prefill and extends together"])
+def test_half_precision_cache_matches_the_fp32_result(dtype, case):
     heads, kv_heads = 8, 2
-    fields, cache, qkv = step(CASES["decodes, prefill and extends together"], heads, kv_heads, 64, 16, dtype)
+    fields, cache, qkv = step(CASES[case], heads, kv_heads, 64, 16, dtype)
     ref = attend(ReferenceBackend(), fields, cache.float(), qkv.float(), heads, kv_heads)
     out = attend(paged(), fields, cache, qkv, heads, kv_heads)
     assert out.dtype == dtype

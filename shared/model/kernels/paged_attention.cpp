@@ -3,10 +3,12 @@
 // One call covers a whole step: each sequence has `n` new query tokens (rows
 // query_start[b] .. query_start[b+1] of q) and `seq_lens[b]` visible tokens, the new ones
 // last; its K/V live in the blocks its row of block_tables names. A work item is one
-// (sequence, kv head, tile of queries): the query heads that share that kv head are
-// processed together (GQA), so each K/V row is read once per tile. Online softmax over
-// blocks: no gathered copy of the context, no mask tensor, one pass over the cache.
-// Items are handed to torch's intra-op threads from a shared counter, longest first.
+// (sequence, run of kv heads, tile of queries): the query heads that share a kv head are
+// processed together (GQA), so each K/V row is read once per tile. A decode (one query)
+// takes all its kv heads in one item when there are enough decodes to keep every thread
+// busy: a block's token rows are then read whole and in order, not a head's slice of each.
+// Online softmax over blocks: no gathered copy of the context, no mask tensor, one pass over
+// the cache. Items are handed to torch's intra-op threads from a shared counter, longest first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,7 +35,8 @@ constexpr int kMaxRows = 32;  // query rows (group heads x queries) per item: q 
 
 struct Item {
   int32_t seq;
-  int32_t kv_head;
+  int32_t kv_head;  // the first of kv_count consecutive kv heads
+  int32_t kv_count;
   int32_t q_begin;  // first query of the tile, counted from the sequence's first new token
   int32_t q_count;
   int64_t cost;  // rows x keys, for longest-first scheduling
@@ -203,7 +206,8 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   const int D = static_cast<int>(sh.head_dim), BS = static_cast<int>(sh.block_size);
   const int G = static_cast<int>(sh.num_heads / sh.num_kv_heads);
   const int64_t H = sh.num_heads, KVH = sh.num_kv_heads;
-  const int R = it.q_count * G;  // row r: query r / G of the tile, head kv_head * G + r % G
+  const int RQ = G * it.kv_count;  // rows per query: the item's heads, kv head by kv head
+  const int R = it.q_count * RQ;  // row r: query r / RQ of the tile, head kv_head * G + r % RQ
   const int64_t row0 = query_start[it.seq] + it.q_begin;
   const int64_t n_new = query_start[it.seq + 1] - query_start[it.seq];
   const int64_t first_pos = seq_lens[it.seq] - n_new + it.q_begin;  // position of the tile's first query
@@ -213,15 +217,17 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
 
   const int BSP = (BS + 7) & ~7;  // a row's scores, padded for 8-wide steps
   const bool wide = D % 8 == 0;  // the AVX2 steps, where compiled in
-  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * BSP + (kFloat ? 0 : 2 * BS * D));
+  const int NKV = it.kv_count;
+  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * BSP +
+              (kFloat ? 0 : 2 * static_cast<size_t>(NKV) * BS * D));
   float* qs = work.data();  // [R, D] scaled queries
   float* acc = qs + R * D;  // [R, D]
   float* s = acc + R * D;  // [R, BSP] scores, then probabilities
-  float* kbuf = s + R * BSP;  // [BS, D] this block's K (and V) as float when T is not float
-  float* vbuf = kbuf + BS * D;
+  float* kbuf = s + R * BSP;  // [NKV, BS, D] this block's K (and V) as float when T is not float
+  float* vbuf = kbuf + NKV * BS * D;
   float m[kMaxRows], l[kMaxRows];
   for (int r = 0; r < R; ++r) {
-    const T* src = q + ((row0 + r / G) * H + it.kv_head * G + r % G) * D;
+    const T* src = q + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
     float* dst = qs + r * D;
     for (int i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * sh.scale;
     std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
@@ -232,24 +238,26 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   for (int64_t k0 = 0; k0 < n_keys; k0 += BS) {
     const int nk = static_cast<int>(std::min<int64_t>(BS, n_keys - k0));
     const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * KVH + it.kv_head) * D;
-    const float* kb;
+    const float* kb;  // kv head h of the item (0 <= h < NKV), token j: kb + h * head_step + j * stride
     const float* vb;
-    int64_t stride;
+    int64_t stride, head_step;
     if constexpr (kFloat) {
       kb = reinterpret_cast<const float*>(k_cache + base);
       vb = reinterpret_cast<const float*>(v_cache + base);
-      stride = row_stride;
+      stride = row_stride, head_step = D;
     } else {
-      for (int j = 0; j < nk; ++j) {
-        to_float(k_cache + base + j * row_stride, kbuf + j * D, D);
-        to_float(v_cache + base + j * row_stride, vbuf + j * D, D);
-      }
-      kb = kbuf, vb = vbuf, stride = D;
+      for (int h = 0; h < NKV; ++h)
+        for (int j = 0; j < nk; ++j) {
+          to_float(k_cache + base + h * D + j * row_stride, kbuf + (h * BS + j) * D, D);
+          to_float(v_cache + base + h * D + j * row_stride, vbuf + (h * BS + j) * D, D);
+        }
+      kb = kbuf, vb = vbuf, stride = D, head_step = static_cast<int64_t>(BS) * D;
     }
     if (k0 + BS < n_keys) {  // the cache is read once, in table order: fetch the next block early
       const int64_t next = (static_cast<int64_t>(table[k0 / BS + 1]) * BS * KVH + it.kv_head) * D;
+      const int64_t span = static_cast<int64_t>(NKV) * D * static_cast<int64_t>(sizeof(T));
       for (int j = 0; j < BS; ++j)
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+        for (int64_t b = 0; b < span; b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + j * row_stride) + b);
           __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + j * row_stride) + b);
         }
@@ -258,14 +266,17 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
     for (int r = 0; r < R; ++r) {
       float* sr = s + r * BSP;
       float* ar = acc + r * D;
+      const int64_t h = (r % RQ) / G;  // the row's kv head, within the item
+      const float* kr = kb + h * head_step;
+      const float* vr = vb + h * head_step;
 #ifdef __AVX2__
       if (wide) {
-        scores_avx2(qs + r * D, kb, stride, nk, D, sr);
+        scores_avx2(qs + r * D, kr, stride, nk, D, sr);
       } else
 #endif
-        scores_scalar(qs + r * D, kb, stride, nk, D, sr);
+        scores_scalar(qs + r * D, kr, stride, nk, D, sr);
       if (diagonal) {
-        const int64_t pos = first_pos + r / G;
+        const int64_t pos = first_pos + r / RQ;
         for (int j = 0; j < nk; ++j)
           if (k0 + j > pos) sr[j] = kNegInf;
       }
@@ -280,31 +291,40 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
         for (int i = 0; i < D; ++i) ar[i] *= alpha;
 #ifdef __AVX2__
       if (wide) {
-        pv_avx2(sr, vb, stride, nk, D, ar);
+        pv_avx2(sr, vr, stride, nk, D, ar);
         continue;
       }
 #endif
-      pv_scalar(sr, vb, stride, nk, D, ar);
+      pv_scalar(sr, vr, stride, nk, D, ar);
     }
   }
   for (int r = 0; r < R; ++r) {
-    T* dst = out + ((row0 + r / G) * H + it.kv_head * G + r % G) * D;
+    T* dst = out + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
     const float inv = 1.0f / l[r];
     for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[r * D + i] * inv);
   }
 }
 
 std::vector<Item> work_items(const int32_t* seq_lens, const int32_t* query_start, int64_t num_seqs,
-                             int64_t num_kv_heads, int group) {
+                             int64_t num_kv_heads, int group, int64_t threads) {
   const int tile = std::max(1, kMaxRows / group);
+  int64_t decodes = 0;
+  for (int32_t b = 0; b < num_seqs; ++b) decodes += query_start[b + 1] - query_start[b] == 1;
+  // Whole decodes keep every thread busy with a few items each: take their heads together.
+  const bool whole = decodes >= 2 * threads && group * num_kv_heads <= kMaxRows;
+  const int32_t kvh = static_cast<int32_t>(num_kv_heads);
   std::vector<Item> items;
   for (int32_t b = 0; b < num_seqs; ++b) {
     const int32_t n = query_start[b + 1] - query_start[b];
     const int32_t first = seq_lens[b] - n;
+    if (n == 1 && whole) {
+      items.push_back({b, 0, kvh, 0, 1, static_cast<int64_t>(group) * kvh * seq_lens[b]});
+      continue;
+    }
     for (int32_t q0 = 0; q0 < n; q0 += tile) {
       const int32_t count = std::min(tile, n - q0);
       const int64_t cost = static_cast<int64_t>(count) * group * (first + q0 + count);
-      for (int32_t h = 0; h < num_kv_heads; ++h) items.push_back({b, h, q0, count, cost});
+      for (int32_t h = 0; h < kvh; ++h) items.push_back({b, h, 1, q0, count, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -349,7 +369,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   TORCH_CHECK(sh.num_heads % sh.num_kv_heads == 0 && group <= kMaxRows, "paged_attention: bad head counts");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start.data_ptr<int32_t>();
-  const auto items = work_items(lens, starts, seq_lens.size(0), sh.num_kv_heads, group);
+  const auto items = work_items(lens, starts, seq_lens.size(0), sh.num_kv_heads, group, at::get_num_threads());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   switch (q.scalar_type()) {
     case at::kFloat: run_items<float>(items, sh, q, k_cache, v_cache, tables, lens, starts, out); break;
