@@ -94,6 +94,13 @@ class EngineLoop:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
+    async def ended(self) -> None:
+        """Waits as long as the loop runs; raises once it has ended on its own (a crash), so a
+        service whose engine is gone does not live on as a shell that still heartbeats."""
+        assert self._task is not None, "start() first"
+        await asyncio.shield(self._task)  # a cancelled watch leaves the loop running
+        raise RuntimeError("the engine loop ended")
+
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
@@ -101,6 +108,8 @@ class EngineLoop:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception as e:  # it had crashed (what ended the service): stop the rest anyway
+                log.info("the engine loop had ended with %r", e)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def _sleep(self, seconds: float) -> None:

@@ -126,7 +126,7 @@ class Lifecycle:
 
 async def serve_service(name: str, settings, factory) -> None:
     """Connect to NATS with this service's credentials (exit 2 without them), start
-    `factory(settings, nc)`, register it for discovery, run until SIGINT/SIGTERM, then stop it
+    `factory(settings, nc)`, run until SIGINT/SIGTERM or its engine loop dies (see live), then stop it
     and drain the connection. On SIGTERM (scale-in) a service that can drain finishes the
     requests it holds first (up to settings.drain_timeout_s), so the process exits 0 having
     failed none."""
@@ -150,11 +150,21 @@ async def serve_service(name: str, settings, factory) -> None:
     await service.start()  # announces it to nats.micro discovery with its endpoints
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
     try:
-        if await shutdown == signal.SIGTERM and hasattr(service, "drain"):
-            await service.drain(settings.drain_timeout_s)
+        await live(service, shutdown, settings.drain_timeout_s)
     finally:
         await _leave(nc, service)
         shutdown_tracing()
+
+
+async def live(service, shutdown: asyncio.Future[signal.Signals], drain_timeout_s: float) -> None:
+    """The service's lifetime, one TaskGroup: until SIGINT or SIGTERM (which drains first), or
+    until its engine loop ends on its own, which ends the process with that error (its
+    supervisor restarts it) instead of leaving a service that heartbeats with no engine."""
+    async with asyncio.TaskGroup() as lifetime:
+        engine = lifetime.create_task(service.engine_loop.ended(), name="engine-loop-watch")
+        if await shutdown == signal.SIGTERM and hasattr(service, "drain"):
+            await service.drain(drain_timeout_s)
+        engine.cancel()
 
 
 async def _leave(nc, service) -> None:
