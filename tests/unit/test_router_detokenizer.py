@@ -116,17 +116,26 @@ def sentencepiece_style() -> HF:
     return HF(tk)
 
 
-def _compare(tokenizer, ids: list[int], stop: list[str], rng: random.Random) -> None:
-    new, ref = Detokenizer(tokenizer, stop), FullDecode(tokenizer, stop)
-    i = 0
+def _chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
+    """ids as the router gets them: one to a few tokens per message."""
+    out, i = [], 0
     while i < len(ids):
         n = rng.choice([1, 1, 1, 2, 3, 5])
-        chunk = ids[i : i + n]
-        assert new.add(chunk) == ref.add(chunk), (ids, stop, i)
-        assert new.stopped == ref.stopped
+        out.append(ids[i : i + n])
         i += n
-    assert new.flush() == ref.flush()
-    assert new.emitted == ref.emitted and new.tokens == ref.tokens
+    return out
+
+
+def _emits(det, chunks: list[list[int]]) -> list:
+    """What a detokenizer says after each chunk (text, stopped), at the flush, and at the end."""
+    said = [(det.add(chunk), det.stopped) for chunk in chunks]
+    return [*said, det.flush(), det.emitted, det.tokens]
+
+
+def _compare(tokenizer, ids: list[int], stop: list[str], rng: random.Random) -> tuple[list, list]:
+    """The incremental detokenizer's and full decoding's answers, call by call."""
+    chunks = _chunks(ids, rng)
+    return _emits(Detokenizer(tokenizer, stop), chunks), _emits(FullDecode(tokenizer, stop), chunks)
 
 
 def _stops(rng: random.Random, text: str) -> list[str]:
@@ -164,7 +173,8 @@ def test_byte_tokenizer_emits_what_full_decoding_emits():
         ids = list(data)
         for _ in range(rng.randint(0, 2)):  # BOS / EOS ids decode to nothing
             ids.insert(rng.randint(0, len(ids)), rng.choice([256, 257]))
-        _compare(tok, ids, _stops(rng, data.decode("utf-8", errors="replace")), rng)
+        new, ref = _compare(tok, ids, _stops(rng, data.decode("utf-8", errors="replace")), rng)
+        assert new == ref, ids
 
 
 @pytest.mark.parametrize("make", [byte_level_bpe, sentencepiece_style])
@@ -172,7 +182,8 @@ def test_checkpoint_tokenizers_emit_what_full_decoding_emits(make):
     tokenizer, rng = make(), random.Random(11)
     for text in _corpus(rng, 300):
         ids = tokenizer.encode(text)
-        _compare(tokenizer, ids, _stops(rng, text), rng)
+        new, ref = _compare(tokenizer, ids, _stops(rng, text), rng)
+        assert new == ref, ids
 
 
 def test_byte_level_ids_in_any_order_emit_what_full_decoding_emits():
@@ -181,7 +192,8 @@ def test_byte_level_ids_in_any_order_emit_what_full_decoding_emits():
     vocab = tokenizer.tk.get_vocab_size()
     for _ in range(300):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 25))]
-        _compare(tokenizer, ids, _stops(rng, tokenizer.decode(ids)), rng)
+        new, ref = _compare(tokenizer, ids, _stops(rng, tokenizer.decode(ids)), rng)
+        assert new == ref, ids
 
 
 def test_long_outputs_decode_a_short_window_each_time():

@@ -75,14 +75,17 @@ class PagedCpuBackend:
         q = q.contiguous()
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
-        for r in runs:
-            whole = r.start == 0 and r.end == q.shape[0]
-            qr, o = (q, out) if whole else (q[r.start : r.end], torch.empty_like(q[r.start : r.end]))
+        for r in runs:  # row slices of contiguous tensors: the kernel reads and writes them in place
             self.ops.paged_attention(
-                o, qr, k_cache, v_cache, r.block_tables, r.seq_lens, r.query_start, scale
+                out[r.start : r.end],
+                q[r.start : r.end],
+                k_cache,
+                v_cache,
+                r.block_tables,
+                r.seq_lens,
+                r.query_start,
+                scale,
             )
-            if not whole:
-                out[r.start : r.end] = o
         for start, end in dense:
             qc, kc, vc = (t[start:end].transpose(0, 1) for t in (q, k, v))
             out[start:end] = sdpa(qc, kc, vc, is_causal=True).transpose(0, 1)
