@@ -14,9 +14,10 @@ from shared.serving.runtime import Lifecycle, live
 
 
 async def test_close_waits_for_each_cancelled_task_to_end():
-    life, cleaned = Lifecycle(), []
+    life, cleaned, started = Lifecycle(), [], asyncio.Semaphore(0)
 
     async def worker(i: int) -> None:
+        started.release()
         try:
             await asyncio.sleep(60)
         finally:
@@ -26,7 +27,9 @@ async def test_close_waits_for_each_cancelled_task_to_end():
     for i in range(3):
         life.spawn(worker(i), f"worker-{i}")
     life.every(0.01, lambda: asyncio.sleep(0))
-    await asyncio.sleep(0.02)
+    async with asyncio.timeout(5):  # every worker is inside its try before the close
+        for _ in range(3):
+            await started.acquire()
     await life.close()
     assert sorted(cleaned) == [0, 1, 2]
     assert not life.tasks
