@@ -17,7 +17,7 @@ from shared.serving.state_machine import StateMachine, table_of
 
 
 class DecodeState(Enum):
-    RECEIVING = auto()  # prepared: prompt KV crossing the WAN; handoff batches wait
+    RECEIVING = auto()  # prepared: prompt KV crossing the WAN (its own, or others'); handoff batches wait
     READY = auto()  # prompt KV complete: the next handoff batch can be applied
     EXTENDING = auto()  # one handoff batch's extend pass is running
     DECODING = auto()  # the final batch is in: MD generates until the end
@@ -53,6 +53,8 @@ class MDJob:
         default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES)
     )
     received: set[int] = field(default_factory=set)
+    kv_sent_at: float | None = None  # prefill's transfer of `missing` ended (its done marker came)
+    computed_blocks: int = 0  # blocks it waited for whose transfer failed: its extend computes them
     batches: dict[int, tuple[HandoffBatch, Context]] = field(default_factory=dict)  # seq -> batch, sender ctx
     next_seq: int = 0
     next_index: int = 0  # output index the next handoff batch must start at

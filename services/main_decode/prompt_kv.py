@@ -2,23 +2,31 @@
 receiver, shared/kv/rdma_receiver.py, reports its blocks here too): blocks of a prepared
 request go into the cache pinned for it, idempotently by block hash (after a dropped connection
 prefill sends every block again); once all it lacked are in, the request is READY for its
-handoff batches."""
+handoff batches.
+
+A prefix crosses the WAN once: a block already on its way for another request is not asked
+for again (shared/engine/in_flight.py). The request waits for that transfer's copy and pins it
+as it lands; if that transfer ends without it, or the wait runs out, the extend pass computes it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import torch
 from opentelemetry import trace
 
 from shared.engine.block_exchange import BlockExchange
+from shared.engine.in_flight import BlocksInFlight
 from shared.serving.engine_loop import EngineLoop
+from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
 from .job import DecodeState, MDJob
 
 JobStep = Callable[[MDJob], Awaitable[None]]
+Abandoned = Callable[[MDJob, str], Awaitable[None]]  # the job, the sender's reason
 
 
 class PromptKVIntake:
@@ -30,7 +38,8 @@ class PromptKVIntake:
         tracer: trace.Tracer,
         take_back: Callable[[MDJob, list[int]], Awaitable[None]],
         complete: JobStep,
-        abandoned: JobStep,
+        abandoned: Abandoned,
+        share_in_flight: bool = True,
     ):
         self.jobs = jobs
         self.engine_loop = engine_loop
@@ -39,15 +48,26 @@ class PromptKVIntake:
         self.take_back = take_back  # RDMA slots of blocks that came over TCP instead
         self.complete = complete  # the prompt KV is all in: the job is READY
         self.abandoned = abandoned  # the sender gave up before the KV was complete
+        self.share_in_flight = share_in_flight
+        self.in_flight = BlocksInFlight()
+
+    def claim(self, rid: str, lacking: list[int]) -> list[int]:
+        """Of the prompt blocks `rid` lacks, those its own transfer must bring: the rest are on
+        their way for other requests already, and it waits for them."""
+        if not self.share_in_flight:
+            return lacking
+        carry, wait = self.in_flight.claim(rid, lacking)
+        return carry
 
     def receiving_job(self, rid: str) -> MDJob | None:
         job = self.jobs.get(rid)
         return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
 
-    def received(
+    async def received(
         self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
     ) -> None:
-        """Blocks of the request are cached and pinned for it (over TCP or RDMA)."""
+        """Blocks of the request are cached and pinned for it (over TCP or RDMA): those that
+        others wait for are theirs too."""
         if job.receive_span is None:  # parented by prefill's transfer span
             job.receive_span = self.tracer.start_span(
                 "md.kv_receive",
@@ -56,6 +76,32 @@ class PromptKVIntake:
             )
         job.received.update(hashes)
         job.wan_bytes += nbytes
+        await self._share(self.in_flight.landed(job.rid, hashes), lost=False)
+
+    async def dropped(self, job: MDJob) -> None:
+        """The request ended: what its transfer still owed others is lost to them."""
+        await self._share(self.in_flight.dropped(job.rid), lost=True)
+
+    async def expire_waits(self, now: float, wait_s: float) -> None:
+        """A request whose own KV is in stops waiting for others' blocks after wait_s."""
+        for job in list(self.jobs.values()):
+            if job.kv_sent_at is not None and now - job.kv_sent_at > wait_s:
+                gave_up = self.in_flight.stop_waiting(job.rid)
+                if gave_up:
+                    await self._share({job.rid: gave_up}, lost=True)
+
+    async def _share(self, resolved: dict[str, list[int]], lost: bool) -> None:
+        """Waiting requests got the blocks they waited for (`lost`: they will not come)."""
+        for rid, hashes in resolved.items():
+            landed, gone = ([], hashes) if lost else (hashes, [])
+            pinned = await self.engine_loop.call(self.exchange.share, rid, landed, gone, must_run=True)
+            job = self.jobs.get(rid)
+            if job is None:
+                continue
+            job.computed_blocks += len(hashes) - len(pinned)
+            metrics.KV_BLOCKS_SHARED_IN_FLIGHT.labels(outcome="landed").inc(len(pinned))
+            metrics.KV_BLOCKS_SHARED_IN_FLIGHT.labels(outcome="computed").inc(len(hashes) - len(pinned))
+            await self._ready_if_complete(job)
 
     def _receiving(self, rid: str) -> MDJob:
         job = self.jobs.get(rid)
@@ -81,7 +127,7 @@ class PromptKVIntake:
             hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
         await self.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
         await self.engine_loop.call(self.exchange.import_blocks, hashes, kv, pin=rid)
-        self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
+        await self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         job = self.jobs.get(rid)
@@ -91,9 +137,24 @@ class PromptKVIntake:
         lacking = job.missing - job.received
         if lacking:
             raise ValueError(f"request {rid}: {len(lacking)} prompt blocks never arrived")
+        if job.kv_sent_at is None:
+            job.kv_sent_at = time.monotonic()
+        await self._ready_if_complete(job)
+
+    async def _ready_if_complete(self, job: MDJob) -> None:
+        """READY once its own transfer is done and nothing it waits for is still in flight."""
+        if not job.state.is_in(DecodeState.RECEIVING) or job.kv_sent_at is None:
+            return
+        if self.in_flight.waiting(job.rid):
+            return
         job.state.to(DecodeState.READY)
         if job.receive_span:
-            job.receive_span.set_attributes({"bytes": job.wan_bytes, "blocks": len(job.received)})
+            attrs = {
+                "bytes": job.wan_bytes,
+                "blocks": len(job.received),
+                "computed_blocks": job.computed_blocks,
+            }
+            job.receive_span.set_attributes(attrs)
             job.receive_span.end()
         await self.complete(job)
 
@@ -101,4 +162,4 @@ class PromptKVIntake:
         """The sender aborted the transfer: drop a request whose KV never completed."""
         job = self.jobs.get(rid)
         if job is not None and job.state.is_in(DecodeState.RECEIVING):
-            await self.abandoned(job)
+            await self.abandoned(job, reason)

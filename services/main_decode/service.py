@@ -33,6 +33,7 @@ from shared.config import MainDecodeSettings
 from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
 from shared.engine.request_admission import Verdict
 from shared.kv.rdma_receiver import RdmaReceiver
+from shared.kv.sink import CONNECTION_LOST
 from shared.kv.transport import advertised_address
 from shared.serving.engine_service import EngineService, outcome_of, token_event
 from shared.serving.state_machine import StateMachine
@@ -58,8 +59,17 @@ class MainDecodeService(EngineService):
         )
         loop, ex = self.engine_loop, self.engine.exchange
         self.prompt_kv = PromptKVIntake(
-            self.jobs, loop, ex, self.tracer, self._take_back, self._kv_complete, self._drop
+            self.jobs,
+            loop,
+            ex,
+            self.tracer,
+            self._take_back,
+            self._kv_complete,
+            self._abandoned,
+            settings.share_in_flight,
         )
+        self.track("in_flight_blocks", lambda: len(self.prompt_kv.in_flight))
+        self.track("in_flight_waiting", lambda: len(self.prompt_kv.in_flight.awaits))
         self.rdma = RdmaReceiver(settings, self.prompt_kv, loop, ex, self.life, nc)
         self.track("rdma_offered", lambda: len(self.rdma.offered))
         self.track("rdma_quarantined", lambda: len(self.rdma.quarantined))
@@ -119,7 +129,7 @@ class MainDecodeService(EngineService):
         if have is None:  # it ended elsewhere while it waited (say the relay finished it): MD takes no part
             await respond(raw, PrepareReply(ok=True, bulk_address=self.advertise_address))
             return
-        missing = msg.block_hashes[have:]
+        missing = self.prompt_kv.claim(msg.rid, msg.block_hashes[have:])
         self.jobs[msg.rid] = MDJob(msg, set(missing), ctx=otel_context.get_current())
         await respond(raw, PrepareReply(ok=True, missing=missing, bulk_address=self.advertise_address))
 
@@ -166,6 +176,15 @@ class MainDecodeService(EngineService):
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
 
     # ---- prompt KV complete (bulk channel over the WAN) --------------------------------
+    async def _abandoned(self, job: MDJob, reason: str) -> None:
+        """Its KV transfer ended unfinished. A sender that aborted it knows why; one that vanished
+        (prefill died) does not tell the router: fail it, so the router moves it now rather
+        than when its stream stalls."""
+        if reason == CONNECTION_LOST:
+            await self._fail(job, f"prompt KV transfer lost: {reason}")
+        else:
+            await self._drop(job)
+
     async def _kv_complete(self, job: MDJob) -> None:
         if job.req.pipeline is Pipeline.P_RLD_MD and job.req.relay:  # only a relay waits for it
             await self._send_kv_ready(job)
@@ -280,11 +299,13 @@ class MainDecodeService(EngineService):
         self.jobs.pop(job.rid, None)
         job.end_spans()
         self.rdma.forget(job.rid)
+        await self.prompt_kv.dropped(job)
         await self.free(job.rid)
 
     async def _expire(self) -> None:
         """No request outlives the timeout, whatever its peers did."""
         now = time.monotonic()
+        await self.prompt_kv.expire_waits(now, self.settings.shared_kv_wait_s)
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s:
                 await self._fail(job, "request timed out on MD")

@@ -74,6 +74,22 @@ class BlockExchange:
         self.spare[owner] = [self.pool.allocate() for _ in range(missing)]
         return verdict, len(hit)
 
+    def share(self, owner: str, landed: list[int], lost: list[int] = ()) -> list[int]:
+        """Blocks owner waited for while another request's transfer brought them: pin those of
+        `landed` that are cached, and give back the spare block set aside for each block it no
+        longer imports (landed, or `lost`: computed instead). Returns the hashes pinned; an
+        owner that is gone gets nothing."""
+        if owner not in self.promised:
+            return []
+        pinned = [h for h in landed if self.pool.block_of(h) is not None]
+        bids = [self.pool.block_of(h) for h in pinned]
+        for bid in bids:
+            self.pool.touch(bid)
+        if bids:
+            self.pins.setdefault(owner, []).extend(bids)
+        self._release_spare(owner, len(landed) + len(lost))
+        return pinned
+
     def take_spare(self, owner: str, n: int) -> list[int]:
         """Up to n of owner's spare blocks, now the caller's to fill in place (one-sided writes).
         Each goes back with adopt() (filled), return_spare() or release_blocks()."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class InFlight:
+class BlocksInFlight:
     carrier: dict[int, str] = field(default_factory=dict)  # block hash -> request bringing it
     carries: dict[str, set[int]] = field(default_factory=dict)  # request -> its blocks not landed yet
     awaits: dict[str, set[int]] = field(default_factory=dict)  # request -> others' blocks it waits for
@@ -66,6 +66,11 @@ class InFlight:
         for h in owed:
             del self.carrier[h]
         return self._resolve(owed)
+
+    def stop_waiting(self, rid: str) -> list[int]:
+        """`rid` gives up the blocks it still waits for (its wait ran out): they stay in flight
+        for their carrier, and `rid` gets them another way."""
+        return sorted(self.awaits.pop(rid, ()))
 
     def _resolve(self, hashes: set[int]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

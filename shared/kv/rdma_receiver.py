@@ -38,7 +38,9 @@ class PromptKV(Protocol):
         """The request if it awaits its prompt KV here (the same object while it does)."""
         ...
 
-    def received(self, job, hashes: list[int], nbytes: int, traceparent: str | None, transport: str) -> None:
+    async def received(
+        self, job, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
+    ) -> None:
         """Blocks of the request are cached and pinned for it."""
         ...
 
@@ -140,7 +142,9 @@ class RdmaReceiver:
         checks = list(zip(msg.hashes, slots, msg.checksums, strict=True))
         good, corrupt = await self.engine_loop.call(self._verify, msg.rid, checks, msg.algo, must_run=True)
         r = region_of(self.pool)
-        self.prompt_kv.received(job, good, r.planes * r.block_bytes * len(good), msg.traceparent, "rdma")
+        await self.prompt_kv.received(
+            job, good, r.planes * r.block_bytes * len(good), msg.traceparent, "rdma"
+        )
         return RdmaVerdict(ok=True, corrupt=corrupt)
 
     def _verify(

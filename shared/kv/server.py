@@ -27,7 +27,7 @@ from shared.kv.frame import (
     read_header,
 )
 from shared.kv.pieces import SplitGroup, SplitGroups
-from shared.kv.sink import KVSink
+from shared.kv.sink import CONNECTION_LOST, KVSink
 from shared.kv.transport import Listener, Stream, transport_for
 
 if TYPE_CHECKING:
@@ -414,7 +414,7 @@ class KVServer:
     async def _expire(self, rid: str) -> None:
         await asyncio.sleep(self.reconnect_grace)
         if self._orphans.pop(rid, None) is not None:
-            await self.sink_abort(rid, "connection lost")
+            await self.sink_abort(rid, CONNECTION_LOST)
 
     def claim(self, rid: str, receiver: _Receiver) -> str | None:
         """rid starts on `receiver`: it takes rid over from a dropped (or dropping) connection of

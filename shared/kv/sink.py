@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+CONNECTION_LOST = "connection lost"  # on_abort's reason when the sender vanished (see on_abort)
+
 
 class KVSink(Protocol):
     async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:

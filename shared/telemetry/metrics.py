@@ -94,6 +94,11 @@ KV_RDMA_CORRUPT_BLOCKS = Counter(
 KV_TRANSFER_ABORTS = Counter(
     "pdd_kv_transfer_aborts", "WAN KV transfers aborted", ["reason"]
 )  # see abort_reason
+# A prompt block already on its way to MD for another request is waited for, not sent again
+# (outcome = landed); if its transfer ends without it, MD computes it (outcome = computed).
+KV_BLOCKS_SHARED_IN_FLIGHT = Counter(
+    "pdd_kv_blocks_shared_in_flight", "Prompt blocks MD took from another request's transfer", ["outcome"]
+)
 HANDOFF_BATCHES_DROPPED = Counter(  # reason = stale (seq already applied) | duplicate (seq already held)
     "pdd_handoff_batches_dropped", "Redelivered handoff batches MD dropped (first copy kept)", ["reason"]
 )

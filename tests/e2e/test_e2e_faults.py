@@ -6,6 +6,7 @@ no instance holds a request or a KV block, and the system serves the next reques
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -19,6 +20,9 @@ import pytest
 
 from pdd.supervisor import read_pid
 from pdd.system import RunningSystem, start_system
+from shared.config import EngineSettings, ModelSettings
+from shared.engine import LLMEngine
+from tests.e2e.test_e2e_pipelines import ref_tokens
 from tests.prometheus_samples import wait_until_drained
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream
@@ -214,6 +218,26 @@ def test_relay_killed_while_it_streams_ahead_of_main_decode(system):
     with system.shaped("bulk", bandwidth_mbps=15):  # MD's copy of the prompt KV takes ~3 s
         got = stream(system, payload, at_token=5, fault=kill(system, "relay"))
     assert got.error is None and got.done and got.tokens == want
+    settled(system, timeout_s=60)
+    serves_again(system)
+
+
+def test_prefill_killed_while_a_shared_prefix_crosses_the_wan(system):
+    """The second request waits for blocks the first one's transfer carries when prefill dies:
+    both move, and both still give the undisturbed tokens."""
+    first = body("p-md", salt=9, n=384, max_tokens=24)
+    second = {**first, "prompt": first["prompt"] + body("p-md", salt=10, n=64)["prompt"]}
+    engine = LLMEngine(ModelSettings(preset=PRESET), EngineSettings(kv_memory_mb=64))
+    want = [ref_tokens(engine, p["prompt"], max_tokens=24, ignore_eos=True) for p in (first, second)]
+    with system.shaped("bulk", bandwidth_mbps=24), concurrent.futures.ThreadPoolExecutor(3) as pool:
+        got = [pool.submit(stream, system, first)]
+        time.sleep(0.3)
+        got.append(pool.submit(stream, system, second))
+        time.sleep(0.3)  # both dispatched; the shared prefix is on the wire (~2 s)
+        kill(system, "prefill")()
+        got = [g.result() for g in got]
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and g.done and g.tokens == w
     settled(system, timeout_s=60)
     serves_again(system)
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from shared.engine.in_flight import InFlight
+from shared.engine.in_flight import BlocksInFlight
 
 
 def test_a_second_request_waits_for_blocks_already_in_flight():
-    f = InFlight()
+    f = BlocksInFlight()
     assert f.claim("a", [1, 2, 3]) == ([1, 2, 3], [])
     assert f.claim("b", [1, 2, 3, 4]) == ([4], [1, 2, 3])
     assert f.waiting("b") == {1, 2, 3}
@@ -18,7 +18,7 @@ def test_a_second_request_waits_for_blocks_already_in_flight():
 
 
 def test_a_carrier_that_drops_out_loses_its_owed_blocks_to_every_waiter():
-    f = InFlight()
+    f = BlocksInFlight()
     f.claim("a", [1, 2, 3])
     f.claim("b", [1, 2, 5])
     f.claim("c", [1, 2, 3, 6])
@@ -30,7 +30,7 @@ def test_a_carrier_that_drops_out_loses_its_owed_blocks_to_every_waiter():
 
 
 def test_a_waiter_that_leaves_waits_for_nothing_and_carries_nothing():
-    f = InFlight()
+    f = BlocksInFlight()
     f.claim("a", [1])
     f.claim("b", [1, 2])
     assert f.dropped("b") == {}
@@ -39,7 +39,7 @@ def test_a_waiter_that_leaves_waits_for_nothing_and_carries_nothing():
 
 
 def test_a_request_claims_once_and_repeated_hashes_count_once():
-    f = InFlight()
+    f = BlocksInFlight()
     assert f.claim("a", [7, 7, 8]) == ([7, 8], [])
     with pytest.raises(ValueError):
         f.claim("a", [9])

@@ -115,9 +115,10 @@ class RequestLife:
                 stream.last_held = now
 
     # ---- the clock ----------------------------------------------------------------------
-    def tick(self, now: float, alive_md: set[str]) -> list[Action]:
+    def tick(self, now: float, alive_md: set[str], alive_prefill: set[str] | None = None) -> list[Action]:
         """Act on lost instances: an MD lost before the handoff leaves the relay to finish;
-        a request whose producer is lost, whose token went missing or that stalled moves."""
+        a request whose producer is lost, whose token went missing or that stalled moves, and
+        so does one whose MD waits for a lost prefill (`alive_prefill`; None: not known)."""
         s = self.settings
         actions: list[Action] = []
         for stream in list(self.streams.values()):
@@ -130,7 +131,8 @@ class RequestLife:
                 ):
                     if inst:  # P stops the WAN stream, the relay finishes the request
                         actions.append(Publish(subjects.to_instance(role, inst, Req.MD_LOST), lost))
-            stall = stream.stall(now, s.lost_after_s, s.gap_timeout_s, s.stall_timeout_s)
+            prefill_lost = alive_prefill is not None and stream.prefill_instance not in alive_prefill
+            stall = stream.stall(now, s.lost_after_s, s.gap_timeout_s, s.stall_timeout_s, prefill_lost)
             if stall is not None:
                 actions.append(Move(stream, *stall))
         for rid in [r for r, t in self.stale_aborted.items() if now - t > STALE_ABORT_EVERY_S]:

@@ -90,6 +90,7 @@ class RequestStream:
     producer: tuple[Role, str] | None = None
     last_held: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None  # when this attempt last produced a token (None: none yet)
+    md_produced: bool = False  # this attempt's MD sent a token: it holds all it needs from prefill
     attempt: int = 0  # 0: the first dispatch; n: the n-th migration
     gap_since: float | None = None  # tokens after a missing one arrived at this time
     prompt_logprobs: list[TokenLogprobs] | None = None  # with output 0, when asked for (echo)
@@ -117,6 +118,7 @@ class RequestStream:
         self.last_held = time.monotonic()  # progress: whoever sent it still holds the request
         if ev.tokens:
             self.last_token_at = self.last_held
+            self.md_produced = self.md_produced or ev.source is Role.MAIN_DECODE
             if ev.index == 0 and self.producer is not None and self.producer[0] is Role.PREFILL:
                 self._first_token_out()
         if ev.relay and ev.relay.handed_over and self.state.is_in(StreamState.RELAYED):
@@ -131,18 +133,26 @@ class RequestStream:
             self.hand_to(Role.MAIN_DECODE, self.md_instance)
 
     def stall(
-        self, now: float, lost_after_s: float, gap_after_s: float, stall_after_s: float
+        self,
+        now: float,
+        lost_after_s: float,
+        gap_after_s: float,
+        stall_after_s: float,
+        prefill_lost: bool = False,
     ) -> tuple[str, str] | None:
         """(why, cause) if the request must move: the instance that should produce it stopped
-        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped); a token
-        went missing in transit (NATS delivers at most once); or, once tokens flowed, none came
-        for stall_after_s although someone holds it (a control message between instances was
-        lost, and the one holding it waits for it)."""
+        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped); its MD
+        waits for a prefill that is lost (`prefill_lost`: its KV or first handoff may never
+        come); a token went missing in transit (NATS delivers at most once); or, once tokens
+        flowed, none came for stall_after_s although someone holds it (a control message
+        between instances was lost, and the one holding it waits for it)."""
         if not self.state.is_in(*MOVABLE):
             return None
         if self.producer is not None and now - self.last_held > lost_after_s:
             role, instance = self.producer
             return f"{role.value} {instance} no longer holds it", "lost"
+        if prefill_lost and self.waits_for_prefill:
+            return f"prefill {self.prefill_instance} was lost before main decode started", "lost"
         if self.last_token_at is not None and now - self.last_token_at > stall_after_s:
             return f"no token for {now - self.last_token_at:.0f} s", "stall"
         if not self.merger.has_gap:
@@ -152,6 +162,16 @@ class RequestStream:
         elif now - self.gap_since > gap_after_s:
             return f"token {self.merger.next_index} was lost in transit", "gap"
         return None
+
+    @property
+    def waits_for_prefill(self) -> bool:
+        """P→MD with nothing from MD yet: MD may still wait for prefill's KV or first handoff."""
+        return (
+            self.state.is_in(StreamState.WITH_MD)
+            and self.decision.pipeline is Pipeline.P_MD
+            and self.attempt == 0
+            and not self.md_produced
+        )
 
     def md_lost(self) -> None:
         """MD stopped reporting before the handoff: the relay finishes the request."""

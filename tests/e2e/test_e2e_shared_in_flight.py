@@ -1,0 +1,131 @@
+"""A prefix crosses the WAN once, against a real system (`pdd up`): a request that shares
+blocks still on their way to main decode for another request waits for that copy instead of
+asking prefill to send them again, and still finishes exactly when that transfer ends
+without them (its client left, or the relay finished it)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdd.system import RunningSystem, start_system
+from shared.config import EngineSettings, ModelSettings
+from shared.engine import LLMEngine
+from tests.e2e.test_e2e_pipelines import complete, prompt_of, ref_tokens, wait_idle
+from tests.prometheus_samples import moved, scrape, wait_until_drained
+
+PRESET = "small"
+SLOW_MBPS = 24.0  # the shared prefix's KV (6 MB) takes ~2 s on the wire
+BASE_BLOCKS = 24  # 384 tokens: the shared prefix
+SUFFIX_BLOCKS = 4  # 64 tokens of the second request's own
+SHARED = "pdd_kv_blocks_shared_in_flight_total"
+PER_BLOCK = 16 * 16384  # the small preset's KV bytes per 16-token block
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory) -> RunningSystem:
+    env = {"PDD_RELAY_MD_READY_TIMEOUT_S": "30", "PDD_ROUTER_TOKEN_TIMEOUT_S": "30"}
+    sysm = start_system(
+        tmp_path_factory.mktemp("pdd-shared"), env, delay_ms=5, bandwidth_mbps=1000, model_preset=PRESET
+    )
+    yield sysm
+    sysm.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(ModelSettings(preset=PRESET), EngineSettings(kv_memory_mb=64))
+
+
+def md_samples(system: RunningSystem):
+    return scrape(system.metrics_urls()["main_decode"])
+
+
+def pair(salt: int) -> tuple[list[int], list[int]]:
+    base = prompt_of(16 * BASE_BLOCKS, salt=salt)
+    return base, base + prompt_of(16 * SUFFIX_BLOCKS, salt=salt + 1)
+
+
+def second_while_first_in_flight(
+    system, first, longer: list[int], after_s: float = 0.4
+) -> tuple[httpx.Response, object]:
+    """Send the second request `after_s` after `first()` started (once the first is
+    dispatched, MD expects its blocks), over the slow bulk link; the second's response and
+    first()'s result."""
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(first)
+        time.sleep(after_s)
+        b = pool.submit(complete, system, longer, max_tokens=8, ignore_eos=True, pdd={"pipeline": "p-md"})
+        return b.result(), a.result()
+
+
+def settled(system) -> None:
+    assert wait_idle(system) == {}
+    assert wait_until_drained(system, 20) == {}
+
+
+def test_a_prefix_in_flight_crosses_the_wan_once(system, reference):
+    base, longer = pair(salt=41)
+    before = md_samples(system)
+    first = lambda: complete(system, base, max_tokens=8, ignore_eos=True, pdd={"pipeline": "p-md"})  # noqa: E731
+    b, a = second_while_first_in_flight(system, first, longer)
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    per_block = a.json()["pdd"]["wan_bytes"] / BASE_BLOCKS
+    assert per_block > 0
+    assert b.json()["pdd"]["wan_bytes"] == SUFFIX_BLOCKS * per_block  # only its own blocks crossed
+    after = md_samples(system)
+    assert moved(before, after, SHARED, outcome="landed") > 0  # it waited for the first's copy
+    assert a.json()["choices"][0]["token_ids"] == ref_tokens(reference, base, max_tokens=8, ignore_eos=True)
+    assert b.json()["choices"][0]["token_ids"] == ref_tokens(reference, longer, max_tokens=8, ignore_eos=True)
+    settled(system)
+
+
+def test_the_second_finishes_exactly_when_the_first_client_leaves_mid_transfer(system, reference):
+    base, longer = pair(salt=43)
+    before = md_samples(system)
+    left = threading.Event()
+
+    def first() -> None:  # streams, then hangs up after its first token, while its KV crosses
+        payload = {
+            "prompt": base,
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+            "pdd": {"pipeline": "p-md"},
+        }
+        with httpx.stream("POST", f"{system.router_url}/v1/completions", json=payload, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    time.sleep(0.5)  # the second is prepared by now
+                    left.set()
+                    return
+
+    b, _ = second_while_first_in_flight(system, first, longer)
+    assert left.is_set()
+    assert b.status_code == 200, b.text
+    assert b.json()["choices"][0]["token_ids"] == ref_tokens(reference, longer, max_tokens=8, ignore_eos=True)
+    after = md_samples(system)
+    assert moved(before, after, SHARED, outcome="computed") > 0  # MD computed what never came
+    assert b.json()["pdd"]["wan_bytes"] < 2 * SUFFIX_BLOCKS * PER_BLOCK  # it asked for none again
+    settled(system)
+
+
+def test_the_second_finishes_exactly_when_the_relay_finished_the_first(system, reference):
+    base, longer = pair(salt=45)
+    before = md_samples(system)
+
+    def first() -> httpx.Response:  # short: the relay finishes it long before MD's copy lands
+        return complete(system, base, max_tokens=3, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
+
+    b, a = second_while_first_in_flight(system, first, longer, after_s=0.1)  # before the relay is done
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    assert a.json()["pdd"]["md_tokens"] == 0
+    assert b.json()["choices"][0]["token_ids"] == ref_tokens(reference, longer, max_tokens=8, ignore_eos=True)
+    after = md_samples(system)
+    assert moved(before, after, SHARED, outcome="computed") > 0
+    assert b.json()["pdd"]["wan_bytes"] < 2 * SUFFIX_BLOCKS * PER_BLOCK
+    settled(system)
