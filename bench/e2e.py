@@ -354,6 +354,11 @@ class Result:
     handoff_mode: str | None
 
 
+def sharing_env(args: argparse.Namespace) -> dict[str, str]:
+    """MD's setting for --no-share-in-flight."""
+    return {} if args.share_in_flight else {"PDD_MD_SHARE_IN_FLIGHT": "false"}
+
+
 def run_agentic(args: argparse.Namespace) -> dict:
     env = service_env(
         args.torch_threads,
@@ -361,6 +366,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
         prefill_kv_mb=args.md_kv_mb,
         relay_kv_mb=256,
         prefill_chunk=args.prefill_chunk,
+        extra=sharing_env(args),
     )
     wan = dict(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
     deps = args.deployments.split(",")
@@ -552,6 +558,7 @@ def _summarize(args, rows: list[dict], busy_s: float, link_bytes: dict) -> dict:
         "sla_ok": meeting,
         "sla_goodput_rps": meeting / busy_s,
         "wan_bytes": sum(r["wan_bytes"] for r in ok),
+        "wan_bytes_per_request": statistics.fmean(r["wan_bytes"] for r in ok) if ok else math.nan,
         "bulk_link_bytes": link_bytes.get("bulk", 0),
         "gateway_bytes": link_bytes.get("gw-ab", 0) + link_bytes.get("gw-ba", 0),
         "rld_token_share": sum(r["rld_tokens"] for r in ok) / max(n_out, 1),
@@ -702,6 +709,7 @@ def _print_agentic(res: dict) -> None:
     row("throughput (req/s)", lambda x: f"{x:.3f}", "rps")
     row("SLA goodput (req/s)", lambda x: f"{x:.3f}", "sla_goodput_rps")
     row("KV bytes MD received", lambda x: f"{x / 2**20:.0f} MiB", "wan_bytes")
+    row("KV bytes per request", lambda x: f"{x / 2**10:.0f} KiB", "wan_bytes_per_request")
     row("bulk link bytes", lambda x: f"{x / 2**20:.0f} MiB", "bulk_link_bytes")
     row("RLD token share", lambda x: f"{x:.1%}", "rld_token_share")
     print(
@@ -945,6 +953,13 @@ def _add_agentic_args(g) -> None:
     g.add_argument("--outlier-output", type=int, default=8)
     g.add_argument("--think-s", type=float, default=0.0, help="agent pause between turns")
     g.add_argument("--md-kv-mb", type=float, default=768, help="KV pool of MD and P (prefix caches)")
+    g.add_argument(
+        "--no-share-in-flight",
+        dest="share_in_flight",
+        action="store_false",
+        help="MD asks for every block it lacks, even one already crossing for another request "
+        "(only to measure what sharing saves)",
+    )
     g.add_argument("--sla-ttft-s", type=float, default=2.0)
     g.add_argument("--sla-tpot-s", type=float, default=0.1)
     g.add_argument("--sla-max-gap-s", type=float, default=None, help="optional third SLA bound")
@@ -958,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res, table, figures = run_agentic(args), _print_agentic, _agentic_figures
     res["wall_s"] = time.monotonic() - t0
+    res["share_in_flight"] = getattr(args, "share_in_flight", True)
     # How contended the host was (`pdd sim validate` models it as CPU sharing).
     res["host"] = {"cores": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg()}
     save_report(res, args.out or f"bench/out/e2e_{args.scenario}.json", table=table, figures=figures)

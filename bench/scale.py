@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from bench.client import pct, random_tokens, service_env, start_systems, stop_all, stream_completion
-from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans
+from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans, sharing_env
 from pdd.benchkit.progress import Advance, add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
 from pdd.sim.agentic import AgenticParams
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         prefill_kv_mb=args.md_kv_mb,
         relay_kv_mb=128,
         prefill_chunk=args.prefill_chunk,
+        extra=sharing_env(args),
     )
     wan = dict(delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, bandwidth_mbps=args.bandwidth_mbps)
     specs = {
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     res = run(args)
     res["wall_s"] = time.monotonic() - t0
+    res["share_in_flight"] = args.share_in_flight
     save_report(res, args.out, table=_table, figures=_figure)
     return 0 if all(t["met"] is not False for t in res["targets"]) else 1
 
