@@ -19,6 +19,7 @@ from .policy import (
     LinkView,
     RouteContext,
     RouteDecision,
+    RoutePlan,
     md_options,
     md_weights,
     plan_route,
@@ -48,17 +49,21 @@ class FleetView:
         self, prompt_ids: list[int], forced: Pipeline | None
     ) -> tuple[RouteDecision, str, str | None, str | None, list[int]]:
         """(decision, MD instance, relay instance on P→RLD→MD, prefill instance, the prompt's
-        block hashes); see policy.plan_route. With no MD alive (lost, or its datacenter
+        block hashes) of a plan that is not held; see policy.plan_route. With no MD alive (lost, or its datacenter
         unreachable) the MD is "" and the request goes to a relay (RLD-only: a fault
         fallback, never a policy)."""
+        plan, hashes = self.plan(prompt_ids, forced)
+        return plan.decision, plan.md, plan.relay, plan.prefill, hashes
+
+    def plan(self, prompt_ids: list[int], forced: Pipeline | None) -> tuple[RoutePlan, list[int]]:
+        """The route plan (held, when the line cannot take the request now) and the prompt's
+        block hashes."""
         hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self.loads(Role.MAIN_DECODE)
         loads = (mds, self.loads(Role.RELAY), self.loads(Role.PREFILL))
-        plan = plan_route(
-            self.route_ctx, len(prompt_ids), hashes, loads, self.links([m.instance for m in mds]), forced
-        )
-        return plan.decision, plan.md, plan.relay, plan.prefill, hashes
+        links = self.links([m.instance for m in mds])
+        return plan_route(self.route_ctx, len(prompt_ids), hashes, loads, links, forced), hashes
 
     def move_targets(
         self, prompt_ids: list[int], hashes: list[int], avoid: set[tuple[Role, str]]
