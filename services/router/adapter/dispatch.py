@@ -37,7 +37,7 @@ from ..core.merger import TokenMerger
 from ..core.request_life import RequestLife
 from ..core.request_stream import RequestStream, StreamState
 from ..routing.fleet_view import FleetView
-from ..routing.policy import LineWait, RoutePlan, line_wait
+from ..routing.policy import LineWait, RoutePlan, admitted_now, line_wait
 from .effects import Effects
 
 
@@ -155,13 +155,16 @@ class Dispatcher:
     async def _admitted(self, prompt_ids: list[int], forced: Pipeline | None) -> tuple[RoutePlan, list[int]]:
         """The request's route once the line admits it (policy.line_admission). Until then it
         is held here, planned again every line_replan_s (loads and the line's queue move
-        meanwhile); held past line_wait_s, or with line_wait_max held already, it gets a 429."""
+        meanwhile); held past line_wait_s, or with line_wait_max held already, it gets a 429.
+        Each held request plans on its own clock: the order in which they leave is roughly
+        their arrival order, not strictly."""
         s, started, holding = self.settings, time.monotonic(), False
         try:
             while True:
                 plan, hashes = self.fleet.plan(prompt_ids, forced)
-                waited = time.monotonic() - started
-                verdict = line_wait(not plan.held, waited, self.held - holding, s)
+                waited, others = time.monotonic() - started, self.held - holding
+                admitted = admitted_now(plan, forced is not None, not holding, others)
+                verdict = line_wait(admitted, waited, others, s, newcomer=not holding)
                 if verdict is LineWait.GO:
                     return plan, hashes
                 if verdict is LineWait.REFUSE:

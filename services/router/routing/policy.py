@@ -443,14 +443,25 @@ class LineWait(Enum):
     REFUSE = "refuse"  # 429: held too long, or too many held already
 
 
-def line_wait(admitted: bool, waited_s: float, held: int, settings: RouterSettings) -> LineWait:
-    """What becomes of a request the line admits (`admitted`, line_admission) or not, after
-    `waited_s` held, with `held` others held now (not counting it)."""
+def line_wait(
+    admitted: bool, waited_s: float, held: int, settings: RouterSettings, newcomer: bool = False
+) -> LineWait:
+    """What becomes of a request the line admits now (`admitted`: admitted_now) or not, after
+    `waited_s` held, with `held` others held now; a `newcomer` is planned for the first time."""
     if admitted:
         return LineWait.GO
-    if waited_s >= settings.line_wait_s or (waited_s == 0 and held >= settings.line_wait_max):
+    if (newcomer and held >= settings.line_wait_max) or waited_s >= settings.line_wait_s:
         return LineWait.REFUSE
     return LineWait.WAIT
+
+
+def admitted_now(plan: RoutePlan, forced: bool, newcomer: bool, held: int) -> bool:
+    """Whether a plan may be dispatched now: not held (line_admission) and, for a newcomer
+    bound for a relay while `held` requests wait for relay room, not ahead of them (the room
+    that frees is theirs first). A forced pipeline is never held."""
+    if forced:
+        return True
+    return not plan.held and not (newcomer and held and plan.relay is not None)
 
 
 def plan_route(
