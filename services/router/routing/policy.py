@@ -9,7 +9,7 @@ bound (see `within_bound`):
               + load_weight × load
 
 load (`load_of`) counts requests; load_weight is the seconds of WAN transfer (or of prefill)
-one request of load is worth. The relay is the least loaded one.
+one request of load is worth. The relay is the least loaded one with room (`relays_for`).
 
 The pipeline follows from the chosen MD's WAN time: the KV it lacks behind everything queued
 on the line toward it (`queued_ahead`, the same queue its cost counts). Admission to the line
