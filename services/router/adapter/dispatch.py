@@ -158,10 +158,10 @@ class Dispatcher:
         meanwhile); held past line_wait_s, or with line_wait_max held already, it gets a 429.
         Each held request plans on its own clock: the order in which they leave is roughly
         their arrival order, not strictly."""
-        s, started, holding = self.settings, time.monotonic(), False
+        s, started, holding, hashes = self.settings, time.monotonic(), False, None
         try:
             while True:
-                plan, hashes = self.fleet.plan(prompt_ids, forced)
+                plan, hashes = self.fleet.plan(prompt_ids, forced, hashes)
                 waited, others = time.monotonic() - started, self.held - holding
                 admitted = admitted_now(plan, forced is not None, not holding, others)
                 verdict = line_wait(admitted, waited, others, s, newcomer=not holding)

@@ -55,10 +55,13 @@ class FleetView:
         plan, hashes = self.plan(prompt_ids, forced)
         return plan.decision, plan.md, plan.relay, plan.prefill, hashes
 
-    def plan(self, prompt_ids: list[int], forced: Pipeline | None) -> tuple[RoutePlan, list[int]]:
+    def plan(
+        self, prompt_ids: list[int], forced: Pipeline | None, hashes: list[int] | None = None
+    ) -> tuple[RoutePlan, list[int]]:
         """The route plan (held, when the line cannot take the request now) and the prompt's
-        block hashes."""
-        hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
+        block hashes (`hashes`: as an earlier plan of the same prompt gave them)."""
+        if hashes is None:
+            hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self.loads(Role.MAIN_DECODE)
         loads = (mds, self.loads(Role.RELAY), self.loads(Role.PREFILL))
