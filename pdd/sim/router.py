@@ -20,7 +20,6 @@ from services.router.routing.policy import (
     LinkView,
     RouteContext,
     RoutePlan,
-    admitted_now,
     line_wait,
     load_from,
     plan_route,
@@ -66,9 +65,8 @@ class SimRouter:
 
     def _decide(self, req: SimRequest, since: float, held: int, newcomer: bool = False) -> bool:
         """Plan `req` (waiting since `since`, `held` others waiting): go, refuse, or (False) wait."""
-        plan = self._plan(req)
-        admitted = admitted_now(plan, False, newcomer, held)
-        verdict = line_wait(admitted, self.loop.now - since, held, self.settings, newcomer)
+        plan = self._plan(req, waiters_ahead=newcomer and held > 0)
+        verdict = line_wait(not plan.held, self.loop.now - since, held, self.settings, newcomer)
         if verdict is LineWait.WAIT:
             return False
         if verdict is LineWait.GO:
@@ -107,13 +105,14 @@ class SimRouter:
             return plan
         return self._plan(req)
 
-    def _plan(self, req: SimRequest) -> RoutePlan:
+    def _plan(self, req: SimRequest, waiters_ahead: bool = False) -> RoutePlan:
         now = self.loop.now
         self.assignments.expire(now - self.settings.lost_after_s)
         recent = self.assignments.recent_all(now)
         mds = self._loads(Role.MAIN_DECODE, now - self.md_report_delay_s, recent)
         loads = (mds, self._loads(Role.RELAY, now, recent), self._loads(Role.PREFILL, now, recent))
-        return plan_route(self.ctx, req.input_tokens, list(req.block_hashes), loads, self._links(mds))
+        hashes, links = list(req.block_hashes), self._links(mds)
+        return plan_route(self.ctx, req.input_tokens, hashes, loads, links, None, waiters_ahead)
 
     def _links(self, mds: list[_Member]) -> dict[str, LinkView]:
         """Each MD's link as the router sees it (MDs behind one line share its view but for

@@ -13,7 +13,6 @@ from services.router.routing.policy import (
     LinkView,
     RouteContext,
     RouteDecision,
-    admitted_now,
     line_admission,
     line_queues,
     line_wait,
@@ -131,16 +130,21 @@ def test_a_held_request_waits_then_is_refused_past_the_bound():
     assert line_wait(True, 5.0, 0, S) is LineWait.GO  # room came: goes, however long it waited
 
 
-def test_a_newcomer_bound_for_a_relay_does_not_pass_those_held_for_one():
-    to_relay = _plan(320, _links(100_000), [InstanceLoad("rld0")])
-    to_md = _plan(0, _links(100_000), [InstanceLoad("rld0")])
-    held = _plan(320, _links(100_000), [InstanceLoad("rld0", running=2)])
-    assert admitted_now(to_relay, forced=False, newcomer=True, held=0)
-    assert not admitted_now(to_relay, False, newcomer=True, held=1)  # joins the wait
-    assert admitted_now(to_relay, False, newcomer=False, held=1)  # a held one takes the room
-    assert admitted_now(to_md, False, newcomer=True, held=5)  # a hit needs no relay: goes
-    assert not admitted_now(held, False, newcomer=False, held=0)
-    assert admitted_now(held, True, newcomer=True, held=5)  # forced
+def test_a_newcomer_sees_no_relay_room_while_others_wait_for_it():
+    """The room that frees belongs to those held first: a newcomer plans as if every relay
+    were full (waiters_ahead)."""
+    relays, mds = [InstanceLoad("rld0")], [InstanceLoad(f"md{i}") for i in range(32)]
+
+    def plan(prompt_tokens: int, backlog_each: int, waiters_ahead: bool):
+        links, hashes = _links(backlog_each), list(range(prompt_tokens // BLOCK))
+        loads = (mds, relays, [InstanceLoad("p0")])
+        return plan_route(_ctx(), prompt_tokens, hashes, loads, links, None, waiters_ahead)
+
+    assert plan(320, 100_000, False).relay == "rld0"
+    assert plan(320, 100_000, True).held  # over the budget: joins the wait
+    within = plan(320, 30_000, True)  # within the budget: P→MD rather than wait
+    assert (within.held, within.decision.pipeline) == (False, P_MD)
+    assert not plan(0, 100_000, True).held  # a hit needs no relay
 
 
 def test_the_simulator_holds_and_refuses_as_the_router_does():

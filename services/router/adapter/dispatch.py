@@ -37,7 +37,7 @@ from ..core.merger import TokenMerger
 from ..core.request_life import RequestLife
 from ..core.request_stream import RequestStream, StreamState
 from ..routing.fleet_view import FleetView
-from ..routing.policy import LineWait, RoutePlan, admitted_now, line_wait
+from ..routing.policy import LineWait, RoutePlan, line_wait
 from .effects import Effects
 
 
@@ -161,10 +161,10 @@ class Dispatcher:
         s, started, holding, hashes = self.settings, time.monotonic(), False, None
         try:
             while True:
-                plan, hashes = self.fleet.plan(prompt_ids, forced, hashes)
-                waited, others = time.monotonic() - started, self.held - holding
-                admitted = admitted_now(plan, forced is not None, not holding, others)
-                verdict = line_wait(admitted, waited, others, s, newcomer=not holding)
+                others = self.held - holding
+                plan, hashes = self.fleet.plan(prompt_ids, forced, hashes, not holding and others > 0)
+                waited = time.monotonic() - started
+                verdict = line_wait(not plan.held, waited, others, s, newcomer=not holding)
                 if verdict is LineWait.GO:
                     return plan, hashes
                 if verdict is LineWait.REFUSE:

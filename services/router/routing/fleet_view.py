@@ -56,17 +56,23 @@ class FleetView:
         return plan.decision, plan.md, plan.relay, plan.prefill, hashes
 
     def plan(
-        self, prompt_ids: list[int], forced: Pipeline | None, hashes: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        forced: Pipeline | None,
+        hashes: list[int] | None = None,
+        waiters_ahead: bool = False,
     ) -> tuple[RoutePlan, list[int]]:
         """The route plan (held, when the line cannot take the request now) and the prompt's
-        block hashes (`hashes`: as an earlier plan of the same prompt gave them)."""
+        block hashes (`hashes`: as an earlier plan of the same prompt gave them); see
+        policy.plan_route for `waiters_ahead`."""
         if hashes is None:
             hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self.loads(Role.MAIN_DECODE)
         loads = (mds, self.loads(Role.RELAY), self.loads(Role.PREFILL))
         links = self.links([m.instance for m in mds])
-        return plan_route(self.route_ctx, len(prompt_ids), hashes, loads, links, forced), hashes
+        plan = plan_route(self.route_ctx, len(prompt_ids), hashes, loads, links, forced, waiters_ahead)
+        return plan, hashes
 
     def move_targets(
         self, prompt_ids: list[int], hashes: list[int], avoid: set[tuple[Role, str]]

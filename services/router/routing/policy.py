@@ -446,22 +446,14 @@ class LineWait(Enum):
 def line_wait(
     admitted: bool, waited_s: float, held: int, settings: RouterSettings, newcomer: bool = False
 ) -> LineWait:
-    """What becomes of a request the line admits now (`admitted`: admitted_now) or not, after
-    `waited_s` held, with `held` others held now; a `newcomer` is planned for the first time."""
+    """What becomes of a request the line admits now (`admitted`: its plan is not held) or
+    not, after `waited_s` held, with `held` others held now; a `newcomer` is planned for the
+    first time."""
     if admitted:
         return LineWait.GO
     if (newcomer and held >= settings.line_wait_max) or waited_s >= settings.line_wait_s:
         return LineWait.REFUSE
     return LineWait.WAIT
-
-
-def admitted_now(plan: RoutePlan, forced: bool, newcomer: bool, held: int) -> bool:
-    """Whether a plan may be dispatched now: not held (line_admission) and, for a newcomer
-    bound for a relay while `held` requests wait for relay room, not ahead of them (the room
-    that frees is theirs first). A forced pipeline is never held."""
-    if forced:
-        return True
-    return not plan.held and not (newcomer and held and plan.relay is not None)
 
 
 def plan_route(
@@ -471,14 +463,18 @@ def plan_route(
     loads: tuple[list[InstanceLoad], list[InstanceLoad], list[InstanceLoad]],  # (MDs, relays, prefills)
     links: dict[str, LinkView],  # per MD in loads[0]
     forced: Pipeline | None = None,
+    waiters_ahead: bool = False,
 ) -> RoutePlan:
     """The MD is the cheapest by the WAN time of what it lacks and its load; the pipeline
     follows from that MD's WAN time behind the line's queue, and the relay is the least loaded
     one with room. A request the line cannot admit (line_admission) gets a plan with `held`
-    set and no prefill. A forced pipeline is never held."""
+    set and no prefill. `waiters_ahead`: requests held earlier wait for relay room, so this
+    one (newly come) sees none: the room that frees is theirs first. A forced pipeline is
+    never held."""
     mds, relays, prefills = loads
     s = ctx.settings
     able, room = relays_for(relays, prompt_tokens, ctx.block_size, s.relay_max_requests)
+    room = [] if waiters_ahead else room
     relay = choose_least_loaded(room)
     cached = ctx.index.cached_prefix_blocks_all(hashes)
     queues = line_queues(links)
