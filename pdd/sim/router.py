@@ -50,10 +50,10 @@ class SimRouter:
         self._backlog_views: dict[str, LinkView] = {}  # per MD: its last view with bytes queued
         self._held: deque[tuple[SimRequest, float]] = deque()  # waiting for the line: (request, since)
         self._admitted: tuple[SimRequest, RoutePlan] | None = None  # planned by admit, for plan()
-        self.go: Callable[[SimRequest, float], Job | None] = lambda req, arrived: None  # dispatch it
         # Per relay: the requests sent to it whose KV it has not taken yet (its load cannot show
         # them while their prefill runs: they count as sent since its report).
         self._to_relays: dict[str, list[Job]] = {}
+        self.go: Callable[[SimRequest, float], Job | None] = lambda req, arrived: None  # dispatch it
         self.refuse: Callable[[SimRequest], None] = lambda req: None  # a 429
         self.refused = 0  # requests refused (429) after waiting for the line, or at once
         self.held_total = 0  # requests that waited for the line at all
