@@ -180,7 +180,7 @@ class RouterSettings(CommonSettings):
     relay_max_requests: int = Field(default=64, ge=1)  # a relay's engine max_num_seqs by default
     line_wait_s: float = Field(default=5.0, ge=0)
     line_wait_max: int = Field(default=256, ge=0)
-    line_replan_s: float = Field(default=0.1, gt=0)
+    line_replan_s: float = Field(default=0.25, gt=0)  # (loads and the line's queue are reported every 0.5 s)
     # Prior for the link estimator, bytes/s; 0 is an uncapped link (`pdd up --bandwidth-mbps 0`),
     # taken as UNCAPPED_BANDWIDTH_BPS until transfers are measured.
     default_bandwidth_bps: float = Field(default=1e9 / 8, ge=0)

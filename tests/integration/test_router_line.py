@@ -1,7 +1,8 @@
 """Admission to the line in a real RouterCore on a real NATS connection, fed load reports as
 its subscription would be: a request whose KV cannot cross the line within the gap budget,
 with the only relay full, waits at the router; it is dispatched by the relay once the relay
-has room, and refused with a 429 (Retry-After) past line_wait_s."""
+has room (and counts toward the relay until the relay's report shows it), and refused with a
+429 (Retry-After) past line_wait_s."""
 
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ async def test_a_held_request_goes_when_the_relay_frees_and_is_refused_past_the_
         assert time.monotonic() - start < 1.0
         assert dispatched == [(Pipeline.P_RLD_MD, "r0", "p0")]
         assert core.dispatcher.held == 0
+        # The relay's next report cannot show it while its prefill runs: it still counts there.
+        report(Role.RELAY, "r0", running=0)
+        assert [r.pending for r in core.fleet.loads(Role.RELAY)] == [1]
+        assert core.fleet.plan(PROMPT, None)[0].held  # so the relay is full again
         core.release(stream)
     finally:
         await nc.close()

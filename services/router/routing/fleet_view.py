@@ -5,6 +5,7 @@ the requests this router sent since), the link figures toward each MD, and the r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from shared.bus.messages import Pipeline, Role
@@ -44,6 +45,10 @@ class FleetView:
         )
         self.caches = {Role.MAIN_DECODE: CacheView(self.index), Role.PREFILL: CacheView(self.prefill_index)}
         self.registry = Registry(stale_after_s=settings.lost_after_s)
+        # Per relay: this router's requests routed to it and not handed over yet (the request
+        # life's RequestLife.bound_for_relays): a prefill still running keeps a request out of
+        # the relay's reports for longer than one report interval.
+        self.bound_for_relays: Callable[[], dict[str, list[str]]] = dict
 
     def route(
         self, prompt_ids: list[int], forced: Pipeline | None
@@ -90,15 +95,20 @@ class FleetView:
         count at once), with what their last report adds and the requests sent since."""
         now = time.monotonic()
         loads = []
+        bound = self.bound_for_relays() if role is Role.RELAY else {}
         for load in self.registry.loads(role):
             report = self.registry.get(role, load.instance)
             reported_at = now - self.registry.silent_for(role, load.instance)
+            pending = self.assignments.pending((role, load.instance), reported_at)
+            if load.instance in bound:  # sent to the relay, but not in its report: not arrived yet
+                shown = set(report.held) if report else set()
+                pending = max(pending, sum(rid not in shown for rid in bound[load.instance]))
             loads.append(
                 replace(
                     load,
                     num_blocks=report.num_blocks if report else 0,
                     held=len(report.held) if report else 0,
-                    pending=self.assignments.pending((role, load.instance), reported_at),
+                    pending=pending,
                     recent=self.assignments.recent((role, load.instance), now),
                 )
             )
