@@ -172,7 +172,20 @@ class RouterSettings(CommonSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    wan_time_threshold_s: float = 0.5  # estimated WAN time above which the relay is used
+    # Estimated WAN time of the KV MD lacks, behind everything queued on the line toward it
+    # (all MDs behind that line), above which the relay is used.
+    wan_time_threshold_s: float = 0.5
+    # Admission to the line. The gap budget: the longest the missing KV (behind the line's
+    # queue) may take to reach MD on P→MD, where the user waits for MD's second token. Past
+    # it the request needs a relay; when every relay is full (relay_max_requests running or
+    # held, or too few free KV blocks for the prompt) it waits at the router, planned again
+    # every line_replan_s, and gets a 429 (Retry-After) after line_wait_s or when
+    # line_wait_max requests wait already. A fleet with no relay that could take it is not held.
+    line_budget_s: float = Field(default=2.0, ge=0)
+    relay_max_requests: int = Field(default=64, ge=1)  # a relay's engine max_num_seqs by default
+    line_wait_s: float = Field(default=5.0, ge=0)
+    line_wait_max: int = Field(default=256, ge=0)
+    line_replan_s: float = Field(default=0.25, gt=0)  # (loads and the line's queue are reported every 0.5 s)
     # Prior for the link estimator, bytes/s; 0 is an uncapped link (`pdd up --bandwidth-mbps 0`),
     # taken as UNCAPPED_BANDWIDTH_BPS until transfers are measured.
     default_bandwidth_bps: float = Field(default=1e9 / 8, ge=0)

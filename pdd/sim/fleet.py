@@ -65,14 +65,15 @@ class Fleet:
             self.cross(lambda: self.router.on_cache_events(Role.MAIN_DECODE, md.name, stored, evicted))
 
     # ---- a request ---------------------------------------------------------------------------
-    def arrive(self, req: SimRequest) -> None:
+    def arrive(self, req: SimRequest, arrived: float | None = None) -> Job:
+        """`arrived`: when the request reached the router, if it waited there for the line."""
         now = self.loop.now
         plan = self.router.plan(req)
         inst = self.by_name
         relay = inst[plan.relay] if plan.relay else None
         job = Job(
             req,
-            TokenTimes(now),
+            TokenTimes(now if arrived is None else arrived),
             plan.decision.pipeline,
             plan.decision.hit_rate,
             inst[plan.prefill],
@@ -96,6 +97,7 @@ class Fleet:
         )
         job.prefill.submit(work)
         self.cross(lambda: self._prepare(job))
+        return job
 
     def _prepare(self, job: Job) -> None:
         """MD takes blocks for the whole request (prefix hits shared), waiting while they do not fit."""

@@ -97,6 +97,8 @@ class SimResult:
     busy_spells: dict[str, list[tuple[float, float]]] = field(
         default_factory=dict
     )  # per instance, if asked for
+    refused: int = 0  # requests the router refused (429): the line could not take them in time
+    held: int = 0  # requests that waited at the router for the line (refused ones included)
 
     def summary(self) -> dict:
         """p50/p99 of each latency; WAN Gbit/s mean and p99 (of the 1 s bins); the RLD's share
@@ -116,4 +118,5 @@ class SimResult:
             p: sum(r.pipeline == p for r in self.records) / n for p in ("p-md", "p-rld-md", "rld-only")
         }
         out["filtered"] = sum(r.filtered for r in self.records)
+        out["refused"], out["held"] = self.refused, self.held
         return out

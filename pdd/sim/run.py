@@ -337,6 +337,8 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("P→MD / P→RLD→MD / RLD only", "pipelines", ""),
     ("RLD share of tokens", "rld_token_share", "{:.1%}"),
     ("filtered (relay finished)", "filtered", "{:d}"),
+    ("held for the line", "held", "{:d}"),
+    ("refused (429)", "refused", "{:d}"),
     ("SLA attainment", "sla_attainment", "{:.1%}"),
     *(
         (f"{name} {q}", f"{key}_{q}_s", "{:.3f} s")

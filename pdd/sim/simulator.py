@@ -76,6 +76,8 @@ def simulate(
         busy,
         sim.loop.events,
         spells,
+        sim.router.refused,
+        sim.router.held_total,
     )
 
 
@@ -134,6 +136,8 @@ class _Simulation:
             self.loop, self.router, kvbpt, bs, kv_link, local.__getitem__, self.wan, by_name, s.relay
         )
         self.fleet.on_finished = self._finished
+        self.router.go = self.fleet.arrive
+        self.router.refuse = self._refused
         self.done, self.total = 0, len(workload.requests)
         self.report_every = max(1, self.total // 100)
         self.next_of: dict[int, SimRequest] = {}  # closed loop: a request's successor of the same client
@@ -173,7 +177,7 @@ class _Simulation:
                 return
             now = self.loop.now
             for r in self.wave_starts.pop(wave):
-                self.loop.at(now + r.arrival_s, lambda r=r: self.fleet.arrive(r))
+                self.loop.at(now + r.arrival_s, lambda r=r: self.router.admit(r))
 
     def _arrive_open(self, i: int) -> None:
         reqs = self.workload.requests
@@ -182,16 +186,23 @@ class _Simulation:
     def _open_arrival(self, i: int) -> None:
         if i + 1 < len(self.workload.requests):
             self._arrive_open(i + 1)
-        self.fleet.arrive(self.workload.requests[i])
+        self.router.admit(self.workload.requests[i])
 
     def _finished(self, job: Job) -> None:
+        self._ended(job.req, job.times.last)
+
+    def _refused(self, req: SimRequest) -> None:
+        """The router refused it (a 429): its client goes on to its next request, if any."""
+        self._ended(req, self.loop.now)
+
+    def _ended(self, req: SimRequest, at: float) -> None:
         self.done += 1
         if self.done % self.report_every == 0:
             self.on_progress(self.done / self.total)
-        nxt = self.next_of.pop(job.req.rid, None)
+        nxt = self.next_of.pop(req.rid, None)
         if nxt is not None:  # think time after the last token reached the router
-            self.loop.at(job.times.last + nxt.arrival_s, lambda: self.fleet.arrive(nxt))
+            self.loop.at(at + nxt.arrival_s, lambda: self.router.admit(nxt))
         if self.workload.closed_loop:
-            self.left_in_wave[job.req.wave] -= 1
-            if not self.left_in_wave[job.req.wave]:
+            self.left_in_wave[req.wave] -= 1
+            if not self.left_in_wave[req.wave]:
                 self._start_waves()

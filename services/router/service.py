@@ -45,6 +45,7 @@ class RouterCore:
         self.fleet = FleetView(
             settings, model_id=model_id, block_size=block_size, kv_bytes_per_token=kv_bytes_per_token
         )
+        self.fleet.bound_for_relays = self.requests.bound_for_relays
         self.effects = Effects(nc, tracer, self.life, self.fleet.assignments)
         self.mover = Mover(settings, nc, tracer, self.identity, self.requests, self.fleet, self.effects)
         self.effects.migrate = self.mover.migrate

@@ -23,6 +23,7 @@ def _afresh(router: SimRouter, role: Role, inst) -> InstanceLoad:
     key, now = (role.value, inst.name), router.loop.now
     reported_at = now - router.md_report_delay_s if role is Role.MAIN_DECODE else now
     pending = router.assignments.pending(key, reported_at) if key in router.assignments.unreported() else 0
+    pending += router.on_the_way(inst.name) if role is Role.RELAY else 0  # sent, its KV not landed yet
     running, waiting = inst.load_counts()
     return InstanceLoad(
         inst.name,

@@ -4,6 +4,7 @@ if the normal path is not available, start it elsewhere by token IDs."""
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
 import uuid
@@ -36,6 +37,7 @@ from ..core.merger import TokenMerger
 from ..core.request_life import RequestLife
 from ..core.request_stream import RequestStream, StreamState
 from ..routing.fleet_view import FleetView
+from ..routing.policy import LineWait, RoutePlan, line_wait
 from .effects import Effects
 
 
@@ -76,6 +78,7 @@ class Dispatcher:
         self.settings, self.nc, self.tracer = settings, nc, tracer
         self.identity, self.rid_prefix = identity, rid_prefix
         self.requests, self.fleet, self.effects = requests, fleet, effects
+        self.held = 0  # requests waiting for the line (see _admitted)
 
     async def open(
         self,
@@ -97,7 +100,7 @@ class Dispatcher:
             with trace.use_span(span, end_on_exit=False):
                 options = options or PddOptions()
                 forced = Pipeline(options.pipeline) if options.pipeline else None
-                stream, prefill = self._routed(rid, span, prompt_ids, forced, params)
+                stream, prefill = await self._routed(rid, span, prompt_ids, forced, params)
                 if stream.decision.pipeline is Pipeline.RLD_ONLY or prefill is None:
                     await self.start_elsewhere(stream, "no prefill or main-decode instance is available")
                 else:
@@ -108,16 +111,19 @@ class Dispatcher:
             span.end()
             raise
 
-    def _routed(
+    async def _routed(
         self, rid: str, span: Span, prompt_ids: list[int], forced: Pipeline | None, params: SamplingParams
     ) -> tuple[RequestStream, str | None]:
         """The request's stream, routed, and the prefill instance chosen for it."""
         with self.tracer.start_as_current_span(
             "router.route", attributes={REQUEST_ID_ATTR: rid}
         ) as route_span:
-            decision, md, relay, prefill, hashes = self.fleet.route(prompt_ids, forced)
+            started = time.monotonic()
+            plan, hashes = await self._admitted(prompt_ids, forced)
+            decision, md, relay, prefill = plan.decision, plan.md, plan.relay, plan.prefill
             route_span.set_attributes(
                 {
+                    "pdd.line_wait_s": time.monotonic() - started,
                     "pdd.hit_rate": decision.hit_rate,
                     "pdd.missing_bytes": decision.missing_bytes,
                     "pdd.est_wan_s": decision.est_wan_s,
@@ -145,6 +151,30 @@ class Dispatcher:
         self.requests.opened(stream)
         self.effects.inbox(stream)
         return stream, prefill
+
+    async def _admitted(self, prompt_ids: list[int], forced: Pipeline | None) -> tuple[RoutePlan, list[int]]:
+        """The request's route once the line admits it (policy.line_admission). Until then it
+        is held here, planned again every line_replan_s (loads and the line's queue move
+        meanwhile); held past line_wait_s, or with line_wait_max held already, it gets a 429.
+        Each held request plans on its own clock: the order in which they leave is roughly
+        their arrival order, not strictly."""
+        s, started, holding, hashes = self.settings, time.monotonic(), False, None
+        try:
+            while True:
+                others = self.held - holding
+                plan, hashes = self.fleet.plan(prompt_ids, forced, hashes, not holding and others > 0)
+                waited = time.monotonic() - started
+                verdict = line_wait(not plan.held, waited, others, s, newcomer=not holding)
+                if verdict is LineWait.GO:
+                    return plan, hashes
+                if verdict is LineWait.REFUSE:
+                    raise line_refusal(plan, waited, s)
+                if not holding:
+                    holding, self.held = True, self.held + 1
+                await asyncio.sleep(max(0.0, min(s.line_replan_s, s.line_wait_s - waited)))
+        finally:
+            if holding:
+                self.held -= 1
 
     async def _dispatch(self, stream: RequestStream, prefill: str, catchup: int | None) -> None:
         """Ask MD (across the WAN) and P at once: prefill starts without waiting a round trip;
@@ -239,3 +269,22 @@ def md_refusal(prep: PrepareReply) -> APIError:
     if prep.busy:
         return APIError(f"main decode is busy ({prep.error}): try again later", 503)
     return APIError(f"main decode refused the request: {prep.error}", 400, "invalid_request_error")
+
+
+def line_refusal(plan: RoutePlan, waited_s: float, s: RouterSettings) -> APIError:
+    """A 429 for a request the line could not take in time: as an OpenAI-compatible server
+    answers a rate limit, with Retry-After (the hold's bound, whole seconds)."""
+    why = (
+        f"held {waited_s:.1f} s"
+        if waited_s >= s.line_wait_s
+        else f"{s.line_wait_max} requests are waiting already"
+    )
+    return APIError(
+        f"the cross-datacenter KV line is saturated: this request's KV would take "
+        f"{plan.decision.est_wan_s:.1f} s to arrive (budget {s.line_budget_s:g} s) and every relay "
+        f"is full ({why}); retry later",
+        429,
+        "rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(max(1, math.ceil(s.line_wait_s)))},
+    )

@@ -86,7 +86,7 @@ async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONRespons
 
 
 async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _core(request: Request) -> RouterCore:

@@ -14,9 +14,11 @@ class APIError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
+        self.headers = headers  # of the response, e.g. Retry-After on a 429
         self.type = type_
         self.param = param
         self.code = code

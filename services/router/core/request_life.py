@@ -106,6 +106,15 @@ class RequestLife:
             actions.append(SendAbort(ev.rid, AbortReason.STALE))
         return actions
 
+    def bound_for_relays(self) -> dict[str, list[str]]:
+        """Per relay: the attempt ids of this router's requests routed to it that it has not
+        handed over yet (P→RLD→MD, dispatching or relayed)."""
+        out: dict[str, list[str]] = {}
+        for stream in self.streams.values():
+            if stream.relay_instance and stream.state.is_in(StreamState.DISPATCHING, StreamState.RELAYED):
+                out.setdefault(stream.relay_instance, []).append(stream.attempt_rid)
+        return out
+
     def on_held(self, report: LoadReport, now: float) -> None:
         """A heartbeat: the instance still holds the requests it lists."""
         me = (report.service, report.instance)

@@ -5,6 +5,7 @@ the requests this router sent since), the link figures toward each MD, and the r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from shared.bus.messages import Pipeline, Role
@@ -19,6 +20,7 @@ from .policy import (
     LinkView,
     RouteContext,
     RouteDecision,
+    RoutePlan,
     md_options,
     md_weights,
     plan_route,
@@ -43,22 +45,39 @@ class FleetView:
         )
         self.caches = {Role.MAIN_DECODE: CacheView(self.index), Role.PREFILL: CacheView(self.prefill_index)}
         self.registry = Registry(stale_after_s=settings.lost_after_s)
+        # Per relay: this router's requests routed to it and not handed over yet (the request
+        # life's RequestLife.bound_for_relays): a prefill still running keeps a request out of
+        # the relay's reports for longer than one report interval.
+        self.bound_for_relays: Callable[[], dict[str, list[str]]] = dict
 
     def route(
         self, prompt_ids: list[int], forced: Pipeline | None
     ) -> tuple[RouteDecision, str, str | None, str | None, list[int]]:
         """(decision, MD instance, relay instance on P→RLD→MD, prefill instance, the prompt's
-        block hashes); see policy.plan_route. With no MD alive (lost, or its datacenter
+        block hashes) of a plan that is not held; see policy.plan_route. With no MD alive (lost, or its datacenter
         unreachable) the MD is "" and the request goes to a relay (RLD-only: a fault
         fallback, never a policy)."""
-        hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
+        plan, hashes = self.plan(prompt_ids, forced)
+        return plan.decision, plan.md, plan.relay, plan.prefill, hashes
+
+    def plan(
+        self,
+        prompt_ids: list[int],
+        forced: Pipeline | None,
+        hashes: list[int] | None = None,
+        waiters_ahead: bool = False,
+    ) -> tuple[RoutePlan, list[int]]:
+        """The route plan (held, when the line cannot take the request now) and the prompt's
+        block hashes (`hashes`: as an earlier plan of the same prompt gave them); see
+        policy.plan_route for `waiters_ahead`."""
+        if hashes is None:
+            hashes = block_hashes(prompt_ids, self.block_size, self.model_id)
         self.assignments.expire(time.monotonic() - self.settings.lost_after_s)
         mds = self.loads(Role.MAIN_DECODE)
         loads = (mds, self.loads(Role.RELAY), self.loads(Role.PREFILL))
-        plan = plan_route(
-            self.route_ctx, len(prompt_ids), hashes, loads, self.links([m.instance for m in mds]), forced
-        )
-        return plan.decision, plan.md, plan.relay, plan.prefill, hashes
+        links = self.links([m.instance for m in mds])
+        plan = plan_route(self.route_ctx, len(prompt_ids), hashes, loads, links, forced, waiters_ahead)
+        return plan, hashes
 
     def move_targets(
         self, prompt_ids: list[int], hashes: list[int], avoid: set[tuple[Role, str]]
@@ -76,15 +95,20 @@ class FleetView:
         count at once), with what their last report adds and the requests sent since."""
         now = time.monotonic()
         loads = []
+        bound = self.bound_for_relays() if role is Role.RELAY else {}
         for load in self.registry.loads(role):
             report = self.registry.get(role, load.instance)
             reported_at = now - self.registry.silent_for(role, load.instance)
+            pending = self.assignments.pending((role, load.instance), reported_at)
+            if load.instance in bound:  # sent to the relay, but not in its report: not arrived yet
+                shown = set(report.held) if report else set()
+                pending = max(pending, sum(rid not in shown for rid in bound[load.instance]))
             loads.append(
                 replace(
                     load,
                     num_blocks=report.num_blocks if report else 0,
                     held=len(report.held) if report else 0,
-                    pending=self.assignments.pending((role, load.instance), reported_at),
+                    pending=pending,
                     recent=self.assignments.recent((role, load.instance), now),
                 )
             )

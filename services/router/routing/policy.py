@@ -9,7 +9,13 @@ bound (see `within_bound`):
               + load_weight × load
 
 load (`load_of`) counts requests; load_weight is the seconds of WAN transfer (or of prefill)
-one request of load is worth. The relay is the least loaded one.
+one request of load is worth. The relay is the least loaded one with room (`relays_for`).
+
+The pipeline follows from the chosen MD's WAN time: the KV it lacks behind everything queued
+on the line toward it (`queued_ahead`, the same queue its cost counts). Admission to the line
+(`line_admission`): a request whose missing KV would reach MD later than line_budget_s goes
+by a relay with room; when every relay is full it is held at the router (`line_wait`) and
+planned again, and refused past a bound, instead of growing the line's queue.
 
 A route is planned (`plan_route`) from what the router knows at that moment: the loads of the
 live instances, the two prefix indexes, and the link figures toward each MD. The router service
@@ -19,6 +25,7 @@ and the fleet simulator (pdd/sim) both route through `plan_route`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -310,6 +317,15 @@ class RoutePlan:
     md: str  # "" when no MD is alive (RLD-only, a fault fallback)
     relay: str | None  # on P→RLD→MD only
     prefill: str | None
+    held: bool = False  # the line cannot take it now and no relay has room: wait, plan again
+
+
+def line_queues(links: dict[str, LinkView]) -> tuple[dict[str, float], dict[str, int]]:
+    """Per MD: the bandwidth its costs compare (comparable_bandwidths) and the KV bytes a
+    transfer to it waits behind (queued_ahead): with many MDs behind one line, the whole
+    line's queue, not the share queued toward that MD."""
+    compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
+    return compared, queued_ahead(compared, {md: link.backlog for md, link in links.items()})
 
 
 def md_options(
@@ -321,20 +337,28 @@ def md_options(
 ) -> dict[str, tuple[RouteDecision, float]]:
     """Per MD: the pipeline if the request went there, and the WAN seconds its cost counts."""
     cached = ctx.index.cached_prefix_blocks_all(hashes)
-    wan_s = md_wan_costs(ctx, prompt_tokens, cached, links)
+    queued = line_queues(links)
+    wan_s = md_wan_costs(ctx, prompt_tokens, cached, links, queued)
     return {
-        md: (md_pipeline(ctx, prompt_tokens, cached.get(md, 0), link, relay_available), wan_s[md])
+        md: (
+            md_pipeline(ctx, prompt_tokens, cached.get(md, 0), link, queued[1][md], relay_available),
+            wan_s[md],
+        )
         for md, link in links.items()
     }
 
 
 def md_wan_costs(
-    ctx: RouteContext, prompt_tokens: int, cached: dict[str, int], links: dict[str, LinkView]
+    ctx: RouteContext,
+    prompt_tokens: int,
+    cached: dict[str, int],
+    links: dict[str, LinkView],
+    queues: tuple[dict[str, float], dict[str, int]] | None = None,
 ) -> dict[str, float]:
     """Per MD: the WAN seconds its cost counts (wan_cost_s), from each MD's cached prefix in
-    blocks (`cached`: PrefixIndex.cached_prefix_blocks_all)."""
-    compared = comparable_bandwidths({md: link.bandwidth for md, link in links.items()})
-    queued = queued_ahead(compared, {md: link.backlog for md, link in links.items()})
+    blocks (`cached`: PrefixIndex.cached_prefix_blocks_all); `queues`: line_queues(links),
+    if the caller has it."""
+    compared, queued = queues or line_queues(links)
     seen: dict[tuple[int, int, float], float] = {}  # most MDs of a fleet share a few (prefix, queue, line)
     out = {}
     for md in links:
@@ -348,9 +372,16 @@ def md_wan_costs(
 
 
 def md_pipeline(
-    ctx: RouteContext, prompt_tokens: int, cached_blocks: int, link: LinkView, relay_available: bool
+    ctx: RouteContext,
+    prompt_tokens: int,
+    cached_blocks: int,
+    link: LinkView,
+    queued: int,
+    relay_available: bool,
 ) -> RouteDecision:
-    """The pipeline if the request went to an MD holding `cached_blocks` of its prefix."""
+    """The pipeline if the request went to an MD holding `cached_blocks` of its prefix, its
+    KV waiting behind `queued` bytes (line_queues: the line's whole queue, as the MD choice
+    counts it)."""
     return choose_pipeline(
         prompt_tokens,
         cached_blocks * ctx.block_size,
@@ -359,7 +390,7 @@ def md_pipeline(
         link.rtt,
         ctx.settings.wan_time_threshold_s,
         relay_available,
-        backlog_bytes=link.backlog,
+        backlog_bytes=queued,
     )
 
 
@@ -379,6 +410,52 @@ def plan_prefill(
     return choose_prefill(prefills, prompt_tokens, cached, weights)
 
 
+# ---- admission to the line -------------------------------------------------------------
+def relays_for(
+    relays: list[InstanceLoad], prompt_tokens: int, block_size: int, max_requests: int
+) -> tuple[list[InstanceLoad], list[InstanceLoad]]:
+    """(the relays that could take this request at all, those with room for it now). A relay
+    whose KV pool is smaller than the prompt can never take it; one is full while it runs or
+    holds `max_requests` (counting those sent since its report) or lacks the free blocks for
+    the whole prompt (a relay imports all of it: the router does not index relays' caches)."""
+    need = -(-prompt_tokens // block_size)
+    able = [r for r in relays if not r.num_blocks or r.num_blocks >= need]
+    room = [r for r in able if int(r.load) < max_requests and (not r.num_blocks or r.free_blocks >= need)]
+    return able, room
+
+
+def line_admission(
+    decision: RouteDecision, threshold_s: float, budget_s: float, relays_alive: bool, relay_room: bool
+) -> bool:
+    """Whether the request may be dispatched now (else it is held at the router). Held only
+    when its missing KV, behind the line's queue, would reach MD past both the threshold
+    (it wants a relay) and the gap budget (P→MD is no option either), relays exist that could
+    take it, and none has room. A fleet without such relays (none deployed, all lost, or too
+    small for the prompt) is never held: the hold is the relays' overflow, not a second
+    admission control."""
+    over = decision.est_wan_s > threshold_s and decision.est_wan_s > budget_s
+    return not (over and relays_alive and not relay_room)
+
+
+class LineWait(Enum):
+    GO = "go"  # dispatch it now
+    WAIT = "wait"  # hold it and plan it again later
+    REFUSE = "refuse"  # 429: held too long, or too many held already
+
+
+def line_wait(
+    admitted: bool, waited_s: float, held: int, settings: RouterSettings, newcomer: bool = False
+) -> LineWait:
+    """What becomes of a request the line admits now (`admitted`: its plan is not held) or
+    not, after `waited_s` held, with `held` others held now; a `newcomer` is planned for the
+    first time."""
+    if admitted:
+        return LineWait.GO
+    if (newcomer and held >= settings.line_wait_max) or waited_s >= settings.line_wait_s:
+        return LineWait.REFUSE
+    return LineWait.WAIT
+
+
 def plan_route(
     ctx: RouteContext,
     prompt_tokens: int,
@@ -386,20 +463,36 @@ def plan_route(
     loads: tuple[list[InstanceLoad], list[InstanceLoad], list[InstanceLoad]],  # (MDs, relays, prefills)
     links: dict[str, LinkView],  # per MD in loads[0]
     forced: Pipeline | None = None,
+    waiters_ahead: bool = False,
 ) -> RoutePlan:
     """The MD is the cheapest by the WAN time of what it lacks and its load; the pipeline
-    follows from that MD's WAN time."""
+    follows from that MD's WAN time behind the line's queue, and the relay is the least loaded
+    one with room. A request the line cannot admit (line_admission) gets a plan with `held`
+    set and no prefill. `waiters_ahead`: requests held earlier wait for relay room, so this
+    one (newly come) sees none: the room that frees is theirs first. A forced pipeline is
+    never held."""
     mds, relays, prefills = loads
-    relay = choose_least_loaded(relays)
+    s = ctx.settings
+    able, room = relays_for(relays, prompt_tokens, ctx.block_size, s.relay_max_requests)
+    room = [] if waiters_ahead else room
+    relay = choose_least_loaded(room)
     cached = ctx.index.cached_prefix_blocks_all(hashes)
-    wan_s = md_wan_costs(ctx, prompt_tokens, cached, links)
+    queues = line_queues(links)
+    wan_s = md_wan_costs(ctx, prompt_tokens, cached, links, queues)
     md = choose_main_decode(mds, wan_s, md_weights(ctx, prompt_tokens), hashes[0] if hashes else 0)
     if md is None:
         return RoutePlan(RouteDecision(Pipeline.RLD_ONLY, 0.0, 0, 0.0), "", None, None)
-    decision = md_pipeline(ctx, prompt_tokens, cached.get(md, 0), links[md], relay is not None)
-    # A forced pipeline is honoured when it can be: with no relay alive, P→RLD→MD runs as P→MD
-    # (x-pdd-pipeline says which ran).
-    if forced is not None and forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):
-        decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
+    decision = md_pipeline(ctx, prompt_tokens, cached.get(md, 0), links[md], queues[1][md], relay is not None)
+    if forced is None:
+        if not line_admission(
+            decision, s.wan_time_threshold_s, s.line_budget_s, bool(able), relay is not None
+        ):
+            return RoutePlan(decision, md, None, None, held=True)
+    else:
+        # A forced pipeline is honoured when it can be: on the least loaded relay, full or not;
+        # with no relay alive P→RLD→MD runs as P→MD (x-pdd-pipeline says which ran).
+        relay = relay or (choose_least_loaded(relays) if forced is Pipeline.P_RLD_MD else None)
+        if forced is not decision.pipeline and (forced is Pipeline.P_MD or relay):
+            decision = RouteDecision(forced, decision.hit_rate, decision.missing_bytes, decision.est_wan_s)
     relay = relay if decision.pipeline is Pipeline.P_RLD_MD else None
     return RoutePlan(decision, md, relay, plan_prefill(ctx, prompt_tokens, hashes, prefills))
