@@ -11,7 +11,8 @@ import time
 from opentelemetry import context as otel_context
 
 from shared.bus import subjects
-from shared.bus.connection import publish, respond
+from shared.bus.connection import respond
+from shared.bus.delivery import deliver
 from shared.bus.messages import (
     Abort,
     AbortReason,
@@ -109,7 +110,11 @@ class MainDecodeService(EngineService):
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
         )
         await self.life.subscribe(
-            self.nc, subjects.to_instance(self.role, inst, Req.HANDOFF), HandoffBatch, self._on_handoff
+            self.nc,
+            subjects.to_instance(self.role, inst, Req.HANDOFF),
+            HandoffBatch,
+            self._on_handoff,
+            ack=True,
         )
 
     # ---- prepare: which blocks must cross the WAN -------------------------------------
@@ -194,7 +199,9 @@ class MainDecodeService(EngineService):
         token = otel_context.attach(job.ctx) if job.ctx is not None else None
         try:  # kv_ready belongs to the request's trace, not to the bulk connection's
             ready = KVReady(job.rid, self.settings.instance, job.wan_bytes)
-            await publish(self.nc, subjects.to_instance(Role.RELAY, job.req.relay, Req.KV_READY), ready)
+            self.life.spawn(
+                deliver(self.nc, subjects.to_instance(Role.RELAY, job.req.relay, Req.KV_READY), ready)
+            )
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -257,7 +264,9 @@ class MainDecodeService(EngineService):
     async def request_outputs(self, job: MDJob, outs: list[StepOutput]) -> None:
         if job.req.relay and any(o.computed for o in outs):  # a catch-up batch is in: ask for the next one
             ack = HandoffAck(job.rid, job.next_seq - 1)
-            await publish(self.nc, subjects.to_instance(Role.RELAY, job.req.relay, Req.HANDOFF_ACK), ack)
+            self.life.spawn(
+                deliver(self.nc, subjects.to_instance(Role.RELAY, job.req.relay, Req.HANDOFF_ACK), ack)
+            )
         first = next((o.index for o in outs if o.index is not None), job.next_index)
         event = token_event(job.rid, self.role, first, outs)
         last = outs[-1]

@@ -10,7 +10,8 @@ import logging
 from opentelemetry import context as otel_context
 
 from shared.bus import subjects
-from shared.bus.connection import publish, respond
+from shared.bus.connection import respond
+from shared.bus.delivery import deliver
 from shared.bus.messages import (
     Abort,
     AbortReason,
@@ -91,7 +92,8 @@ class PrefillService(EngineService):
             (Req.MD_TARGET, MDTarget, self._on_md_target),
             (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
         ):
-            await self.life.subscribe(self.nc, subjects.to_instance(self.role, inst, kind), cls, handler)
+            subject = subjects.to_instance(self.role, inst, kind)
+            await self.life.subscribe(self.nc, subject, cls, handler, ack=True)
 
     async def stop(self) -> None:
         await self.life.close()
@@ -189,9 +191,8 @@ class PrefillService(EngineService):
         hands its one token over; the request is released once the senders are done."""
         if job.submit.pipeline is Pipeline.P_MD:
             batch = HandoffBatch(job.rid, 0, 0, [job.first_token], final=True, mode=HandoffMode.PREFILL)
-            await publish(
-                self.nc, subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF), batch
-            )
+            to_md = subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF)
+            self.life.spawn(deliver(self.nc, to_md, batch))
         await self._release_if_drained(job)
 
     # ---- blocks from the engine thread ------------------------------------------------
@@ -212,7 +213,7 @@ class PrefillService(EngineService):
     async def _stream_acked(self, job: PrefillJob, path: KVPath, traceparent: str | None) -> None:
         if path is KVPath.LOCAL:  # the relay holds the prompt KV: it decodes once told from where
             start = subjects.to_instance(Role.RELAY, job.submit.relay, Req.RELAY_START)
-            await publish(self.nc, start, job.relay_start(traceparent))
+            self.life.spawn(deliver(self.nc, start, job.relay_start(traceparent)))
 
     async def _stream_failed(self, job: PrefillJob, path: KVPath, e: Exception) -> None:
         if path is KVPath.LOCAL or job.submit.pipeline is Pipeline.P_MD:

@@ -13,7 +13,7 @@ from typing import Protocol
 from opentelemetry import trace
 
 from shared.bus import subjects
-from shared.bus.connection import publish
+from shared.bus.delivery import deliver
 from shared.bus.messages import HandoffBatch, HandoffMode, RelayReport, Role
 from shared.bus.subjects import Req
 from shared.config import RelaySettings
@@ -101,7 +101,8 @@ class HandoffSender:
 
     def acked(self, job: RelayJob, seq: int) -> None:
         """MD applied batch `seq`: the latest one starts the next round."""
-        if job.state.is_in(RelayState.HANDING_OFF) and seq == job.seq - 1:
+        if job.state.is_in(RelayState.HANDING_OFF) and seq == job.seq - 1 and seq > job.acked:
+            job.acked = seq  # a repeated ack starts no second round
             self.spawn(self._continue_catchup(job))
 
     async def _send_batch(self, job: RelayJob, tokens: list[int]) -> None:
@@ -134,8 +135,8 @@ class HandoffSender:
             "final": batch.final,
         }
         with self.tracer.start_as_current_span("relay.handoff_batch", context=ctx, attributes=attrs):
-            await publish(
-                self.nc, subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF), batch
+            self.spawn(
+                deliver(self.nc, subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF), batch)
             )
 
     async def _continue_catchup(self, job: RelayJob) -> None:

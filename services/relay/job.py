@@ -40,6 +40,7 @@ class RelayJob:
     mode: HandoffMode | None = None
     handed: int = 0  # output tokens already sent to MD
     seq: int = 0  # next handoff batch number (= catch-up rounds done, before the final one)
+    acked: int = -1  # the latest batch MD acked
     produced: int = 0  # tokens this relay generated (the first one came from prefill)
     handoff_at: float | None = None  # when MD's kv_ready started the handoff
     created: float = field(default_factory=time.monotonic)

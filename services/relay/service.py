@@ -68,9 +68,8 @@ class RelayService(EngineService):
             (Req.HANDOFF_ACK, HandoffAck, self._on_ack),
             (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
         ]:
-            await self.life.subscribe(
-                self.nc, subjects.to_instance(self.role, self.settings.instance, kind), cls, handler
-            )
+            subject = subjects.to_instance(self.role, self.settings.instance, kind)
+            await self.life.subscribe(self.nc, subject, cls, handler, ack=True)
         inst = self.settings.instance
         await self.admission.subscribe(
             subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume

@@ -109,14 +109,14 @@ async def flushed(nc: Client, timeout: float = 10) -> None:
     await nc.flush(timeout)
 
 
-def _trace_headers(headers: dict | None) -> dict[str, str] | None:
+def trace_headers(headers: dict | None) -> dict[str, str] | None:
     out = dict(headers or {})
     propagate.inject(out)  # adds `traceparent` (and baggage) when a span is current
     return out or None
 
 
 async def publish(nc: Client, subject: str, msg: Message, *, headers: dict | None = None) -> None:
-    await nc.publish(subject, encode(msg), headers=_trace_headers(headers))
+    await nc.publish(subject, encode(msg), headers=trace_headers(headers))
 
 
 async def subscribe(
@@ -126,17 +126,20 @@ async def subscribe(
     handler: Callable[[M, Msg], Awaitable[None]],
     *,
     queue: str = "",
+    ack: bool = False,
 ) -> Subscription:
     """Subscribe with decoding. nats-py calls the callback of one subscription sequentially:
-    a slow handler delays the next message of the same subscription (spawn a task if needed)."""
-    return await nc.subscribe(subject, queue=queue, cb=decoding(subject, cls, handler))
+    a slow handler delays the next message of the same subscription (spawn a task if needed).
+    With ack, a message sent by shared/bus/delivery.py is acked on arrival."""
+    return await nc.subscribe(subject, queue=queue, cb=decoding(subject, cls, handler, ack=ack))
 
 
 def decoding(
-    subject: str, cls: type[M], handler: Callable[[M, Msg], Awaitable[None]]
+    subject: str, cls: type[M], handler: Callable[[M, Msg], Awaitable[None]], *, ack: bool = False
 ) -> Callable[[Msg], Awaitable[None]]:
     """The callback that decodes a message as `cls` (a malformed one is counted and dropped),
-    joins the sender's trace and calls handler(message, raw NATS message)."""
+    joins the sender's trace and calls handler(message, raw NATS message); with ack, a
+    message that asks for one (it has a reply subject) is acked first, once decoded."""
 
     async def on_msg(raw: Msg) -> None:
         try:
@@ -146,6 +149,11 @@ def decoding(
             MALFORMED_TOTAL.labels(subject=subject).inc()
             log.warning("dropped malformed %s on %s: %s", cls.__name__, raw.subject, e)
             return
+        if ack and raw.reply:
+            try:
+                await raw._client.publish(raw.reply, b"")
+            except Exception as e:  # the sender sends it again
+                log.debug("could not ack %s on %s: %r", cls.__name__, raw.subject, e)
         token = otel_context.attach(propagate.extract(raw.headers or {}))
         try:
             await handler(msg, raw)
@@ -160,7 +168,7 @@ def decoding(
 async def request(nc: Client, subject: str, msg: Message, reply_cls: type[R], *, timeout: float) -> R:
     """Request/reply. Raises nats.errors.TimeoutError (an asyncio.TimeoutError), NoRespondersError,
     RequestError for a micro service error reply, MessageError for an undecodable reply."""
-    reply = await nc.request(subject, encode(msg), timeout=timeout, headers=_trace_headers(None))
+    reply = await nc.request(subject, encode(msg), timeout=timeout, headers=trace_headers(None))
     hdrs = reply.headers or {}
     if "Nats-Service-Error-Code" in hdrs:
         raise RequestError(hdrs["Nats-Service-Error-Code"], hdrs.get("Nats-Service-Error", ""))
@@ -171,7 +179,7 @@ async def respond(msg: Msg, reply: Message) -> None:
     if not msg.reply:
         raise ValueError(f"message on {msg.subject} has no reply subject")
     # Msg.respond would echo the request's headers; publish our own trace context instead.
-    await msg._client.publish(msg.reply, encode(reply), headers=_trace_headers(None))
+    await msg._client.publish(msg.reply, encode(reply), headers=trace_headers(None))
 
 
 async def respond_error(msg: Msg, code: str, description: str) -> None:

@@ -15,11 +15,13 @@ receives the message); a subscription outside its subscribe list never sees a me
                                                                         its request inboxes
     relay        tokens, handoff, abort.relay, load.relay               relay_start, kv_ready,
                                                                         handoff_ack, md_lost, relay resume,
-                                                                        every abort, router heartbeats
+                                                                        every abort, router heartbeats,
+                                                                        its request inboxes
     main_decode  tokens, kv_ready, handoff_ack, kv events.main_decode,  md prepare, md resume, handoff,
                  abort.main_decode, load.main_decode                    kv snapshot.main_decode,
                                                                         rdma offer / written,
-                                                                        every abort, router heartbeats
+                                                                        every abort, router heartbeats,
+                                                                        its request inboxes
 
 "tokens" is both subjects a token event may take: a router's (`pdd.router.<router>.tokens`,
 the requests it owns) and a request's own (`pdd.req.<rid>.tokens`, a request no router owns).
@@ -28,9 +30,10 @@ An abort's last subject token is its sender's role (a kv event's role token too)
 role may publish only its own, so a receiver knows who sent it from the subject, never from a
 field a peer could forge.
 
-Services that answer requests (prefill submit, md prepare, kv snapshot, `nats.micro` discovery)
-may publish one reply to the reply subject of a request they received (`allow_responses`),
-nothing else under `_INBOX`. Every service but the router registers with `nats.micro`, hence `$SRV.>`.
+Services that answer requests (prefill submit, md prepare, kv snapshot, `nats.micro` discovery,
+and the acks of control messages sent by shared/bus/delivery.py) may publish one reply to the
+reply subject of a request they received (`allow_responses`), nothing else under `_INBOX`;
+every service that sends such requests subscribes to its `_INBOX`. Every service but the router registers with `nats.micro`, hence `$SRV.>`.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ PERMISSIONS: dict[str, Permissions] = {
             ABORTS,
             ROUTER_HEARTBEATS,
             DISCOVERY,
+            INBOX,
         ),
         responds=True,
     ),
@@ -155,6 +159,7 @@ PERMISSIONS: dict[str, Permissions] = {
             DISCOVERY,
             kv_snapshots("main_decode"),
             ANY_MD_RDMA,
+            INBOX,
         ),
         responds=True,
     ),

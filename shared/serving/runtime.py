@@ -89,10 +89,11 @@ class Lifecycle:
         await self.announce(nc)
         await add_endpoint(self.micro, subject, decoding(subject, cls, handler), queue)
 
-    async def subscribe(self, nc, subject: str, cls, handler, *, queue: str = "") -> None:
+    async def subscribe(self, nc, subject: str, cls, handler, *, queue: str = "", ack: bool = False) -> None:
+        """ack: the subject's messages are sent with shared/bus/delivery.py and acked on arrival."""
         from shared.bus.connection import subscribe
 
-        self.subs.append(await subscribe(nc, subject, cls, handler, queue=queue))
+        self.subs.append(await subscribe(nc, subject, cls, handler, queue=queue, ack=ack))
 
     def spawn(self, coro: Awaitable, name: str | None = None) -> asyncio.Task:
         return spawn(coro, self.tasks, name)

@@ -12,6 +12,7 @@ from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish
+from shared.bus.delivery import deliver
 from shared.bus.messages import Abort, AbortReason, Role
 from shared.serving.runtime import Lifecycle
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -99,8 +100,9 @@ class Effects:
             stream.span.end()
 
     async def _send(self, action: Publish | SendAbort) -> None:
-        if isinstance(action, Publish):
-            await publish(self.nc, action.subject, action.msg)
+        if isinstance(action, Publish):  # a control message one instance must get: acked, resent
+            self.life.spawn(deliver(self.nc, action.subject, action.msg))
+            await asyncio.sleep(0)  # its first copy leaves now, in order with what follows
         else:
             await self.publish_abort(
                 action.attempt_rid, action.reason, action.stream.span if action.stream else None
