@@ -38,7 +38,7 @@ class RouterCore:
         # Instance plus a per-process suffix: the requests of a router that restarted under the
         # same instance id belong to a router that is gone, and backends drop them.
         self.identity = f"{settings.instance}-{secrets.token_hex(4)}"
-        # Every router hears every request's token events; its own request ids start with this.
+        # Its request ids start with this (a late event of another router's request is ignored).
         rid_prefix = f"cmpl-{self.identity}-"
         tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
