@@ -1,18 +1,16 @@
 """`python -m services.router`: the HTTP front door (settings from the environment)."""
 
-import uvicorn
-
 from shared.config import ENV_PREFIX, RouterSettings
 from shared.security.credentials import require_credentials
 from shared.serving.runtime import setup_logging
 
-from .main import build_app
+from .main import serve
 
 
 def main() -> None:
     setup_logging("router")
     settings = require_credentials(RouterSettings(), "router", ENV_PREFIX["router"], kv=False)
-    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    serve(settings)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""Wires the router: NATS connection, tokenizer, RouterCore, HTTP app."""
+"""Wires the router: NATS connection, tokenizer, RouterCore, HTTP app, and the HTTP server
+that drains on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
+
+import uvicorn
 from fastapi import FastAPI
 
 from shared.bus.connection import connect
@@ -13,6 +19,11 @@ from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 from .api.app import create_app
 from .api.http_settings import HttpSettings
 from .service import RouterCore
+
+log = logging.getLogger(__name__)
+
+# After the drain: what uvicorn waits for the last responses to be written (they are ended by then).
+CLOSE_CONNECTIONS_S = 5.0
 
 
 def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = None) -> FastAPI:
@@ -47,3 +58,58 @@ def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = Non
         return core, info.tokenizer, max_len, close
 
     return create_app(factory, http or HttpSettings.from_env())
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains first: /health answers 503 `draining`, new work gets
+    503 with Retry-After, the requests in flight run to their end (up to drain_timeout_s;
+    those left then end with an error in their stream), and only then does the server stop,
+    and the process exits 0. SIGINT keeps uvicorn's behaviour."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.app, self.drain_timeout_s = app, drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and self._loop is not None and not self.should_exit:
+            # Not recorded as captured: uvicorn would raise it again once stopped (exit -15).
+            self._loop.call_soon_threadsafe(self._begin_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _begin_drain(self) -> None:
+        if self._draining is None:
+            self._draining = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        state = self.app.state
+        drain = state.drain
+        drain.begin()
+        log.warning("router draining (SIGTERM): %d requests in flight", drain.in_flight)
+        if not await drain.wait(self.drain_timeout_s):
+            core = getattr(state, "core", None)
+            why = f"the router shut down after its {self.drain_timeout_s:g} s drain"
+            ended = core.end_streams(why) if core else 0
+            log.warning("drain timeout (%g s): %d streams ended", self.drain_timeout_s, ended)
+            await drain.wait(CLOSE_CONNECTIONS_S)
+        log.info("router drained; stopping")
+        self.should_exit = True
+
+
+def serve(settings: RouterSettings) -> None:
+    """Serve the router until SIGINT, or SIGTERM (drained first, then exit 0)."""
+    app = build_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=CLOSE_CONNECTIONS_S,
+    )
+    DrainingServer(config, app, settings.drain_timeout_s).run()

@@ -20,8 +20,9 @@ from .adapter.dispatch import Dispatcher
 from .adapter.effects import Effects
 from .adapter.migration import Mover
 from .api.schemas import PddOptions
+from .core.actions import Deliver
 from .core.request_life import RequestLife
-from .core.request_stream import Delta, RequestStream
+from .core.request_stream import Delta, Failure, RequestStream
 from .routing.cache_view import CacheView
 from .routing.fleet_view import FleetView
 from .routing.policy import RouteDecision
@@ -37,7 +38,7 @@ class RouterCore:
         # Instance plus a per-process suffix: the requests of a router that restarted under the
         # same instance id belong to a router that is gone, and backends drop them.
         self.identity = f"{settings.instance}-{secrets.token_hex(4)}"
-        # Every router hears every request's token events; its own request ids start with this.
+        # Its request ids start with this (a late event of another router's request is ignored).
         rid_prefix = f"cmpl-{self.identity}-"
         tracer = get_tracer("router", settings.instance, settings.datacenter)
         self.life = Lifecycle()
@@ -62,6 +63,25 @@ class RouterCore:
         await self.life.close()
         for rid in list(self.streams):
             await self.abort(rid, AbortReason.ROUTER_SHUTDOWN)
+
+    def end_streams(self, message: str) -> int:
+        """End every stream with `message` (a drain ran out of time): each client gets the
+        error in its stream and the backends free the request. How many there were."""
+        streams = list(self.streams.values())
+        self.effects.perform(Deliver(s, Failure(message, 503)) for s in streams)
+        return len(streams)
+
+    async def abandon(self, rid: str) -> None:
+        """The client of `rid` (a request of this router or of another one, maybe dead) resumed
+        it in a new request: its first run stops now, not when its router's silence is noticed."""
+        if (stream := self.streams.get(rid)) is not None:
+            self.effects.perform(
+                [Deliver(stream, Failure("the client resumed the stream in another request"))]
+            )
+            return
+        attempts = [rid] + [f"{rid}-m{k}" for k in range(1, self.settings.migration_limit + 1)]
+        for attempt_rid in attempts:
+            await self.effects.publish_abort(attempt_rid, AbortReason.CLIENT_GONE)
 
     def ready(self) -> dict[str, int]:
         return {

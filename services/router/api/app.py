@@ -22,6 +22,7 @@ from ..service import RouterCore
 from .auth import ApiKeys
 from .body import read_body
 from .detokenizer import Detokenizer
+from .drain import Drain, DrainGate
 from .errors import APIError, error_body
 from .gate import Gate
 from .http_settings import HttpSettings
@@ -29,7 +30,9 @@ from .openai_request import describe, parse_request
 from .openapi import completion_docs, install_openapi
 from .request_admission import Admission
 from .response_schemas import ChatCompletionResponse, CompletionResponse
-from .responses import SSEResponse, complete, output_options
+from .responses import SSEResponse, complete, output_options, rest_of_ended
+from .resume import HEADER as LAST_EVENT_ID
+from .resume import EventId, parse_event_id
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tokenize_api import tokenize_api
 
@@ -54,11 +57,13 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="pdd router", lifespan=lifespan)
     app.state.http = http
+    app.state.drain = Drain()  # begun on SIGTERM (services/router/main.py)
     app.add_middleware(
         Gate,
         keys=ApiKeys(http.api_keys),
         admission=Admission(http.max_in_flight, http.max_waiting, http.max_wait_s),
     )
+    app.add_middleware(DrainGate, drain=app.state.drain)  # outermost: before the key check
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
@@ -97,6 +102,8 @@ def _core(request: Request) -> RouterCore:
 async def health(request: Request) -> JSONResponse:
     core = _core(request)
     ready = core.ready()
+    if request.app.state.drain.draining:  # load balancers: send nothing more here
+        return JSONResponse({"status": "draining", "instances": ready}, status_code=503)
     ok = core.nc.is_connected and ready[Role.PREFILL] > 0 and ready[Role.MAIN_DECODE] > 0
     return JSONResponse(
         {"status": "ok" if ok else "unavailable", "instances": ready}, status_code=200 if ok else 503
@@ -179,6 +186,12 @@ async def _serve(request: Request, chat: bool) -> Response:
         max_model_len=request.app.state.max_model_len,
         max_tokens_default=core.settings.max_tokens_default,
     )
+    resume = _resume_point(request, parsed) if parsed.body.stream else None
+    if resume is not None:
+        if resume.phase:  # it had every token and the last chunk: only the end is left
+            opts = output_options(parsed, tokenizer)
+            return rest_of_ended(resume, len(parsed.prompt_ids), opts, core.model_id)
+        await core.abandon(resume.rid)  # its first run, wherever it is left, is dropped now
     try:
         stream = await core.open(
             parsed.prompt_ids, parsed.params, parsed.body.pdd, extract(dict(request.headers))
@@ -193,8 +206,33 @@ async def _serve(request: Request, chat: bool) -> Response:
         detok = Detokenizer(tokenizer, parsed.params.stop)
         opts = output_options(parsed, tokenizer)
         if parsed.body.stream:
-            return SSEResponse(core, stream, detok, opts, headers)  # it releases the stream
+            return SSEResponse(core, stream, detok, opts, headers, resume)  # it releases the stream
         return await complete(request, core, stream, detok, opts, headers)  # so does complete
     except BaseException:
         core.release(stream)  # failed before either took the stream over
         raise
+
+
+def _resume_point(request: Request, parsed) -> EventId | None:
+    """The client's Last-Event-ID: it continues a stream it had (resume.py). Its seed is the
+    run's, so that the run gives the tokens the client has."""
+    value = request.headers.get(LAST_EVENT_ID)
+    if not value:
+        return None
+    try:
+        point = parse_event_id(value)
+    except ValueError as e:
+        raise APIError(
+            f"Last-Event-ID {value!r} is not one of this server's event ids ({e})",
+            400,
+            "invalid_request_error",
+        ) from e
+    if parsed.params.seed is not None and parsed.params.seed != point.seed:
+        raise APIError(
+            "Last-Event-ID does not match this request (another seed)",
+            409,
+            "invalid_request_error",
+            code="resume_mismatch",
+        )
+    parsed.params.seed = point.seed
+    return point

@@ -23,6 +23,7 @@ from .detokenizer import Detokenizer
 from .errors import APIError
 from .logprobs_format import LogprobsFormatter, prompt_entries
 from .openai_request import ParsedRequest
+from .resume import EventId, Progress, Replay
 from .schemas import ChatCompletionRequest
 
 Logprobs = list[TokenLogprobs | None]
@@ -156,15 +157,18 @@ def _body_logprobs(
 class SSEChunks:
     """Formats one stream's SSE chunks (completion or chat)."""
 
-    def __init__(self, stream: RequestStream, opts: OutputOptions, model: str, tokenizer):
+    def __init__(
+        self, stream: RequestStream, opts: OutputOptions, model: str, tokenizer, public_id: str | None = None
+    ):
         self.stream, self.chat, self.model = stream, opts.chat, model
+        self.id = public_id or stream.rid  # a resumed stream keeps the id its client knows
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if opts.chat else "text_completion"
         self.logprobs = LogprobsFormatter(tokenizer, opts.chat) if opts.logprobs else None
 
     def _data(self, choices: list[dict], extra: dict | None = None) -> bytes:
         data = {
-            "id": self.stream.rid,
+            "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
@@ -209,12 +213,20 @@ class SSEChunks:
 
 class SSEResponse(StreamingResponse):
     """The SSE response of one stream, which it releases however the response ends: also when
-    the client left before the body was ever iterated (then deltas() never ran)."""
+    the client left before the body was ever iterated (then deltas() never ran). `resume`:
+    the client's Last-Event-ID, when this continues a stream it had (see resume.py)."""
 
     def __init__(
-        self, core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions, headers: dict
+        self,
+        core: RouterCore,
+        stream: RequestStream,
+        detok: Detokenizer,
+        opts: OutputOptions,
+        headers: dict,
+        resume: EventId | None = None,
     ):
-        super().__init__(sse(core, stream, detok, opts), media_type="text/event-stream", headers=headers)
+        body = sse(core, stream, detok, opts, resume)
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self.core, self.stream = core, stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -225,43 +237,87 @@ class SSEResponse(StreamingResponse):
             self.core.release(self.stream)  # ...an unstarted one is freed here
 
 
+def _with_id(event_id: EventId, chunk: bytes) -> bytes:
+    return f"id: {event_id}\n".encode() + chunk
+
+
 async def sse(
-    core: RouterCore, stream: RequestStream, detok: Detokenizer, opts: OutputOptions
+    core: RouterCore,
+    stream: RequestStream,
+    detok: Detokenizer,
+    opts: OutputOptions,
+    resume: EventId | None = None,
 ) -> AsyncIterator[bytes]:
-    chunks = SSEChunks(stream, opts, core.model_id, detok.tokenizer)
+    """The stream's events, each with its id (resume.py); from the client's Last-Event-ID on
+    when `resume` is given (the role chunk and the echo it had already)."""
+    assert stream.params is not None and stream.params.seed is not None
+    public_id = resume.rid if resume else stream.rid
+    chunks = SSEChunks(stream, opts, core.model_id, detok.tokenizer, public_id)
+    progress = Progress(public_id, stream.params.seed, stream.prompt_ids)
+    replay = Replay(resume, progress, detok) if resume else None
     try:
-        if opts.chat:
-            yield chunks.role()
-        reason, echo = None, opts.echo
-        async with aclosing(_texts(core, stream, detok)) as texts:  # closing this closes deltas()
+        if replay is not None:
+            replay.check_start()
+        if opts.chat and resume is None:
+            yield _with_id(progress.event_id(), chunks.role())
+        reason, echo = None, (opts.echo if resume is None else None)
+        async with aclosing(_texts(core, stream, detok, replay)) as texts:  # closing this closes deltas()
             async for text, delta, finish in texts:
                 reason = finish
                 if echo is not None:  # with the first tokens: the prompt's logprobs came with them
-                    yield chunks.echo(echo)
+                    yield _with_id(progress.event_id(), chunks.echo(echo))
                     echo = None
                 if text or delta.tokens:
-                    yield chunks.tokens(text, delta.tokens, delta.logprobs)
+                    progress.add(delta.tokens)
+                    yield _with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
         tail = detok.flush()
         count(stream, "ok")
         done_usage = usage(stream, len(detok.tokens))
-        yield chunks.tokens(
+        last = chunks.tokens(
             tail, [], None, openai_reason(reason), {"pdd": stream.summary(), "usage": done_usage}
         )
+        yield _with_id(progress.event_id("end"), last)
         if opts.include_usage:
-            yield chunks.usage(done_usage)
+            yield _with_id(progress.event_id("usage"), chunks.usage(done_usage))
     except APIError as e:
         count(stream, "error")
         yield f"data: {json.dumps(e.body())}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
+def rest_of_ended(point: EventId, prompt_tokens: int, opts: OutputOptions, model: str) -> Response:
+    """A client that had every token and the last chunk (Last-Event-ID `...:end`): the usage
+    chunk if it asked for one and lacks it, and the end."""
+    body = b""
+    if opts.include_usage and point.phase == "end":
+        data = {
+            "id": point.rid,
+            "object": "chat.completion.chunk" if opts.chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": point.sent,
+                "total_tokens": prompt_tokens + point.sent,
+            },
+        }
+        usage_id = EventId(point.rid, point.sent, point.seed, point.digest, "usage")
+        body = _with_id(usage_id, f"data: {json.dumps(data)}\n\n".encode())
+    return Response(body + b"data: [DONE]\n\n", media_type="text/event-stream")
+
+
 async def _texts(
-    core: RouterCore, stream: RequestStream, detok: Detokenizer
+    core: RouterCore, stream: RequestStream, detok: Detokenizer, replay: Replay | None = None
 ) -> AsyncIterator[tuple[str, Delta, str | None]]:
-    """(new text, the delta, finish reason so far) per delta; stops at a stop string."""
+    """(new text, the delta, finish reason so far) per delta; stops at a stop string. With
+    `replay`, the tokens the client has already are only replayed into `detok`."""
     last, seen = time.monotonic(), 0
     async with aclosing(core.deltas(stream)) as deltas:
-        async for delta in deltas:
+        async for item in deltas:
+            delta = replay.take(item) if replay is not None and replay.left > 0 else item
+            if delta is None:
+                continue
             now = time.monotonic()
             if delta.tokens and seen:  # (tokens merge as they arrive: the merger may be ahead of the client)
                 metrics.ITL.labels(pipeline=stream.decision.pipeline.value).observe(now - last)
