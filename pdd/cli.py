@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trace.add_argument("--json", action="store_true", help="print JSON instead of the waterfall")
 
+    restart = sub.add_parser(
+        "restart",
+        help="rolling restart of one process of a running `pdd up` (SIGTERM: it drains, then starts again)",
+    )
+    restart.add_argument(
+        "name", help="its process name, as in `pdd up`'s log and <workdir>/run (e.g. router-1)"
+    )
+    restart.add_argument("--workdir", type=Path, default=UpOptions().workdir)
+
     top = sub.add_parser(
         "top", help="live view of a running system, from its router's /v1/instances and /metrics"
     )
@@ -247,6 +256,18 @@ def cmd_top(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_restart(args: argparse.Namespace) -> int:
+    from pdd.supervisor import request_restart
+
+    try:
+        pid = request_restart(args.workdir, args.name)
+    except LookupError as e:
+        print(f"pdd restart: {e}")
+        return 1
+    print(f"{args.name} (pid {pid}) told to drain; `pdd up` starts it again once it exits")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pdd %(levelname)s %(message)s")
@@ -255,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_up(args)
     if args.command == "top":
         return cmd_top(args)
+    if args.command == "restart":
+        return cmd_restart(args)
     if args.command == "certs":
         return cmd_certs(args)
     if args.command == "serve":

@@ -5,7 +5,9 @@ SIGTERM to the group, SIGKILL after a grace period. Every child (NATS servers to
 PR_SET_PDEATHSIG, so even a SIGKILLed `pdd up` leaves no orphans behind.
 
 Once the system serves, a child that exits with status 0 stopped cleanly (the services exit 0
-only after SIGTERM / SIGINT, once drained: an operator scaling in) and stays stopped. Any other
+only after SIGTERM / SIGINT, once drained: an operator scaling in) and stays stopped, unless it
+was asked to restart (`request_restart`, `pdd restart NAME`: a rolling restart, drained first),
+which starts it again at once. Any other
 exit is restarted after a backoff that doubles from
 `backoff_initial_s` to `backoff_max_s` and starts over once the child stayed up `stable_after_s`;
 `crash_loop_crashes` exits of one child within `crash_loop_window_s` are a crash loop, which
@@ -81,12 +83,36 @@ def pid_path(workdir: Path, name: str) -> Path:
     return Path(workdir) / RUN_DIR / f"{name}.pid"
 
 
+def restart_path(workdir: Path, name: str) -> Path:
+    return Path(workdir) / RUN_DIR / f"{name}.restart"
+
+
+def request_restart(workdir: Path, name: str) -> int:
+    """A rolling restart of the child `name` of the `pdd up` running in `workdir`: SIGTERM (a
+    service drains, then exits 0), and the supervisor starts it again once it exited. Its pid."""
+    pid = read_pid(workdir, name)
+    if pid is None:
+        raise LookupError(f"{name} is not running under the `pdd up` of {workdir}")
+    restart_path(workdir, name).touch()
+    os.kill(pid, signal.SIGTERM)
+    return pid
+
+
 def read_pid(workdir: Path, name: str) -> int | None:
     """The pid of the child `name` of the `pdd up` running in `workdir`; None while it is not running."""
     try:
         return int(pid_path(workdir, name).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _take(path: Path) -> bool:
+    """Remove a marker file; whether it was there."""
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def tail(path: Path, n: int = 20) -> str:
@@ -238,7 +264,10 @@ class Supervisor:
                     if c.running or c.name in self._restarts:
                         continue
                     if c.returncode == 0:
-                        await self._let_go(c)
+                        if _take(restart_path(self.workdir, c.name)):  # a rolling restart: at once
+                            self._restarts[c.name] = asyncio.create_task(self._restart(c, 0.0))
+                        else:
+                            await self._let_go(c)
                         continue
                     delay = self._restart_delay(c)
                     self._restarts[c.name] = asyncio.create_task(self._restart(c, delay))

@@ -14,7 +14,15 @@ import pytest
 
 from pdd import up
 from pdd.launch import NatsSpec, ProcessSpec, UpOptions
-from pdd.supervisor import Backoff, CrashLoop, ProcessDied, RestartPolicy, Supervisor, read_pid
+from pdd.supervisor import (
+    Backoff,
+    CrashLoop,
+    ProcessDied,
+    RestartPolicy,
+    Supervisor,
+    read_pid,
+    request_restart,
+)
 from shared.ports import free_port
 from tests.polling import until
 
@@ -178,6 +186,30 @@ async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Pat
         task.cancel()
         await sup.stop_all()
     assert scaled_in.returncode == 0 and not scaled_in.running
+
+
+async def test_a_rolling_restart_drains_the_child_then_starts_it_again(tmp_path: Path, caplog) -> None:
+    drains = (
+        "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
+    (router,) = await sup.start_all([_py("router-1", drains)])
+    caplog.set_level(logging.INFO, logger="pdd.supervisor")
+    task = asyncio.create_task(sup.supervise(poll_s=0.02))
+    try:
+        await until(lambda: "ready" in router.log_path.read_text())
+        first = request_restart(tmp_path, "router-1")
+        await until(
+            lambda: router.running and router.pid != first and read_pid(tmp_path, "router-1") == router.pid
+        )
+        assert router in sup.children and "not restarted" not in caplog.text
+        assert _delays(caplog, "router-1") == []  # not a crash: no backoff
+        with pytest.raises(LookupError):
+            request_restart(tmp_path, "nobody")
+    finally:
+        task.cancel()
+        await sup.stop_all()
 
 
 async def test_crash_loop_stops_supervising_with_the_childs_log(tmp_path: Path) -> None:
