@@ -28,10 +28,10 @@ _TOP = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 CODECS: tuple[str, ...] = (EXACT, *_TOP)
 _SCALE_BYTES = 4  # fp32
 
-# Conservative single-core CPU throughput, engine (fp32) bytes per second, of encode and
-# decode together as measured by `pdd bench bandwidth --codec-only` (about 0.6-1.5 GB/s for
-# int8/fp8 and 0.4-0.7 GB/s for int4 on a shared 2-core host); the simulator charges this.
-CODEC_BYTES_PER_S: dict[str, float] = {EXACT: math.inf, "int8": 400e6, "fp8": 400e6, "int4": 250e6}
+# Conservative CPU throughput of encode and decode together, engine bytes per second, one
+# thread: `pdd bench bandwidth --codec-only` measured int8 540-1150 MB/s, fp8 350-525, int4
+# 460-765 (tiny and small presets, fp32, a shared 2-core host). The simulator charges these.
+CODEC_BYTES_PER_S: dict[str, float] = {EXACT: math.inf, "int8": 400e6, "fp8": 250e6, "int4": 300e6}
 
 
 @dataclass(frozen=True)
