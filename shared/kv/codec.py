@@ -132,6 +132,26 @@ def decode(
     return y.to(dtype)
 
 
+_WIRE_RATIO = "_pdd_wire_ratio"
+
+
+def mark_wire(kv: torch.Tensor, wire_nbytes: int) -> torch.Tensor:
+    """Note on a decoded group how many bytes it took on the wire (for what a receiver counts)."""
+    setattr(kv, _WIRE_RATIO, kv.numel() * kv.element_size() / max(wire_nbytes, 1))
+    return kv
+
+
+def wire_nbytes(kv: torch.Tensor, ratio: float | None = None) -> int:
+    """The bytes `kv` (or the part of it a receiver kept) took on the wire: its own size unless
+    mark_wire noted a codec's. `ratio`: one read off the whole group before it was sliced."""
+    ratio = getattr(kv, _WIRE_RATIO, 1.0) if ratio is None else ratio
+    return round(kv.numel() * kv.element_size() / ratio)
+
+
+def wire_ratio(kv: torch.Tensor) -> float:
+    return getattr(kv, _WIRE_RATIO, 1.0)
+
+
 def round_trip(codec: str, kv: torch.Tensor) -> torch.Tensor:
     """kv as the receiver would hold it after the wire (kv itself for exact)."""
     if codec == EXACT:

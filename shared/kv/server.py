@@ -14,7 +14,7 @@ from shared.kv import auth
 from shared.kv.buffers import RecvBuffers
 from shared.kv.caps import InFlight, ReceiveCaps
 from shared.kv.checksum import ALGOS, new_hasher
-from shared.kv.codec import CODECS, EXACT, decode
+from shared.kv.codec import CODECS, EXACT, decode, mark_wire
 from shared.kv.errors import FrameError
 from shared.kv.frame import (
     DEFAULT_MAX_FRAME,
@@ -268,7 +268,8 @@ class _Receiver:
         del group
         if codec != EXACT:
             try:  # off the loop: the other connections go on meanwhile
-                kv = await asyncio.to_thread(decode, codec, kv, b.shape, b.dtype)
+                wire = kv.numel()
+                kv = mark_wire(await asyncio.to_thread(decode, codec, kv, b.shape, b.dtype), wire)
             except Exception as e:
                 await self._fail(b.rid, f"undecodable {codec} group seq={b.seq}: {e!r}")
                 return

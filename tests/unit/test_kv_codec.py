@@ -90,3 +90,15 @@ def test_bad_input_is_refused() -> None:
         encode("int4", torch.randn(1, 2, 1, 16, 1, 3))
     with pytest.raises(ValueError):
         encode("int8", torch.randn(2, 16, 4))
+
+
+def test_a_decoded_group_says_what_it_took_on_the_wire() -> None:
+    from shared.kv.codec import mark_wire, wire_nbytes, wire_ratio
+
+    x = kv_of(6)
+    assert wire_nbytes(x) == x.nbytes and wire_ratio(x) == 1.0  # unmarked: its own size
+    enc = encode("int8", x)
+    y = mark_wire(decode("int8", enc.data, enc.shape, enc.dtype), enc.nbytes)
+    assert wire_nbytes(y) == enc.nbytes
+    part = y[:, :, :2]  # what a receiver keeps of it, the ratio read off the whole group
+    assert wire_nbytes(part, wire_ratio(y)) == round(enc.nbytes * 2 / SHAPE[2])
