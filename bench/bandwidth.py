@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def run_codecs(args: argparse.Namespace) -> dict:
-    models = [ModelSettings(preset=p) for p in args.codec_presets]
+    models = [ModelSettings(preset=p, dtype=args.codec_dtype) for p in args.codec_presets]
     models += [ModelSettings(path=str(c), dtype=args.checkpoint_dtype) for c in args.checkpoint]
     results = []
     with progress("codec quality", total=len(models)) as advance:
@@ -303,6 +303,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="a Hugging Face directory to measure the codecs on too (repeatable)",
     )
     p.add_argument("--checkpoint-dtype", default="bfloat16", help="engine dtype of --checkpoint")
+    p.add_argument(
+        "--codec-dtype", default="float32", help="engine dtype of the presets (float32 | bfloat16)"
+    )
     p.add_argument("--codec-prompts", type=int, default=4)
     p.add_argument("--codec-prompt-tokens", type=int, default=512)
     p.add_argument("--codec-new-tokens", type=int, default=32)
