@@ -9,6 +9,8 @@ run over the exact KV:
   the next-token distributions and the share of steps whose top token agrees;
 - free-running greedy: the share of generated tokens identical to the exact path's, position
   by position, and how many come before the first difference.
+A control row ("noise") moves every KV value by a relative 2^-8 (about bf16's own rounding):
+how sensitive the model is to any perturbation of its KV, to read the codecs' figures against.
 Bytes: the exported KV's size over its encoded size (what crosses the WAN). Throughput: encode
 and decode of a group of the model's blocks on this host, engine bytes per second, one thread.
 """
@@ -105,6 +107,30 @@ def throughput(kv: torch.Tensor, codecs: list[str], repeat: int = 3) -> dict[str
         torch.set_num_threads(threads)
 
 
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+NOISE = "noise"  # a control row: every value x (1 +- 2^-8), about bf16's own rounding
+
+
+def _noise(kv: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    sign = torch.randint(0, 2, kv.shape, generator=gen).float() * 2 - 1
+    return (kv.float() * (1 + sign * 2**-8)).to(kv.dtype)
+
+
+def _score(
+    engine: LLMEngine, rec: _Logits, prompt: list[int], hashes: list[int], kv: torch.Tensor, ref: tuple
+) -> tuple[float, float, float, int]:
+    """Decode from `kv` in the prompt's cached blocks: (mean KL, top-1 share, greedy share,
+    greedy tokens before the first difference) against the exact path's `ref`."""
+    ref_tokens, ref_lp = ref
+    _write_blocks(engine, hashes, kv)
+    _, lp = _run(engine, rec, prompt, len(ref_tokens), ref_tokens)
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean().item()
+    top1 = (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item()
+    free, _ = _run(engine, rec, prompt, len(ref_tokens), None)
+    match, first = _agreement(free, ref_tokens)
+    return kl, top1, match, first
+
+
 def measure(
     model: ModelSettings,
     codecs: list[str] = LOSSY,
@@ -114,15 +140,14 @@ def measure(
     new_tokens: int = 32,
     seed: int = 0,
 ) -> dict:
-    """One model's figures for each codec (see the module's docstring)."""
+    """One model's figures for each codec and for the NOISE control (see the module's docstring)."""
     engine = LLMEngine(model, EngineSettings(kv_memory_mb=256))
     rec = _Logits(engine)
     vocab = engine.model_config.vocab_size
-    rng = random.Random(seed)
-    per: dict[str, dict[str, list[float]]] = {
-        c: {"kl": [], "top1": [], "match": [], "first": []} for c in codecs
-    }
-    exact_bytes, wire_bytes = dict.fromkeys(codecs, 0), dict.fromkeys(codecs, 0)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows = [*codecs, NOISE]
+    per: dict[str, list[tuple[float, float, float, int]]] = {c: [] for c in rows}
+    exact_bytes, wire_bytes = dict.fromkeys(rows, 0), dict.fromkeys(rows, 0)
     group = None
     for _ in range(prompts):
         # A partial last block: its KV is recomputed over the cached blocks, as MD's extend does.
@@ -131,26 +156,33 @@ def measure(
         hashes = engine.block_hashes(prompt)
         kv = engine.exchange.export_blocks(hashes)
         group = kv if group is None else group
-        ref_tokens, ref_lp = _run(engine, rec, prompt, new_tokens, None)  # over the exact cache
-        for codec in codecs:
-            enc = encode(codec, kv)
-            exact_bytes[codec] += kv.nbytes
-            wire_bytes[codec] += enc.nbytes
-            _write_blocks(engine, hashes, decode(codec, enc.data, enc.shape, enc.dtype))
-            _, lp = _run(engine, rec, prompt, new_tokens, ref_tokens)
-            kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
-            per[codec]["kl"].append(kl.mean().item())
-            per[codec]["top1"].append((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item())
-            free, _ = _run(engine, rec, prompt, new_tokens, None)
-            match, first = _agreement(free, ref_tokens)
-            per[codec]["match"].append(match)
-            per[codec]["first"].append(first)
-            _write_blocks(engine, hashes, kv)  # the exact KV back for the next codec
+        ref = _run(engine, rec, prompt, new_tokens, None)  # over the exact cache
+        for row in rows:
+            if row == NOISE:
+                received, nbytes = _noise(kv, gen), kv.nbytes
+            else:
+                enc = encode(row, kv)
+                received, nbytes = decode(row, enc.data, enc.shape, enc.dtype), enc.nbytes
+            exact_bytes[row] += kv.nbytes
+            wire_bytes[row] += nbytes
+            per[row].append(_score(engine, rec, prompt, hashes, received, ref))
+            _write_blocks(engine, hashes, kv)  # the exact KV back for the next one
     assert group is not None
-    big = group.repeat(
-        1, 1, max(1, (16 << 20) // max(group.nbytes, 1)), 1, 1, 1
-    )  # >= 16 MiB: per-call costs fade
+    big = group.repeat(1, 1, max(1, (16 << 20) // max(group.nbytes, 1)), 1, 1, 1)  # >= 16 MiB
     rates = throughput(big, codecs)
+    out = {}
+    for c in rows:
+        kl, top1, match, first = zip(*per[c], strict=True)
+        out[c] = {
+            "bytes_ratio": exact_bytes[c] / wire_bytes[c],
+            "bytes_cut": 1 - wire_bytes[c] / exact_bytes[c],
+            "mean_kl": statistics.fmean(kl),
+            "max_prompt_kl": max(kl),
+            "top1_agreement": statistics.fmean(top1),
+            "greedy_agreement": statistics.fmean(match),
+            "greedy_tokens_before_first_difference": statistics.fmean(first),
+            **rates.get(c, {}),
+        }
     return {
         "model": engine.model_id,
         "dtype": str(engine.dtype).removeprefix("torch."),
@@ -158,33 +190,26 @@ def measure(
         "prompts": prompts,
         "prompt_tokens": prompt_tokens + 5,
         "new_tokens": new_tokens,
-        "codecs": {
-            c: {
-                "bytes_ratio": exact_bytes[c] / wire_bytes[c],
-                "bytes_cut": 1 - wire_bytes[c] / exact_bytes[c],
-                "mean_kl": statistics.fmean(per[c]["kl"]),
-                "max_prompt_kl": max(per[c]["kl"]),
-                "top1_agreement": statistics.fmean(per[c]["top1"]),
-                "greedy_agreement": statistics.fmean(per[c]["match"]),
-                "greedy_tokens_before_first_difference": statistics.fmean(per[c]["first"]),
-                **rates[c],
-            }
-            for c in codecs
-        },
+        "codecs": out,
     }
 
 
 def print_table(results: list[dict]) -> None:
     print("\nWAN KV codecs against the exact path (teacher-forced KL and top-1; free-running greedy tokens)")
     print(
-        f"  {'model':>14s} {'codec':>6s} {'bytes':>7s} {'mean KL':>9s} {'top-1':>6s} {'greedy':>7s}"
+        f"  {'model':>14s} {'':>4s} {'codec':>6s} {'bytes':>7s} {'mean KL':>9s} {'top-1':>6s} {'greedy':>7s}"
         f" {'1st diff':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s}"
     )
     for r in results:
         for c, f in r["codecs"].items():
-            print(
-                f"  {r['model']:>14s} {c:>6s} {f['bytes_ratio']:6.2f}x {f['mean_kl']:9.2e}"
-                f" {f['top1_agreement']:6.1%} {f['greedy_agreement']:7.1%}"
-                f" {f['greedy_tokens_before_first_difference']:8.1f}"
+            rates = (
                 f" {f['encode_bytes_per_s'] / 1e6:9.0f} {f['decode_bytes_per_s'] / 1e6:9.0f}"
+                if "encode_bytes_per_s" in f
+                else f" {'-':>9s} {'-':>9s}"
             )
+            print(
+                f"  {r['model']:>14s} {SHORT.get(r['dtype'], r['dtype']):>4s} {c:>6s} {f['bytes_ratio']:6.2f}x {f['mean_kl']:9.2e}"
+                f" {f['top1_agreement']:6.1%} {f['greedy_agreement']:7.1%}"
+                f" {f['greedy_tokens_before_first_difference']:8.1f}{rates}"
+            )
+    print(f"  ({NOISE}: a control, not a codec: every KV value x (1 +- 2^-8), about bf16's own rounding)")
