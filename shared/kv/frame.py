@@ -34,6 +34,7 @@ is its bytes; a lossy codec's is a uint8 [L, layer_bytes], see codec.py).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -132,9 +133,10 @@ class BlocksHeader:
         return self.dtype if self.codec == EXACT else torch.uint8
 
     @property
-    def wire_nbytes(self) -> int:
-        """Of the whole group's payload."""
-        return self.shape[0] * self.layer_bytes
+    def held_nbytes(self) -> int:
+        """What the whole group takes at the receiver once decoded (at least its payload): what
+        it is reserved at against the caps."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:

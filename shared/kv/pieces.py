@@ -68,7 +68,7 @@ class SplitGroups:
             return self._gone[key]
         group = self._groups.get(key)
         if group is None:
-            nbytes = b.wire_nbytes
+            nbytes = b.held_nbytes
             why = refusal(nbytes)
             if why is not None:
                 self.drop(key, why)

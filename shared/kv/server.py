@@ -104,7 +104,7 @@ class _Groups(dict[str, _Group]):
         if b.lo == 0:
             if group is not None or b.seq != expected:
                 return f"frame seq={b.seq} out of order (expected {expected})"
-            nbytes = b.wire_nbytes
+            nbytes = b.held_nbytes
             if nbytes > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
                 return f"group of shape {b.shape} is too large"
             group = self._new(b, h, nbytes)
