@@ -282,7 +282,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts")
+    p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts (codecs too)")
     p.add_argument("--hits", default="0,0.25,0.5,0.75,0.9,0.95,0.99", help="target average hit rates")
     p.add_argument("--requests", type=int, default=6, help="requests per hit-rate point")
     p.add_argument("--full-requests", type=int, default=3, help="cold requests measuring the full transfer")
@@ -319,6 +319,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.requests = min(args.requests, 4)
         args.full_requests = min(args.full_requests, 2)
         args.prompt_tokens = min(args.prompt_tokens, 1024)
+        args.codec_prompts = min(args.codec_prompts, 2)
+        args.codec_prompt_tokens = min(args.codec_prompt_tokens, 256)
     args.hits = [float(x) for x in str(args.hits).split(",")] if isinstance(args.hits, str) else args.hits
     args.codec_presets = [x for x in str(args.codec_presets).split(",") if x]
     return args
