@@ -231,7 +231,8 @@ class KVClient:
         split: tuple[int, int] | None = None,
     ) -> int:
         """Send blocks of rid (kv: [L, 2, n, block_size, kv_heads, head_dim], n == len(hashes),
-        or such a group in a lossy codec: shared/kv/codec.py). Returns bytes sent. CUDA / non-contiguous tensors are copied to contiguous CPU first.
+        or such a group in a lossy codec: shared/kv/codec.py). Returns bytes sent. CUDA /
+        non-contiguous tensors are copied to contiguous CPU first.
         `traceparent` defaults to the current OpenTelemetry context's. On any failure rid is
         forgotten here (later calls for it raise) and, unless the call was cancelled, at the receiver.
         `split` (gid, upto): send layers [0, upto) only; the rest goes as send_piece(gid) on other
