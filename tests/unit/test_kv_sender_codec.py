@@ -17,10 +17,12 @@ def _senders(**settings) -> KVSenders:
     return KVSenders(PrefillSettings(secret="s", instance="0", **settings), None, KVClientPool("s"))
 
 
-def test_exact_is_the_default_and_changes_nothing() -> None:
+async def test_exact_is_the_default_and_changes_nothing() -> None:
     senders = _senders(kv_transport="rdma")
     assert senders.settings.wan_kv_codec == "exact"
-    assert isinstance(senders.open("tcp://md:1", "r", [1, 2]), RdmaSender)
+    rdma = senders.open("tcp://md:1", "r", [1, 2])
+    assert isinstance(rdma, RdmaSender)
+    rdma.close()  # (its offer to MD had started)
     relay = senders.open("unix:///tmp/relay.sock", "r", None)
     assert isinstance(relay, KVTransfer) and relay.codec == "exact"
 
