@@ -11,12 +11,18 @@ expectation is (uncached full blocks) x KV bytes per token.
 
     python -m bench.bandwidth [--quick] [--hits 0,0.25,0.5,0.75,0.9,0.95,0.99] [--requests 6]
 
+Then the WAN KV codecs (PDD_PREFILL_WAN_KV_CODEC) side by side: bytes cut and quality against
+the exact path (mean KL of next-token distributions, greedy token agreement) on the tiny and
+small presets and on any --checkpoint, measured on the model directly (bench/codec_quality.py).
+--codec-only runs just that part, in seconds, and updates the "codec" key of an existing JSON.
+
 Writes bench/out/bandwidth.json and bench/out/bandwidth.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
@@ -25,10 +31,12 @@ from pathlib import Path
 
 import httpx
 
+from bench import codec_quality
 from bench.client import random_tokens, service_env, set_wan, stream_completion, wan_counters
 from pdd.benchkit.progress import Advance, add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
 from pdd.system import RunningSystem, start_system
+from shared.config import ModelSettings
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
@@ -180,7 +188,53 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def run_codecs(args: argparse.Namespace) -> dict:
+    models = [ModelSettings(preset=p, dtype=args.codec_dtype) for p in args.codec_presets]
+    models += [ModelSettings(path=str(c), dtype=args.checkpoint_dtype) for c in args.checkpoint]
+    results = []
+    with progress("codec quality", total=len(models)) as advance:
+        for m in models:
+            results.append(
+                codec_quality.measure(
+                    m,
+                    prompts=args.codec_prompts,
+                    prompt_tokens=args.codec_prompt_tokens,
+                    new_tokens=args.codec_new_tokens,
+                    seed=args.seed,
+                )
+            )
+            advance()
+    return {"about": codec_quality.__doc__.split("\n\n")[0], "models": results}
+
+
+def _codec_targets(codec: dict) -> list[dict]:
+    """int8: about a byte a value (>= 3.5x fewer than fp32, >= 1.9x than 16-bit KV), its mean KL
+    under 1e-3 nat or within 2x of the noise control's (KV moved by bf16's own rounding), and
+    >= 95% of teacher-forced top-1 tokens the exact path's."""
+    out = []
+    for r in codec.get("models", []):
+        f, noise = r["codecs"].get("int8"), r["codecs"].get(codec_quality.NOISE)
+        if f is None:
+            continue
+        want = 3.5 if r["dtype"] == "float32" else 1.9
+        kl_bound = max(1e-3, 2 * noise["mean_kl"]) if noise else 1e-3
+        out.append(
+            {
+                "what": f"int8 WAN KV on {r['model']} ({r['dtype']}): >= {want}x fewer bytes, "
+                f"mean KL <= {kl_bound:.1e}, top-1 >= 95%",
+                "value": f"{f['bytes_ratio']:.2f}x, KL {f['mean_kl']:.1e}, top-1 {f['top1_agreement']:.0%}"
+                f" (greedy {f['greedy_agreement']:.0%})",
+                "met": f["bytes_ratio"] >= want and f["mean_kl"] <= kl_bound and f["top1_agreement"] >= 0.95,
+            }
+        )
+    return out
+
+
 def _print(res: dict) -> None:
+    if "codec" in res:
+        codec_quality.print_table(res["codec"]["models"])
+    if "points" not in res:
+        return
     c = res["config"]
     print(
         f"\nWAN bytes per request, prompt {res['prompt_tokens']} tokens ({res['kv_bytes_per_token'] // 1024} KiB "
@@ -228,7 +282,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts")
+    p.add_argument("--quick", action="store_true", help="3 requests per point, shorter prompts (codecs too)")
     p.add_argument("--hits", default="0,0.25,0.5,0.75,0.9,0.95,0.99", help="target average hit rates")
     p.add_argument("--requests", type=int, default=6, help="requests per hit-rate point")
     p.add_argument("--full-requests", type=int, default=3, help="cold requests measuring the full transfer")
@@ -243,22 +297,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/out/bandwidth.json")
+    p.add_argument("--codec-only", action="store_true", help="only the WAN KV codec comparison")
+    p.add_argument("--no-codec", action="store_true", help="skip the WAN KV codec comparison")
+    p.add_argument("--codec-presets", default="tiny,small", help="presets the codecs are measured on")
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="a Hugging Face directory to measure the codecs on too (repeatable)",
+    )
+    p.add_argument("--checkpoint-dtype", default="bfloat16", help="engine dtype of --checkpoint")
+    p.add_argument(
+        "--codec-dtype", default="float32", help="engine dtype of the presets (float32 | bfloat16)"
+    )
+    p.add_argument("--codec-prompts", type=int, default=4)
+    p.add_argument("--codec-prompt-tokens", type=int, default=512)
+    p.add_argument("--codec-new-tokens", type=int, default=32)
     add_quiet_option(p)
     args = p.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 4)
         args.full_requests = min(args.full_requests, 2)
         args.prompt_tokens = min(args.prompt_tokens, 1024)
+        args.codec_prompts = min(args.codec_prompts, 2)
+        args.codec_prompt_tokens = min(args.codec_prompt_tokens, 256)
     args.hits = [float(x) for x in str(args.hits).split(",")] if isinstance(args.hits, str) else args.hits
+    args.codec_presets = [x for x in str(args.codec_presets).split(",") if x]
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     t0 = time.monotonic()
-    res = run(args)
+    if args.codec_only:  # the system's figures of an earlier run stay
+        out = Path(args.out)
+        res = json.loads(out.read_text()) if out.exists() else {}
+    else:
+        res = run(args)
+    if not args.no_codec:
+        res["codec"] = run_codecs(args)
+        res["targets"] = [t for t in res.get("targets", []) if not t["what"].startswith("int8 WAN KV")]
+        res["targets"] += _codec_targets(res["codec"])
     res["wall_s"] = time.monotonic() - t0
-    save_report(res, args.out, table=_print, figures=_figure)
+    save_report(res, args.out, table=_print, figures=_figure if "points" in res else None)
     return 0
 
 

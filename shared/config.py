@@ -127,6 +127,11 @@ class PrefillSettings(CommonSettings):
     # path then does not cap a long, fat WAN link (shared/kv/pool.py, whose defaults these are).
     bulk_parallel: int = Field(default=4, ge=1, le=16)
     bulk_parallel_min_mib: float = Field(default=16.0, ge=0)
+    # How KV crosses the WAN to a main decoder (shared/kv/codec.py): "exact" (the engine's
+    # bytes) or a lossy codec, "int8" | "fp8" (~4x fewer bytes than fp32, ~2x than bf16) or
+    # "int4" (~8x / ~4x). The local path to the relay is always exact; a lossy codec takes TCP
+    # even where kv_transport is "rdma".
+    wan_kv_codec: Literal["exact", "int8", "fp8", "int4"] = "exact"
 
 
 class RelaySettings(CommonSettings):

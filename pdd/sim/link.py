@@ -1,6 +1,10 @@
 """One direction of a network path: KV transfers queue FIFO and serialise at the bandwidth,
 then take the propagation delay (plus seeded jitter, never reordering deliveries); control
-messages take the delay alone (they travel on their own connection)."""
+messages take the delay alone (they travel on their own connection).
+
+A link may carry KV in a lossy codec (shared/kv/codec.py, PDD_PREFILL_WAN_KV_CODEC): a transfer
+of n engine bytes puts n / ratio on the wire and lands later by its encode and decode time at
+the codec's measured CPU throughput (charged whole, as if neither overlapped the wire)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from pdd.sim.events import EventLoop
+from shared.kv.codec import CODEC_BYTES_PER_S, EXACT, bytes_ratio, check_codec
 
 
 @dataclass(frozen=True)
@@ -19,6 +26,29 @@ class LinkSpec:
     one_way_s: float  # propagation delay
     jitter_s: float = 0.0  # each crossing adds uniform(0, jitter_s), seeded; KV deliveries stay FIFO
     price_per_hour: float = 0.0  # a leased cross-DC line's cost (0 for in-DC)
+    codec: LinkCodec | None = None  # KV as the engine holds it (None: exact)
+
+
+@dataclass(frozen=True)
+class LinkCodec:
+    name: str
+    ratio: float  # engine bytes over wire bytes
+    seconds_per_byte: float  # encode at the sender plus decode at the receiver, per engine byte
+
+    def wire_bytes(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.ratio)
+
+
+def link_codec(
+    name: str, dtype_bytes: int = 2, head_dim: int = 128, block_size: int = 16
+) -> LinkCodec | None:
+    """The codec `name` on KV of `dtype_bytes` per value (None for exact): its bytes ratio from
+    the wire format, its time from the conservative throughput in shared/kv/codec.py."""
+    if check_codec(name) == EXACT:
+        return None
+    dtype = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
+    ratio = bytes_ratio(name, (1, 2, 1, block_size, 1, head_dim), dtype)
+    return LinkCodec(name, ratio, 1.0 / CODEC_BYTES_PER_S[name])
 
 
 IN_DC = LinkSpec(50e9, 10e-6)  # RDMA-class in-DC path (400 Gb/s)
@@ -33,6 +63,7 @@ class Transfer:
     started_at: float | None = None
     aborted: bool = False
     queued: bool = False  # in its link's queue (sent, not yet serialised, not aborted)
+    codec_s: float = 0.0  # encode + decode time of the link's codec, added to its landing
 
 
 class Link:
@@ -83,7 +114,13 @@ class Link:
         return out
 
     def send(self, nbytes: int, on_landed: Callable[[], None], dest: str = "") -> Transfer:
-        t = Transfer(nbytes, on_landed, dest, queued=True)
+        """nbytes of KV as the engine holds it; the transfer carries what the link's codec makes
+        of them."""
+        codec = self.spec.codec
+        t = Transfer(nbytes if codec is None else codec.wire_bytes(nbytes), on_landed, dest, queued=True)
+        if codec is not None:
+            t.codec_s = nbytes * codec.seconds_per_byte
+        nbytes = t.nbytes
         if nbytes:
             self._queued_to[dest] = self._queued_to.get(dest, 0) + nbytes
         self.queue.append(t)
@@ -135,7 +172,7 @@ class Link:
         t.sent, t.queued = t.nbytes, False
         self._unqueue(t)
         self._count(t.started_at, self.loop.now, t.nbytes)
-        landing = max(self.loop.now + self.delay(), self._last_landing)
+        landing = max(self.loop.now + self.delay() + t.codec_s, self._last_landing)
         self._last_landing = landing
         self.loop.at(landing, t.on_landed)
         self._start_head()

@@ -20,8 +20,9 @@ from pdd.benchkit.report import save_report
 from pdd.sim import plots
 from pdd.sim.agentic import hit_profile
 from pdd.sim.bathtub import GRID, bathtub
-from pdd.sim.deployment import Deployment
+from pdd.sim.deployment import IN_DC, Deployment
 from pdd.sim.goodput import bcr, sla_goodput
+from pdd.sim.link import link_codec
 from pdd.sim.model_spec import ModelSpec
 from pdd.sim.records import SimResult, percentile
 from pdd.sim.simulator import SimSettings, simulate
@@ -40,6 +41,7 @@ from pdd.sim.specs import (
     workload_from_args,
 )
 from pdd.sim.workload import Workload
+from shared.kv.codec import CODECS, EXACT
 
 OUT = "bench/out/sim_run.json"
 LATENCY_KEYS = ("ttft", "tt2t", "tpot", "max_gap")
@@ -81,16 +83,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--bathtub-duration", type=float, default=20.0, help="seconds of arrivals per probe (default 20)"
     )
+    ap.add_argument(
+        "--wan-codec",
+        choices=CODECS,
+        default=EXACT,
+        help="KV codec on every cross-DC line (PDD_PREFILL_WAN_KV_CODEC; default exact)",
+    )
     ap.add_argument("--out", default=OUT, help=f"JSON result; PNGs beside it (default {OUT})")
     add_quiet_option(ap)
     return ap
+
+
+def with_wan_codec(deployments: list[Deployment], model: ModelSpec, name: str) -> list[Deployment]:
+    """Every cross-DC line carries its KV in codec `name` (the in-DC paths stay exact)."""
+    codec = link_codec(name, model.dtype_bytes, model.head_dim)
+    return [
+        d if d.wan is IN_DC else dataclasses.replace(d, wan=dataclasses.replace(d.wan, codec=codec))
+        for d in deployments
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         model = model_from_args(args)
-        deployments = deployments_from_args(args, model)
+        deployments = with_wan_codec(deployments_from_args(args, model), model, args.wan_codec)
         spec, sla, settings = workload_from_args(args), sla_from_args(args), settings_from_args(args)
         hits = _grid(args.bathtub_grid) if args.bathtub else ()
         pair = _bathtub_pair(deployments, args.bathtub_baseline) if args.bathtub else None

@@ -18,6 +18,7 @@ from opentelemetry import trace
 
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.in_flight import BlocksInFlight
+from shared.kv.codec import wire_nbytes, wire_ratio
 from shared.serving.engine_loop import EngineLoop
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -123,11 +124,12 @@ class PromptKVIntake:
         if not fresh:
             return
         job = self._receiving(rid)
+        ratio = wire_ratio(kv)  # a lossy WAN codec's, read before kv is sliced
         if len(fresh) < len(hashes):
             hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
         await self.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
         await self.engine_loop.call(self.exchange.import_blocks, hashes, kv, pin=rid)
-        await self.received(job, hashes, kv.numel() * kv.element_size(), traceparent, "tcp")
+        await self.received(job, hashes, wire_nbytes(kv, ratio), traceparent, "tcp")
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         job = self.jobs.get(rid)

@@ -17,6 +17,7 @@ from opentelemetry import propagate
 
 from shared.kv import auth
 from shared.kv.checksum import ALGOS, DEFAULT_ALGO, checksum
+from shared.kv.codec import Encoded
 from shared.kv.errors import FrameError, KVConnectionLost, KVTransferError
 from shared.kv.frame import DEFAULT_MAX_HEADER, PREFIX, byte_view, dtype_name, pack, read_header
 from shared.kv.transport import Stream, transport_for
@@ -79,10 +80,12 @@ class _Layers:
             yield header, data
 
 
-def sendable(kv: torch.Tensor, hashes: list[int]) -> torch.Tensor:
-    """kv checked against its hashes, as a contiguous CPU tensor."""
-    if kv.dim() != 6 or kv.shape[2] != len(hashes):
+def sendable(kv: torch.Tensor | Encoded, hashes: list[int]) -> torch.Tensor | Encoded:
+    """kv checked against its hashes, as a contiguous CPU tensor (an encoded group as it is)."""
+    if len(kv.shape) != 6 or kv.shape[2] != len(hashes):
         raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(hashes)} block hashes")
+    if isinstance(kv, Encoded):
+        return kv
     if kv.requires_grad:
         kv = kv.detach()
     if not kv.is_cpu:
@@ -161,9 +164,16 @@ class _Rids(dict[str, _Rid]):
         self.clear()
 
 
-def _layers_for(rid: str, kv: torch.Tensor, n_hashes: int, max_frame: int | None) -> _Layers:
+def _described(kv: torch.Tensor | Encoded) -> dict[str, Any]:
+    """The header fields that say what the payload is (an exact group's carry no codec: its
+    frames are what they were before codecs)."""
+    fields = {"dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+    return {**fields, "codec": kv.codec} if isinstance(kv, Encoded) else fields
+
+
+def _layers_for(rid: str, kv: torch.Tensor | Encoded, n_hashes: int, max_frame: int | None) -> _Layers:
     """kv cut into sub-frames, each of which (with its header) fits the receiver's frame limit."""
-    layers = _Layers.of(kv)
+    layers = _Layers.of(kv.data if isinstance(kv, Encoded) else kv)
     if max_frame and layers.subframe_bytes + (64 << 10) + 9 * n_hashes > max_frame:
         raise KVTransferError(f"send_blocks({rid}): one layer is larger than the receiver's frame limit")
     return layers
@@ -214,14 +224,15 @@ class KVClient:
         self,
         rid: str,
         hashes: list[int],
-        kv: torch.Tensor,
+        kv: torch.Tensor | Encoded,
         *,
         traceparent: str | None = None,
         timeout: float = 60.0,
         split: tuple[int, int] | None = None,
     ) -> int:
-        """Send blocks of rid (kv: [L, 2, n, block_size, kv_heads, head_dim], n == len(hashes)).
-        Returns bytes sent. CUDA / non-contiguous tensors are copied to contiguous CPU first.
+        """Send blocks of rid (kv: [L, 2, n, block_size, kv_heads, head_dim], n == len(hashes),
+        or such a group in a lossy codec: shared/kv/codec.py). Returns bytes sent. CUDA /
+        non-contiguous tensors are copied to contiguous CPU first.
         `traceparent` defaults to the current OpenTelemetry context's. On any failure rid is
         forgotten here (later calls for it raise) and, unless the call was cancelled, at the receiver.
         `split` (gid, upto): send layers [0, upto) only; the rest goes as send_piece(gid) on other
@@ -230,7 +241,7 @@ class KVClient:
         layers = _layers_for(rid, kv, len(hashes), self.max_frame)
         st = self._state(rid)
         traceparent = _current_traceparent() if traceparent is None else traceparent
-        base = {"kind": "blocks", "rid": rid, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape)}
+        base = {"kind": "blocks", "rid": rid, **_described(kv)}
         first = {"hashes": list(hashes), "tp": traceparent, **({"split": list(split)} if split else {})}
         ranges = layers.ranges(0, split[1] if split is not None else None)
         deadline = asyncio.get_running_loop().time() + timeout
@@ -257,7 +268,7 @@ class KVClient:
         return sent
 
     async def send_piece(
-        self, rid: str, gid: int, kv: torch.Tensor, lo: int, hi: int, *, timeout: float = 60.0
+        self, rid: str, gid: int, kv: torch.Tensor | Encoded, lo: int, hi: int, *, timeout: float = 60.0
     ) -> int:
         """Layers [lo, hi) (lo >= 1) of a group that send_blocks(split=(gid, lo')) sends on
         another connection; kv is the whole group. Returns bytes sent. Raises KVConnectionLost
@@ -265,13 +276,7 @@ class KVClient:
         on timeout. The receiver reports a bad piece on the request's connection, not here."""
         kv = sendable(kv, [0] * kv.shape[2])
         layers = _layers_for(rid, kv, 0, self.max_frame)
-        base = {
-            "kind": "piece",
-            "rid": rid,
-            "gid": gid,
-            "dtype": dtype_name(kv.dtype),
-            "shape": list(kv.shape),
-        }
+        base = {"kind": "piece", "rid": rid, "gid": gid, **_described(kv)}
         deadline = asyncio.get_running_loop().time() + timeout
         try:
             return await self._send_group(_Rid(), base, None, layers, layers.ranges(lo, hi), deadline)

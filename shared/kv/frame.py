@@ -4,7 +4,7 @@
 
 Header kinds (client = KV sender, server = KV receiver):
     hello / auth / welcome / denied     handshake (see auth.py)
-    blocks   c->s  rid, seq, hashes, layers [lo, hi), dtype, shape, nbytes, csum [algo, value], tp
+    blocks   c->s  rid, seq, hashes, layers [lo, hi), dtype, shape, nbytes, csum [algo, value], tp, codec
                    One send_blocks() call is one seq (a "group"); a big group is cut along the layer
                    dim into sub-frames of a few MiB (contiguous slices), so a slice is still in
                    cache when it is sent after hashing and no frame nears the size limit. `shape` is the
@@ -12,7 +12,11 @@ Header kinds (client = KV sender, server = KV receiver):
                    first sub-frame (lo == 0). A large group may be split over several connections
                    of the sender: then its first sub-frame also has split [gid, upto]: this
                    connection carries layers [0, upto), and [upto, L) come as piece frames.
-    piece    c->s  rid, gid, layers [lo, hi), dtype, shape, nbytes, csum  (lo >= 1)
+                   codec (absent: "exact") names how the payload encodes the tensor
+                   (shared/kv/codec.py); dtype and shape are always the decoded tensor's, and
+                   nbytes the encoded layers'. A receiver fails the request of a codec it does not
+                   know (the connection and its other requests go on).
+    piece    c->s  rid, gid, layers [lo, hi), dtype, shape, nbytes, csum, codec  (lo >= 1)
                    Layers of split group `gid` sent on another connection of the same sender;
                    they land straight in the group's tensor, checksummed per frame, and the
                    group is delivered by its request's connection once every layer is in.
@@ -24,7 +28,8 @@ Header kinds (client = KV sender, server = KV receiver):
     abort    c->s  rid, reason                     drop rid
     ack      s->c  rid                             sink.on_done returned
     error    s->c  rid, reason                     the receiver failed rid (checksum, sink raised, ...)
-The tensor is [L, 2, n, block_size, kv_heads, head_dim], contiguous.
+The tensor is [L, 2, n, block_size, kv_heads, head_dim], contiguous (an exact group's payload
+is its bytes; a lossy codec's is a uint8 [L, layer_bytes], see codec.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 import msgpack
 import torch
 
+from shared.kv.codec import CODECS, EXACT, layer_bytes
 from shared.kv.errors import FrameError
 from shared.kv.transport import Stream
 
@@ -115,6 +121,22 @@ class BlocksHeader:
     algo: str
     csum: int
     split: tuple[int, int] | None = None  # (gid, upto) on a split group's first sub-frame
+    codec: str = EXACT  # may be one this receiver does not know (layer_bytes is 0 then)
+
+    @property
+    def wire_shape(self) -> list[int]:
+        """The shape of the tensor the payload lands in."""
+        return self.shape if self.codec == EXACT else [self.shape[0], self.layer_bytes]
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return self.dtype if self.codec == EXACT else torch.uint8
+
+    @property
+    def held_nbytes(self) -> int:
+        """What the whole group takes at the receiver once decoded (at least its payload): what
+        it is reserved at against the caps."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
@@ -144,16 +166,29 @@ def check_blocks(header: dict[str, Any], max_frame: int) -> BlocksHeader:
             raise FrameError("blocks frame: hashes must be one int per block")
         if not isinstance(header.get("tp"), str | None):
             raise FrameError("blocks frame: tp must be a string or nil")
-    layer_bytes = math.prod(shape[1:]) * dtype.itemsize
+    codec = header.get("codec", EXACT)
+    if not isinstance(codec, str):
+        raise FrameError("blocks frame: codec must be a string")
     nbytes = field(header, "nbytes", int)
-    if nbytes != (hi - lo) * layer_bytes:
-        raise FrameError(f"blocks frame: nbytes {nbytes} does not match layers {layers} of {shape} {dtype}")
+    if codec in CODECS:
+        try:
+            wire = layer_bytes(codec, shape, dtype)
+        except ValueError as e:
+            raise FrameError(f"blocks frame: {e}") from None
+        if nbytes != (hi - lo) * wire:
+            raise FrameError(
+                f"blocks frame: nbytes {nbytes} does not match layers {layers} of {shape} {dtype} in {codec}"
+            )
+    else:  # the request fails, the frame is only read past
+        wire = 0
+        if nbytes < 0:
+            raise FrameError(f"blocks frame: bad nbytes {nbytes}")
     if header["_hlen"] + nbytes > max_frame:
         raise FrameError(f"frame of {header['_hlen'] + nbytes} bytes exceeds the limit of {max_frame}")
     csum = field(header, "csum", list)
     if len(csum) != 2 or not isinstance(csum[0], str) or not isinstance(csum[1], int):
         raise FrameError("blocks frame: bad csum")
-    b = BlocksHeader(rid, seq, lo, hi, dtype, shape, nbytes, layer_bytes, csum[0], csum[1])
+    b = BlocksHeader(rid, seq, lo, hi, dtype, shape, nbytes, wire, csum[0], csum[1], codec=codec)
     b.split = _split(header, shape[0]) if lo == 0 else None
     return b
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ import torch
 
 from shared.kv.buffers import RecvBuffers
 from shared.kv.caps import InFlight
+from shared.kv.codec import EXACT
 from shared.kv.frame import BlocksHeader
 
 SPLIT_WAIT_S = 10.0  # a split group with no frame landed for this long is dropped
@@ -43,6 +43,7 @@ class SplitGroup:
     expiry: asyncio.TimerHandle
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    codec: str = EXACT  # kv holds this codec's wire bytes
 
     def fail(self, reason: str) -> None:
         self.error = self.error or reason
@@ -67,19 +68,24 @@ class SplitGroups:
             return self._gone[key]
         group = self._groups.get(key)
         if group is None:
-            nbytes = math.prod(b.shape) * b.dtype.itemsize
+            nbytes = b.held_nbytes
             why = refusal(nbytes)
             if why is not None:
                 self.drop(key, why)
                 return why
-            kv = self.buffers.tensor(b.shape, b.dtype)
+            kv = self.buffers.tensor(b.wire_shape, b.wire_dtype)
             for scope in (conn, self.inflight):
                 scope.take(nbytes)
             charged = [conn, self.inflight]
             group = self._groups[key] = SplitGroup(
-                b.rid, kv, nbytes, charged, bytearray(b.shape[0]), self._arm(key)
+                b.rid, kv, nbytes, charged, bytearray(b.shape[0]), self._arm(key), codec=b.codec
             )
-        if group.rid != b.rid or list(group.kv.shape) != b.shape or group.kv.dtype != b.dtype:
+        if (
+            group.rid != b.rid
+            or list(group.kv.shape) != b.wire_shape
+            or group.kv.dtype != b.wire_dtype
+            or group.codec != b.codec
+        ):
             return f"frame of {b.rid} {b.shape} does not match split group {key[1]}"
         return group
 

@@ -12,6 +12,7 @@ import torch
 
 from shared.config import PrefillSettings
 from shared.kv.client import KVClient
+from shared.kv.codec import EXACT
 from shared.kv.pool import KVClientPool
 from shared.kv.rdma_link import RdmaPeers, start_writer
 from shared.kv.rdma_sender import RdmaSender
@@ -60,8 +61,13 @@ class KVSenders:
 
     def open(self, address: str, rid: str, missing: list[int] | None = None) -> KVSender:
         """A sender of rid's blocks to the peer at `address`. missing: the blocks a main decoder
-        lacks, which it may take straight into its pool; None for a peer that cannot (the relay)."""
-        transfer = KVTransfer(self.pool, address, rid, timeout=self.settings.request_timeout_s)
-        if self.rdma is None or missing is None:
+        lacks, which it may take straight into its pool; None for a peer that cannot (the relay).
+        Only a main decoder's (WAN) blocks go in settings.wan_kv_codec; the relay's are always
+        exact. A lossy codec takes the TCP channel: the RDMA path writes raw blocks into the
+        receiver's slots, with no step that could decode them."""
+        codec = self.settings.wan_kv_codec if missing is not None else EXACT
+        timeout = self.settings.request_timeout_s
+        transfer = KVTransfer(self.pool, address, rid, timeout=timeout, codec=codec)
+        if self.rdma is None or missing is None or codec != EXACT:
             return transfer
         return RdmaSender(self.rdma, transfer, missing)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,7 @@ from shared.kv import auth
 from shared.kv.buffers import RecvBuffers
 from shared.kv.caps import InFlight, ReceiveCaps
 from shared.kv.checksum import ALGOS, new_hasher
+from shared.kv.codec import CODECS, EXACT, decode, mark_wire
 from shared.kv.errors import FrameError
 from shared.kv.frame import (
     DEFAULT_MAX_FRAME,
@@ -57,6 +57,10 @@ def layout_refusal(b: BlocksHeader, expect: Layout) -> str | None:
     return None
 
 
+def unknown_codec(name: str) -> str:
+    return f"unknown KV codec {name!r} (this receiver decodes {', '.join(CODECS)})"
+
+
 @dataclass
 class _Group:
     """A send_blocks() group being received, sub-frame by sub-frame, into one tensor."""
@@ -69,6 +73,7 @@ class _Group:
     end: int  # layers [0, end) come on this connection (all, unless split)
     split: tuple[tuple[str, int], SplitGroup] | None = None  # key and state of a split group
     next_layer: int = 0
+    codec: str = EXACT  # kv holds the wire bytes; decoded before the sink sees them
 
 
 @dataclass
@@ -93,11 +98,13 @@ class _Groups(dict[str, _Group]):
         next seq), or why it is invalid."""
         if b.algo not in ALGOS:
             return f"unsupported checksum {b.algo!r}"
+        if b.codec not in CODECS:
+            return unknown_codec(b.codec)
         group = self.get(b.rid)
         if b.lo == 0:
             if group is not None or b.seq != expected:
                 return f"frame seq={b.seq} out of order (expected {expected})"
-            nbytes = math.prod(b.shape) * b.dtype.itemsize
+            nbytes = b.held_nbytes
             if nbytes > MAX_GROUP_FRAMES * self.server.max_frame_bytes:
                 return f"group of shape {b.shape} is too large"
             group = self._new(b, h, nbytes)
@@ -109,7 +116,8 @@ class _Groups(dict[str, _Group]):
             or group.seq != b.seq
             or group.next_layer != b.lo
             or b.hi > group.end
-            or list(group.kv.shape) != b.shape
+            or list(group.kv.shape) != b.wire_shape
+            or group.codec != b.codec
         ):
             return f"sub-frame seq={b.seq} layers [{b.lo}, {b.hi}) does not continue its group"
         return group
@@ -122,14 +130,14 @@ class _Groups(dict[str, _Group]):
             split = self.server.splits.get(key, b, self.inflight, lambda n: self.refusal(b, n))
             if isinstance(split, str):
                 return split
-            return _Group(b.seq, split.kv, 0, hashes, tp, b.split[1], (key, split))
+            return _Group(b.seq, split.kv, 0, hashes, tp, b.split[1], (key, split), codec=b.codec)
         why = self.refusal(b, nbytes)  # before anything is allocated
         if why is not None:
             return why
-        kv = self.server.buffers.tensor(b.shape, b.dtype)
+        kv = self.server.buffers.tensor(b.wire_shape, b.wire_dtype)
         self.inflight.take(nbytes)
         self.server.inflight.take(nbytes)
-        return _Group(b.seq, kv, nbytes, hashes, tp, b.shape[0])
+        return _Group(b.seq, kv, nbytes, hashes, tp, b.shape[0], codec=b.codec)
 
     def refusal(self, b: BlocksHeader, nbytes: int) -> str | None:
         expect = self.server.expect
@@ -256,8 +264,15 @@ class _Receiver:
             return
         self.groups.drop(b.rid)  # the sink owns it from here
         self.next_seq[b.rid] = b.seq + 1
-        kv, hashes, traceparent = group.kv, group.hashes, group.traceparent
+        kv, hashes, traceparent, codec = group.kv, group.hashes, group.traceparent, group.codec
         del group
+        if codec != EXACT:
+            try:  # off the loop: the other connections go on meanwhile
+                wire = kv.numel()
+                kv = mark_wire(await asyncio.to_thread(decode, codec, kv, b.shape, b.dtype), wire)
+            except Exception as e:
+                await self._fail(b.rid, f"undecodable {codec} group seq={b.seq}: {e!r}")
+                return
         try:
             async with asyncio.timeout(SINK_CALL_TIMEOUT_S):
                 await self.sink.on_blocks(b.rid, hashes, kv, traceparent)
@@ -282,6 +297,9 @@ class _Receiver:
         (reported by the request's connection), never this connection's."""
         b = check_blocks(h, self.server.max_frame_bytes)
         key = (self.identity, field(h, "gid", int))
+        if b.codec not in CODECS:  # its group fails on the request's connection, which says why
+            await self._discard(b.nbytes)
+            return
         split = self.server.splits.get(key, b, self.groups.inflight, lambda n: self.groups.refusal(b, n))
         if isinstance(split, str) or b.algo not in ALGOS:
             await self._discard(b.nbytes)

@@ -9,6 +9,9 @@ A large group is split along its layers over the pool's lanes to the peer (pool.
 connections in all, the request's own included). A lane that drops has its piece sent again
 on a fresh lane (the retry policy, a budget per piece); a dropped request connection resends the whole group,
 split afresh under a new id, so stale pieces never mix with the new ones.
+
+With a lossy codec (shared/kv/codec.py) each group is encoded once, off the event loop, and
+kept encoded: a resend costs no second encode and the pieces are cut from the encoded bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kv.client import KVClient, sendable
+from shared.kv.codec import EXACT, Encoded, check_codec, encode
 from shared.kv.errors import KVConnectionLost, KVTransferError
 from shared.kv.pool import KVClientPool
 
@@ -50,7 +54,7 @@ def retry_delay(policy: RetryPolicy, retry: int, since_first_drop: float) -> flo
     return delay
 
 
-def split_layers(kv: torch.Tensor, parallel: int, min_bytes: int) -> list[tuple[int, int]]:
+def split_layers(kv: torch.Tensor | Encoded, parallel: int, min_bytes: int) -> list[tuple[int, int]]:
     """Layer ranges [lo, hi) of a group over up to `parallel` connections, as even as whole
     layers allow; one range when the group is smaller than min_bytes."""
     n_layers = kv.shape[0]
@@ -64,7 +68,7 @@ def split_layers(kv: torch.Tensor, parallel: int, min_bytes: int) -> list[tuple[
 @dataclass
 class _Group:
     hashes: list[int]
-    kv: torch.Tensor  # contiguous CPU copy: a resend costs no device copy
+    kv: torch.Tensor | Encoded  # contiguous CPU copy: a resend costs no device copy
     traceparent: str | None
 
 
@@ -82,8 +86,10 @@ class KVTransfer:
         *,
         timeout: float = 60.0,
         policy: RetryPolicy | None = None,
+        codec: str = EXACT,
     ):
         self.pool, self.address, self.rid = pool, address, rid
+        self.codec = check_codec(codec)
         self.timeout = timeout  # each send_blocks / finish on one connection
         self.policy = policy or RetryPolicy()
         self.client: KVClient | None = None  # the connection in use now
@@ -98,7 +104,10 @@ class KVTransfer:
     ) -> int:
         """Bytes sent for this group (KVClient.send_blocks), plus any resend it took."""
         before = self.bytes_sent
-        group = _Group(list(hashes), sendable(kv, hashes), traceparent)
+        wire = sendable(kv, hashes)
+        if self.codec != EXACT:
+            wire = await asyncio.to_thread(encode, self.codec, wire)
+        group = _Group(list(hashes), wire, traceparent)
         self._groups.append(group)
         await self._deliver(lambda client: self._send(client, group), after_resend=False)
         return self.bytes_sent - before
@@ -167,7 +176,7 @@ class KVTransfer:
             raise KVTransferError(f"kv transfer of {self.rid} to {self.address}: {failed[0]}")
         self.bytes_sent += sum(done)
 
-    async def _send_piece(self, lane: int, gid: int, kv: torch.Tensor, lo: int, hi: int) -> int:
+    async def _send_piece(self, lane: int, gid: int, kv: torch.Tensor | Encoded, lo: int, hi: int) -> int:
         """Layers [lo, hi) on a lane; again on a fresh lane under the retry policy (a budget of
         its own: lane drops must not delay the request connection's reconnect)."""
         retries, first_drop = 0, 0.0
