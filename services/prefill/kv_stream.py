@@ -96,12 +96,14 @@ class KVStreamer:
         sender = job.transfers[path] = self.senders.open(address, job.rid, missing)
         try:
             tp = traceparent_of(span)
-            sent, t_first = await self._stream(job, path, sender, queue, tp)
+            sent, kv_bytes, t_first = await self._stream(job, path, sender, queue, tp)
             again = await sender.finish()
             sent += again
             self._count(job, path, again)
             if path is KVPath.WAN and sender.client is not None and not sender.reconnects:
-                self._observe_link(address, sender.client, sent, t_first, time.monotonic())  # no outage in it
+                # In KV bytes, as the router prices a transfer: a lossy WAN codec makes the
+                # line carry them faster than its wire rate.
+                self._observe_link(address, sender.client, kv_bytes, t_first, time.monotonic())  # no outage
             await self.acked(job, path, tp)
         except asyncio.CancelledError:
             raise
@@ -129,19 +131,21 @@ class KVStreamer:
 
     async def _stream(
         self, job: PrefillJob, path: KVPath, sender: KVSender, queue: asyncio.Queue, tp: str | None
-    ) -> tuple[int, float | None]:
-        """Send queued blocks until the end marker: (bytes sent, time of the first block)."""
+    ) -> tuple[int, int, float | None]:
+        """Send queued blocks until the end marker: (bytes sent, KV bytes they carry, time of
+        the first block)."""
         timeout = self.settings.request_timeout_s
-        sent, t_first = 0, None
+        sent, kv_bytes, t_first = 0, 0, None
         while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not END:
             hashes, kv = item
             t_first = t_first or time.monotonic()
             n = await sender.send(hashes, kv, tp)
             sent += n
+            kv_bytes += kv.numel() * kv.element_size()
             if path is KVPath.WAN:
                 job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
             self._count(job, path, n)
-        return sent, t_first
+        return sent, kv_bytes, t_first
 
     @staticmethod
     def _count(job: PrefillJob, path: KVPath, n: int) -> None:
