@@ -36,23 +36,22 @@ from pathlib import Path
 from pdd.benchkit.progress import add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
 from pdd.sim import profiles
-from pdd.sim.agentic import PAPER, agentic_open_loop, hit_profile
+from pdd.sim.agentic import PAPER, PAPER_64K, AgenticParams, agentic_open_loop, hit_profile
 from pdd.sim.chip import Chip
 from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
-from pdd.sim.goodput import Goodput, Probe, bcr, probe, sla_goodput
+from pdd.sim.goodput import Goodput, Probe, probe, sla_goodput
+from pdd.sim.model_spec import ModelSpec
 from pdd.sim.records import RequestRecord
 from pdd.sim.simulator import SimSettings
 from pdd.sim.sla import Sla
 from pdd.sim.workload import Workload
 from shared.config import RouterSettings
 
-MODEL = "qwen2.5-7b"
 BLOCK_SIZE = 512
-BASELINE_A, PDD_A, PDD_B = 88, 43, 32  # the paper's fleets
+BASELINE_A, PDD_A, PDD_B = 88, 43, 32  # the paper's fleets, in chips
 PREMIUMS = (1.20, 1.30)  # gpu-b's price over gpu-a's
 SPLITS = (0.5, 0.625, 0.75)  # same-DC: P's share of the fleet
 RELAY_SHARES = (0.05, 0.1)  # PDD: RLD's share of the 43 gpu-a
-SLA = Sla(ttft_s=4.0, tpot_s=0.1, max_gap_s=1.0, attainment=0.9)
 # The paper's figures: PDD against the same-DC homogeneous PD baseline.
 PAPER_FIGURES = {
     "ttft_p50_change": -0.515,
@@ -62,6 +61,48 @@ PAPER_FIGURES = {
     "cost_change_30": -0.035,
     "bandwidth_ratio": 10.0,  # "up to 10x" less cross-DC bandwidth at 90% hit
 }
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What is served and on how many chips: one named scenario of `--scenario`."""
+
+    model: str  # pdd/sim/models/<model>.json
+    tp: int  # chips per instance, every role (tensor parallel)
+    sla: Sla
+    start_rps: float  # the goodput search's first rate at full scale
+    quick_scale: float  # --quick's fleet scale (whole instances per role)
+    traffic: AgenticParams = PAPER
+    kv_layers: int | None = None  # the model with this many full-attention layers (pdd sim map)
+
+
+def model_of(r: Regime) -> ModelSpec:
+    spec = profiles.model_spec(r.model)
+    return replace(spec, kv_layers=r.kv_layers) if r.kv_layers else spec
+
+
+REGIMES = {
+    "64k-moe": Regime(
+        "qwen3-235b-a22b-fp8",
+        4,
+        Sla(ttft_s=8.0, tpot_s=0.1, max_gap_s=1.0, attainment=0.9),
+        8.0,
+        0.5,
+        PAPER_64K,
+    ),
+    "64k-hybrid": Regime(
+        "qwen3-next-80b-a3b-fp8",
+        2,
+        Sla(ttft_s=8.0, tpot_s=0.1, max_gap_s=1.0, attainment=0.9),
+        16.0,
+        0.5,
+        PAPER_64K,
+    ),
+    "7b-dense": Regime(
+        "qwen2.5-7b", 1, Sla(ttft_s=4.0, tpot_s=0.1, max_gap_s=1.0, attainment=0.9), 64.0, 0.1
+    ),
+}
+DEFAULT_REGIME = "64k-hybrid"
 
 
 @dataclass(frozen=True)
@@ -75,9 +116,16 @@ class Scenario:
     line_price: float = 1.0
     rel_tol: float = 0.1
     jobs: int = 2
+    regime: str | Regime = DEFAULT_REGIME  # a name of REGIMES, or one made for the occasion
+    share_in_flight: bool = True
 
-    def count(self, n: int) -> int:
-        return max(1, round(n * self.scale))
+    @property
+    def r(self) -> Regime:
+        return REGIMES[self.regime] if isinstance(self.regime, str) else self.regime
+
+    def count(self, chips: int) -> int:
+        """Instances of `chips` chips' worth of a fleet, at this scale."""
+        return max(1, round(chips // self.r.tp * self.scale))
 
     @property
     def line(self) -> LinkSpec:
@@ -87,13 +135,15 @@ class Scenario:
     @property
     def settings(self) -> SimSettings:
         router = RouterSettings(default_bandwidth_bps=self.line.bandwidth_Bps, default_rtt_s=self.rtt_s)
-        return SimSettings(router=router, seed=self.seed)
+        return SimSettings(router=router, seed=self.seed, share_in_flight=self.share_in_flight)
 
 
 # ---- the fleets and their prices -----------------------------------------------------------
-def chips() -> tuple[Chip, Chip]:
-    model = profiles.model_spec(MODEL)
-    return profiles.chip("gpu-a", model), profiles.chip("gpu-b", model)
+def chips(sc: Scenario | None = None) -> tuple[Chip, Chip]:
+    """gpu-a's and gpu-b's instances of the scenario's model (tp chips each)."""
+    r = (sc or Scenario()).r
+    model = model_of(r)
+    return profiles.chip("gpu-a", model, r.tp), profiles.chip("gpu-b", model, r.tp)
 
 
 def at_premium(a: Chip, b: Chip, premium: float) -> Chip:
@@ -137,9 +187,12 @@ def candidates(sc: Scenario, a: Chip, b: Chip) -> list[Deployment]:
 
 
 def cost_change(a: Chip, line_price: float, premium: float) -> float:
-    """PDD's fleet cost per hour over same-DC's, minus one, with gpu-b at `premium` x gpu-a."""
-    baseline = BASELINE_A * a.price_per_hour
-    return (PDD_A * a.price_per_hour + PDD_B * a.price_per_hour * premium + line_price) / baseline - 1.0
+    """The paper's fleets' cost per hour (PDD's over same-DC's, minus one), with gpu-b at
+    `premium` x gpu-a, in chips: 43 A + 32 B + the line over 88 A (chips an instance count
+    leaves over are bought all the same)."""
+    chip = a.price_per_hour / a.chips
+    baseline = BASELINE_A * chip
+    return (PDD_A * chip + PDD_B * chip * premium + line_price) / baseline - 1.0
 
 
 def with_premium(d: Deployment, a: Chip, premium: float) -> Deployment:
@@ -170,19 +223,19 @@ def believed_ratio(records: list[RequestRecord], kv_bytes_per_token: int) -> flo
 
 # ---- the searches ----------------------------------------------------------------------------
 def make_workload(sc: Scenario, rate_rps: float) -> Workload:
-    return agentic_open_loop(PAPER, rate_rps, sc.duration_s, BLOCK_SIZE, seed=sc.seed)
+    return agentic_open_loop(sc.r.traffic, rate_rps, sc.duration_s, BLOCK_SIZE, seed=sc.seed)
 
 
 def search(sc: Scenario, d: Deployment) -> Goodput:
     """SLA goodput of one deployment (run in a worker process: results only, no callbacks)."""
-    model = profiles.model_spec(MODEL)
+    model = model_of(sc.r)
     return sla_goodput(
         d,
         partial(make_workload, sc),
         model,
-        SLA,
+        sc.r.sla,
         sc.settings,
-        start_rps=64.0 * sc.scale,
+        start_rps=sc.r.start_rps * sc.scale,
         rel_tol=sc.rel_tol,
         drain_s=60.0,
     )
@@ -200,8 +253,8 @@ def search_all(sc: Scenario, fleets: list[Deployment]) -> list[Goodput]:
 
 
 def probe_at(sc: Scenario, d: Deployment, rate: float) -> Probe:
-    model = profiles.model_spec(MODEL)
-    return probe(d, make_workload(sc, rate), model, SLA, rate, sc.settings, drain_s=60.0)
+    model = model_of(sc.r)
+    return probe(d, make_workload(sc, rate), model, sc.r.sla, rate, sc.settings, drain_s=60.0)
 
 
 # ---- the comparison --------------------------------------------------------------------------
@@ -219,8 +272,8 @@ def metrics(
     sc: Scenario, a: Chip, chosen: dict[str, tuple[Deployment, Goodput]], at: dict[str, Probe]
 ) -> dict:
     """Our figures for PDD against same-DC (and naive's goodput), as fractions."""
-    kvbpt = profiles.model_spec(MODEL).kv_bytes_per_token
-    (base, base_g), (pd, pdd_g) = chosen["same-dc"], chosen["pdd"]
+    kvbpt = model_of(sc.r).kv_bytes_per_token
+    base_g, pdd_g = chosen["same-dc"][1], chosen["pdd"][1]
     s_base, s_pdd = at["same-dc"].result.summary(), at["pdd"].result.summary()
     records = at["pdd"].result.records
     m = {
@@ -248,10 +301,8 @@ def metrics(
     for premium in (*PREMIUMS, 1.25):
         tag = f"{round(premium * 100) - 100}"
         m[f"cost_change_{tag}"] = cost_change(a, sc.line_price, premium)
-        m[f"bcr_change_{tag}"] = change(
-            bcr(pdd_g.rate_rps, with_premium(pd, a, premium).cost_per_hour),
-            bcr(base_g.rate_rps, base.cost_per_hour),
-        )
+        # (the paper's fleets' costs: the goodput ratio over their cost ratio, at any --scale)
+        m[f"bcr_change_{tag}"] = (1.0 + m["goodput_change"]) / (1.0 + m[f"cost_change_{tag}"]) - 1.0
     return m
 
 
@@ -359,7 +410,7 @@ def figure(result: dict):
 # ---- the command -----------------------------------------------------------------------------
 def run(sc: Scenario) -> dict:
     started = time.perf_counter()
-    a, b = chips()
+    a, b = chips(sc)
     fleets = candidates(sc, a, b)
     found = search_all(sc, fleets)
     chosen = {kind: best(fleets, found, kind) for kind in ("same-dc", "naive", "pdd")}
@@ -372,7 +423,14 @@ def run(sc: Scenario) -> dict:
         at = {"same-dc": base_g.at_goodput, **{k: f.result() for k, f in at.items()}}
     m = metrics(sc, a, chosen, at)
     return {
-        "scenario": {**asdict(sc), "model": MODEL, "sla": SLA.describe(), "block_size": BLOCK_SIZE},
+        "scenario": {
+            **asdict(sc),
+            "model": sc.r.model,
+            "tp": sc.r.tp,
+            "kv_bytes_per_token": model_of(sc.r).kv_bytes_per_token,
+            "sla": sc.r.sla.describe(),
+            "block_size": BLOCK_SIZE,
+        },
         "fleets": {
             k: {"name": d.name, "goodput_rps": g.rate_rps, "cost_per_hour": d.cost_per_hour}
             for k, (d, g) in chosen.items()
@@ -398,9 +456,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdd sim paper", description=__doc__.split("\n")[0])
     d = Scenario()
     p.add_argument(
+        "--scenario",
+        choices=sorted(REGIMES),
+        default=DEFAULT_REGIME,
+        help=f"the model and chips per instance (default {DEFAULT_REGIME}: the paper's regime)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
-        help="a tenth of each fleet (--scale 0.1), 10 s probes (under a minute)",
+        help="a smaller fleet (the scenario's quick scale: half, or a tenth for 7b-dense), 10 s probes",
+    )
+    p.add_argument(
+        "--no-share-in-flight",
+        action="store_true",
+        help="each request sends its MD every block it lacks, even one already on its way",
     )
     p.add_argument(
         "--scale", type=float, default=None, help=f"fleet counts and rates x this (default {d.scale:g})"
@@ -422,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def scenario(args: argparse.Namespace) -> Scenario:
-    scale = args.scale if args.scale is not None else 0.1 if args.quick else 1.0
+    regime = REGIMES[args.scenario]
+    scale = args.scale if args.scale is not None else regime.quick_scale if args.quick else 1.0
     duration = args.duration if args.duration is not None else 10.0 if args.quick else Scenario.duration_s
     return Scenario(
         scale,
@@ -434,6 +504,8 @@ def scenario(args: argparse.Namespace) -> Scenario:
         args.line_price,
         Scenario.rel_tol,
         max(1, args.jobs),
+        args.scenario,
+        not args.no_share_in_flight,
     )
 
 
