@@ -50,7 +50,7 @@ from shared.config import RouterSettings
 BLOCK_SIZE = 512
 BASELINE_A, PDD_A, PDD_B = 88, 43, 32  # the paper's fleets, in chips
 PREMIUMS = (1.20, 1.30)  # gpu-b's price over gpu-a's
-SPLITS = (0.5, 0.625, 0.75)  # same-DC: P's share of the fleet
+SPLITS = (0.375, 0.5, 0.625, 0.75)  # same-DC: P's share of the fleet
 RELAY_SHARES = (0.05, 0.1)  # PDD: RLD's share of the 43 gpu-a
 # The paper's figures: PDD against the same-DC homogeneous PD baseline.
 PAPER_FIGURES = {
@@ -94,7 +94,7 @@ REGIMES = {
         "qwen3-next-80b-a3b-fp8",
         2,
         Sla(ttft_s=8.0, tpot_s=0.1, max_gap_s=1.0, attainment=0.9),
-        16.0,
+        64.0,
         0.5,
         PAPER_64K,
     ),
