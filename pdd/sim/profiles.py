@@ -177,6 +177,10 @@ def roofline_step_cost(profile: dict, model: ModelSpec, tp: int = 1) -> StepCost
     kv_s = model.kv_bytes_per_token / (bandwidth * min(tp, model.kv_heads) / tp)
     overhead, comm = float(profile["overhead_s"]), 0.0
     if tp > 1:
+        if "interconnect_bytes_per_s" not in profile:
+            raise ValueError(
+                "tensor parallel needs the profile's interconnect_bytes_per_s and allreduce_latency_s"
+            )
         reduces = 2 * model.layers
         activations = model.hidden * 2 * 2 * (tp - 1) / tp  # bf16, per token
         comm = reduces * activations / profile["interconnect_bytes_per_s"]
