@@ -78,6 +78,25 @@ PAPER = AgenticParams(
     turn_gap_s=10.0,
 )
 
+# The paper's 64K-in / 1K-out agentic scenario: every session reads a 48K shared context (the
+# agent's system prompt and tool definitions, ~16K, and the project's files every task opens),
+# a new task brings 56-64K of its own, turns grow a session to 72K (prompt and output), and
+# answers are 512-1536 tokens (1K mean); outliers and the hit mix as PAPER's.
+PAPER_64K = AgenticParams(
+    shared_prefix=49152,
+    new_min=57344,
+    new_max=65536,
+    append_min=64,
+    context_max=73728,
+    low_hit_min=0.6,
+    output_min=512,
+    output_max=1536,
+    outlier_frac=0.035,
+    outlier_input=64000,
+    outlier_output=256,
+    turn_gap_s=10.0,
+)
+
 
 @dataclass
 class Step:

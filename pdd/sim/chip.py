@@ -13,3 +13,4 @@ class Chip:
     step: StepCost  # seconds of one engine step of this model on this chip
     kv_capacity_bytes: int  # memory left for the KV pool after the weights
     price_per_hour: float  # USD per instance-hour
+    chips: int = 1  # devices the instance spans (tensor parallel)

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("pdd.sim.calibrate", "time the real engine here and write a calibrated hardware profile"),
     "validate": ("pdd.sim.validate", "simulate the `pdd bench e2e` scenarios and compare with measured runs"),
     "paper": ("pdd.sim.paper", "reproduce the paper's fleet table (88 A same-DC vs 43 A + 32 B PDD)"),
+    "map": ("pdd.sim.map", "where PDD pays: goodput and BCR change over KV bytes/token x line x prefix hit"),
     "plan": ("pdd.sim.plan", "cheapest (P, RLD, MD) counts per datacenter that meet an SLA"),
     "profiles": (
         "pdd.sim.list_profiles",

@@ -37,6 +37,16 @@ class Job:
     md_seq: Seq | None = None
     md_extending: int = 0  # handoff batches MD has not finished extending
     md_dropped: bool = False
+    # prompt blocks shared in flight on MD (pdd/sim/sharing.py; off: all stay empty)
+    md_key: str = ""  # the request's id in MD's BlocksInFlight, once it claimed its blocks
+    md_carry: list[int] = field(default_factory=list)  # block indices it carries, not landed yet
+    md_waited: list[int] = field(default_factory=list)  # block indices another transfer carries
+    md_lost: set[int] = field(default_factory=set)  # waited block hashes whose carrier dropped out
+    md_landed_upto: int = 0  # prompt tokens of its own transfer landed on MD
+    md_marker_landed: bool = False
+    md_started: bool = False
+    md_recomputed_tokens: int = 0  # lost blocks' tokens MD computed itself
+    believed_wan_bytes: int = 0  # the router's figure of the KV this request puts on the WAN
     # the relay
     rld_blocks: Blocks | None = None
     rld_seq: Seq | None = None
@@ -73,6 +83,9 @@ class Job:
             prefill_hit=self.prefill_hit,
             **latencies(self.times),
             wan_bytes=self.wan_bytes,
+            believed_wan_bytes=self.believed_wan_bytes,
+            wan_waited_blocks=len(self.md_waited),
+            md_recomputed_tokens=self.md_recomputed_tokens,
             rld_tokens=_produced(self.rld_seq),
             md_tokens=_produced(self.md_seq),
             handoff_mode=self.mode.value if self.mode else None,

@@ -28,9 +28,9 @@ def profile_line(name: str) -> str:
     return f"{name:<18}{p['kind']:<11}${p['price_per_hour']:>6.2f}/h  {figures}"
 
 
-def model_line(profile: str, model_name: str) -> str:
+def model_line(profile: str, model_name: str, tp: int = 1) -> str:
     try:
-        c = chip(profile, model_spec(model_name))
+        c = chip(profile, model_spec(model_name), tp)
     except ValueError as e:
         return f"{profile:<18}-- {e}"
     spec = model_spec(model_name)
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"also show what each profile makes of this model: {', '.join(model_names())}",
     )
+    ap.add_argument(
+        "--tp", type=int, default=1, help="chips per instance (tensor parallel; roofline profiles)"
+    )
     args = ap.parse_args(argv)
     print("hardware profiles (pdd/sim/profiles/, $PDD_SIM_PROFILES):")
     for name in profile_names():
@@ -61,5 +64,5 @@ def main(argv: list[str] | None = None) -> int:
             f"{spec.kv_bytes_per_token} KV bytes/token"
         )
         for name in profile_names():
-            print("  " + model_line(name, args.model))
+            print("  " + model_line(name, args.model, args.tp))
     return 0

@@ -1,4 +1,5 @@
-"""A model's shape, as far as step times and KV sizes go (dense Llama-family decoders)."""
+"""A model's shape, as far as step times and KV sizes go: Llama-family decoders, dense or with
+mixture-of-experts MLPs, and hybrid attention (only some layers keep a per-token KV)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,40 @@ class ModelSpec:
     head_dim: int
     intermediate: int
     vocab: int
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # the weights'
+    kv_dtype_bytes: int | None = None  # the KV cache's (fp8: 1); None: the weights'
+    experts: int = 0  # routed experts per layer (0: a dense MLP of `intermediate`)
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    kv_layers: int | None = None  # layers with full attention and a per-token KV; None: all
+
+    @property
+    def attn_layers(self) -> int:
+        return self.layers if self.kv_layers is None else self.kv_layers
+
+    def _layer_params(self, experts: int) -> int:
+        # Linear-attention layers of a hybrid model are counted like attention layers: their
+        # projections are of the same order, and their per-token state update is small.
+        q_o = 2 * self.hidden * self.heads * self.head_dim
+        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
+        if not self.experts:
+            return q_o + k_v + 3 * self.hidden * self.intermediate
+        mlp = 3 * self.hidden * (experts * self.expert_intermediate + self.shared_expert_intermediate)
+        return q_o + k_v + mlp + self.hidden * self.experts  # + the router
 
     @property
     def params(self) -> int:
-        q_o = 2 * self.hidden * self.heads * self.head_dim
-        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (q_o + k_v + mlp) + 2 * self.vocab * self.hidden  # + embeddings, lm_head
+        return (
+            self.layers * self._layer_params(self.experts) + 2 * self.vocab * self.hidden
+        )  # + embeddings, lm_head
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through (all of them for a dense model)."""
+        if not self.experts:
+            return self.params
+        return self.layers * self._layer_params(self.experts_per_token) + 2 * self.vocab * self.hidden
 
     @property
     def weight_bytes(self) -> int:
@@ -30,15 +57,16 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        kv_dtype = self.kv_dtype_bytes or self.dtype_bytes
+        return 2 * self.attn_layers * self.kv_heads * self.head_dim * kv_dtype
 
     @property
     def flops_per_token(self) -> int:
-        """Matrix FLOPs of one token through every projection and the lm_head (the embedding
-        lookup computes nothing)."""
-        return 2 * (self.params - self.vocab * self.hidden)
+        """Matrix FLOPs of one token through every projection it uses and the lm_head (the
+        embedding lookup computes nothing)."""
+        return 2 * (self.active_params - self.vocab * self.hidden)
 
     @property
     def flops_per_attn_pair(self) -> int:
-        """FLOPs of one query attending to one key in every layer (QKᵀ and PV)."""
-        return 4 * self.layers * self.heads * self.head_dim
+        """FLOPs of one query attending to one key in every full-attention layer (QKᵀ and PV)."""
+        return 4 * self.attn_layers * self.heads * self.head_dim

@@ -29,7 +29,7 @@ MODELS_DIR = HERE / "models"
 BUILTIN_PROFILES = HERE / "profiles"
 ENV = "PDD_SIM_PROFILES"  # a directory of the user's profiles; `pdd sim calibrate` writes there
 PRESET_NAMES = ("tiny", "small", "medium")  # shared/model/presets.py (not imported here: it imports torch)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "fp8": 1}
 # The figures each kind must carry, each with an entry in "sources".
 FIGURES = {
     "roofline": (
@@ -62,17 +62,28 @@ def model_spec(name: str, dtype: str | None = None) -> ModelSpec:
     cfg = json.loads(path.read_text())
     if cfg.get("tie_word_embeddings"):
         raise ValueError(f"{path}: tied embeddings are not modelled (ModelSpec counts lm_head apart)")
-    heads = cfg["num_attention_heads"]
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    fp8 = cfg.get("quantization_config", {}).get("quant_method") == "fp8"  # weights in fp8
+    # The KV cache is kept in the activations' dtype (torch_dtype) unless the engine is told
+    # otherwise (serving.kv_cache_dtype, e.g. fp8).
+    kv_dtype = cfg.get("serving", {}).get("kv_cache_dtype") or cfg.get("torch_dtype", "bfloat16")
+    interval = cfg.get("full_attention_interval")  # hybrid attention: one layer in this many
     return ModelSpec(
         name=name,
-        layers=cfg["num_hidden_layers"],
+        layers=layers,
         hidden=cfg["hidden_size"],
         heads=heads,
         kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         intermediate=cfg["intermediate_size"],
         vocab=cfg["vocab_size"],
-        dtype_bytes=_dtype_bytes(dtype or cfg.get("torch_dtype", "bfloat16")),
+        dtype_bytes=_dtype_bytes(dtype or ("float8" if fp8 else cfg.get("torch_dtype", "bfloat16"))),
+        kv_dtype_bytes=None if dtype else _dtype_bytes(kv_dtype),
+        experts=cfg.get("num_experts", 0),
+        experts_per_token=cfg.get("num_experts_per_tok", 0),
+        expert_intermediate=cfg.get("moe_intermediate_size", 0),
+        shared_expert_intermediate=cfg.get("shared_expert_intermediate_size", 0),
+        kv_layers=layers // interval if interval else None,
     )
 
 
@@ -130,32 +141,55 @@ def load_profile(name: str) -> dict:
     return profile
 
 
-def chip(profile_name: str, model: ModelSpec) -> Chip:
-    """The instance `profile_name` makes of `model`: its step costs, KV room and price."""
+def chip(profile_name: str, model: ModelSpec, tp: int = 1) -> Chip:
+    """The instance `profile_name` makes of `model` on `tp` chips (tensor parallel): its step
+    costs, KV room and price (tp chips' worth)."""
     profile = load_profile(profile_name)
     if profile["kind"] == "roofline":
-        step = roofline_step_cost(profile, model)
+        step = roofline_step_cost(profile, model, tp)
     else:
+        if tp != 1:
+            raise ValueError(
+                f"profile {profile_name!r} is calibrated on one device: tensor parallel needs a roofline profile"
+            )
         _check_fitted_model(profile_name, profile, model)
         step = step_cost_from_json(profile["step"])
-    usable = int(profile["memory_bytes"] * profile["usable_memory_fraction"])
+    usable = tp * int(profile["memory_bytes"] * profile["usable_memory_fraction"])
     if usable <= model.weight_bytes:
         raise ValueError(
             f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) does not fit in "
-            f"{profile_name}'s usable memory ({usable / 1e9:.1f} GB)"
+            f"{tp} x {profile_name}'s usable memory ({usable / 1e9:.1f} GB)"
         )
-    return Chip(profile_name, step, usable - model.weight_bytes, float(profile["price_per_hour"]))
+    # Each chip keeps its share of the KV heads; with fewer KV heads than chips they repeat.
+    kv = (usable - model.weight_bytes) * min(tp, model.kv_heads) // tp
+    return Chip(profile_name, step, kv, tp * float(profile["price_per_hour"]), tp)
 
 
-def roofline_step_cost(profile: dict, model: ModelSpec) -> StepCost:
+def roofline_step_cost(profile: dict, model: ModelSpec, tp: int = 1) -> StepCost:
     """compute: FLOPs over effective peak; memory: the weights plus every KV byte read or
-    written over effective bandwidth (each step reads all weights once)."""
-    flops = profile["peak_bf16_flops"] * profile["compute_efficiency"]
-    bandwidth = profile["hbm_bandwidth_bytes_per_s"] * profile["memory_efficiency"]
-    kv_s = model.kv_bytes_per_token / bandwidth
+    written over effective bandwidth (each step reads all weights once: a decode batch of an
+    MoE model touches nearly every expert). On `tp` chips each computes and reads its 1/tp
+    share (the KV: 1/min(tp, KV heads)), and every layer adds two all-reduces of the step's
+    activations over the chips' interconnect (ring: 2(tp-1)/tp of them each way), not
+    overlapped with compute."""
+    flops = tp * profile["peak_bf16_flops"] * profile["compute_efficiency"]
+    bandwidth = tp * profile["hbm_bandwidth_bytes_per_s"] * profile["memory_efficiency"]
+    kv_s = model.kv_bytes_per_token / (bandwidth * min(tp, model.kv_heads) / tp)
+    overhead, comm = float(profile["overhead_s"]), 0.0
+    if tp > 1:
+        if "interconnect_bytes_per_s" not in profile:
+            raise ValueError(
+                "tensor parallel needs the profile's interconnect_bytes_per_s and allreduce_latency_s"
+            )
+        reduces = 2 * model.layers
+        activations = model.hidden * 2 * 2 * (tp - 1) / tp  # bf16, per token
+        comm = reduces * activations / profile["interconnect_bytes_per_s"]
+        overhead += reduces * profile["allreduce_latency_s"]
     return StepCost(
-        overhead_s=float(profile["overhead_s"]),
-        compute=Linear(per_token=model.flops_per_token / flops, per_attn=model.flops_per_attn_pair / flops),
+        overhead_s=overhead,
+        compute=Linear(
+            per_token=model.flops_per_token / flops + comm, per_attn=model.flops_per_attn_pair / flops
+        ),
         memory=Linear(const=model.weight_bytes / bandwidth, per_token=kv_s, per_kv_read=kv_s),
     )
 

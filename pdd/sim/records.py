@@ -57,6 +57,9 @@ class RequestRecord:
     max_gap_s: float
     e2e_s: float  # all as seen at the router
     wan_bytes: int  # KV bytes this request put on the WAN (an aborted transfer: what was sent)
+    believed_wan_bytes: int  # the router's figure for them when it routed the request
+    wan_waited_blocks: int  # prompt blocks it took from another request's transfer in flight
+    md_recomputed_tokens: int  # prompt tokens MD computed because their carrier dropped out
     rld_tokens: int
     md_tokens: int
     handoff_mode: str | None  # "one-shot" | "catch-up" | None

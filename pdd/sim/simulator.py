@@ -41,6 +41,9 @@ class SimSettings:
     seed: int = 0
     time_limit_s: float | None = None  # stop admitting and stop the clock here (None: run to the end)
     busy_spells: bool = False  # record when each instance computed (SimResult.busy_spells)
+    share_in_flight: bool = (
+        True  # a prompt block on its way to an MD is sent once (fleet.py); off: per request
+    )
 
 
 def simulate(
@@ -133,7 +136,16 @@ class _Simulation:
         report_delay = d.wan.one_way_s if cross_dc else 0.0
         self.router = SimRouter(s.router, self.loop, bs, kvbpt, instances, kv_link, report_delay)
         self.fleet = Fleet(
-            self.loop, self.router, kvbpt, bs, kv_link, local.__getitem__, self.wan, by_name, s.relay
+            self.loop,
+            self.router,
+            kvbpt,
+            bs,
+            kv_link,
+            local.__getitem__,
+            self.wan,
+            by_name,
+            s.relay,
+            s.share_in_flight,
         )
         self.fleet.on_finished = self._finished
         self.router.go = self.fleet.arrive

@@ -4,7 +4,11 @@ to make it faster) shows here; update the figures only for a change meant to mov
 
 3 P, 2 RLD, 3 MD (FLAT chip: 10 ms steps) behind a 20 kB/s WAN with 47.5 ms one way and up to
 10 ms of seeded jitter; 16 requests of 2-5 blocks, most sharing one of three prefixes; the WAN
-time threshold sends the longer misses, and those behind the line's queue, through the relay."""
+time threshold sends the longer misses, and those behind the line's queue, through the relay.
+The full records are pinned without sharing blocks in flight (the model before it); with it
+(the default), the KV bytes per request."""
+
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +18,7 @@ from shared.config import RouterSettings
 from tests.sim_util import FLAT, TINY, request, workload
 
 WAN = LinkSpec(20000.0, 0.0475, 0.01)
-SETTINGS = SimSettings(router=RouterSettings(wan_time_threshold_s=0.09))
+SETTINGS = SimSettings(router=RouterSettings(wan_time_threshold_s=0.09), share_in_flight=False)
 REQUESTS = [
     request(i, 0.03 * i, 2 + i % 4, 40 + 17 * (i % 5), first_hash=i % 3 if i % 4 else None) for i in range(16)
 ]
@@ -354,3 +358,18 @@ def test_a_small_fleets_records_are_pinned(fleet, events, end_s, expected):
     rows = _rows(result)
     assert [r[:8] for r in rows] == [e[:8] for e in expected]
     assert [r[8:] for r in rows] == [pytest.approx(e[8:], abs=1e-12) for e in expected]
+
+
+def test_sharing_blocks_in_flight_moves_the_bytes_of_the_requests_that_share_them():
+    """Requests 9 and 10 need blocks still on their way to their MD: they send none of them."""
+    fleet = pdd(RoleSpec(3, FLAT), RoleSpec(2, FLAT), RoleSpec(3, FLAT), WAN)
+    result = simulate(fleet, workload(*REQUESTS), TINY, replace(SETTINGS, share_in_flight=True))
+    alone = {r[0]: r[6] for r in PDD}
+    moved = {
+        r.rid: (alone[r.rid], r.wan_bytes, r.wan_waited_blocks)
+        for r in result.records
+        if r.wan_bytes != alone[r.rid]
+    }
+    assert moved == {9: (768, 0, 3), 10: (256, 0, 1)}
+    assert sum(r.md_recomputed_tokens for r in result.records) == 0
+    assert sum(r.wan_bytes for r in result.records) == 7168
