@@ -18,7 +18,7 @@ from tests.e2e.test_e2e_pipelines import prompt_of, ref_tokens, wait_idle
 from tests.prometheus_samples import moved, scrape
 
 PRESET = "small"
-DROPPED = ("MDTarget", "HandoffBatch", "HandoffAck", "KVReady", "RelayStart")
+DROPPED = ("MDTarget", "HandoffBatch", "KVReady", "RelayStart")
 RESENT = "pdd_bus_control_resent_total"
 
 
@@ -55,14 +55,18 @@ def test_a_lost_md_target_and_handoff_batch_cost_about_a_second(system, referenc
     assert wait_idle(system) == {}
 
 
-def test_lost_relay_start_kv_ready_batches_and_acks_are_repaired(system, reference):
+def test_lost_relay_start_kv_ready_and_handoff_batch_are_repaired(system, reference):
+    # Each lost message delays the handoff by about half a second while the relay decodes on:
+    # the output is long enough that MD still takes over (one-shot: a single final batch).
     prompt = prompt_of(400, salt=53)
     before = samples(system)
-    with system.shaped("bulk", bandwidth_mbps=40), httpx.Client(base_url=system.router_url) as client:
-        got = stream_completion(client, prompt, 120, pipeline="p-rld-md", catchup_threshold=4, timeout=60)
+    with httpx.Client(base_url=system.router_url) as client:
+        got = stream_completion(
+            client, prompt, 300, pipeline="p-rld-md", catchup_threshold=100_000, timeout=90
+        )
     assert got.ok, got.error
-    assert got.token_ids == ref_tokens(reference, prompt, max_tokens=120, ignore_eos=True)
-    assert got.pdd["rld_tokens"] > 0 and got.pdd["md_tokens"] > 0  # handed over, in catch-up rounds
+    assert got.token_ids == ref_tokens(reference, prompt, max_tokens=300, ignore_eos=True)
+    assert got.pdd["rld_tokens"] > 0 and got.pdd["md_tokens"] > 0  # handed over
     assert got.max_gap < 2.5
     after = samples(system)
     assert moved(before["prefill"], after["prefill"], RESENT, kind="RelayStart") >= 1
