@@ -8,10 +8,11 @@ forced), over a fixed pool of prompts, the requests spread round-robin over the 
 every prompt's undisturbed output, the reference each later stream is compared with, token by
 token.
 
-Faults, each on the first instance of its role (the bare process name: `prefill`, `router`,
-`nats-a` or `nats-a-0`; the others survive and take its work): SIGKILL of prefill, relay and
-main decode (`pdd up` restarts them); SIGSTOP of main decode for 5 s; a restart (SIGKILL) of
-each DC's NATS server; a 5 s cut of the NATS gateway (both directions); a 2 s cut of the bulk KV
+Faults hit one instance of their role, the others survive and take its work: of prefill,
+relay and main decode the one holding the most requests at that moment (a process name such as
+`prefill` or `main_decode-1`), of routers and NATS servers the first (`router`, `nats-a` or
+`nats-a-0`). SIGKILL of prefill, relay and main decode (`pdd up` restarts them); SIGSTOP of
+main decode for 5 s; a restart (SIGKILL) of each DC's NATS server; a 5 s cut of the NATS gateway (both directions); a 2 s cut of the bulk KV
 link; a rolling router restart (`restart-router`: SIGTERM, the router drains) and a router crash
 (`kill-router`: SIGKILL).
 
@@ -75,8 +76,27 @@ def _signal(system: RunningSystem, name: str, sig: signal.Signals) -> None:
 
 
 def _first(role: str) -> Callable[[RunningSystem], str]:
-    """The process name of the first instance of a role (the one a fault hits)."""
+    """The process name of the first instance of a role."""
     return lambda system: process_name(role, 0)
+
+
+def _busiest(role: str) -> Callable[[RunningSystem], str]:
+    """The process name of the instance of a role holding the most requests now (the first on a
+    tie, or when no router answers): a fault on an idle instance would test nothing."""
+
+    def pick(system: RunningSystem) -> str:
+        held = {}
+        for url in system.router_urls or [system.router_url]:
+            try:
+                view = httpx.get(f"{url}/v1/instances", timeout=2).json()
+                held = {int(k.split("/")[1]): v["held"] for k, v in view.items() if k.split("/")[0] == role}
+                break
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                continue
+        best = max(sorted(held), key=lambda i: held[i], default=0)
+        return process_name(role, best if best < getattr(system.opts, ROLES[role]) else 0)
+
+    return pick
 
 
 def _first_nats(dc: str) -> Callable[[RunningSystem], str]:
@@ -84,20 +104,26 @@ def _first_nats(dc: str) -> Callable[[RunningSystem], str]:
 
 
 def _kill(target: Callable[[RunningSystem], str], sig: signal.Signals = signal.SIGKILL):
-    return lambda system: _signal(system, target(system), sig)
+    def run(system: RunningSystem) -> str:
+        name = target(system)
+        _signal(system, name, sig)
+        return name
+
+    return run
 
 
-def _stop_md(system: RunningSystem) -> None:
-    name = process_name("main_decode", 0)
+def _stop_md(system: RunningSystem) -> str:
+    name = _busiest("main_decode")(system)
     _signal(system, name, signal.SIGSTOP)
     try:
         time.sleep(5.0)
     finally:
         _signal(system, name, signal.SIGCONT)
+    return name
 
 
-def _cut(links: tuple[str, ...], seconds: float) -> Callable[[RunningSystem], None]:
-    def run(system: RunningSystem) -> None:
+def _cut(links: tuple[str, ...], seconds: float) -> Callable[[RunningSystem], str]:
+    def run(system: RunningSystem) -> str:
         names = [n for link in links for n in _link_names(system, link)]
         for link in names:
             system.wan(link, cut=True, cut_mode="drop")
@@ -106,6 +132,7 @@ def _cut(links: tuple[str, ...], seconds: float) -> Callable[[RunningSystem], No
         finally:
             for link in names:
                 system.wan(link, cut=False)
+        return ",".join(names)
 
     return run
 
@@ -116,10 +143,10 @@ def _link_names(system: RunningSystem, link: str) -> list[str]:
     return [link] if link == "bulk" or n == 1 else [f"{link}-{i}" for i in range(n)]
 
 
-FAULTS: dict[str, Callable[[RunningSystem], None]] = {
-    "kill-prefill": _kill(_first("prefill")),
-    "kill-relay": _kill(_first("relay")),
-    "kill-md": _kill(_first("main_decode")),
+FAULTS: dict[str, Callable[[RunningSystem], str]] = {  # each returns what it hit
+    "kill-prefill": _kill(_busiest("prefill")),
+    "kill-relay": _kill(_busiest("relay")),
+    "kill-md": _kill(_busiest("main_decode")),
     "stop-md-5s": _stop_md,
     "restart-nats-a": _kill(_first_nats(DC_A)),
     "restart-nats-b": _kill(_first_nats(DC_B)),
@@ -330,6 +357,7 @@ class Window:
 
     start: float = 0.0
     end: float = 0.0
+    target: str | None = None  # the process (or links) it hit
 
 
 def _run_load(
@@ -338,7 +366,7 @@ def _run_load(
     prompts: list[list[int]],
     n: int,
     name: str,
-    fault: Callable[[RunningSystem], None] | None,
+    fault: Callable[[RunningSystem], str] | None,
 ) -> tuple[list[tuple[int, Stream]], float | None, Window | None]:
     """n streams (prompt index, result), request i sent first to router i mod routers; the fault
     runs `fault_at` s in, while a probe measures how long until a fresh request succeeds again
@@ -352,7 +380,7 @@ def _run_load(
         probe = threading.Thread(target=lambda: recovery.append(_recovery_s(system, window.start)))
         probe.start()
         try:
-            fault(system)
+            window.target = fault(system)
         finally:
             window.end = time.monotonic()
         probe.join()
@@ -501,10 +529,11 @@ def _phase(
     results, recovery, window = _run_load(system, args, prompts, args.requests, f"[{name}]", FAULTS[name])
     row = _score(results, reference, args.hang_s, window, name)
     row["recovery_s"] = recovery
+    row["hit"] = window.target
     with progress(f"[{name}] settling"):
         row["left_after_settling"] = _settle(system)
     print(
-        f"[{name}] completed {row['completed']} (migrated {row['migrated']}, resumed {row['resumed']}), "
+        f"[{name}] hit {row['hit']}: completed {row['completed']} (migrated {row['migrated']}, resumed {row['resumed']}), "
         f"failed {row['failed_clear']}, hung {row['hung']}, broke {row['broken_connections']}, "
         f"missing/repeated {row['missing_or_repeated']}, mismatched {row['mismatched']}, "
         f"recovery {row['recovery_s']}, left {row['left_after_settling']}",
