@@ -368,7 +368,7 @@ def _run_load(
     name: str,
     fault: Callable[[RunningSystem], str] | None,
 ) -> tuple[list[tuple[int, Stream]], float | None, Window | None]:
-    """n streams (prompt index, result), request i sent first to router i mod routers; the fault
+    """n streams (prompt index, result), request i sent first to router_of(i); the fault
     runs `fault_at` s in, while a probe measures how long until a fresh request succeeds again
     (None without a fault)."""
     recovery: list[float | None] = []
@@ -388,7 +388,7 @@ def _run_load(
     def one(i: int) -> tuple[int, Stream]:
         k = i % len(prompts)
         body = _body(prompts[k], args.max_tokens, pipeline_of(k))
-        t = stream_request(routers, i % len(routers.urls), body, args.hang_s)
+        t = stream_request(routers, router_of(i, len(routers.urls)), body, args.hang_s)
         advance()
         return k, t
 
@@ -458,6 +458,11 @@ def _settle(system: RunningSystem, timeout_s: float = 90.0) -> dict[str, int]:
 def pipeline_of(prompt: int) -> str:
     """Each prompt always takes the same (forced) pipeline; the pool alternates them."""
     return PIPELINES[prompt % 2]
+
+
+def router_of(request: int, routers: int) -> int:
+    """Round-robin by pairs of requests: the two pipelines alternate, so each reaches every router."""
+    return request // len(PIPELINES) % routers
 
 
 def _affected(t: Stream, window: Window | None, fault: str) -> bool:
