@@ -9,8 +9,8 @@ every prompt's undisturbed output, the reference each later stream is compared w
 token.
 
 Faults hit one instance of their role, the others survive and take its work: of prefill,
-relay and main decode the one holding the most requests at that moment (a process name such as
-`prefill` or `main_decode-1`), of routers and NATS servers the first (`router`, `nats-a` or
+relay and main decode the one holding the most requests at that moment (waiting up to 3 s for
+one to hold any; a process name such as `prefill` or `main_decode-1`), of routers and NATS servers the first (`router`, `nats-a` or
 `nats-a-0`). SIGKILL of prefill, relay and main decode (`pdd up` restarts them); SIGSTOP of
 main decode for 5 s; a restart (SIGKILL) of each DC's NATS server; a 5 s cut of the NATS gateway (both directions); a 2 s cut of the bulk KV
 link; a rolling router restart (`restart-router`: SIGTERM, the router drains) and a router crash
@@ -75,24 +75,41 @@ def _signal(system: RunningSystem, name: str, sig: signal.Signals) -> None:
     os.kill(pid, sig)
 
 
+@dataclass(frozen=True)
+class Fault:
+    """`pick` names what the fault hits (it may wait for that to be busy); `act` injects it and
+    returns once it is over."""
+
+    pick: Callable[[RunningSystem], str]
+    act: Callable[[RunningSystem, str], None]
+
+
 def _first(role: str) -> Callable[[RunningSystem], str]:
     """The process name of the first instance of a role."""
     return lambda system: process_name(role, 0)
 
 
-def _busiest(role: str) -> Callable[[RunningSystem], str]:
-    """The process name of the instance of a role holding the most requests now (the first on a
-    tie, or when no router answers): a fault on an idle instance would test nothing."""
+def _busiest(role: str, wait_s: float = 3.0) -> Callable[[RunningSystem], str]:
+    """The process name of the instance of a role holding the most requests (waiting up to
+    wait_s for one to hold any; the first on a tie, or when no router answers): a fault on an
+    idle instance would test nothing."""
 
-    def pick(system: RunningSystem) -> str:
-        held = {}
+    def held_now(system: RunningSystem) -> dict[int, int]:
         for url in system.router_urls or [system.router_url]:
             try:
                 view = httpx.get(f"{url}/v1/instances", timeout=2).json()
-                held = {int(k.split("/")[1]): v["held"] for k, v in view.items() if k.split("/")[0] == role}
-                break
+                return {int(k.split("/")[1]): v["held"] for k, v in view.items() if k.split("/")[0] == role}
             except (httpx.HTTPError, ValueError, KeyError, IndexError):
                 continue
+        return {}
+
+    def pick(system: RunningSystem) -> str:
+        deadline, held = time.monotonic() + wait_s, {}
+        while time.monotonic() < deadline:
+            held = held_now(system)
+            if any(held.values()):
+                break
+            time.sleep(0.05)
         best = max(sorted(held), key=lambda i: held[i], default=0)
         return process_name(role, best if best < getattr(system.opts, ROLES[role]) else 0)
 
@@ -103,38 +120,32 @@ def _first_nats(dc: str) -> Callable[[RunningSystem], str]:
     return lambda system: nats_node_name(dc, 0, system.opts.nats_cluster)
 
 
-def _kill(target: Callable[[RunningSystem], str], sig: signal.Signals = signal.SIGKILL):
-    def run(system: RunningSystem) -> str:
-        name = target(system)
-        _signal(system, name, sig)
-        return name
-
-    return run
+def _kill(target: Callable[[RunningSystem], str], sig: signal.Signals = signal.SIGKILL) -> Fault:
+    return Fault(target, lambda system, name: _signal(system, name, sig))
 
 
-def _stop_md(system: RunningSystem) -> str:
-    name = _busiest("main_decode")(system)
-    _signal(system, name, signal.SIGSTOP)
-    try:
-        time.sleep(5.0)
-    finally:
-        _signal(system, name, signal.SIGCONT)
-    return name
+def _pause(seconds: float) -> Callable[[RunningSystem, str], None]:
+    def act(system: RunningSystem, name: str) -> None:
+        _signal(system, name, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            _signal(system, name, signal.SIGCONT)
+
+    return act
 
 
-def _cut(links: tuple[str, ...], seconds: float) -> Callable[[RunningSystem], str]:
-    def run(system: RunningSystem) -> str:
-        names = [n for link in links for n in _link_names(system, link)]
-        for link in names:
+def _cut(links: tuple[str, ...], seconds: float) -> Fault:
+    def act(system: RunningSystem, names: str) -> None:
+        for link in names.split(","):
             system.wan(link, cut=True, cut_mode="drop")
         try:
             time.sleep(seconds)
         finally:
-            for link in names:
+            for link in names.split(","):
                 system.wan(link, cut=False)
-        return ",".join(names)
 
-    return run
+    return Fault(lambda system: ",".join(n for link in links for n in _link_names(system, link)), act)
 
 
 def _link_names(system: RunningSystem, link: str) -> list[str]:
@@ -143,11 +154,11 @@ def _link_names(system: RunningSystem, link: str) -> list[str]:
     return [link] if link == "bulk" or n == 1 else [f"{link}-{i}" for i in range(n)]
 
 
-FAULTS: dict[str, Callable[[RunningSystem], str]] = {  # each returns what it hit
+FAULTS: dict[str, Fault] = {
     "kill-prefill": _kill(_busiest("prefill")),
     "kill-relay": _kill(_busiest("relay")),
     "kill-md": _kill(_busiest("main_decode")),
-    "stop-md-5s": _stop_md,
+    "stop-md-5s": Fault(_busiest("main_decode"), _pause(5.0)),
     "restart-nats-a": _kill(_first_nats(DC_A)),
     "restart-nats-b": _kill(_first_nats(DC_B)),
     "cut-gateway-5s": _cut(("gw-ab", "gw-ba"), 5.0),
@@ -366,7 +377,7 @@ def _run_load(
     prompts: list[list[int]],
     n: int,
     name: str,
-    fault: Callable[[RunningSystem], str] | None,
+    fault: Fault | None,
 ) -> tuple[list[tuple[int, Stream]], float | None, Window | None]:
     """n streams (prompt index, result), request i sent first to router_of(i); the fault
     runs `fault_at` s in, while a probe measures how long until a fresh request succeeds again
@@ -376,11 +387,12 @@ def _run_load(
 
     def inject() -> None:
         time.sleep(args.fault_at)
+        window.target = fault.pick(system)
         window.start = time.monotonic()
         probe = threading.Thread(target=lambda: recovery.append(_recovery_s(system, window.start)))
         probe.start()
         try:
-            window.target = fault(system)
+            fault.act(system, window.target)
         finally:
             window.end = time.monotonic()
         probe.join()
