@@ -12,7 +12,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.chaos import Routers, stream_request
+from bench.chaos import (
+    PIPELINES,
+    Routers,
+    Stream,
+    Window,
+    _score,
+    _targets,
+    pipeline_of,
+    router_of,
+    stream_request,
+)
 
 N = 6  # tokens of every made-up stream: 0, 1, ..., N-1
 
@@ -97,3 +107,39 @@ def test_a_stream_that_cannot_resume_fails_clearly(modes: tuple[str, str], error
         t = stream_request(r, 0, BODY, timeout=10)
     assert not t.ok and error in (t.error or "")
     assert t.end < 5  # failed at once, not hung
+
+
+def test_both_pipelines_reach_every_router() -> None:
+    for k in (1, 2, 3):
+        seen = {(router_of(i, k), pipeline_of(i)) for i in range(4 * k)}
+        assert seen == {(r, p) for r in range(k) for p in PIPELINES}
+
+
+def _stream(router: int, tokens: list[int], *, start: float, end: float, **kw) -> Stream:
+    t = Stream(status=200, started=start, router=router, done=True, end=end, **kw)
+    t.token_ids, t.chunks = list(tokens), [(0.1 * (i + 1), 1) for i in range(len(tokens))]
+    return t
+
+
+def test_targets_count_affected_resumed_and_broken_streams() -> None:
+    """A router crash: of the three streams in flight on the crashed router, two resumed with
+    the undisturbed tokens, one failed; the stream on the other router is not affected."""
+    ref = {0: [1, 2, 3], 1: [4, 5, 6]}
+    window = Window(start=10.0, end=10.0, target="router")
+    broken = _stream(0, [1], start=9.0, end=3.0, broke=1)
+    broken.error, broken.done = "connection broke", False
+    crash = [
+        (0, _stream(0, [1, 2, 3], start=9.0, end=3.0, broke=1, reconnects=1, resumed=True)),
+        (1, _stream(0, [4, 5, 6], start=9.5, end=3.0, broke=1, reconnects=1, resumed=True)),
+        (0, broken),
+        (1, _stream(1, [4, 5, 6], start=9.0, end=3.0)),
+    ]
+    rows = {"kill-router": _score(crash, ref, 90.0, window, "kill-router")}
+    row = rows["kill-router"]
+    assert (row["affected"], row["affected_completed"], row["resumed_equal"]) == (3, 2, 2)
+    assert (row["broken_connections"], row["failed_clear"], row["missing_or_repeated"]) == (3, 1, 0)
+    targets = {t["what"].split(" (")[0]: t for t in _targets(rows)}
+    assert targets["router SIGKILL"]["met"] is False  # 2 of 3 < 95%
+    assert targets["router SIGKILL"]["value"] == {"broken": 3, "resumed": 2}
+    assert targets["router SIGTERM"]["met"] is None  # not run
+    assert all("met" in t for t in _targets(rows))
