@@ -498,7 +498,8 @@ def _outcomes(results: list[tuple[int, Stream]], hang_s: float, affected: set[in
         "failed_clear": sum(not t.ok and t.end < hang_s for _, t in results),
         "hung": sum(t.end >= hang_s for _, t in results),
         "broken_connections": sum(t.broke > 0 for _, t in results),
-        "redirected": sum(t.refused > 0 for _, t in results),
+        # sent elsewhere than its first router: refused there, or that router was unhealthy
+        "rerouted": sum(t.refused > 0 or t.served_by[:1] not in ([], [t.router]) for _, t in results),
         "affected": len(hit),
         "affected_completed": sum(t.ok and t.end < hang_s for t in hit),
     }
@@ -552,6 +553,7 @@ def _phase(
     print(
         f"[{name}] hit {row['hit']}: completed {row['completed']} (migrated {row['migrated']}, resumed {row['resumed']}), "
         f"failed {row['failed_clear']}, hung {row['hung']}, broke {row['broken_connections']}, "
+        f"rerouted {row['rerouted']}, affected {row['affected_completed']}/{row['affected']} ok, "
         f"missing/repeated {row['missing_or_repeated']}, mismatched {row['mismatched']}, "
         f"recovery {row['recovery_s']}, left {row['left_after_settling']}",
         flush=True,
@@ -689,9 +691,6 @@ def _print(result: dict) -> None:
         )
     _print_matrix(result)
     print()
-    for t in result["targets"]:
-        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
-        print(f"  {mark:6} {t['what']}: {t['value']}")
     for name, r in result["faults"].items():
         for e in r["errors"]:
             print(f"  [{name}] error: {e}")
