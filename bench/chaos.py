@@ -248,8 +248,9 @@ def _read(client: httpx.Client, body: dict, headers: dict, out: Stream, t0: floa
     try:
         with client.stream("POST", "/v1/completions", json=body, headers=headers, timeout=timeout) as r:
             answered = True
-            if r.status_code == 503:
-                raise _Refused(f"503: {r.read().decode(errors='replace')[:200]}")
+            # refused: 503; a reconnect not taken (yet) by this router: any other status too
+            if r.status_code == 503 or (r.status_code != 200 and "Last-Event-ID" in headers):
+                raise _Refused(f"{r.status_code}: {r.read().decode(errors='replace')[:200]}")
             out.status = r.status_code
             out.pipeline_header = out.pipeline_header or r.headers.get("x-pdd-pipeline")
             if r.status_code != 200:
