@@ -224,7 +224,7 @@ class Stream(Timed):
     rid: str | None = None  # the request id its chunks carry
     last_event_id: str | None = None
     done: bool = False  # saw data: [DONE]
-    refused: int = 0  # refusals (503, connection refused) before a router took it
+    refused: int = 0  # refusals (503, connection refused; of a reconnect: any non-200)
     broke: int = 0  # connections that broke mid-stream
     reconnects: int = 0  # reconnections with Last-Event-ID
     resumed: bool = False  # completed after a reconnect
