@@ -131,7 +131,7 @@ class PrefillService(EngineService):
         if job.local_queue is not None and msg.relay_address:  # P→RLD→MD
             self.streams.start(job, KVPath.LOCAL, msg.relay_address, job.local_queue)
         self.life.spawn(self._watch(job))
-        await respond(raw, SubmitReply(ok=True, instance=self.settings.instance))
+        await respond(raw, SubmitReply(ok=True, instance=self.settings.instance, epoch=self.epoch))
 
     # ---- MD's target and the first token: the two events that start draining ----------
     async def _on_md_target(self, msg: MDTarget, raw) -> None:

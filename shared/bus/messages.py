@@ -102,6 +102,7 @@ class SubmitReply(Message):
     ok: bool
     instance: str = ""
     error: str | None = None
+    epoch: str = ""  # the prefill process that took it (LoadReport.epoch)
 
 
 @dataclass
@@ -356,3 +357,4 @@ class LoadReport(Message):
     model_id: str = ""
     held: list[str] = field(default_factory=list)  # request ids this instance holds (heartbeat)
     draining: bool = False  # leaving: it finishes what it holds and takes nothing new
+    epoch: str = ""  # this process, new at every start: a restart under the same name shows

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from typing import Any, ClassVar
 
@@ -69,6 +70,7 @@ class EngineService:
         self.life = Lifecycle(f"pdd-{self.role.value.replace('_', '-')}", discovery)
         self.kv_server: KVServer | None = None
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
+        self.epoch = secrets.token_hex(8)  # this process (LoadReport.epoch)
         self.routers = Heartbeats(settings.orphan_after_s)
         # Aborts heard lately: one may overtake the message that creates its job (they travel
         # different paths, and admission awaits the engine), and must still win.
@@ -198,6 +200,7 @@ class EngineService:
             model_id=self.engine.model_id,
             held=list(self.jobs),
             draining=self.draining,
+            epoch=self.epoch,
         )
         await publish(self.nc, subjects.load(self.role.value, self.settings.instance), report)
         return stats

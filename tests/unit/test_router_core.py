@@ -148,20 +148,21 @@ def test_a_request_that_prefill_finishes_before_md_answers_ends_once_dispatched(
 
 def test_a_p_md_request_whose_prefill_is_lost_before_md_started_moves() -> None:
     """Prefill's first token is out, but MD may never get its KV or first handoff: it moves
-    when prefill is lost, not when its stream stalls; once MD produced, a lost prefill is moot."""
+    when prefill is lost (or restarted under its name), not when its stream stalls; once MD
+    produced, a lost prefill is moot."""
     life = _life()
     stream = _opened(life, Pipeline.P_MD)
     _dispatched(life, stream)
     life.on_tokens(_tok(RID, Role.PREFILL, 0, [10]), 0.0)
     now = time.monotonic()
     life.on_held(LoadReport(Role.MAIN_DECODE, "md0", held=[RID]), now)
-    assert life.tick(now, {"md0"}, {stream.prefill_instance}) == []
-    (move,) = life.tick(now, {"md0"}, set())
-    assert move == Move(
-        stream, f"prefill {stream.prefill_instance} was lost before main decode started", "lost"
-    )
+    stream.prefill_epoch = "e1"
+    assert life.tick(now, {"md0"}, {stream.prefill_instance: "e1"}) == []
+    lost = Move(stream, f"prefill {stream.prefill_instance} was lost before main decode started", "lost")
+    assert life.tick(now, {"md0"}, {}) == [lost]
+    assert life.tick(now, {"md0"}, {stream.prefill_instance: "e2"}) == [lost]  # restarted: holds nothing
     life.on_tokens(_tok(RID, Role.MAIN_DECODE, 1, [11]), now)
-    assert life.tick(now, {"md0"}, set()) == []
+    assert life.tick(now, {"md0"}, {}) == []
 
 
 def test_a_request_whose_instance_is_lost_moves_and_continues_from_the_tokens_sent() -> None:

@@ -71,6 +71,6 @@ class BusAdapter:
         if self.conn.up_for() <= self.settings.lost_after_s:
             return
         alive_md = {r.instance for r in self.fleet.registry.alive(Role.MAIN_DECODE)}
-        alive_p = {r.instance for r in self.fleet.registry.alive(Role.PREFILL)}
+        alive_p = {r.instance: r.epoch for r in self.fleet.registry.alive(Role.PREFILL)}
         await self.effects.perform_in_order(self.requests.tick(time.monotonic(), alive_md, alive_p))
         self.fleet.prune()

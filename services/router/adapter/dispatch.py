@@ -213,6 +213,7 @@ class Dispatcher:
             await self.effects.perform_in_order(self.requests.refused(stream, str(error)))
             raise error
         target = MDTarget(stream.rid, prep.bulk_address, prep.missing, stream.md_instance)
+        stream.prefill_epoch = reply.epoch
         await self.effects.perform_in_order(self.requests.dispatched(stream, reply.instance, target))
         # MD keeps the prompt's blocks once they arrive: count them as its own now, as a
         # session's next turn may come before MD's cache events say so (a snapshot or an

@@ -124,10 +124,13 @@ class RequestLife:
                 stream.last_held = now
 
     # ---- the clock ----------------------------------------------------------------------
-    def tick(self, now: float, alive_md: set[str], alive_prefill: set[str] | None = None) -> list[Action]:
+    def tick(
+        self, now: float, alive_md: set[str], alive_prefill: dict[str, str] | None = None
+    ) -> list[Action]:
         """Act on lost instances: an MD lost before the handoff leaves the relay to finish;
         a request whose producer is lost, whose token went missing or that stalled moves, and
-        so does one whose MD waits for a lost prefill (`alive_prefill`; None: not known)."""
+        so does one whose MD waits for a lost prefill (`alive_prefill`: instance -> its process
+        epoch, a restarted one holds nothing; None: not known)."""
         s = self.settings
         actions: list[Action] = []
         for stream in list(self.streams.values()):
@@ -140,7 +143,7 @@ class RequestLife:
                 ):
                     if inst:  # P stops the WAN stream, the relay finishes the request
                         actions.append(Publish(subjects.to_instance(role, inst, Req.MD_LOST), lost))
-            prefill_lost = alive_prefill is not None and stream.prefill_instance not in alive_prefill
+            prefill_lost = alive_prefill is not None and _lost(stream, alive_prefill)
             stall = stream.stall(now, s.lost_after_s, s.gap_timeout_s, s.stall_timeout_s, prefill_lost)
             if stall is not None:
                 actions.append(Move(stream, *stall))
@@ -194,3 +197,9 @@ class RequestLife:
         stream.fail(reason.value)
         self.attempts.pop(stream.attempt_rid, None)
         return [Forget(rid), SendAbort(stream.attempt_rid, reason)]
+
+
+def _lost(stream: RequestStream, alive_prefill: dict[str, str]) -> bool:
+    """The stream's prefill is gone: not alive, or alive again as another process."""
+    epoch = alive_prefill.get(stream.prefill_instance or "")
+    return epoch is None or bool(stream.prefill_epoch and epoch != stream.prefill_epoch)

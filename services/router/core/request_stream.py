@@ -73,6 +73,7 @@ class RequestStream:
     block_hashes: list[int] = field(default_factory=list)
     relay_instance: str | None = None  # on P→RLD→MD, or the relay that took the request over
     prefill_instance: str | None = None  # the one that took the request (None: it started elsewhere)
+    prefill_epoch: str = ""  # that prefill process (LoadReport.epoch): a restarted one holds nothing
     assigned: list = field(default_factory=list)  # ((role, instance), sent at): counted as their load
     span: Span | None = None  # the request's root span: one trace across both datacenters
     params: SamplingParams | None = None  # what a migration resends, with the prompt and tokens so far
