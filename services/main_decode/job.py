@@ -54,6 +54,7 @@ class MDJob:
     )
     received: set[int] = field(default_factory=set)
     kv_sent_at: float | None = None  # prefill's transfer of `missing` ended (its done marker came)
+    last_block_at: float | None = None  # when a block of its transfer last landed
     computed_blocks: int = 0  # blocks it waited for whose transfer failed: its extend computes them
     batches: dict[int, tuple[HandoffBatch, Context]] = field(default_factory=dict)  # seq -> batch, sender ctx
     next_seq: int = 0

@@ -77,19 +77,29 @@ class PromptKVIntake:
             )
         job.received.update(hashes)
         job.wan_bytes += nbytes
+        job.last_block_at = time.monotonic()
         await self._share(self.in_flight.landed(job.rid, hashes), lost=False)
 
     async def dropped(self, job: MDJob) -> None:
         """The request ended: what its transfer still owed others is lost to them."""
         await self._share(self.in_flight.dropped(job.rid), lost=True)
 
-    async def expire_waits(self, now: float, wait_s: float) -> None:
-        """A request whose own KV is in stops waiting for others' blocks after wait_s."""
+    async def expire_waits(self, now: float, wait_s: float, stall_s: float) -> None:
+        """A request whose own KV is in stops waiting for others' blocks after wait_s, or once
+        no transfer that carries them has landed a block for stall_s (a carrier whose sender
+        never got its target, say, and whose abort was lost)."""
         for job in list(self.jobs.values()):
-            if job.kv_sent_at is not None and now - job.kv_sent_at > wait_s:
-                gave_up = self.in_flight.stop_waiting(job.rid)
-                if gave_up:
-                    await self._share({job.rid: gave_up}, lost=True)
+            if job.kv_sent_at is None or not (waiting := self.in_flight.waiting(job.rid)):
+                continue
+            carriers = {self.in_flight.carrier[h] for h in waiting if h in self.in_flight.carrier}
+            moved = max((self._last_progress(c) for c in carriers), default=0.0)
+            if now - job.kv_sent_at > wait_s or now - max(moved, job.kv_sent_at) > stall_s:
+                await self._share({job.rid: self.in_flight.stop_waiting(job.rid)}, lost=True)
+
+    def _last_progress(self, rid: str) -> float:
+        """When the carrier `rid` last landed a block (or was prepared); 0 if it is gone."""
+        job = self.jobs.get(rid)
+        return 0.0 if job is None else (job.last_block_at or job.created)
 
     async def _share(self, resolved: dict[str, list[int]], lost: bool) -> None:
         """Waiting requests got the blocks they waited for (`lost`: they will not come)."""
