@@ -154,11 +154,14 @@ class PrefillService(EngineService):
         )
         self.streams.start(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
         job.close_wan_if_complete()
+        if starts_draining:
+            # The handoff goes before the export's await: a WAN sender with nothing to send
+            # (MD holds, or awaits, every block) may end during it and release the request,
+            # and MD would then never get the first token.
+            await self._on_draining(job)
         export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
         if export is not None:
             job.queue_blocks(export)
-        if starts_draining and job.state.is_in(PrefillState.DRAINING):
-            await self._on_draining(job)
 
     async def _first_token(self, job: PrefillJob, out: StepOutput) -> None:
         token = out.token_id
