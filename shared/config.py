@@ -163,11 +163,10 @@ class MainDecodeSettings(CommonSettings):
     admission_wait_s: float = 20.0
     admission_queue_max: int = 256
     # A prompt block already crossing the WAN for another request is waited for, not asked for
-    # again (off only to measure what that saves). A request whose own KV is in waits at most
-    # shared_kv_wait_s more for such blocks, or shared_kv_stall_s while no transfer carrying
-    # them lands a block, then computes them in its extend pass.
+    # again (off only to measure what that saves). A request whose own KV is in waits for such
+    # blocks while the transfers carrying them make progress; once none lands a block for
+    # shared_kv_stall_s it computes them in its extend pass.
     share_in_flight: bool = True
-    shared_kv_wait_s: float = Field(default=10.0, gt=0)
     shared_kv_stall_s: float = Field(default=2.0, gt=0)
 
 

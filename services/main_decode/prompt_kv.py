@@ -6,7 +6,7 @@ handoff batches.
 
 A prefix crosses the WAN once: a block already on its way for another request is not asked
 for again (shared/engine/in_flight.py). The request waits for that transfer's copy and pins it
-as it lands; if that transfer ends without it, or the wait runs out, the extend pass computes it."""
+as it lands; if that transfer ends without it, or stops making progress, the extend pass computes it."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class PromptKVIntake:
         their way for other requests already, and it waits for them."""
         if not self.share_in_flight:
             return lacking
-        carry, wait = self.in_flight.claim(rid, lacking)
+        carry, _waited_for = self.in_flight.claim(rid, lacking)
         return carry
 
     def receiving_job(self, rid: str) -> MDJob | None:
@@ -84,16 +84,16 @@ class PromptKVIntake:
         """The request ended: what its transfer still owed others is lost to them."""
         await self._share(self.in_flight.dropped(job.rid), lost=True)
 
-    async def expire_waits(self, now: float, wait_s: float, stall_s: float) -> None:
-        """A request whose own KV is in stops waiting for others' blocks after wait_s, or once
-        no transfer that carries them has landed a block for stall_s (a carrier whose sender
-        never got its target, say, and whose abort was lost)."""
+    async def expire_waits(self, now: float, stall_s: float) -> None:
+        """A request whose own KV is in stops waiting for others' blocks once no transfer that
+        carries them has landed a block for stall_s (a carrier whose sender never got its
+        target, say, and whose abort was lost); a slow transfer that progresses is waited for."""
         for job in list(self.jobs.values()):
             if job.kv_sent_at is None or not (waiting := self.in_flight.waiting(job.rid)):
                 continue
             carriers = {self.in_flight.carrier[h] for h in waiting if h in self.in_flight.carrier}
             moved = max((self._last_progress(c) for c in carriers), default=0.0)
-            if now - job.kv_sent_at > wait_s or now - max(moved, job.kv_sent_at) > stall_s:
+            if now - max(moved, job.kv_sent_at) > stall_s:
                 await self._share({job.rid: self.in_flight.stop_waiting(job.rid)}, lost=True)
 
     def _last_progress(self, rid: str) -> float:

@@ -314,8 +314,7 @@ class MainDecodeService(EngineService):
     async def _expire(self) -> None:
         """No request outlives the timeout, whatever its peers did."""
         now = time.monotonic()
-        s = self.settings
-        await self.prompt_kv.expire_waits(now, s.shared_kv_wait_s, s.shared_kv_stall_s)
+        await self.prompt_kv.expire_waits(now, self.settings.shared_kv_stall_s)
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s:
                 await self._fail(job, "request timed out on MD")

@@ -55,7 +55,8 @@ class Effects:
                 self._local(action)
 
     async def perform_in_order(self, actions: Iterable[Action]) -> None:
-        """As perform, but each message is sent before this returns."""
+        """As perform, but each abort is sent before this returns (a control message that
+        must arrive is handed to its own delivery task, which acks and resends it)."""
         for action in actions:
             if isinstance(action, Publish | SendAbort):
                 await self._send(action)
@@ -102,7 +103,6 @@ class Effects:
     async def _send(self, action: Publish | SendAbort) -> None:
         if isinstance(action, Publish):  # a control message one instance must get: acked, resent
             self.life.spawn(deliver(self.nc, action.subject, action.msg))
-            await asyncio.sleep(0)  # its first copy leaves now, in order with what follows
         else:
             await self.publish_abort(
                 action.attempt_rid, action.reason, action.stream.span if action.stream else None
