@@ -23,6 +23,7 @@ from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
 from tests.e2e.test_e2e_pipelines import ref_tokens
+from tests.e2e.test_e2e_shared_in_flight import until_md_holds
 from tests.prometheus_samples import wait_until_drained
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream
@@ -231,9 +232,9 @@ def test_prefill_killed_while_a_shared_prefix_crosses_the_wan(system):
     want = [ref_tokens(engine, p["prompt"], max_tokens=24, ignore_eos=True) for p in (first, second)]
     with system.shaped("bulk", bandwidth_mbps=24), concurrent.futures.ThreadPoolExecutor(3) as pool:
         got = [pool.submit(stream, system, first)]
-        time.sleep(0.3)
+        until_md_holds(system, "in_flight_blocks")  # the first's prefix is on the wire (~2 s)
         got.append(pool.submit(stream, system, second))
-        time.sleep(0.3)  # both dispatched; the shared prefix is on the wire (~2 s)
+        until_md_holds(system, "in_flight_waiting")  # the second waits for it
         kill(system, "prefill")()
         got = [g.result() for g in got]
     for g, w in zip(got, want, strict=True):

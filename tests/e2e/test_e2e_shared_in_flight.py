@@ -50,15 +50,26 @@ def pair(salt: int) -> tuple[list[int], list[int]]:
     return base, base + prompt_of(16 * SUFFIX_BLOCKS, salt=salt + 1)
 
 
-def second_while_first_in_flight(
-    system, first, longer: list[int], after_s: float = 0.4
-) -> tuple[httpx.Response, object]:
-    """Send the second request `after_s` after `first()` started (once the first is
-    dispatched, MD expects its blocks), over the slow bulk link; the second's response and
-    first()'s result."""
+def md_open_entries(system: RunningSystem, name: str) -> float:
+    return md_samples(system).get(
+        ("pdd_open_entries", frozenset({"service": "main_decode", "map": name}.items())), 0
+    )
+
+
+def until_md_holds(system: RunningSystem, name: str, timeout_s: float = 10.0) -> None:
+    """Until MD's map `name` (in_flight_blocks, in_flight_waiting) holds an entry."""
+    deadline = time.monotonic() + timeout_s
+    while md_open_entries(system, name) == 0:
+        assert time.monotonic() < deadline, f"main decode's {name} stayed empty for {timeout_s} s"
+        time.sleep(0.02)
+
+
+def second_while_first_in_flight(system, first, longer: list[int]) -> tuple[httpx.Response, object]:
+    """Send the second request once MD expects the first's blocks (it was prepared), over
+    the slow bulk link; the second's response and first()'s result."""
     with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS), concurrent.futures.ThreadPoolExecutor(2) as pool:
         a = pool.submit(first)
-        time.sleep(after_s)
+        until_md_holds(system, "in_flight_blocks")
         b = pool.submit(complete, system, longer, max_tokens=8, ignore_eos=True, pdd={"pipeline": "p-md"})
         return b.result(), a.result()
 
@@ -100,7 +111,7 @@ def test_the_second_finishes_exactly_when_the_first_client_leaves_mid_transfer(s
         with httpx.stream("POST", f"{system.router_url}/v1/completions", json=payload, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    time.sleep(0.5)  # the second is prepared by now
+                    until_md_holds(system, "in_flight_waiting")  # the second waits for its blocks
                     left.set()
                     return
 
@@ -121,7 +132,7 @@ def test_the_second_finishes_exactly_when_the_relay_finished_the_first(system, r
     def first() -> httpx.Response:  # short: the relay finishes it long before MD's copy lands
         return complete(system, base, max_tokens=3, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
 
-    b, a = second_while_first_in_flight(system, first, longer, after_s=0.1)  # before the relay is done
+    b, a = second_while_first_in_flight(system, first, longer)
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
     assert a.json()["pdd"]["md_tokens"] == 0
     assert b.json()["choices"][0]["token_ids"] == ref_tokens(reference, longer, max_tokens=8, ignore_eos=True)
