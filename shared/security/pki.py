@@ -3,7 +3,11 @@
 Every link that crosses the WAN (NATS client connections, the NATS gateway, the KV bulk
 channel) runs TLS 1.3 with mutual certificates from this CA. Keys are EC P-256 and written
 0600; certificates name every host a peer may dial (the WAN proxy in front of a service
-included), so hostname checks hold without a special case.
+included), so hostname checks hold without a special case, and the party's identity as a URI
+(shared/security/identity.py), which is what peers check where a role matters.
+
+ca.pem may hold several CA certificates (during a rotation: the new one and the old one, all
+trusted); leaves are signed with the one whose key is ca.key.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ import datetime as dt
 import ipaddress
 import os
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from shared.security.identity import identity_of
 
 VALID_DAYS = 397  # what public CAs may issue; `pdd certs` renews
 CA_NAME = "ca"
@@ -47,23 +54,77 @@ class Pki:
     def identity(self, name: str) -> Identity:
         return Identity(self.ca_cert, self.dir / f"{name}.pem", self.dir / f"{name}.key")
 
-    def ensure(self, names: Iterable[str], hosts: Iterable[str], *, renew: bool = False) -> None:
-        """Create the CA and each identity's certificate unless present (all anew with renew)."""
+    @property
+    def ca_key(self) -> Path:
+        return self.dir / f"{CA_NAME}.key"
+
+    def ensure(
+        self,
+        names: Iterable[str],
+        hosts: Iterable[str],
+        *,
+        renew: bool = False,
+        reissue: bool = False,
+        uri_of: Callable[[str], str | None] = lambda n: i.uri if (i := identity_of(n)) else None,
+    ) -> None:
+        """Create the CA and each identity's certificate unless present (all anew with renew;
+        the leaves only, from the same CA, with reissue). A leaf that lacks its identity or was
+        not signed by the current CA is reissued (an older layout, a rotated CA)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        if renew or not (self.ca_cert.exists() and (self.dir / f"{CA_NAME}.key").exists()):
-            renew = True
-            _write_key(self.dir / f"{CA_NAME}.key", ca_key := ec.generate_private_key(ec.SECP256R1()))
+        if renew or not (self.ca_cert.exists() and self.ca_key.exists()):
+            reissue = True
+            _write_key(self.ca_key, ca_key := ec.generate_private_key(ec.SECP256R1()))
             _write_cert(self.ca_cert, _ca_certificate(ca_key))
-        ca_key = _read_key(self.dir / f"{CA_NAME}.key")
-        ca = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
         hosts = sorted(set(hosts))
         for name in names:
-            ident = self.identity(name)
-            if renew or not (ident.cert.exists() and ident.key.exists()):
-                key = ec.generate_private_key(ec.SECP256R1())
-                _write_key(ident.key, key)
-                _write_cert(ident.cert, _leaf_certificate(name, hosts, key, ca, ca_key))
+            ident, uri = self.identity(name), uri_of(name)
+            if reissue or not (ident.key.exists() and self.issued(ident.cert, uri)):
+                self.issue(ident.cert, ident.key, name, hosts, uri)
+
+    def signer(self) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        """The CA certificate of ca.pem whose key is ca.key, and that key."""
+        key = _read_key(self.ca_key)
+        mine = key.public_key().public_bytes(serialization.Encoding.DER, _SPKI)
+        for cert in x509.load_pem_x509_certificates(self.ca_cert.read_bytes()):
+            if cert.public_key().public_bytes(serialization.Encoding.DER, _SPKI) == mine:
+                return cert, key
+        raise ValueError(f"{self.ca_cert} holds no certificate for {self.ca_key}")
+
+    def fingerprint(self) -> str:
+        """sha256 of the signing CA's certificate, hex: what a bundle records."""
+        return self.signer()[0].fingerprint(hashes.SHA256()).hex()
+
+    def issued(self, cert_path: Path, uri: str | None) -> bool:
+        """The certificate exists, names `uri` and was signed by the current CA."""
+        if not cert_path.exists():
+            return False
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        try:
+            cert.verify_directly_issued_by(self.signer()[0])
+        except (ValueError, TypeError, InvalidSignature):
+            return False
+        return _uris(cert) == ([uri] if uri else [])
+
+    def issue(
+        self, cert_path: Path, key_path: Path, name: str, hosts: Iterable[str], uri: str | None
+    ) -> None:
+        """A new key and certificate from the existing CA; nothing else is touched."""
+        ca, ca_key = self.signer()
+        key = ec.generate_private_key(ec.SECP256R1())
+        _write_key(key_path, key)
+        _write_cert(cert_path, _leaf_certificate(name, sorted(set(hosts)), key, ca, ca_key, uri))
+
+
+_SPKI = serialization.PublicFormat.SubjectPublicKeyInfo
+
+
+def _uris(cert: x509.Certificate) -> list[str]:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return san.get_values_for_type(x509.UniformResourceIdentifier)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -100,15 +161,20 @@ def _san(host: str) -> x509.GeneralName:
 
 
 def _leaf_certificate(
-    name: str, hosts: list[str], key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, ca_key
+    name: str,
+    hosts: list[str],
+    key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    uri: str | None,
 ) -> x509.Certificate:
     """Server and client use in one certificate: every service both listens and dials."""
     builder = x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
     builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
     builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-    builder = builder.add_extension(
-        x509.SubjectAlternativeName([_san(h) for h in [name, *hosts]]), critical=False
-    )
+    names = [_san(h) for h in dict.fromkeys([name, *hosts])]
+    names += [x509.UniformResourceIdentifier(uri)] if uri else []
+    builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     return builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False).sign(ca_key, hashes.SHA256())
 
@@ -149,10 +215,13 @@ def server_context(ident: Identity) -> ssl.SSLContext:
     return ctx
 
 
-def client_context(ident: Identity) -> ssl.SSLContext:
-    """TLS 1.3 client that presents its certificate and checks the server's name and CA."""
+def client_context(ident: Identity, check_hostname: bool = True) -> ssl.SSLContext:
+    """TLS 1.3 client that presents its certificate and checks the server's CA and name.
+    check_hostname=False: for a caller that checks the server's identity instead (the CA
+    check stays)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = check_hostname
     ctx.load_cert_chain(ident.cert, ident.key)
     ctx.load_verify_locations(ident.ca)
     return ctx
