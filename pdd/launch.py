@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import ENV_PREFIX
-from shared.security.credentials import Credentials
+from shared.security.credentials import LOCAL_KV_SERVICES, Credentials
 
 DC_A = "dc-a"
 DC_B = "dc-b"
 SERVICES = ("prefill", "relay", "main_decode", "router")
-KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they hold its secret
+KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they run an engine
 NATS_CLUSTER = {DC_A: "nats-a", DC_B: "nats-b"}  # also each DC's gateway name
 MAX_COUNT = 8  # most instances of one role, and most NATS nodes per DC
 COUNTS = {"prefill": "prefill", "relay": "relay", "main_decode": "md", "router": "routers"}  # UpOptions field
@@ -382,7 +382,7 @@ def _credentials_env(name: str, directory: Path) -> dict[str, str]:
         f"{p}TLS_CERT": str(ident.cert),
         f"{p}TLS_KEY": str(ident.key),
     }
-    if name in KV_SERVICES:
+    if name in LOCAL_KV_SERVICES:  # MD holds no KV key: TCP peers go by their certificates' identity
         env[f"{p}SECRET_FILE"] = str(creds.secret_file)
     return env
 

@@ -77,7 +77,7 @@ class CommonSettings(BaseSettings):
         default_factory=socket.gethostname
     )  # unique per host (compose replicas); `pdd up` numbers them
     datacenter: str = "dc-a"
-    secret: str | None = None  # shared secret of the KV bulk channel (required, or secret_file)
+    secret: str | None = None  # key of the local KV path, prefill <-> relay (required there, or secret_file)
     secret_file: str | None = None  # a file holding `secret` (what `pdd up` passes)
     nats_user: str | None = None  # this service's NATS user (required)
     nats_password: str | None = None  # required, or nats_password_file

@@ -53,12 +53,13 @@ class PrefillService(EngineService):
         engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
-        # Peers over tcp:// are main decoders at any address: their certificates must name that identity.
+        # Peers over tcp:// are main decoders at any address: their certificates must name that
+        # role (checked instead of a host name); the relay's local path goes by the secret.
         self.kv_clients = KVClientPool(
             settings.secret,
-            ssl=client_tls(settings),
+            ssl=client_tls(settings, check_hostname=False),
             via=settings.bulk_via,
-            server_name=Role.MAIN_DECODE.value,
+            peer_roles=(Role.MAIN_DECODE.value,),
             parallel=settings.bulk_parallel,
             parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)),
         )

@@ -7,7 +7,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from ssl import SSLCertVerificationError, SSLContext
 from typing import Any
@@ -439,26 +439,30 @@ class KVClient:
 
 async def open_kv_client(
     address: str,
-    secret: str,
+    secret: str | None,
     *,
     timeout: float = 10.0,
     checksum: str = DEFAULT_ALGO,
     ssl: SSLContext | None = None,
     via: str | None = None,
     server_name: str | None = None,
+    peer_roles: Collection[str] | None = None,
 ) -> KVClient:
     """Connect and authenticate. Raises KVTransferError when unauthenticated or refused by TLS,
     KVConnectionLost when the connection could not be made or dropped, or on timeout.
     `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://).
     `ssl`: TLS on tcp:// (a client context with this party's certificate); unix:// ignores it.
     `via`: a dial-on-demand WAN link's tcp:// address to reach tcp:// peers through.
-    `server_name`: the identity the peer's certificate must name (default: the address's host)."""
+    `server_name`: the host the peer's certificate must name (default: the address's host), when
+    `ssl` checks host names. `peer_roles`: over TLS, the receiver's certificate must name one
+    of these roles, checked before anything is sent; a receiver that goes by identity too then
+    needs no `secret` (shared/kv/auth.py)."""
     stream: Stream | None = None
     try:
         async with asyncio.timeout(timeout):
             stream = await transport_for(address).connect(address, ssl=ssl, via=via, server_name=server_name)
             t0 = time.perf_counter()
-            welcome = await auth.client_handshake(stream, secret.encode())
+            welcome = await auth.client_handshake(stream, secret.encode() if secret else None, peer_roles)
             rtt = time.perf_counter() - t0  # hello was already in flight: ~ one round trip
     except BaseException as e:
         if stream is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from ssl import SSLContext
 
@@ -54,7 +55,7 @@ class _Peer:
 class KVClientPool:
     def __init__(
         self,
-        secret: str,
+        secret: str | None,
         per_peer: int = 4,
         timeout: float = 10.0,
         ssl: SSLContext | None = None,
@@ -63,16 +64,19 @@ class KVClientPool:
         checksum: str = DEFAULT_ALGO,
         parallel: int = PARALLEL_CONNECTIONS,
         parallel_min_bytes: int = PARALLEL_MIN_BYTES,
+        peer_roles: Collection[str] | None = None,
     ):
         """`parallel`: connections a group of at least `parallel_min_bytes` is split over
-        (the request's own plus parallel - 1 lanes); 1 turns splitting off."""
+        (the request's own plus parallel - 1 lanes); 1 turns splitting off. `peer_roles`: the
+        roles a TLS peer's certificate may name (open_kv_client)."""
         self.secret = secret
         self.checksum = checksum
         self.parallel = max(1, parallel)
         self.parallel_min_bytes = parallel_min_bytes
         self.ssl = ssl  # TLS for tcp:// peers
         self.via = via  # the WAN link tcp:// peers are reached through (unix:// ones never are)
-        self.server_name = server_name  # the identity tcp:// peers' certificates must name
+        self.server_name = server_name  # the host tcp:// peers' certificates must name
+        self.peer_roles = peer_roles
         self.per_peer = per_peer
         self.timeout = timeout
         self._peers: dict[str, _Peer] = {}
@@ -122,6 +126,7 @@ class KVClientPool:
             via=self.via,
             server_name=self.server_name,
             checksum=self.checksum,
+            peer_roles=self.peer_roles,
         )
 
     def release(self, client: KVClient) -> None:

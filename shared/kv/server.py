@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,7 +174,9 @@ class _Receiver:
                     "max_header": self.server.max_header_bytes,
                     "idle_timeout": self.server.idle_timeout,
                 }
-                if not await auth.server_handshake(self.stream, self.server.secret, limits):
+                if not await auth.server_handshake(
+                    self.stream, self.server.secret, limits, self.server.peer_roles
+                ):
                     return
             while True:
                 h = await self._next_header()
@@ -384,16 +387,18 @@ class KVServer:
     def __init__(
         self,
         sink: KVSink,
-        secret: str,
+        secret: str | None,
         max_frame_bytes: int,
         max_header_bytes: int,
         caps: ReceiveCaps,
         expect: Layout | None,
         idle_timeout: float = IDLE_TIMEOUT_S,
         reconnect_grace: float = RECONNECT_GRACE_S,
+        peer_roles: Collection[str] | None = None,
     ):
         self.sink = sink
-        self.secret = secret.encode()
+        self.secret = secret.encode() if secret else None
+        self.peer_roles = frozenset(peer_roles) if peer_roles else None
         self.max_frame_bytes = max_frame_bytes
         self.max_header_bytes = max_header_bytes
         self.caps = caps
@@ -485,7 +490,7 @@ class KVServer:
 
 async def start_kv_server(
     address: str,
-    secret: str,
+    secret: str | None,
     sink: KVSink,
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME,
@@ -495,17 +500,32 @@ async def start_kv_server(
     caps: ReceiveCaps | None = None,
     idle_timeout: float = IDLE_TIMEOUT_S,
     reconnect_grace: float = RECONNECT_GRACE_S,
+    peer_roles: Collection[str] | None = None,
 ) -> KVServer:
     """Listen on "tcp://host:port" (port 0 = any) or "unix:///path"; `server.address` is the bound one.
-    ssl: TLS on tcp:// (a server context that requires client certificates); the HMAC handshake
-    runs inside it all the same. expect: refuse groups of another dtype or per-block shape
+    ssl: TLS on tcp:// (a server context that requires client certificates). peer_roles: over
+    TLS, senders are authenticated by their certificate's identity, which must be one of these
+    roles (shared/kv/auth.py); every other connection by the HMAC handshake over `secret` (inside
+    TLS too, where no roles are given). ValueError when some connection could not be
+    authenticated at all. expect: refuse groups of another dtype or per-block shape
     before reserving them. caps: bounds on connections and on what is reserved (defaults).
     idle_timeout: a connection with nothing in flight is closed after this long silent (senders
     learn it in the handshake). reconnect_grace: when a connection drops, its requests wait this
     long to continue on a new connection from the same peer before the sink gets on_abort."""
+    by_identity = bool(peer_roles) and ssl is not None and address.startswith("tcp://")
+    if not secret and not by_identity:
+        raise ValueError(f"kv receiver {address}: no secret, and no certificate identity to check instead")
     caps = caps or ReceiveCaps()
     server = KVServer(
-        sink, secret, max_frame_bytes, max_header_bytes, caps, expect, idle_timeout, reconnect_grace
+        sink,
+        secret,
+        max_frame_bytes,
+        max_header_bytes,
+        caps,
+        expect,
+        idle_timeout,
+        reconnect_grace,
+        peer_roles,
     )
     server._listener = await transport_for(address).listen(address, server._serve, ssl=ssl)
     log.info("kv receiver listening on %s", server.address)

@@ -25,6 +25,7 @@ def server_tls(settings: Any) -> SSLContext | None:
     return server_context(ident) if ident else None
 
 
-def client_tls(settings: Any) -> SSLContext | None:
+def client_tls(settings: Any, check_hostname: bool = True) -> SSLContext | None:
+    """check_hostname=False: for a caller that checks the peer's identity instead."""
     ident = _identity(settings)
-    return client_context(ident) if ident else None
+    return client_context(ident, check_hostname) if ident else None

@@ -40,6 +40,10 @@ class Stream(Protocol):
     def identity(self) -> str:
         """Who the peer is, the same on each of its connections (`peer` names one connection)."""
 
+    @property
+    def peer_certificate(self) -> bytes | None:
+        """The peer's certificate (DER) on a TLS stream, checked against the CA; None otherwise."""
+
     async def send(self, *bufs: bytes | memoryview, deadline: float | None = None) -> None:
         """Write all bytes, in order (returns once they are in the kernel: TCP backpressure).
         `deadline`: the loop time (loop.time()) past which a send still waiting raises
@@ -172,6 +176,10 @@ class SocketStream:
         """The peer's host (the port changes with each connection)."""
         return self.peer.rsplit(":", 1)[0] if self._sock.family != socket.AF_UNIX else self.peer
 
+    @property
+    def peer_certificate(self) -> bytes | None:
+        return None
+
     def abort(self) -> None:
         # shutdown wakes any task blocked in recv_into/sock_sendall; close() would not.
         with contextlib.suppress(OSError):
@@ -202,9 +210,15 @@ class TLSStream(SocketStream):
 
     @property
     def identity(self) -> str:
-        """The peer certificate's common name at the peer's host."""
-        subject = dict(rdn[0] for rdn in (self._tls.getpeercert() or {}).get("subject", ()))
-        return f"{subject.get('commonName', '?')}@{super().identity}"
+        """The peer certificate's identity URI (else its common name) at the peer's host."""
+        cert = self._tls.getpeercert() or {}
+        uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI" and v.startswith("spiffe:")]
+        subject = dict(rdn[0] for rdn in cert.get("subject", ()))
+        return f"{uris[0] if uris else subject.get('commonName', '?')}@{super().identity}"
+
+    @property
+    def peer_certificate(self) -> bytes | None:
+        return self._tls.getpeercert(binary_form=True)
 
     def _recv_some(self, view: memoryview) -> int:
         got = 0

@@ -1,8 +1,10 @@
 """Each service's credentials: created once by `pdd up` (or `pdd certs`), read by the services.
 
 One directory (0700, files 0600) holds the private CA and a certificate per identity (the two
-NATS servers and the four services), each service's NATS password and the KV bulk channel's
-shared secret. Services get file *paths* in their settings (`PDD_<SVC>_NATS_PASSWORD_FILE`,
+NATS servers and the four services, each naming its role: shared/security/identity.py), each
+service's NATS password and the key of the local KV path between prefill and the relay (dc-a
+only: KV over TCP is authenticated by the certificates' identities, so main decode holds no KV
+key). Services get file *paths* in their settings (`PDD_<SVC>_NATS_PASSWORD_FILE`,
 `PDD_<SVC>_SECRET_FILE`, `PDD_<SVC>_TLS_CA/CERT/KEY`), so no secret sits in an environment or
 in compose.yaml; `NATS_PASSWORD` / `SECRET` given directly work too. A service without them
 does not start: there is no insecure mode.
@@ -25,6 +27,9 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Compose service names are hostnames there; `wan` fronts the gateways and the KV channel.
 COMPOSE_HOSTNAMES = ("nats-a", "nats-b", "wan", "main_decode", "prefill", "relay", "router")
 REQUIRED = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key")
+LOCAL_KV_SERVICES = ("prefill", "relay")  # the ends of the local KV path hold its key
+LOCAL_SECRET = "kv-local-secret"
+OLD_SECRET = "kv-secret"  # the one KV key every DC held, before identities: removed
 FILES = ("tls_ca", "tls_cert", "tls_key")
 
 
@@ -43,30 +48,32 @@ class Credentials:
 
     @property
     def secret_file(self) -> Path:
-        return self.dir / "kv-secret"
+        """The local KV path's key (prefill <-> relay, in dc-a)."""
+        return self.dir / LOCAL_SECRET
 
     def password(self, service: str) -> str:
         return self.password_file(service).read_text().strip()
 
     def ensure(self, services: Iterable[str], hosts: Iterable[str], *, renew: bool = False) -> Credentials:
-        """Create what is missing (everything anew with renew). Certificates are reissued when
-        they would not name a host asked for now."""
+        """Create what is missing (everything anew with renew). Certificates are reissued from
+        the same CA when they would not name a host asked for now."""
         services, hosts = list(services), sorted({*LOCAL_HOSTS, *COMPOSE_HOSTNAMES, *hosts})
         hosts_file = self.dir / "hosts.json"
-        renew_pki = (
-            renew or not hosts_file.exists() or not set(hosts) <= set(json.loads(hosts_file.read_text()))
-        )
-        self.pki.ensure([*NATS_SERVERS, *services], hosts, renew=renew_pki)
+        reissue = not hosts_file.exists() or not set(hosts) <= set(json.loads(hosts_file.read_text()))
+        self.pki.ensure([*NATS_SERVERS, *services], hosts, renew=renew, reissue=reissue)
         write_private(hosts_file, json.dumps(hosts).encode())
+        (self.dir / OLD_SECRET).unlink(missing_ok=True)
         for path in [*map(self.password_file, services), self.secret_file]:
             if renew or not path.exists():
                 write_private(path, secrets.token_urlsafe(32).encode())
         return self
 
 
-def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: bool = True) -> Any:
+def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: bool | None = None) -> Any:
     """Read the password and secret files into `settings`; exit 2 naming what is missing.
-    `kv`: the service is an end of the KV bulk channel, so it needs the channel's secret."""
+    `kv`: the service is an end of the local KV path, so it needs that path's key (default:
+    prefill and the relay)."""
+    kv = service in LOCAL_KV_SERVICES if kv is None else kv
     required = [*REQUIRED, "secret"] if kv else REQUIRED
     for name in ("nats_password", "secret"):
         path = getattr(settings, f"{name}_file", None)

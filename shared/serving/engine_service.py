@@ -44,6 +44,8 @@ from .admission_gate import AdmissionGate
 from .cache_events import CacheEvents
 from .token_outbox import TokenOutbox
 
+KV_SENDERS = (Role.PREFILL.value,)  # the only role whose certificate may send KV over TCP
+
 log = logging.getLogger(__name__)
 
 ABORTS_KEPT_S = 60.0  # how long an abort is remembered against a late admission
@@ -138,13 +140,15 @@ class EngineService:
 
     async def serve_kv(self, address: str, sink: KVSink | None = None) -> None:
         """Receive KV on the bulk channel into `sink` (default: this service's on_blocks/on_done/on_abort).
-        TLS on tcp:// when the settings name certificates; groups that are not this model's
-        dtype and per-block shape are refused before any memory is reserved for them."""
+        TLS on tcp:// when the settings name certificates, and then only from a sender whose
+        certificate names prefill (the local unix:// path goes by the settings' secret); groups
+        that are not this model's dtype and per-block shape are refused before any memory is
+        reserved for them."""
         layers, two, _, *block = self.engine.kv_cache.shape
         expect = (self.engine.kv_cache.dtype, (layers, two, *block))
         tls = server_tls(self.settings)
         self.kv_server = await start_kv_server(
-            address, self.settings.secret, sink or self, ssl=tls, expect=expect
+            address, self.settings.secret, sink or self, ssl=tls, expect=expect, peer_roles=KV_SENDERS
         )
 
     # ---- what each service defines ---------------------------------------------------

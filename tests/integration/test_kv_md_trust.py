@@ -105,6 +105,20 @@ async def test_md_caches_only_announced_blocks_of_prompts_it_hashed_itself(md) -
     assert service.jobs["no-cert"].received == set()
 
 
+@pytest.mark.parametrize("who", ["relay", "router", "main_decode"])
+async def test_md_takes_kv_only_from_a_prefill_identity(md, who) -> None:
+    """Another role's certificate of the same CA, holding the old shared KV key too, is refused."""
+    service, nc, pki = md
+    prompt = [(3 * i) % 200 + 1 for i in range(40)]
+    hashes = service.engine.block_hashes(prompt)
+    assert (await prepare(nc, "posing", prompt, hashes)).ok
+    with pytest.raises(KVTransferError, match=f"peer identity spiffe://pdd/dc-./{who} is not prefill"):
+        await open_kv_client(
+            service.advertise_address, "md-trust-secret", ssl=client_context(pki.identity(who)), timeout=5
+        )
+    assert service.jobs["posing"].received == set()
+
+
 def test_tls_settings_are_all_or_nothing(tmp_path) -> None:
     assert server_tls(MainDecodeSettings()) is None and client_tls(MainDecodeSettings()) is None
     with pytest.raises(ValueError, match="set together"):  # never a silent fallback to plaintext

@@ -5,6 +5,7 @@ import os
 import ssl
 
 import pytest
+from cryptography.hazmat.primitives import hashes
 
 from shared.security import Pki, client_context, server_context
 
@@ -71,3 +72,40 @@ async def test_strangers_are_refused(tmp_path, who: str) -> None:
         except (ssl.SSLError, ConnectionError):
             pass
     assert got == []  # nothing reached the application
+
+
+def test_more_hosts_reissue_the_leaves_from_the_same_ca(tmp_path) -> None:
+    from shared.security.credentials import Credentials
+
+    creds = Credentials(tmp_path).ensure(["prefill"], [])
+    ca, leaf = creds.pki.ca_cert.read_bytes(), creds.identity("nats-a").cert.read_bytes()
+    creds.ensure(["prefill"], ["new.example"])  # `pdd certs --keep --host NEW`
+    assert creds.pki.ca_cert.read_bytes() == ca and creds.identity("nats-a").cert.read_bytes() != leaf
+    assert creds.pki.issued(creds.identity("nats-a").cert, "spiffe://pdd/dc-a/nats/nats-a")
+
+
+def test_a_ca_pem_of_two_cas_signs_with_ca_key_and_trusts_both(tmp_path) -> None:
+    """A rotation's overlap: old and new CA in one ca.pem; leaves of either pass."""
+    old, new = Pki(tmp_path / "old"), Pki(tmp_path / "new")
+    old.ensure(["prefill"], ["127.0.0.1"])
+    new.ensure(["main_decode"], ["127.0.0.1"])
+    both = new.ca_cert.read_bytes() + old.ca_cert.read_bytes()
+    (tmp_path / "new" / "ca.pem").write_bytes(both)
+    assert new.fingerprint() == new.signer()[0].fingerprint(hashes.SHA256()).hex()
+    o, n = old.identity("prefill"), new.identity("prefill")
+    for src, dst in ((o.cert, n.cert), (o.key, n.key)):
+        dst.write_bytes(src.read_bytes())  # a leaf of the old CA
+    assert not new.issued(new.identity("prefill").cert, "spiffe://pdd/dc-a/prefill")  # not the signer's
+    new.ensure(["prefill"], ["127.0.0.1"])  # so it is reissued by the new CA
+    assert new.issued(new.identity("prefill").cert, "spiffe://pdd/dc-a/prefill")
+    ctx = server_context(new.identity("main_decode"))
+    assert len(ctx.get_ca_certs()) == 2
+
+
+def test_a_leaf_without_its_identity_is_reissued(tmp_path) -> None:
+    pki = Pki(tmp_path)
+    pki.ensure(["relay"], ["127.0.0.1"], uri_of=lambda n: None)  # an older layout: no URI SAN
+    before = pki.identity("relay").cert.read_bytes()
+    pki.ensure(["relay"], ["127.0.0.1"])
+    assert pki.identity("relay").cert.read_bytes() != before
+    assert pki.issued(pki.identity("relay").cert, "spiffe://pdd/dc-a/relay")

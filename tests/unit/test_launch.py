@@ -253,8 +253,8 @@ def test_each_service_gets_its_own_credentials_as_paths(hosts) -> None:
         assert env[f"{p}NATS_URL"].startswith("tls://") and env[f"{p}NATS_USER"] == name
         assert env[f"{p}TLS_CERT"].endswith(f"/{name}.pem") and env[f"{p}TLS_KEY"].endswith(f"/{name}.key")
         assert env[f"{p}NATS_PASSWORD_FILE"].endswith(f"/{name}.nats-password")
-        # only the ends of the KV channel hold its secret
-        assert (f"{p}SECRET_FILE" in env) == (name != "router")
+        # only the ends of the local KV path hold its key (dc-a); MD goes by its certificate
+        assert (f"{p}SECRET_FILE" in env) == (name in ("prefill", "relay"))
         assert not {f"{p}NATS_PASSWORD", f"{p}SECRET"} & set(env)  # values never ride in the environment
 
 
@@ -271,11 +271,9 @@ def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pyt
     for spec in service_specs(opts)[1:]:
         for key, value in spec.env.items():
             monkeypatch.setenv(key, value)
-        settings = require_credentials(
-            SETTINGS[spec.service](), spec.service, ENV_PREFIX[spec.service], kv=spec.service != "router"
-        )
+        settings = require_credentials(SETTINGS[spec.service](), spec.service, ENV_PREFIX[spec.service])
         assert settings.nats_password == creds.password(spec.service)
-        assert settings.secret == (None if spec.service == "router" else first[1])
+        assert settings.secret == (first[1] if spec.service in ("prefill", "relay") else None)
     from cryptography import x509
 
     cert = x509.load_pem_x509_certificate(creds.identity("nats-a").cert.read_bytes())

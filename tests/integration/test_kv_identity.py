@@ -1,0 +1,169 @@
+"""The KV bulk channel checks who is at the other end by the role its certificate names, over
+real TLS sockets with the certificates `pdd certs bundle` issues: prefill streams only to a
+main_decode identity, a receiver takes KV only from prefill's, and DC B's bundle holds nothing
+that passes for a DC A service. The local unix:// path keeps a key only dc-a holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdd.certs import write_bundle
+from services.prefill.service import PrefillService
+from shared.config import PrefillSettings
+from shared.kv import KVClientPool, KVTransferError, open_kv_client, start_kv_server
+from shared.security import Identity, client_context, server_context
+from shared.serving.engine_service import KV_SENDERS
+from tests.engine_util import make_engine
+
+from .test_kv_channel import MemorySink, blocks
+
+MD_ONLY = ("main_decode",)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bundles")
+    return {dc: write_bundle(root / "w", dc, root / dc) for dc in ("dc-a", "dc-b")}
+
+
+def ident(bundles, dc: str, name: str) -> Identity:
+    b = bundles[dc]
+    return Identity(b / "ca.pem", b / f"{name}.pem", b / f"{name}.key")
+
+
+def prefill_tls(bundles):
+    """prefill's side as the service builds it: its certificate, the role checked, not a host name."""
+    return client_context(ident(bundles, "dc-a", "prefill"), check_hostname=False)
+
+
+async def md_receiver(bundles, name: str = "main_decode", dc: str = "dc-b", secret: str | None = None):
+    """A receiver as main decode runs it (no KV key; senders by identity), with `name`'s certificate."""
+    sink = MemorySink()
+    ssl = server_context(ident(bundles, dc, name))
+    return await start_kv_server("tcp://127.0.0.1:0", secret, sink, ssl=ssl, peer_roles=KV_SENDERS), sink
+
+
+def untouched(sink: MemorySink) -> bool:
+    return not sink.held and not sink.done and not sink.aborts and not sink.groups
+
+
+async def test_prefill_streams_to_main_decode_by_identity_alone(bundles) -> None:
+    server, sink = await md_receiver(bundles)
+    pool = KVClientPool(None, ssl=prefill_tls(bundles), peer_roles=MD_ONLY)
+    try:
+        client = await pool.acquire(server.address)
+        await client.send_blocks("r1", [1, 2], src := blocks(2))
+        await client.finish("r1", payload=b"ok")
+        assert torch.equal(sink.tensor("r1"), src) and sink.done == {"r1": b"ok"}
+        assert list(server.in_flight) and all(
+            "spiffe://pdd/dc-a/prefill@" in r.identity for r in server._receivers
+        )
+    finally:
+        await pool.close()
+        await server.close()
+
+
+@pytest.mark.parametrize("dc, name", [("dc-a", "relay"), ("dc-a", "router"), ("dc-a", "nats-a")])
+async def test_another_roles_certificate_posing_as_main_decode_gets_no_kv(bundles, dc, name) -> None:
+    """A dc-a host's credentials, listening where prefill was told MD is: prefill refuses it
+    before sending a byte, whatever key the impostor holds."""
+    impostor, sink = await md_receiver(bundles, name, dc, secret="whatever-it-knows")
+    pool = KVClientPool("kv-local-key", ssl=prefill_tls(bundles), peer_roles=MD_ONLY)
+    try:
+        with pytest.raises(KVTransferError, match=rf"peer identity spiffe://pdd/{dc}/\S+ is not main_decode"):
+            await pool.acquire(impostor.address)
+        assert untouched(sink) and impostor.in_flight == {}
+    finally:
+        await pool.close()
+        await impostor.close()
+
+
+@pytest.mark.parametrize(
+    "dc, name", [("dc-a", "relay"), ("dc-a", "router"), ("dc-b", "main_decode"), ("dc-b", "nats-b")]
+)
+async def test_another_roles_certificate_posing_as_prefill_is_refused_by_main_decode(
+    bundles, dc, name, caplog
+) -> None:
+    server, sink = await md_receiver(bundles)
+    tls = client_context(ident(bundles, dc, name), check_hostname=False)
+    try:  # even a sender that takes the receiver's word on the method gets a clear refusal
+        with pytest.raises(
+            KVTransferError, match=rf"refused: peer identity spiffe://pdd/{dc}/\S+ is not prefill"
+        ):
+            client = await open_kv_client(server.address, None, ssl=tls, timeout=5)
+            await client.send_blocks("r1", [1], blocks(1))
+            await client.finish("r1", timeout=5)
+        assert "is not prefill" in caplog.text and untouched(sink) and server.in_flight == {}
+    finally:
+        await server.close()
+
+
+async def test_dc_b_bundle_holds_no_kv_key_and_nothing_of_dc_a(bundles) -> None:
+    b = bundles["dc-b"]
+    assert not list(b.glob("kv-*")) and not list(b.glob("prefill*")) and not list(b.glob("relay*"))
+    assert "SECRET" not in (b / "main_decode.env").read_text()
+    local_key = (bundles["dc-a"] / "kv-local-secret").read_text()
+    assert all(local_key not in f.read_text() for f in b.iterdir())
+
+
+async def test_local_path_goes_by_the_dc_a_key(bundles, tmp_path) -> None:
+    """prefill -> relay over unix://: no TLS there, so the HMAC key of dc-a's bundle; a sender
+    without it (MD's bundle has none) is refused."""
+    key = (bundles["dc-a"] / "kv-local-secret").read_text().strip()
+    sink = MemorySink()
+    relay = await start_kv_server(f"unix://{tmp_path}/relay.sock", key, sink, peer_roles=KV_SENDERS)
+    pool = KVClientPool(key, ssl=prefill_tls(bundles), peer_roles=MD_ONLY)  # prefill's one pool
+    try:
+        client = await pool.acquire(relay.address)
+        await client.send_blocks("r1", [1], src := blocks(1))
+        await client.finish("r1")
+        assert torch.equal(sink.tensor("r1"), src)
+        with pytest.raises(KVTransferError, match="holds none"):
+            await open_kv_client(relay.address, None, timeout=5)
+        with pytest.raises(KVTransferError, match="authentication failed"):
+            await open_kv_client(relay.address, "not-the-key", timeout=5)
+    finally:
+        await pool.close()
+        await relay.close()
+
+
+async def test_a_receiver_that_cannot_authenticate_senders_does_not_start(bundles, tmp_path) -> None:
+    with pytest.raises(ValueError, match="no secret"):  # plaintext and no key
+        await start_kv_server("tcp://127.0.0.1:0", None, MemorySink(), peer_roles=KV_SENDERS)
+    with pytest.raises(ValueError, match="no secret"):  # unix:// has no certificates to check
+        ssl = server_context(ident(bundles, "dc-b", "main_decode"))
+        await start_kv_server(f"unix://{tmp_path}/x.sock", None, MemorySink(), ssl=ssl, peer_roles=KV_SENDERS)
+
+
+async def test_the_prefill_service_streams_to_md_and_refuses_a_relay_posing_as_it(
+    bundles, nats_server, nats_security
+) -> None:
+    a = bundles["dc-a"]
+    files = {
+        "tls_ca": str(a / "ca.pem"),
+        "tls_cert": str(a / "prefill.pem"),
+        "tls_key": str(a / "prefill.key"),
+    }
+    nc = await nats_security.connect(nats_server, "prefill-identity")
+    try:
+        pool = PrefillService(
+            PrefillSettings(secret="k", instance="0", **files), nc, make_engine()
+        ).kv_clients
+    finally:
+        await nc.close()
+    impostor, lost = await md_receiver(bundles, "relay", "dc-a")
+    md, sink = await md_receiver(bundles)
+    try:
+        with pytest.raises(KVTransferError, match="spiffe://pdd/dc-a/relay is not main_decode"):
+            await pool.acquire(impostor.address)
+        client = await pool.acquire(md.address)  # at an address its certificate does not name
+        await client.send_blocks("r1", [1], blocks(1))
+        await client.finish("r1")
+        assert "r1" in sink.done and untouched(lost)
+    finally:
+        await pool.close()
+        await impostor.close()
+        await md.close()
