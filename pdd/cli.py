@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdd import certs as certs_cli
 from pdd.benchkit.catalog import bench_names, benches, listing
 from pdd.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--host", action="append", default=[], help="one more host the certificates name")
     certs.add_argument("--keep", action="store_true", help="only create what is missing (what `pdd up` does)")
     certs.add_argument("--compose", action="store_true", help="also write the NATS configs compose.yaml runs")
+    certs_cli.add_subcommands(certs)
 
     serve = sub.add_parser("serve", help="run one service (python -m services.<name>)")
     serve.add_argument("service", choices=SERVICES)
@@ -159,6 +161,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
+    if args.certs_command:
+        return certs_cli.run(args)
     from pdd.launch import COMPOSE_HOSTS, nats_specs
     from shared.security.credentials import Credentials
     from shared.security.pki import write_private
