@@ -144,11 +144,14 @@ def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
 
 
 def _ca_certificate(key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
-    builder = (
-        x509.CertificateBuilder().subject_name(_name("pdd private CA")).issuer_name(_name("pdd private CA"))
-    )
+    # A name of its own (and key identifiers): while a rotation trusts two CAs, a verifier must
+    # find each leaf's issuer, not the first CA of the same name.
+    name = _name(f"pdd private CA {os.urandom(4).hex()}")
+    builder = x509.CertificateBuilder().subject_name(name).issuer_name(name)
     builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
     builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    builder = builder.add_extension(ski, critical=False)
     usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)  # cert + CRL signing
     return builder.add_extension(usage, critical=True).sign(key, hashes.SHA256())
 
@@ -172,6 +175,8 @@ def _leaf_certificate(
     builder = x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
     builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
     builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
+    builder = builder.add_extension(aki, critical=False)
     names = [_san(h) for h in dict.fromkeys([name, *hosts])]
     names += [x509.UniformResourceIdentifier(uri)] if uri else []
     builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)

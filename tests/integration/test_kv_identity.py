@@ -167,3 +167,40 @@ async def test_the_prefill_service_streams_to_md_and_refuses_a_relay_posing_as_i
         await pool.close()
         await impostor.close()
         await md.close()
+
+
+async def test_a_ca_rotation_overlaps_so_old_and_new_leaves_meet(tmp_path) -> None:
+    """docs/security.md's procedure: trust both CAs everywhere, reissue, then drop the old."""
+    from shared.security.credentials import Credentials
+
+    w = tmp_path / "w"
+    old_b = write_bundle(w, "dc-b", tmp_path / "b")  # MD keeps its old-CA leaf throughout
+    new = Credentials(tmp_path / "new" / "secrets").ensure([], [])
+    both = new.pki.ca_cert.read_bytes() + (w / "secrets" / "ca.pem").read_bytes()
+    (old_b / "ca.pem").write_bytes(both)  # 1. trust both (MD restarted with it)
+    (w / "secrets" / "ca.pem").write_bytes(both)  # 2. reissue dc-a from the new CA
+    (w / "secrets" / "ca.key").write_bytes(new.pki.ca_key.read_bytes())
+    new_a = write_bundle(w, "dc-a", tmp_path / "a")
+    assert (new_a / "ca.pem").read_bytes() == both
+    bundles = {"dc-a": new_a, "dc-b": old_b}
+    server, sink = await md_receiver(bundles)
+    pool = KVClientPool(None, ssl=prefill_tls(bundles), peer_roles=MD_ONLY)
+    try:
+        client = await pool.acquire(server.address)  # new leaf to old leaf, both ways trusted
+        await client.send_blocks("r1", [1], blocks(1))
+        await client.finish("r1")
+        assert "r1" in sink.done
+    finally:
+        await pool.close()
+        await server.close()
+    (old_b / "ca.pem").write_bytes((tmp_path / "new" / "secrets" / "ca.pem").read_bytes())  # 3. drop old
+    server, _ = await md_receiver(bundles)  # ...too early: MD's own leaf is still the old CA's
+    pool = KVClientPool(None, ssl=prefill_tls(bundles), peer_roles=MD_ONLY)
+    try:
+        (new_a / "ca.pem").write_bytes(new.pki.ca_cert.read_bytes())
+        pool.ssl = prefill_tls(bundles)  # prefill, done with step 3, no longer trusts MD's old leaf
+        with pytest.raises(KVTransferError, match="certificate verify failed"):
+            await pool.acquire(server.address)
+    finally:
+        await pool.close()
+        await server.close()
