@@ -204,3 +204,30 @@ async def test_a_ca_rotation_overlaps_so_old_and_new_leaves_meet(tmp_path) -> No
     finally:
         await pool.close()
         await server.close()
+
+
+async def test_an_instance_identity_is_its_role(bundles, tmp_path) -> None:
+    """`pdd certs add-instance`: spiffe://pdd/dc-a/prefill/p-2 sends like prefill; a relay
+    instance's certificate is still no prefill."""
+    from pdd.certs import add_instance
+
+    w = bundles["dc-a"].parent / "w"
+    for role, instance in (("prefill", "p-2"), ("relay", "r-2")):
+        add_instance(w, "dc-a", role, instance, tmp_path)
+    server, sink = await md_receiver(bundles)
+    try:
+        tls = client_context(
+            Identity(tmp_path / "ca.pem", tmp_path / "prefill-p-2.pem", tmp_path / "prefill-p-2.key"), False
+        )
+        client = await open_kv_client(server.address, None, ssl=tls, peer_roles=MD_ONLY)
+        await client.send_blocks("r1", [1], blocks(1))
+        await client.finish("r1")
+        await client.close()
+        assert "r1" in sink.done
+        tls = client_context(
+            Identity(tmp_path / "ca.pem", tmp_path / "relay-r-2.pem", tmp_path / "relay-r-2.key"), False
+        )
+        with pytest.raises(KVTransferError, match="spiffe://pdd/dc-a/relay/r-2 is not prefill"):
+            await open_kv_client(server.address, None, ssl=tls, peer_roles=MD_ONLY, timeout=5)
+    finally:
+        await server.close()
