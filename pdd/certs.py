@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
+
+from pdd.launch import SERVICES, UpOptions
+from shared.config import ENV_PREFIX
+from shared.security.credentials import LOCAL_HOSTS, LOCAL_KV_SERVICES, LOCAL_SECRET, Credentials
+from shared.security.identity import PeerIdentity, parse_identity
+from shared.security.pki import Identity, write_private
 
 DCS = ("dc-a", "dc-b")
 DC_SERVICES = {"dc-a": ("prefill", "relay", "router"), "dc-b": ("main_decode",)}
@@ -31,40 +39,30 @@ def _other(dc: str) -> str:
     return DCS[1 - DCS.index(dc)]
 
 
-def _secrets(workdir: Path):
+def _secrets(workdir: Path) -> Credentials:
     """The workdir's credentials: the CA, the passwords and the local key (made if missing)."""
-    from pdd.launch import SERVICES
-    from shared.security.credentials import Credentials
-
     return Credentials(workdir.resolve() / "secrets").ensure(SERVICES, [])
 
 
-def _record(creds, dc: str) -> Path:
+def _record(creds: Credentials, dc: str) -> Path:
     """Where the workdir remembers a DC's bundle (its directory and hosts), for add-host."""
     return creds.dir / f"bundle-{dc}.json"
 
 
-def _issue(creds, out: Path, stem: str, name: str, hosts: list[str], uri: str) -> None:
+def _issue(creds: Credentials, out: Path, stem: str, name: str, hosts: list[str], uri: str) -> None:
     creds.pki.issue(out / f"{stem}.pem", out / f"{stem}.key", name, hosts, uri)
 
 
 def _nats_hosts(dc: str, hosts: list[str]) -> list[str]:
-    from shared.security.credentials import LOCAL_HOSTS
-
     return sorted({*LOCAL_HOSTS, NATS_OF[dc], *hosts})
 
 
 def _copy(src: Path, dst: Path) -> None:
-    from shared.security.pki import write_private
-
     write_private(dst, src.read_bytes())
 
 
-def _service_env(creds, dc: str, service: str, stem: str, extra: dict[str, str]) -> dict[str, str]:
+def _service_env(dc: str, service: str, stem: str, extra: dict[str, str]) -> dict[str, str]:
     """A service's env file: its NATS user, the paths of its files (relative to the bundle)."""
-    from shared.config import ENV_PREFIX
-    from shared.security.credentials import LOCAL_KV_SERVICES, LOCAL_SECRET
-
     p = ENV_PREFIX[service]
     env = {
         f"{p}DATACENTER": dc,
@@ -80,21 +78,16 @@ def _service_env(creds, dc: str, service: str, stem: str, extra: dict[str, str])
 
 
 def _write_env(path: Path, env: dict[str, str]) -> None:
-    from shared.security.pki import write_private
-
     text = "# pdd serve SERVICE --env-file FILE; relative paths are the bundle's files\n"
     write_private(path, (text + "".join(f"{k}={v}\n" for k, v in env.items())).encode())
 
 
-def _service_files(creds, out: Path, dc: str, service: str, extra: dict[str, str]) -> None:
-    from shared.security.credentials import LOCAL_KV_SERVICES
-    from shared.security.identity import PeerIdentity
-
+def _service_files(creds: Credentials, out: Path, dc: str, service: str, extra: dict[str, str]) -> None:
     _issue(creds, out, service, service, [], PeerIdentity(dc, service).uri)
     _copy(creds.password_file(service), out / f"{service}.nats-password")
     if service in LOCAL_KV_SERVICES:
         _copy(creds.secret_file, out / creds.secret_file.name)
-    _write_env(out / f"{service}.env", _service_env(creds, dc, service, service, extra))
+    _write_env(out / f"{service}.env", _service_env(dc, service, service, extra))
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -109,8 +102,6 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 
 
 def _private_dir(out: Path) -> Path:
-    import os
-
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     return out
@@ -121,13 +112,9 @@ def write_bundle(
 ) -> Path:
     """Issue dc's certificates from the workdir's CA into `out` and write the rest of its
     bundle (see the module's docstring); returns `out`."""
-    from shared.security.pki import write_private
-
     if dc not in DCS:
         raise ValueError(f"unknown datacenter {dc!r} (one of {', '.join(DCS)})")
     creds, out, hosts = _secrets(workdir), _private_dir(out.resolve()), sorted(set(hosts or []))
-    from shared.security.identity import PeerIdentity
-
     _copy(creds.pki.ca_cert, out / "ca.pem")  # every CA it holds (a rotation's overlap): never the key
     nats = NATS_OF[dc]
     _issue(creds, out, nats, nats, _nats_hosts(dc, hosts), PeerIdentity(dc, "nats", nats).uri)
@@ -159,9 +146,8 @@ def bundle_nats_config(
     (nats-a 4222 / 7222, nats-b 4223 / 7223); gateway_urls: how this server dials the other
     DC's gateway (none: it waits to be dialed); advertise: the address the other DC should dial
     (the WAN link in front of this gateway)."""
-    from shared.bus.nats_config import NatsConfig, NatsUser
+    from shared.bus.nats_config import NatsConfig, NatsUser  # lazy: shared.bus pulls in nats
     from shared.bus.permissions import PERMISSIONS
-    from shared.security.pki import Identity
 
     bundle_dir = Path(bundle_dir).resolve()
     meta = json.loads((bundle_dir / "bundle.json").read_text())
@@ -187,9 +173,6 @@ def bundle_nats_config(
 def add_host(workdir: Path, dc: str, host: str, out: Path | None = None) -> Path:
     """Reissue dc's NATS server certificate (the one certificate that names hosts) naming
     `host` too, into its bundle (default: where `bundle` last wrote it); returns the cert."""
-    from shared.security.identity import PeerIdentity
-    from shared.security.pki import write_private
-
     creds = _secrets(workdir)
     record = json.loads(_record(creds, dc).read_text()) if _record(creds, dc).exists() else {}
     out = (out or Path(record.get("out", ""))).resolve()
@@ -211,8 +194,6 @@ def add_instance(
     """One instance's own certificate (spiffe://pdd/<dc>/<role>/<instance>) into `out`, as
     <role>-<instance>.pem/.key, with what it needs to run there (the CA certificate, its
     role's NATS password, an env file) unless present; returns the certificate."""
-    from shared.security.identity import PeerIdentity, parse_identity
-
     if role != "nats" and role not in DC_SERVICES.get(dc, ()):
         raise ValueError(f"{role} does not run in {dc} (it has {', '.join(DC_SERVICES.get(dc, ()))}, nats)")
     ident = parse_identity(PeerIdentity(dc, role, instance).uri)  # a well-formed instance id
@@ -225,21 +206,16 @@ def add_instance(
     if not (out / "ca.pem").exists():
         _copy(creds.pki.ca_cert, out / "ca.pem")
     if role != "nats":
-        from shared.config import ENV_PREFIX
-        from shared.security.credentials import LOCAL_KV_SERVICES
-
         for src in [creds.password_file(role), *([creds.secret_file] if role in LOCAL_KV_SERVICES else [])]:
             if not (out / src.name).exists():
                 _copy(src, out / src.name)
         extra = {f"{ENV_PREFIX[role]}INSTANCE": instance}
-        _write_env(out / f"{stem}.env", _service_env(creds, dc, role, stem, extra))
+        _write_env(out / f"{stem}.env", _service_env(dc, role, stem, extra))
     return out / f"{stem}.pem"
 
 
 def add_subcommands(certs: argparse.ArgumentParser) -> None:
     """`pdd certs bundle | add-host | add-instance`; without one, `pdd certs` does as before."""
-    from pdd.launch import UpOptions
-
     sub = certs.add_subparsers(dest="certs_command", metavar="{bundle,add-host,add-instance}")
     workdir = {"type": Path, "default": UpOptions().workdir, "help": "whose secrets/ca.key issues them"}
     b = sub.add_parser("bundle", help="one datacenter's credentials and NATS config, for its hosts")
@@ -266,8 +242,6 @@ def add_subcommands(certs: argparse.ArgumentParser) -> None:
 
 def run(args: Any) -> int:
     """Run the subcommand `add_subcommands` parsed; 2 on a refusal, with why."""
-    import sys
-
     try:
         if args.certs_command == "bundle":
             out = write_bundle(args.workdir, args.dc, args.out, args.host, parse_env(args.env))
