@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdd import serve_nats
 from pdd.benchkit.catalog import bench_names, benches, listing
 from pdd.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--keep", action="store_true", help="only create what is missing (what `pdd up` does)")
     certs.add_argument("--compose", action="store_true", help="also write the NATS configs compose.yaml runs")
 
-    serve = sub.add_parser("serve", help="run one service (python -m services.<name>)")
-    serve.add_argument("service", choices=SERVICES)
+    serve = sub.add_parser("serve", help="run one service (python -m services.<name>), or a DC's NATS server")
+    serve.add_argument("service", choices=(*SERVICES, "nats"))
+    serve_nats.add_arguments(serve)
 
     sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)
 
@@ -198,6 +200,8 @@ def _run_module(module: str, argv: list[str]) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.service == "nats":
+        return serve_nats.serve_nats(args)
     return _run_module(f"services.{args.service}", [])
 
 
