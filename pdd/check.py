@@ -6,6 +6,7 @@ per check, ok / warn / FAIL (skip: the check does not apply in this DC); exit 1 
 
     own cert      valid now, not expiring within 30 days, its URI SAN names this role and DC
     server cert   each NATS URL in use: the server's certificate names that host, role nats
+    gateway cert  the same for each --gateway-url (the other DC's gateway this DC's server dials)
     nats          connect with this service's user, password and certificate, then flush
     gateway       a load report from the other DC heard through the gateway (and, with
                   --monitor, the server's /gatewayz lists an inbound and an outbound gateway)
@@ -276,11 +277,11 @@ def own_cert(settings: Any, role: str) -> Verdict:
     )
 
 
-async def _peer_cert(host: str, port: int, ctx: ssl.SSLContext, nats: bool, timeout_s: float) -> bytes:
-    """The DER certificate a server presents. NATS speaks first (INFO, in the clear), then
-    upgrades to TLS; the bulk channel is TLS from its first byte."""
+async def _peer_cert(host: str, port: int, ctx: ssl.SSLContext, info_first: bool, timeout_s: float) -> bytes:
+    """The DER certificate a server presents. NATS's client port speaks first (INFO, in the
+    clear), then upgrades to TLS; its gateway port and the bulk channel are TLS from the first byte."""
     async with asyncio.timeout(timeout_s):
-        if not nats:
+        if not info_first:
             _, writer = await asyncio.open_connection(host, port, ssl=ctx, server_hostname=host)
         else:
             reader, writer = await asyncio.open_connection(host, port)
@@ -295,12 +296,12 @@ async def _peer_cert(host: str, port: int, ctx: ssl.SSLContext, nats: bool, time
 
 
 async def peer_cert(
-    check: str, address: str, ctx: ssl.SSLContext, role: str, nats: bool, timeout_s: float
+    check: str, address: str, ctx: ssl.SSLContext, role: str, info_first: bool, timeout_s: float
 ) -> Verdict:
     url = urlsplit(address)
     host, port = url.hostname or "", url.port or 4222
     try:
-        der = await _peer_cert(host, port, ctx, nats, timeout_s)
+        der = await _peer_cert(host, port, ctx, info_first, timeout_s)
     except ssl.SSLCertVerificationError as e:
         return Verdict(FAIL, check, f"its certificate is not from our CA: {e.verify_message}")
     except (OSError, TimeoutError, ssl.SSLError) as e:
@@ -384,58 +385,70 @@ async def run_checks(
     *,
     md_bulk: Sequence[str] = (),
     bulk_identity: tuple[str, str, str] | None = None,
+    gateway_urls: Sequence[str] = (),
     monitor: str | None = None,
     timeout_s: float = 3.0,
 ) -> list[Verdict]:
     """Every check, in order; a check that cannot run for want of an earlier one says why."""
-    import httpx
-
     from shared.bus.connection import connect
-    from shared.bus.permissions import PERMISSIONS
-    from shared.bus.subjects import traces_get
     from shared.security.credentials import nats_options
 
-    dc = settings.datacenter
-    other = "dc-b" if dc == "dc-a" else "dc-a"
     urls = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
-    missing = [
-        n for n in ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key") if not getattr(settings, n)
-    ]
+    needed = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key")
+    missing = [n for n in needed if not getattr(settings, n)]
     if missing:
-        return [
-            Verdict(
-                FAIL,
-                "credentials",
-                f"{service}: no {', '.join(missing)} in the bundle, env files or environment",
-            )
-        ]
+        why = f"{service}: no {', '.join(missing)} in the bundle, env files or environment"
+        return [Verdict(FAIL, "credentials", why)]
     try:
         ctx = _verifying_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
     except (OSError, ssl.SSLError) as e:
         return [Verdict(FAIL, "credentials", f"{service}'s TLS files: {e}")]
     out = [own_cert(settings, service)]
     for url in urls:
-        out.append(await peer_cert(f"server cert {url}", url, ctx, "nats", nats=True, timeout_s=timeout_s))
+        out.append(await peer_cert(f"server cert {url}", url, ctx, "nats", True, timeout_s))
+    for url in gateway_urls:  # the other DC's gateway, as this DC's server dials it
+        out.append(await peer_cert(f"gateway cert {url}", url, ctx, "nats", False, timeout_s))
 
     nc = None
     try:
         t0 = time.monotonic()
-        nc = await connect(
-            urls, f"pdd-check-{service}", timeout=timeout_s, allow_reconnect=False, **nats_options(settings)
-        )
+        opts = nats_options(settings)
+        nc = await connect(urls, f"pdd-check-{service}", timeout=timeout_s, allow_reconnect=False, **opts)
         await nc.flush(timeout_s)
-        out.append(
-            Verdict(
-                OK,
-                "nats",
-                f"{nc.connected_url.netloc} as {settings.nats_user}, {(time.monotonic() - t0) * 1e3:.0f} ms",
-            )
-        )
+        took = (time.monotonic() - t0) * 1e3
+        out.append(Verdict(OK, "nats", f"{nc.connected_url.netloc} as {settings.nats_user}, {took:.0f} ms"))
     except Exception as e:
+        why = str(e) or f"no connection within {timeout_s:g} s"
         out.append(
-            Verdict(FAIL, "nats", f"{', '.join(urls)} as {settings.nats_user}: {type(e).__name__}: {e}")
+            Verdict(FAIL, "nats", f"{', '.join(urls)} as {settings.nats_user}: {type(e).__name__}: {why}")
         )
+    try:
+        out += await _bus_checks(nc, service, settings, md_bulk, bulk_identity, monitor, timeout_s)
+    finally:
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.close()
+    return out
 
+
+async def _bus_checks(
+    nc,
+    service: str,
+    settings: Any,
+    md_bulk: Sequence[str],
+    bulk_identity: tuple[str, str, str] | None,
+    monitor: str | None,
+    timeout_s: float,
+) -> list[Verdict]:
+    """gateway, md bulk, clock: what the other DC shows of itself on the bus."""
+    import httpx
+
+    from shared.bus.permissions import PERMISSIONS
+    from shared.bus.subjects import traces_get
+
+    dc = settings.datacenter
+    other = "dc-b" if dc == "dc-a" else "dc-a"
+    out: list[Verdict] = []
     learned: list[str] = []
     if nc is None:
         out.append(Verdict(FAIL, f"gateway (from {other})", "no NATS connection"))
@@ -456,22 +469,19 @@ async def run_checks(
         addresses = list(md_bulk) or learned
         if not addresses:
             out.append(Verdict(FAIL, "md bulk", "no --md-bulk given and no MD load report heard"))
-        bulk_ctx = _verifying_context(
-            *(bulk_identity or (settings.tls_ca, settings.tls_cert, settings.tls_key))
-        )
+        files = bulk_identity or (settings.tls_ca, settings.tls_cert, settings.tls_key)
+        bulk_ctx = _verifying_context(*files)
         for address in addresses:
             probe = await peer_cert(f"md bulk {address}", address, bulk_ctx, "main_decode", False, timeout_s)
             out.append(bulk_verdict(probe, None if md_bulk else local_only(address)))
 
-    if nc is None or not may(PERMISSIONS[service].publish, traces_get(other)):
-        out.append(
-            Verdict(SKIP, f"clock vs {other}", "asked from dc-a as router (a trace across DCs assumes NTP)")
-        )
+    clock = f"clock vs {other}"
+    if nc is None:
+        out.append(Verdict(WARN, clock, "no NATS connection: clocks not compared"))
+    elif not may(PERMISSIONS[service].publish, traces_get(other)):
+        out.append(Verdict(SKIP, clock, "asked from dc-a as router (a trace across DCs assumes NTP)"))
     else:
         out.append(clock_verdict(other, await clock_samples(nc, other, timeout_s)))
-    if nc is not None:
-        with contextlib.suppress(Exception):
-            await nc.close()
     return out
 
 
@@ -496,7 +506,7 @@ def main(args: Any) -> int:
 
         os.environ[f"{ENV_PREFIX[service]}NATS_URL"] = args.nats_url
     settings = load_settings(service, env)
-    logging.getLogger("shared.bus.connection").setLevel(logging.WARNING)  # connect/close chatter
+    logging.getLogger("shared.bus.connection").setLevel(logging.ERROR)  # the verdicts say it once
     logging.getLogger("asyncio").setLevel(logging.ERROR)  # a NATS socket closed right after its TLS upgrade
     verdicts = asyncio.run(
         run_checks(
@@ -504,6 +514,7 @@ def main(args: Any) -> int:
             settings,
             md_bulk=args.md_bulk,
             bulk_identity=bulk_identity,
+            gateway_urls=args.gateway_url,
             monitor=args.monitor,
             timeout_s=args.timeout,
         )

@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="this DC's NATS monitoring URL, for /gatewayz (e.g. http://127.0.0.1:8222)",
     )
+    check.add_argument(
+        "--gateway-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="the other DC's gateway as this DC's server dials it, to check its certificate (repeatable)",
+    )
     check.add_argument("--timeout", type=float, default=3.0, help="seconds each probe may take")
 
     sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)

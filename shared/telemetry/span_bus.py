@@ -38,7 +38,8 @@ GATHER_TIMEOUT_S = 2.0  # a DC's answers cross the WAN once each way, after a re
 
 
 def is_trace_id(value: str) -> bool:
-    return len(value) == 32 and all(c in "0123456789abcdef" for c in value.lower())
+    """32 hex digits, not all zero (W3C's invalid id: `pdd check` asks for it to read no store)."""
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value.lower()) and value.strip("0") != ""
 
 
 def bounded(spans: Sequence[SpanRecord], max_bytes: int) -> tuple[list[str], bool]:

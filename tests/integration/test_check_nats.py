@@ -137,12 +137,16 @@ async def test_pdd_check_in_both_datacenters(tmp_path: Path) -> None:
         bundle_a = _bundle(tmp_path / "a", sec.creds, "dc-a", ["prefill", "relay", "router"], a.url)
         bundle_b = _bundle(tmp_path / "b", sec.creds, "dc-b", ["main_decode"], b.url)
 
-        code, out = await _check("--bundle", str(bundle_a), "--monitor", a.monitor_url)
+        gateway = f"nats://127.0.0.1:{gw_b}"
+        code, out = await _check(
+            "--bundle", str(bundle_a), "--monitor", a.monitor_url, "--gateway-url", gateway
+        )
         assert code == 0, out
         lines = out.splitlines()[1:]
         # MD's learned address is loopback here: it answers, but only from MD's own host.
-        assert [line[:4].strip() for line in lines] == ["ok"] * 5 + ["warn", "ok"], out
-        checks = ["own cert (router)", f"server cert {a.url}", "nats", "gateway (from dc-b)"]
+        assert [line[:4].strip() for line in lines] == ["ok"] * 6 + ["warn", "ok"], out
+        checks = ["own cert (router)", f"server cert {a.url}", f"gateway cert {gateway}", "nats"]
+        checks += ["gateway (from dc-b)"]
         checks += ["gateway (/gatewayz)", f"md bulk {bulk}", "clock vs dc-b"]
         assert [line[6:].split("  ")[0].strip() for line in lines] == checks, out
         assert "heard main_decode/0" in out and "PDD_MD_ADVERTISE" in out, out
