@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 
 from cryptography import x509
 
+from shared.config import ENV_PREFIX, MainDecodeSettings, PrefillSettings, RelaySettings, RouterSettings
+
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 EXPIRY_WARN_DAYS = 30
 CLOCK_WARN_S = 0.1
@@ -207,8 +209,6 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 def service_of(env: dict[str, str]) -> str | None:
     """The service whose NATS user the env names (PDD_<SERVICE>_NATS_USER)."""
-    from shared.config import ENV_PREFIX
-
     return next((name for name, p in ENV_PREFIX.items() if f"{p}NATS_USER" in env), None)
 
 
@@ -221,8 +221,6 @@ def bundle_env(directory: Path, service: str | None) -> tuple[str, dict[str, str
         chosen = service or (services[0] if services else None)
     if not chosen or not (directory / f"{chosen}.env").exists():
         raise SystemExit(f"pdd check: no {chosen or 'service'}.env in {directory} (services: {services})")
-    from shared.config import ENV_PREFIX
-
     env = read_env_file(directory / f"{chosen}.env")
     env.setdefault(f"{ENV_PREFIX[chosen]}DATACENTER", meta.get("dc", ""))
     return chosen, env
@@ -230,8 +228,6 @@ def bundle_env(directory: Path, service: str | None) -> tuple[str, dict[str, str
 
 def load_settings(service: str, env: dict[str, str]) -> Any:
     """The service's settings from the files' values under the process environment (which wins)."""
-    from shared.config import MainDecodeSettings, PrefillSettings, RelaySettings, RouterSettings
-
     for key, value in env.items():
         os.environ.setdefault(key, value)
     cls = {"prefill": PrefillSettings, "relay": RelaySettings, "main_decode": MainDecodeSettings}
@@ -502,8 +498,6 @@ def main(args: Any) -> int:
             "pdd check: which service? give --service, --bundle or an env file naming PDD_<SVC>_NATS_USER"
         )
     if args.nats_url:
-        from shared.config import ENV_PREFIX
-
         os.environ[f"{ENV_PREFIX[service]}NATS_URL"] = args.nats_url
     settings = load_settings(service, env)
     logging.getLogger("shared.bus.connection").setLevel(logging.ERROR)  # the verdicts say it once
