@@ -77,7 +77,7 @@ async def test_router_shows_both_datacenters_from_separate_span_stores(nats_pair
             tmp_path / "router.log",
             port=str(port),
             trace_datacenters="dc-a,dc-b,dc-x",
-            trace_gather_timeout_s="1",
+            trace_gather_timeout_s="0.5",
         ),
     ]
     url = f"http://127.0.0.1:{port}"
