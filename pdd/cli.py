@@ -1,4 +1,4 @@
-"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, sim, trace, top."""
+"""`pdd` — the command line: up, certs, serve, check, wan, bench, chaos, sim, trace, top."""
 
 from __future__ import annotations
 
@@ -76,6 +76,49 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (python -m services.<name>), or a DC's NATS server")
     serve.add_argument("service", choices=(*SERVICES, "nats"))
     serve_nats.add_arguments(serve)
+
+    check = sub.add_parser(
+        "check",
+        help="preflight of this host of a datacenter: NATS, gateway, certificate names, MD's bulk address, clocks",
+    )
+    check.add_argument(
+        "--bundle", type=Path, default=None, help="this DC's bundle directory (pdd certs bundle)"
+    )
+    check.add_argument(
+        "--env-file",
+        type=Path,
+        action="append",
+        default=[],
+        help="KEY=VALUE settings (repeatable; after the bundle's)",
+    )
+    check.add_argument(
+        "--service",
+        choices=SERVICES,
+        default=None,
+        help="whose credentials (bundle default: dc-a router, dc-b main_decode)",
+    )
+    check.add_argument(
+        "--nats-url", default=None, metavar="URL", help="NATS URL(s) to check, over the settings' own"
+    )
+    check.add_argument(
+        "--md-bulk",
+        action="append",
+        default=[],
+        help="MD bulk address tcp://host:port (repeatable); default: from MD's load reports",
+    )
+    check.add_argument(
+        "--monitor",
+        default=None,
+        help="this DC's NATS monitoring URL, for /gatewayz (e.g. http://127.0.0.1:8222)",
+    )
+    check.add_argument(
+        "--gateway-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="the other DC's gateway as this DC's server dials it, to check its certificate (repeatable)",
+    )
+    check.add_argument("--timeout", type=float, default=3.0, help="seconds each probe may take")
 
     sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)
 
@@ -286,6 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_certs(args)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command == "check":
+        from pdd.check import main as check_main
+
+        return check_main(args)
     if args.command == "wan":
         return cmd_wan(extra)
     if args.command == "bench":

@@ -201,6 +201,10 @@ class RouterSettings(CommonSettings):
     # when its KV memory is taken. Also bounds prefill's answer to the submit.
     prepare_timeout_s: float = 30.0
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
+    # GET /v1/traces asks these DCs' engine instances for their spans (comma-separated), and
+    # waits at most trace_gather_timeout_s for the answers; a DC that does not answer is listed.
+    trace_datacenters: str = "dc-a,dc-b"
+    trace_gather_timeout_s: float = Field(default=2.0, gt=0)
     lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
     # The instances' cache events are numbered; a lost one (or a restart) makes the router ask
     # that instance for its whole cache. Besides, every instance is asked this often (a safety net).
