@@ -27,6 +27,7 @@ def test_comments_blank_lines_quotes_and_export(tmp_path: Path) -> None:
         'PDD_MD_MODEL__PATH="/models/with space # not a comment"\n'
         'PDD_X="a\\"b\\\\c\\nd"\n'
         "PDD_HASH=abc#def\n"
+        "PDD_Q='quoted' # a note\n"
         "PDD_EMPTY=\n",
     )
     assert parse_env_file(f) == {
@@ -36,6 +37,7 @@ def test_comments_blank_lines_quotes_and_export(tmp_path: Path) -> None:
         "PDD_MD_MODEL__PATH": "/models/with space # not a comment",
         "PDD_X": 'a"b\\c\nd',
         "PDD_HASH": "abc#def",
+        "PDD_Q": "quoted",
         "PDD_EMPTY": "",
     }
 
