@@ -60,6 +60,10 @@ class EngineService:
     role: ClassVar[Role]
     publishes_cache: ClassVar[bool] = False  # its prefix cache steers routing: the routers follow it
 
+    @classmethod
+    async def preflight(cls, settings: Any) -> None:
+        """Settings checks that exit 2 before the service connects anywhere; none by default."""
+
     def __init__(self, settings: Any, nc: Any, engine: LLMEngine, post_step: PostStep | None = None):
         self.settings = settings
         self.nc = nc
