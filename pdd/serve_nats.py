@@ -87,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_nats(args: argparse.Namespace) -> int:
+    from shared.advertise import loopback_verdict
     from shared.bus.nats_server import nats_server_binary
     from shared.security.pki import write_private
 
@@ -102,6 +103,13 @@ def serve_nats(args: argparse.Namespace) -> int:
         args.advertise,
         args.monitor,
     )
+    if spec.advertise and loopback_verdict(spec.advertise, spec.gateway_listen, False) == "refuse":
+        print(
+            f"pdd serve nats: --advertise {spec.advertise} is a loopback address, but the gateway "
+            f"listens on {spec.gateway_listen}: the other DC would dial its own loopback",
+            flush=True,
+        )
+        return 2
     try:
         text = dc_nats_config(args.bundle, spec)
     except (OSError, KeyError, ValueError) as e:
