@@ -1,4 +1,4 @@
-"""`pdd` — the command line: up, certs, serve, wan, bench, chaos, sim, trace, top."""
+"""`pdd` — the command line: up, certs, serve, config, check, wan, bench, chaos, sim, trace, top."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdd import certs as certs_cli
+from pdd import serve_nats
 from pdd.benchkit.catalog import bench_names, benches, listing
 from pdd.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
 
+ENV_FILE_HELP = (
+    "KEY=VALUE lines (repeatable; a later file wins, the process environment over all); "
+    "relative paths of *_FILE/_CA/_CERT/_KEY are taken from the file's directory"
+)
 FORWARDING = ("wan", "bench", "chaos", "sim")  # subcommands whose extra arguments belong to another main()
 COUNT_HELP = {
     "prefill": f"prefill instances (1..{MAX_COUNT}); ",
@@ -74,8 +79,66 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--compose", action="store_true", help="also write the NATS configs compose.yaml runs")
     certs_cli.add_subcommands(certs)
 
-    serve = sub.add_parser("serve", help="run one service (python -m services.<name>)")
-    serve.add_argument("service", choices=SERVICES)
+    serve = sub.add_parser(
+        "serve",
+        help="run one service (python -m services.<name>), or a DC's NATS server",
+        epilog="Settings come from the environment and --env-file; "
+        "`pdd config show SERVICE` lists every one with its variable, default and current value.",
+    )
+    serve.add_argument("service", choices=(*SERVICES, "nats"))
+    serve.add_argument("--env-file", action="append", type=Path, default=[], help=ENV_FILE_HELP)
+    serve_nats.add_arguments(serve)
+
+    config = sub.add_parser("config", help="inspect a service's settings").add_subparsers(
+        dest="config_command", required=True
+    )
+    show = config.add_parser("show", help="every setting: its variable, default and current value")
+    show.add_argument("service", choices=SERVICES)
+    show.add_argument("--env-file", action="append", type=Path, default=[], help=ENV_FILE_HELP)
+    show.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+    check = sub.add_parser(
+        "check",
+        help="preflight of this host of a datacenter: NATS, gateway, certificate names, MD's bulk address, clocks",
+    )
+    check.add_argument(
+        "--bundle", type=Path, default=None, help="this DC's bundle directory (pdd certs bundle)"
+    )
+    check.add_argument(
+        "--env-file",
+        type=Path,
+        action="append",
+        default=[],
+        help="KEY=VALUE settings (repeatable; after the bundle's)",
+    )
+    check.add_argument(
+        "--service",
+        choices=SERVICES,
+        default=None,
+        help="whose credentials (bundle default: dc-a router, dc-b main_decode)",
+    )
+    check.add_argument(
+        "--nats-url", default=None, metavar="URL", help="NATS URL(s) to check, over the settings' own"
+    )
+    check.add_argument(
+        "--md-bulk",
+        action="append",
+        default=[],
+        help="MD bulk address tcp://host:port (repeatable); default: from MD's load reports",
+    )
+    check.add_argument(
+        "--monitor",
+        default=None,
+        help="this DC's NATS monitoring URL, for /gatewayz (e.g. http://127.0.0.1:8222)",
+    )
+    check.add_argument(
+        "--gateway-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="the other DC's gateway as this DC's server dials it, to check its certificate (repeatable)",
+    )
+    check.add_argument("--timeout", type=float, default=3.0, help="seconds each probe may take")
 
     sub.add_parser("wan", help="the WAN emulator; arguments go to it", add_help=False)
 
@@ -202,7 +265,22 @@ def _run_module(module: str, argv: list[str]) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.service == "nats":
+        return serve_nats.serve_nats(args)
+    from shared.env_file import EnvFileError, apply_env_files
+
+    try:
+        apply_env_files(args.env_file)
+    except (OSError, EnvFileError) as e:
+        print(f"pdd serve: {e}", file=sys.stderr)
+        return 2
     return _run_module(f"services.{args.service}", [])
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from pdd.config_show import show
+
+    return show(args.service, args.env_file, as_json=args.json)
 
 
 def cmd_wan(extra: list[str]) -> int:
@@ -286,6 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_certs(args)
     if args.command == "serve":
         return cmd_serve(args)
+    if args.command == "config":
+        return cmd_config(args)
+    if args.command == "check":
+        from pdd.check import main as check_main
+
+        return check_main(args)
     if args.command == "wan":
         return cmd_wan(extra)
     if args.command == "bench":

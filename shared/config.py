@@ -11,14 +11,32 @@ double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_
 
 from __future__ import annotations
 
+import os
 import socket
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 COMMON_PREFIX = "PDD_"
 NESTED_DELIMITER = "__"
+
+
+def default_instance() -> str:
+    """hostname-pid. The hostname alone is equal across hosts that share it (two network
+    namespaces on one machine, cloned VMs) and across two instances of a role on one host; the
+    pid tells them apart, and a restarted process, whose KV cache is gone, comes back as a new
+    instance instead of one that claims the old one's cache. `pdd up` numbers its instances;
+    set PDD_<SERVICE>_INSTANCE for a name that lasts across restarts."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def advertise_field(prefix: str) -> Any:
+    """An address peers dial, None by default, read from PDD_<SERVICE>_ADVERTISE or the older
+    PDD_<SERVICE>_ADVERTISE_ADDRESS (the first wins)."""
+    return Field(
+        default=None, validation_alias=AliasChoices(f"{prefix}ADVERTISE", f"{prefix}ADVERTISE_ADDRESS")
+    )
 
 
 class ModelSettings(BaseModel):
@@ -73,9 +91,7 @@ class CommonSettings(BaseSettings):
     )
 
     nats_url: str = "tls://127.0.0.1:4222"
-    instance: str = Field(
-        default_factory=socket.gethostname
-    )  # unique per host (compose replicas); `pdd up` numbers them
+    instance: str = Field(default_factory=default_instance)  # unique per DC; `pdd up` numbers them
     datacenter: str = "dc-a"
     secret: str | None = None  # key of the local KV path, prefill <-> relay (required there, or secret_file)
     secret_file: str | None = None  # a file holding `secret` (what `pdd up` passes)
@@ -98,6 +114,9 @@ class CommonSettings(BaseSettings):
     torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
     metrics_host: str = "127.0.0.1"  # address the /metrics server binds to
+    # Start even when an address given to peers is loopback while its listener expects peers
+    # from other hosts (shared/advertise.py); a warning instead of exit 2.
+    advertise_loopback_ok: bool = False
 
     @classmethod
     def settings_customise_sources(
@@ -135,11 +154,13 @@ class PrefillSettings(CommonSettings):
 
 
 class RelaySettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_RELAY_")
+    model_config = SettingsConfigDict(env_prefix="PDD_RELAY_", populate_by_name=True)
 
     # Local fast path from prefill; "{instance}" becomes this instance's id, so replicas that
     # share a socket directory (compose) each get their own socket.
     local_address: str = "unix:///tmp/pdd-relay-{instance}.sock"
+    # What prefill dials for it; None: local_address, with a wildcard host as this host's IP.
+    advertise_address: str | None = advertise_field("PDD_RELAY_")
     catchup_threshold: int = 64  # pending tokens above which handoff goes in batches
     catchup_load: int = 4  # running requests at or above which RLD prefers one-shot
     catchup_max_rounds: int = 4  # catch-up batches before the final one, whatever remains
@@ -151,12 +172,13 @@ class RelaySettings(CommonSettings):
 
 
 class MainDecodeSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="PDD_MD_")
+    model_config = SettingsConfigDict(env_prefix="PDD_MD_", populate_by_name=True)
 
     datacenter: str = "dc-b"
     bulk_address: str = "tcp://127.0.0.1:7400"  # where MD listens for KV
-    # What P dials; None: bulk_address, with a wildcard host (0.0.0.0, ::) as this host's IP.
-    advertise_address: str | None = None
+    # What P dials (PDD_MD_ADVERTISE); None: bulk_address, with a wildcard host (0.0.0.0, ::)
+    # as this host's IP. Never loopback while bulk_address expects other hosts (shared/advertise.py).
+    advertise_address: str | None = advertise_field("PDD_MD_")
     # A prepare whose KV does not fit now waits, first come first served, for blocks to free
     # up; past either bound MD answers busy. Keep admission_wait_s under the router's
     # prepare_timeout_s.
@@ -201,6 +223,10 @@ class RouterSettings(CommonSettings):
     # when its KV memory is taken. Also bounds prefill's answer to the submit.
     prepare_timeout_s: float = 30.0
     token_timeout_s: float = 30.0  # longest silence between two token events of a request
+    # GET /v1/traces asks these DCs' engine instances for their spans (comma-separated), and
+    # waits at most trace_gather_timeout_s for the answers; a DC that does not answer is listed.
+    trace_datacenters: str = "dc-a,dc-b"
+    trace_gather_timeout_s: float = Field(default=2.0, gt=0)
     lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
     # The instances' cache events are numbered; a lost one (or a restart) makes the router ask
     # that instance for its whole cache. Besides, every instance is asked this often (a safety net).
@@ -237,13 +263,11 @@ class RouterSettings(CommonSettings):
         return v or UNCAPPED_BANDWIDTH_BPS
 
 
-# Env prefix of each service's settings, by service name (the launcher sets its variables with it).
-ENV_PREFIX = {
-    name: cls.model_config["env_prefix"]
-    for name, cls in (
-        ("prefill", PrefillSettings),
-        ("relay", RelaySettings),
-        ("main_decode", MainDecodeSettings),
-        ("router", RouterSettings),
-    )
+SETTINGS: dict[str, type[CommonSettings]] = {
+    "prefill": PrefillSettings,
+    "relay": RelaySettings,
+    "main_decode": MainDecodeSettings,
+    "router": RouterSettings,
 }
+# Env prefix of each service's settings, by service name (the launcher sets its variables with it).
+ENV_PREFIX = {name: cls.model_config["env_prefix"] for name, cls in SETTINGS.items()}

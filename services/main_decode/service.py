@@ -10,6 +10,7 @@ import time
 
 from opentelemetry import context as otel_context
 
+from shared.advertise import check_advertised
 from shared.bus import subjects
 from shared.bus.connection import respond
 from shared.bus.delivery import deliver
@@ -83,12 +84,22 @@ class MainDecodeService(EngineService):
     def load_address(self) -> str:
         return self.advertise_address
 
+    @classmethod
+    async def preflight(cls, settings: MainDecodeSettings) -> None:
+        """Exit 2 when the bulk address (or the RDMA host) MD would give prefill is loopback
+        while its listener expects peers from other hosts (shared/advertise.py)."""
+        bound, ok = settings.bulk_address, settings.advertise_loopback_ok
+        force = "PDD_MD_ADVERTISE_LOOPBACK_OK"
+        bulk = await advertised_bulk(settings, bound)
+        check_advertised("main_decode", "the bulk address", bulk, bound, ok, "PDD_MD_ADVERTISE", force)
+        if settings.kv_transport == "rdma" and settings.rdma.host:
+            host = settings.rdma.host
+            check_advertised("main_decode", "the RDMA host", host, bound, ok, "PDD_MD_RDMA__HOST", force)
+
     async def start(self) -> None:
         await self.serve_kv(self.settings.bulk_address, self.prompt_kv)
         assert self.kv_server is not None
-        self.advertise_address = self.settings.advertise_address or await advertised_address(
-            self.kv_server.address
-        )
+        self.advertise_address = await advertised_bulk(self.settings, self.kv_server.address)
         await self.rdma.start(self.advertise_address)
         await super().start()
         self.life.every(1.0, self._expire)
@@ -318,3 +329,9 @@ class MainDecodeService(EngineService):
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s:
                 await self._fail(job, "request timed out on MD")
+
+
+async def advertised_bulk(settings: MainDecodeSettings, bound: str) -> str:
+    """What prefill dials for MD's KV: PDD_MD_ADVERTISE, else the bound address with a wildcard
+    host as this host's IP."""
+    return settings.advertise_address or await advertised_address(bound)

@@ -9,6 +9,7 @@ import logging
 
 from opentelemetry import context as otel_context
 
+from shared.advertise import check_advertised
 from shared.bus import subjects
 from shared.bus.connection import respond
 from shared.bus.delivery import deliver
@@ -31,6 +32,7 @@ from shared.bus.subjects import Req
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
 from shared.kv import KVClientPool
+from shared.kv.rdma_link import rdma_host
 from shared.kv.sender import KVSenders
 from shared.kv.tls import client_tls
 from shared.serving.engine_service import EngineService, outcome_of, token_event
@@ -74,6 +76,16 @@ class PrefillService(EngineService):
             self._stream_acked,
             self._release_if_drained,
         )
+
+    @classmethod
+    async def preflight(cls, settings: PrefillSettings) -> None:
+        """Exit 2 when the RDMA engine's host, taken from this host's name, is loopback: MD on
+        another host would write to its own (shared/advertise.py). A host given is taken as is."""
+        if settings.kv_transport == "rdma" and not settings.rdma.host:
+            host = await rdma_host(settings)
+            fix, force = "PDD_PREFILL_RDMA__HOST", "PDD_PREFILL_ADVERTISE_LOOPBACK_OK"
+            ok = settings.advertise_loopback_ok
+            check_advertised("prefill", "the RDMA engine's host", host, "0.0.0.0", ok, fix, force)
 
     async def start(self) -> None:
         await self.senders.start()

@@ -76,6 +76,13 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)  # the lifespan (NATS, RouterCore) ran first
+        if self.started:  # uvicorn logs at warning only: this is the line an operator looks for
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            where = f"[{host}]" if ":" in host else host
+            log.info("router %s ready on http://%s:%d", self.app.state.core.settings.instance, where, port)
+
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and self._loop is not None and not self.should_exit:
             # Not recorded as captured: uvicorn would raise it again once stopped (exit -15).

@@ -358,3 +358,23 @@ class LoadReport(Message):
     held: list[str] = field(default_factory=list)  # request ids this instance holds (heartbeat)
     draining: bool = False  # leaving: it finishes what it holds and takes nothing new
     epoch: str = ""  # this process, new at every start: a restart under the same name shows
+
+
+@dataclass
+class TraceQuery(Message):
+    """The router asks a datacenter's engine instances for one trace (pdd.traces.<dc>.get)."""
+
+    trace_id: str = ""  # 32 hex digits; "" = the trace of request_id in the responder's store
+    request_id: str = ""
+
+
+@dataclass
+class TraceSpans(Message):
+    """One instance's answer: the trace's spans in its host's span store, size-bounded."""
+
+    datacenter: str
+    service: Role
+    instance: str
+    spans: list[str] = field(default_factory=list)  # each one span, a line of the span store (JSON)
+    truncated: bool = False  # more spans than one reply may carry: the latest were left out
+    now_ns: int = 0  # the responder's clock as it answered (`pdd check` compares the DCs' clocks)

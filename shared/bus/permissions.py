@@ -8,20 +8,21 @@ receives the message); a subscription outside its subscribe list never sees a me
     service      publishes                                              subscribes
     router       md prepare, prefill submit, md/relay resume,           router tokens, kv events, load,
                  kv snapshot (requests), md_target, md_lost,            its request inboxes
-                 abort.router, load.router (its heartbeat)
+                 abort.router, load.router (its heartbeat),
+                 traces get (requests)
     prefill      tokens, handoff, relay_start, kv events.prefill,      prefill submit, md_target,
                  abort.prefill, load.prefill, rdma offer / written      md_lost, kv snapshot.prefill,
                                                                         every abort, router heartbeats,
-                                                                        its request inboxes
+                                                                        traces get, its request inboxes
     relay        tokens, handoff, abort.relay, load.relay               relay_start, kv_ready,
                                                                         handoff_ack, md_lost, relay resume,
                                                                         every abort, router heartbeats,
-                                                                        its request inboxes
+                                                                        traces get, its request inboxes
     main_decode  tokens, kv_ready, handoff_ack, kv events.main_decode,  md prepare, md resume, handoff,
                  abort.main_decode, load.main_decode                    kv snapshot.main_decode,
                                                                         rdma offer / written,
                                                                         every abort, router heartbeats,
-                                                                        its request inboxes
+                                                                        traces get, its request inboxes
 
 "tokens" is both subjects a token event may take: a router's (`pdd.router.<router>.tokens`,
 the requests it owns) and a request's own (`pdd.req.<rid>.tokens`, a request no router owns).
@@ -30,7 +31,7 @@ An abort's last subject token is its sender's role (a kv event's role token too)
 role may publish only its own, so a receiver knows who sent it from the subject, never from a
 field a peer could forge.
 
-Services that answer requests (prefill submit, md prepare, kv snapshot, `nats.micro` discovery,
+Services that answer requests (prefill submit, md prepare, kv snapshot, traces get, `nats.micro` discovery,
 and the acks of control messages sent by shared/bus/delivery.py) may publish one reply to the
 reply subject of a request they received (`allow_responses`), nothing else under `_INBOX`;
 every service that sends such requests subscribes to its `_INBOX`. Every service but the router registers with `nats.micro`, hence `$SRV.>`.
@@ -61,6 +62,7 @@ ANY_MD_RESUME = f"{PREFIX}.md.*.resume"
 ANY_RELAY_RESUME = f"{PREFIX}.relay.*.resume"
 ANY_MD_RDMA = f"{PREFIX}.rdma.*.*"  # subjects.md_rdma: offers and written-notes to a main decoder
 ROUTER_HEARTBEATS = subjects.router_heartbeats()
+TRACES = subjects.all_traces_get()  # the router asks each DC's span stores; engines answer
 TOKENS = (subjects.all_router_tokens(), subjects.all_req(Req.TOKENS))  # what P, RLD and MD stream
 
 
@@ -95,6 +97,7 @@ PERMISSIONS: dict[str, Permissions] = {
             own_load("router"),
             kv_snapshots("prefill"),
             kv_snapshots("main_decode"),
+            TRACES,
         ),
         subscribe=(subjects.all_router_tokens(), subjects.all_kv_events(), subjects.all_load(), INBOX),
     ),
@@ -117,6 +120,7 @@ PERMISSIONS: dict[str, Permissions] = {
             ROUTER_HEARTBEATS,
             DISCOVERY,
             kv_snapshots("prefill"),
+            TRACES,
             INBOX,
         ),
         responds=True,
@@ -137,6 +141,7 @@ PERMISSIONS: dict[str, Permissions] = {
             ABORTS,
             ROUTER_HEARTBEATS,
             DISCOVERY,
+            TRACES,
             INBOX,
         ),
         responds=True,
@@ -159,6 +164,7 @@ PERMISSIONS: dict[str, Permissions] = {
             DISCOVERY,
             kv_snapshots("main_decode"),
             ANY_MD_RDMA,
+            TRACES,
             INBOX,
         ),
         responds=True,

@@ -137,3 +137,13 @@ def router_heartbeats() -> str:
 
 def all_load() -> str:
     return f"{PREFIX}.load.*.*"
+
+
+def traces_get(dc: str) -> str:
+    """`pdd.traces.<dc>.get`: every engine instance of datacenter `dc` answers with the spans of
+    one trace in its host's span store (the router gathers both DCs for `GET /v1/traces`)."""
+    return f"{PREFIX}.traces.{_tok(dc)}.get"
+
+
+def all_traces_get() -> str:
+    return f"{PREFIX}.traces.*.get"

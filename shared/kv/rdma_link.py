@@ -40,10 +40,7 @@ async def start_writer(settings: PrefillSettings) -> RdmaWriter | None:
         return None
     rdma = settings.rdma
     try:
-        host = (
-            rdma.host
-            or (await advertised_address("tcp://0.0.0.0:0")).removeprefix("tcp://").rsplit(":", 1)[0]
-        )
+        host = await rdma_host(settings)
         engine = await asyncio.to_thread(RdmaEngine, host, rdma.protocol, rdma.device)
         writer = RdmaWriter(engine, int(rdma.staging_mb * 2**20))
     except (RdmaError, OSError) as e:
@@ -51,6 +48,12 @@ async def start_writer(settings: PrefillSettings) -> RdmaWriter | None:
         return None
     log.info("RDMA path on: %s engine %s", rdma.protocol, engine.session)
     return writer
+
+
+async def rdma_host(settings: PrefillSettings) -> str:
+    """The address MD reaches prefill's engine at: rdma.host, else this host's IP."""
+    bare = (await advertised_address("tcp://0.0.0.0:0")).removeprefix("tcp://").rsplit(":", 1)[0]
+    return settings.rdma.host or bare
 
 
 @dataclass

@@ -37,6 +37,7 @@ from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
 from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
+from shared.telemetry.span_bus import serve_traces
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
 
@@ -60,6 +61,10 @@ class EngineService:
 
     role: ClassVar[Role]
     publishes_cache: ClassVar[bool] = False  # its prefix cache steers routing: the routers follow it
+
+    @classmethod
+    async def preflight(cls, settings: Any) -> None:
+        """Settings checks that exit 2 before the service connects anywhere; none by default."""
 
     def __init__(self, settings: Any, nc: Any, engine: LLMEngine, post_step: PostStep | None = None):
         self.settings = settings
@@ -96,6 +101,8 @@ class EngineService:
         await self.life.subscribe(
             self.nc, subjects.router_heartbeats(), LoadReport, self._on_router_heartbeat
         )
+        # This host's spans, for the router's GET /v1/traces when the DCs are separate hosts.
+        await serve_traces(self.life, self.nc, self.role, self.settings.instance, self.settings.datacenter)
         self.life.every(HEARTBEAT_S, self.report_load)
         self.life.every(HEARTBEAT_S, self._drop_orphans)
         self.life.every(ABORTS_KEPT_S / 10, self._forget_old_aborts)

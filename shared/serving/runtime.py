@@ -137,6 +137,7 @@ async def serve_service(name: str, settings, factory) -> None:
     from shared.telemetry.metrics import start_metrics_server
     from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
+    await factory.preflight(settings)  # addresses that cannot work: exit 2 before anything starts
     require_credentials(settings, name, ENV_PREFIX[name])
     shutdown = shutdown_signal()
     setup_tracing(name, settings.instance, settings.datacenter)

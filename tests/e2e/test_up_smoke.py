@@ -35,6 +35,7 @@ def test_pdd_up_smoke(tmp_path: Path) -> None:
     assert "POST /v1/completions -> 200" in out
     assert "pdd up: stopping" in out
     assert (tmp_path / "traces").is_dir()  # the services wrote spans to the local store
+    assert f"router 0 ready on http://127.0.0.1:{base}" in (tmp_path / "logs" / "router.log").read_text()
 
 
 def test_ctrl_c_stops_every_service_cleanly_before_nats(tmp_path: Path) -> None:

@@ -257,7 +257,9 @@ def test_scalable_services_have_no_fixed_name_port_or_instance(compose: dict[str
         assert fixed == (
             [f"{UpOptions().router_port}:{UpOptions().router_port}"] if name == "router" else []
         ), name
-        assert not [k for k in svc["environment"] if k.endswith(("_INSTANCE", "_ADVERTISE_ADDRESS"))], name
+        assert not [
+            k for k in svc["environment"] if k.endswith(("_INSTANCE", "_ADVERTISE", "_ADVERTISE_ADDRESS"))
+        ], name
     link = next(a for a in services["wan"]["command"] if a.startswith("bulk="))
     assert link.endswith(f">*:{UpOptions().md_bulk_port}")  # whichever MD replica the sender names
     assert (

@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.bus.messages import Role
+from shared.bus.messages import Role, TraceQuery
 from shared.telemetry import metrics
+from shared.telemetry.span_bus import ask, is_trace_id, merge
 from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_trace
 from shared.telemetry.tracing import extract
 from shared.telemetry.waterfall import trace_to_json
@@ -147,17 +148,31 @@ async def instances(request: Request) -> dict:
 
 
 @api.get("/v1/traces/{trace_or_request_id}")
-async def get_trace(trace_or_request_id: str) -> JSONResponse:
-    """One request's spans from every service, both datacenters (local span store)."""
+async def get_trace(request: Request, trace_or_request_id: str) -> JSONResponse:
+    """One request's spans from every service of both datacenters: this host's span store,
+    plus what each DC's engine instances answer from theirs over the bus (span_bus.py)."""
+    core = _core(request)
     directory = default_trace_dir()
-    tid = trace_or_request_id.lower()
-    if not (len(tid) == 32 and all(c in "0123456789abcdef" for c in tid)):
-        tid = await asyncio.to_thread(find_trace_id, directory, trace_or_request_id)
-    spans = await asyncio.to_thread(load_trace, directory, tid) if tid else []
-    if not spans:
-        message = f"no trace for '{trace_or_request_id}' in {directory}"
+    rid = "" if is_trace_id(trace_or_request_id) else trace_or_request_id
+    tid = trace_or_request_id.lower() if not rid else await asyncio.to_thread(find_trace_id, directory, rid)
+    local = await asyncio.to_thread(load_trace, directory, tid) if tid else []
+    dcs = {d.strip() for d in core.settings.trace_datacenters.split(",") if d.strip()}
+    dcs.add(core.settings.datacenter)
+    live = {
+        f"{role.value}/{r.instance}"
+        for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)
+        for r in core.registry.alive(role)
+    }
+    # Known here: ask by trace id (exact); else each store finds the request's trace itself.
+    query = TraceQuery(trace_id=tid or "", request_id="" if tid else rid)
+    replies = await ask(core.nc, dcs, query, live, core.settings.trace_gather_timeout_s)
+    gathered = merge(local, replies, dcs, live, request_id="" if tid else rid)
+    if not gathered.spans:
+        message = f"no trace for '{trace_or_request_id}' in {directory} or any datacenter's store"
+        if gathered.missing:
+            message += f" ({', '.join(gathered.missing)} did not answer)"
         return JSONResponse(error_body(message, type_="not_found"), status_code=404)
-    return JSONResponse(trace_to_json(spans))
+    return JSONResponse({**trace_to_json(gathered.spans), **gathered.summary()})
 
 
 @api.get("/metrics")

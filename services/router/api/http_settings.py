@@ -12,6 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 PREFIX = "PDD_ROUTER_"
+COMMON_API_KEY = "PDD_API_KEY"  # keys every router takes, besides its own PDD_ROUTER_API_KEYS
+
+
+def env_names(field: str) -> tuple[str, ...]:
+    """The variables one field is read from (`pdd config show` lists them)."""
+    return (PREFIX + field.upper(), *((COMMON_API_KEY,) if field == "api_keys" else ()))
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class HttpSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> HttpSettings:
-        keys = f"{env.get(PREFIX + 'API_KEYS', '')},{env.get('PDD_API_KEY', '')}"
+        keys = ",".join(env.get(name, "") for name in env_names("api_keys"))
         limits = {}
         for name, kind in (
             ("max_in_flight", int),
@@ -40,7 +46,7 @@ class HttpSettings:
             ("max_body_bytes", int),
             ("body_timeout_s", float),
         ):
-            value = env.get(PREFIX + name.upper())
+            value = env.get(env_names(name)[0])
             if value is not None:
                 limits[name] = kind(value)
         return cls(api_keys=tuple(k.strip() for k in keys.split(",") if k.strip()), **limits)
