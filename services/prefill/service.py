@@ -55,18 +55,25 @@ class PrefillService(EngineService):
         engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
-        # Peers over tcp:// are main decoders at any address: their certificates must name that
-        # role (checked instead of a host name); the relay's local path goes by the secret.
-        self.kv_clients = KVClientPool(
-            settings.secret,
-            ssl=client_tls(settings, check_hostname=False),
-            via=settings.bulk_via,
-            peer_roles=(Role.MAIN_DECODE.value,),
-            parallel=settings.bulk_parallel,
-            parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)),
-        )
+        # One pool per path, each peer's certificate naming that path's role (checked instead of
+        # a host name: peers are at any address), so a relay's credentials never pass for a main
+        # decoder's. Over unix:// the local path goes by the secret.
+        tls = client_tls(settings, check_hostname=False)
+
+        def pool(role: Role, via: str | None) -> KVClientPool:
+            return KVClientPool(
+                settings.secret,
+                ssl=tls,
+                via=via,
+                peer_roles=(role.value,),
+                parallel=settings.bulk_parallel,
+                parallel_min_bytes=int(settings.bulk_parallel_min_mib * (1 << 20)),
+            )
+
+        self.kv_clients = pool(Role.MAIN_DECODE, settings.bulk_via)
+        self.local_clients = pool(Role.RELAY, None)  # the relay is in this DC: never via the WAN
         self.track("export_plans", lambda: len(self.exporter._plans))
-        self.senders = KVSenders(settings, nc, self.kv_clients)
+        self.senders = KVSenders(settings, nc, self.kv_clients, self.local_clients)
         self.streams = KVStreamer(
             settings,
             self.tracer,
@@ -113,6 +120,7 @@ class PrefillService(EngineService):
         for job in list(self.jobs.values()):
             await self._drop(job, AbortReason.SHUTDOWN)
         await self.kv_clients.close()
+        await self.local_clients.close()
         await super().stop()
 
     # ---- admission -------------------------------------------------------------------

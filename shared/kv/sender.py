@@ -49,8 +49,9 @@ class KVSender(Protocol):
 class KVSenders:
     """Opens prefill's senders; the settings pick the transport to a main decoder."""
 
-    def __init__(self, settings: PrefillSettings, nc, pool: KVClientPool):
-        self.settings, self.pool = settings, pool
+    def __init__(self, settings: PrefillSettings, nc, pool: KVClientPool, local: KVClientPool | None = None):
+        """`pool`: connections to main decoders; `local`: to relays (default: the same)."""
+        self.settings, self.pool, self.local = settings, pool, local or pool
         rdma = settings.kv_transport == "rdma"
         self.rdma = RdmaPeers(nc, None, settings.rdma.control_timeout_s) if rdma else None
 
@@ -67,7 +68,8 @@ class KVSenders:
         receiver's slots, with no step that could decode them."""
         codec = self.settings.wan_kv_codec if missing is not None else EXACT
         timeout = self.settings.request_timeout_s
-        transfer = KVTransfer(self.pool, address, rid, timeout=timeout, codec=codec)
+        pool = self.pool if missing is not None else self.local
+        transfer = KVTransfer(pool, address, rid, timeout=timeout, codec=codec)
         if self.rdma is None or missing is None or codec != EXACT:
             return transfer
         return RdmaSender(self.rdma, transfer, missing)

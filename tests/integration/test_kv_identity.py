@@ -231,3 +231,41 @@ async def test_an_instance_identity_is_its_role(bundles, tmp_path) -> None:
             await open_kv_client(server.address, None, ssl=tls, peer_roles=MD_ONLY, timeout=5)
     finally:
         await server.close()
+
+
+async def test_the_prefill_service_takes_a_relay_on_tcp_only_for_the_local_path(
+    bundles, nats_server, nats_security
+) -> None:
+    """A relay on another dc-a host (tcp://, PDD_RELAY_ADVERTISE): the local path accepts its
+    certificate, the WAN path never; and a main decoder does not pass for a relay."""
+    a = bundles["dc-a"]
+    files = {
+        "tls_ca": str(a / "ca.pem"),
+        "tls_cert": str(a / "prefill.pem"),
+        "tls_key": str(a / "prefill.key"),
+    }
+    nc = await nats_security.connect(nats_server, "prefill-local")
+    try:
+        service = PrefillService(PrefillSettings(secret="k", instance="0", **files), nc, make_engine())
+    finally:
+        await nc.close()
+    relay, sink = await md_receiver(bundles, "relay", "dc-a")  # a receiver as the relay runs it
+    md, lost = await md_receiver(bundles)
+    try:
+        client = await service.local_clients.acquire(relay.address)
+        await client.send_blocks("r1", [1], blocks(1))
+        await client.finish("r1")
+        assert "r1" in sink.done
+        with pytest.raises(KVTransferError, match="spiffe://pdd/dc-a/relay is not main_decode"):
+            await service.kv_clients.acquire(relay.address)
+        with pytest.raises(KVTransferError, match="spiffe://pdd/dc-b/main_decode is not relay"):
+            await service.local_clients.acquire(md.address)
+        assert untouched(lost)
+        # the relay's blocks (no `missing`) take the local pool, a main decoder's the WAN one
+        assert service.senders.open(relay.address, "r2").pool is service.local_clients
+        assert service.senders.open(md.address, "r3", []).pool is service.kv_clients
+    finally:
+        await service.kv_clients.close()
+        await service.local_clients.close()
+        await relay.close()
+        await md.close()
