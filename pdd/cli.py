@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole two-DC system on this machine")
     _add_up_options(up)
 
-    certs = sub.add_parser("certs", help="(re)create the CA, certificates, NATS passwords and KV secret")
+    certs = sub.add_parser("certs", help="(re)create credentials (CA, certs, NATS passwords); per-DC bundles")
     certs.add_argument(
         "--workdir", type=Path, default=UpOptions().workdir, help="credentials go to <workdir>/secrets"
     )
