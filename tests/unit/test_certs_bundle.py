@@ -143,19 +143,18 @@ def test_nats_config_renders_flags_for_where_the_bundle_is(made) -> None:
 
 
 def test_each_env_file_gives_its_service_what_it_requires(made, monkeypatch) -> None:
-    """Read as `pdd serve SERVICE --env-file` will: relative file paths against the bundle."""
+    """Read as `pdd serve SERVICE --env-file` reads it (relative paths against the bundle)."""
     from shared.config import ENV_PREFIX, MainDecodeSettings, PrefillSettings, RelaySettings, RouterSettings
+    from shared.env_file import parse_env_file
     from shared.security.credentials import require_credentials
 
     kinds = {"prefill": PrefillSettings, "relay": RelaySettings, "main_decode": MainDecodeSettings}
     kinds["router"] = RouterSettings
     for dc in ("dc-a", "dc-b"):
         for service in DC_SERVICES[dc]:
-            for line in (made[dc] / f"{service}.env").read_text().splitlines():
-                if line and not line.startswith("#"):
-                    key, value = line.split("=", 1)
-                    relative = key.endswith(("_FILE", "_CA", "_CERT", "_KEY"))
-                    monkeypatch.setenv(key, str(made[dc] / value) if relative else value)
+            for key, value in parse_env_file(made[dc] / f"{service}.env").items():
+                monkeypatch.setenv(key, value)
             settings = require_credentials(kinds[service](), service, ENV_PREFIX[service])
             assert settings.datacenter == dc and settings.nats_password
+            assert settings.tls_cert == str(made[dc] / f"{service}.pem")
             assert (settings.secret is not None) == (service in ("prefill", "relay"))
