@@ -53,8 +53,18 @@ def _issue(creds: Credentials, out: Path, stem: str, name: str, hosts: list[str]
     creds.pki.issue(out / f"{stem}.pem", out / f"{stem}.key", name, hosts, uri)
 
 
-def _nats_hosts(dc: str, hosts: list[str]) -> list[str]:
-    return sorted({*LOCAL_HOSTS, NATS_OF[dc], *hosts})
+def _hosts(hosts: list[str]) -> list[str]:
+    """What a bundle's certificates name besides their own name: where its peers dial them
+    (clients and the other DC's gateway check the NATS server's; `pdd check` MD's)."""
+    return sorted({*LOCAL_HOSTS, *hosts})
+
+
+def _issue_dc(creds: Credentials, out: Path, dc: str, hosts: list[str]) -> None:
+    """The DC's role-wide certificates: its NATS server's and each of its services'."""
+    nats = NATS_OF[dc]
+    _issue(creds, out, nats, nats, _hosts(hosts), PeerIdentity(dc, "nats", nats).uri)
+    for service in DC_SERVICES[dc]:
+        _issue(creds, out, service, service, _hosts(hosts), PeerIdentity(dc, service).uri)
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -83,7 +93,6 @@ def _write_env(path: Path, env: dict[str, str]) -> None:
 
 
 def _service_files(creds: Credentials, out: Path, dc: str, service: str, extra: dict[str, str]) -> None:
-    _issue(creds, out, service, service, [], PeerIdentity(dc, service).uri)
     _copy(creds.password_file(service), out / f"{service}.nats-password")
     if service in LOCAL_KV_SERVICES:
         _copy(creds.secret_file, out / creds.secret_file.name)
@@ -116,19 +125,18 @@ def write_bundle(
         raise ValueError(f"unknown datacenter {dc!r} (one of {', '.join(DCS)})")
     creds, out, hosts = _secrets(workdir), _private_dir(out.resolve()), sorted(set(hosts or []))
     _copy(creds.pki.ca_cert, out / "ca.pem")  # every CA it holds (a rotation's overlap): never the key
-    nats = NATS_OF[dc]
-    _issue(creds, out, nats, nats, _nats_hosts(dc, hosts), PeerIdentity(dc, "nats", nats).uri)
+    _issue_dc(creds, out, dc, hosts)
     for service in DC_SERVICES[dc]:
         _service_files(creds, out, dc, service, env or {})
     meta = {
         "dc": dc,
         "services": list(DC_SERVICES[dc]),
-        "nats": nats,
+        "nats": NATS_OF[dc],
         "hosts": hosts,
         "ca_fingerprint": creds.pki.fingerprint(),
     }
     write_private(out / "bundle.json", (json.dumps(meta, indent=2) + "\n").encode())
-    write_private(out / f"{nats}.conf", bundle_nats_config(out).encode())
+    write_private(out / f"{NATS_OF[dc]}.conf", bundle_nats_config(out).encode())
     write_private(_record(creds, dc), json.dumps({"out": str(out), "hosts": hosts}).encode())
     return out
 
@@ -171,8 +179,9 @@ def bundle_nats_config(
 
 
 def add_host(workdir: Path, dc: str, host: str, out: Path | None = None) -> Path:
-    """Reissue dc's NATS server certificate (the one certificate that names hosts) naming
-    `host` too, into its bundle (default: where `bundle` last wrote it); returns the cert."""
+    """Reissue the role-wide certificates of dc's bundle (default: where `bundle` last wrote
+    it) naming `host` too, from the same CA; nothing else changes (an instance's certificate
+    names its own hosts). Returns the bundle."""
     creds = _secrets(workdir)
     record = json.loads(_record(creds, dc).read_text()) if _record(creds, dc).exists() else {}
     out = (out or Path(record.get("out", ""))).resolve()
@@ -181,11 +190,10 @@ def add_host(workdir: Path, dc: str, host: str, out: Path | None = None) -> Path
         raise ValueError(f"{out} is no bundle of {dc} (`pdd certs bundle --dc {dc} --out DIR` first)")
     meta = json.loads(meta_file.read_text())
     meta["hosts"] = sorted({*meta["hosts"], host})
-    nats = meta["nats"]
-    _issue(creds, out, nats, nats, _nats_hosts(dc, meta["hosts"]), PeerIdentity(dc, "nats", nats).uri)
+    _issue_dc(creds, out, dc, meta["hosts"])
     write_private(meta_file, (json.dumps(meta, indent=2) + "\n").encode())
     write_private(_record(creds, dc), json.dumps({"out": str(out), "hosts": meta["hosts"]}).encode())
-    return out / f"{nats}.pem"
+    return out
 
 
 def add_instance(
@@ -199,10 +207,7 @@ def add_instance(
     ident = parse_identity(PeerIdentity(dc, role, instance).uri)  # a well-formed instance id
     creds, out = _secrets(workdir), _private_dir(out.resolve())
     stem = f"{role}-{instance}"
-    cert_hosts = [*hosts] if hosts else []
-    if role == "nats":
-        cert_hosts = _nats_hosts(dc, cert_hosts)
-    _issue(creds, out, stem, role, cert_hosts, ident.uri)
+    _issue(creds, out, stem, role, _hosts(hosts or []), ident.uri)
     if not (out / "ca.pem").exists():
         _copy(creds.pki.ca_cert, out / "ca.pem")
     if role != "nats":
@@ -222,11 +227,13 @@ def add_subcommands(certs: argparse.ArgumentParser) -> None:
     b.add_argument("--dc", choices=DCS, required=True)
     b.add_argument("--out", type=Path, required=True, help="the bundle directory (created 0700)")
     b.add_argument("--workdir", **workdir)
-    b.add_argument("--host", action="append", default=[], help="a name the DC's NATS server is dialed by")
+    b.add_argument(
+        "--host", action="append", default=[], help="a name the DC's servers are dialed by (NATS, MD's KV)"
+    )
     b.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="one more line of every env file"
     )
-    h = sub.add_parser("add-host", help="reissue a bundle's NATS certificate naming one more host")
+    h = sub.add_parser("add-host", help="reissue a bundle's certificates naming one more host")
     h.add_argument("--dc", choices=DCS, required=True)
     h.add_argument("--host", required=True)
     h.add_argument("--out", type=Path, default=None, help="the bundle (default: where `bundle` wrote it)")
@@ -247,8 +254,10 @@ def run(args: Any) -> int:
             out = write_bundle(args.workdir, args.dc, args.out, args.host, parse_env(args.env))
             print(f"pdd certs: {args.dc} bundle in {out} (copy it to {args.dc}'s hosts only)")
         elif args.certs_command == "add-host":
-            cert = add_host(args.workdir, args.dc, args.host, args.out)
-            print(f"pdd certs: {cert} names {args.host} too (copy it and its key to the NATS host)")
+            out = add_host(args.workdir, args.dc, args.host, args.out)
+            print(
+                f"pdd certs: {args.dc}'s certificates in {out} name {args.host} too (copy them to its hosts)"
+            )
         else:
             cert = add_instance(args.workdir, args.dc, args.role, args.instance, args.out, args.host)
             print(f"pdd certs: {cert} for {args.role} instance {args.instance} of {args.dc}")

@@ -28,6 +28,11 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
+def credentials(secrets: Path) -> dict[str, bytes]:
+    """The workdir's credentials, less its record of where each bundle went."""
+    return {n: b for n, b in snapshot(secrets).items() if not n.startswith("bundle-")}
+
+
 @pytest.fixture
 def made(tmp_path) -> dict[str, Path]:
     w = tmp_path / "w"
@@ -90,22 +95,20 @@ def test_bundles_leave_the_workdir_and_each_other_alone(made, tmp_path) -> None:
     assert (snapshot(made["w"]), snapshot(made["dc-b"])) == before
 
 
-def test_add_host_reissues_only_the_nats_certificate(made, tmp_path) -> None:
-    before = snapshot(made["dc-b"])
-    argv = [
-        "certs",
-        "add-host",
-        "--dc",
-        "dc-b",
-        "--host",
-        "gw.dc-b.example",
-        "--workdir",
-        str(tmp_path / "w"),
-    ]
+def test_add_host_reissues_only_the_bundles_role_wide_certificates(made, tmp_path) -> None:
+    w = str(tmp_path / "w")
+    argv = ["certs", "add-instance", "--dc", "dc-b", "--role", "main_decode", "--instance", "md-2"]
+    assert cli.main([*argv, "--out", str(made["dc-b"]), "--workdir", w]) == 0
+    before, others = snapshot(made["dc-b"]), (snapshot(made["dc-a"]), credentials(made["w"]))
+    argv = ["certs", "add-host", "--dc", "dc-b", "--host", "gw.dc-b.example", "--workdir", w]
     assert cli.main(argv) == 0  # the bundle is found where `bundle` wrote it
     after = snapshot(made["dc-b"])
-    assert {n for n in after if after[n] != before.get(n)} == {"nats-b.pem", "nats-b.key", "bundle.json"}
-    assert {"gw.dc-b.example", "10.200.0.2", "nats-b", "127.0.0.1"} <= names(made["dc-b"] / "nats-b.pem")
+    changed = {n for n in after if after[n] != before.get(n)}
+    assert changed == {"nats-b.pem", "nats-b.key", "main_decode.pem", "main_decode.key", "bundle.json"}
+    assert (snapshot(made["dc-a"]), credentials(made["w"])) == others  # and md-2's are as they were
+    for name in ("nats-b", "main_decode"):
+        assert {"gw.dc-b.example", "10.200.0.2", name, "127.0.0.1"} <= names(made["dc-b"] / f"{name}.pem")
+    assert peer_identity(cert(made["dc-b"] / "main_decode.pem")) == ("dc-b", "main_decode", None)
     assert json.loads(after["bundle.json"])["hosts"] == ["10.200.0.2", "gw.dc-b.example"]
 
 
