@@ -234,6 +234,7 @@ def _bulk_variants(addrs: dict, one: torch.Tensor, parallel: int, tls: Any) -> d
         "bulk_tls_32_frames": _BulkRow(addrs["tls"], per_block, "xxh3", tls, 1),
         f"bulk_tls_1_frame_x{parallel}_conns": _BulkRow(addrs["tls"], [one], "xxh3", tls, parallel),
         f"bulk_tls_32_frames_x{parallel}_conns": _BulkRow(addrs["tls"], per_block, "xxh3", tls, parallel),
+        "bulk_tls_32_frames_nocsum": _BulkRow(addrs["tls"], per_block, "none", tls, 1),
         "bulk_unix_32_frames": _BulkRow(addrs["unix"], per_block, "xxh3", None, 1),
     }
 
