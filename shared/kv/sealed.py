@@ -2,12 +2,12 @@
 
 Python's `ssl` (OpenSSL 3.0 here) moves bulk data at ~0.6 CPU s/GB per side even on a plain
 SSLSocket (16 KiB records, each copied into and out of OpenSSL's buffers; memory BIOs add two
-more copies and a Python call per record): the channel ran at a third of plaintext. So TLS does
-what it is good at, the mutual-certificate handshake, and then carries one message each way: a
-fresh random share. Both shares, known only to the two ends of that TLS session, give one
-AES-256-GCM key per direction (HKDF-SHA256); from then on the stream's bytes go as records of
-up to RECORD bytes sealed under them: one AES pass per byte, encrypted from the caller's memory
-and decrypted straight into the receiver's.
+more copies and a Python call per record): the channel ran at half of plaintext or less. So
+TLS does what it is good at, the mutual-certificate handshake, and then carries one message
+each way: a fresh random share. Both shares, known only to the two ends of that TLS session,
+give one AES-256-GCM key per direction (HKDF-SHA256); from then on the stream's bytes go as
+records of up to RECORD bytes sealed under them: one AES pass per byte, encrypted from the
+caller's memory and decrypted straight into the receiver's.
 
 A record is: 4-byte big-endian plaintext length || ciphertext || 16-byte tag, the length as
 associated data. The nonce is the record's number in its direction, counted by both ends and
@@ -193,7 +193,10 @@ async def exchange_shares(
     got = bytearray()
     while len(got) < want:
         try:
-            got += tls.read(want - len(got))
+            chunk = tls.read(want - len(got))
+            if not chunk:
+                raise ssl.SSLZeroReturnError
+            got += chunk
             continue
         except ssl.SSLWantReadError:
             pass
