@@ -5,8 +5,9 @@
 
 Receivers run in a child process (as in deployment), senders here. Rows: raw socket (against
 itself: the noise floor), the bulk channel in plaintext over TCP (1 and 32 frames, checksums
-on and off, and one request split over N parallel connections), over TLS 1.3 (mutual
-certificates) and over a Unix socket, and the rdma backend where bench/transport_rdma.py says
+on and off, and one request split over N parallel connections), the same over TLS 1.3 (mutual
+certificates; each TLS row is also held against its plaintext twin, round by round: "TLS vs
+plaintext") and over a Unix socket, and the rdma backend where bench/transport_rdma.py says
 it is available. Each row runs in many short rounds, each paired with a raw-socket round (the
 order alternates within pairs, and pairs go round-robin over the rows), so a slow spell of the
 shared host hits both sides of a pair: the figure is the median of the per-pair ratios
@@ -226,8 +227,14 @@ def _bulk_variants(addrs: dict, one: torch.Tensor, parallel: int, tls: Any) -> d
         "bulk_tcp_1_frame": _BulkRow(addrs["tcp"], [one], "xxh3", None, 1),
         "bulk_tcp_32_frames": _BulkRow(addrs["tcp"], per_block, "xxh3", None, 1),
         f"bulk_tcp_1_frame_x{parallel}_conns": _BulkRow(addrs["tcp"], [one], "xxh3", None, parallel),
+        f"bulk_tcp_32_frames_x{parallel}_conns": _BulkRow(addrs["tcp"], per_block, "xxh3", None, parallel),
         "bulk_tcp_32_frames_nocsum": _BulkRow(addrs["tcp"], per_block, "none", None, 1),
+        # TLS rows: each is also held against its bulk_tcp_ twin, round by round (_tls_vs_plain)
+        "bulk_tls_1_frame": _BulkRow(addrs["tls"], [one], "xxh3", tls, 1),
         "bulk_tls_32_frames": _BulkRow(addrs["tls"], per_block, "xxh3", tls, 1),
+        f"bulk_tls_1_frame_x{parallel}_conns": _BulkRow(addrs["tls"], [one], "xxh3", tls, parallel),
+        f"bulk_tls_32_frames_x{parallel}_conns": _BulkRow(addrs["tls"], per_block, "xxh3", tls, parallel),
+        "bulk_tls_32_frames_nocsum": _BulkRow(addrs["tls"], per_block, "none", tls, 1),
         "bulk_unix_32_frames": _BulkRow(addrs["unix"], per_block, "xxh3", None, 1),
     }
 
@@ -333,7 +340,32 @@ async def bench_bulk(
     }
     if why is not None:
         result["rows"]["rdma_32_frames"] = {"skipped": why}
+    result["tls_vs_plain"] = _tls_vs_plain(measured, size)
     return result
+
+
+def _tls_vs_plain(measured: dict[str, list[dict]], nbytes: int) -> dict:
+    """Each TLS row against its plaintext twin: the n-th rounds of both ran in the same pass over
+    the rows (seconds apart), so their ratio of seconds (plain over TLS, the GB/s ratio) sees the
+    same host; median and interquartile range of those ratios."""
+    out = {}
+    for name, tls in measured.items():
+        plain = measured.get(name.replace("bulk_tls_", "bulk_tcp_"))
+        if not name.startswith("bulk_tls_") or not plain:
+            continue
+        q1, ratio, q3 = _quartiles([p["t"] / t["t"] for p, t in zip(plain, tls, strict=True)])
+        c1, cpu, c3 = _quartiles([p["cpu"] / t["cpu"] for p, t in zip(plain, tls, strict=True)])
+        out[name.removeprefix("bulk_tls_")] = {
+            "ratio": ratio,
+            "ratio_q1": q1,
+            "ratio_q3": q3,
+            "cpu_ratio": cpu,
+            "cpu_ratio_q1": c1,
+            "cpu_ratio_q3": c3,
+            "plain_GBps": nbytes / statistics.median(p["t"] for p in plain) / 1e9,
+            "tls_GBps": nbytes / statistics.median(t["t"] for t in tls) / 1e9,
+        }
+    return out
 
 
 def _kept(name: str, keep: str | None) -> bool:
@@ -565,6 +597,16 @@ def _print(results: dict) -> None:
                 f"   x{row['ratio_vs_raw']:.2f} [{row['ratio_q1']:.2f}-{row['ratio_q3']:.2f}]"
                 f"   CPU x{row['cpu_ratio_vs_raw']:.2f} [{row['cpu_ratio_q1']:.2f}-{row['cpu_ratio_q3']:.2f}]"
                 f"   CPU s/GB send {row['send_cpu_s_per_GB']:.2f} recv {row['recv_cpu_s_per_GB']:.2f}"
+            )
+        if bulk.get("tls_vs_plain"):
+            print(
+                "TLS vs plaintext, round by round (TLS GB/s over plain GB/s, CPU: plain's CPU s over TLS's)"
+            )
+        for name, r in bulk.get("tls_vs_plain", {}).items():
+            print(
+                f"  {name:30s} plain {r['plain_GBps']:5.2f} GB/s  TLS {r['tls_GBps']:5.2f} GB/s"
+                f"   x{r['ratio']:.2f} [{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}]"
+                f"   CPU x{r['cpu_ratio']:.2f} [{r['cpu_ratio_q1']:.2f}-{r['cpu_ratio_q3']:.2f}]"
             )
     wan = results.get("wan")
     if wan:
