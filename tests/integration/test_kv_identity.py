@@ -17,6 +17,7 @@ from shared.kv import KVClientPool, KVTransferError, open_kv_client, start_kv_se
 from shared.security import Identity, client_context, server_context
 from shared.serving.engine_service import KV_SENDERS
 from tests.engine_util import make_engine
+from tests.polling import until
 
 from .test_kv_channel import MemorySink, blocks
 
@@ -75,7 +76,8 @@ async def test_another_roles_certificate_posing_as_main_decode_gets_no_kv(bundle
     try:
         with pytest.raises(KVTransferError, match=rf"peer identity spiffe://pdd/{dc}/\S+ is not main_decode"):
             await pool.acquire(impostor.address)
-        assert untouched(sink) and impostor.in_flight == {}
+        await until(lambda: impostor.in_flight == {})  # it saw us hang up, having got nothing
+        assert untouched(sink)
     finally:
         await pool.close()
         await impostor.close()
@@ -96,7 +98,8 @@ async def test_another_roles_certificate_posing_as_prefill_is_refused_by_main_de
             client = await open_kv_client(server.address, None, ssl=tls, timeout=5)
             await client.send_blocks("r1", [1], blocks(1))
             await client.finish("r1", timeout=5)
-        assert "is not prefill" in caplog.text and untouched(sink) and server.in_flight == {}
+        await until(lambda: server.in_flight == {})  # dropped once told why
+        assert "is not prefill" in caplog.text and untouched(sink)
     finally:
         await server.close()
 
