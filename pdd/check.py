@@ -39,13 +39,15 @@ from urllib.parse import urlsplit
 from cryptography import x509
 
 from shared.config import ENV_PREFIX, MainDecodeSettings, PrefillSettings, RelaySettings, RouterSettings
+from shared.env_file import parse_env_file
+from shared.security.identity import PeerIdentity
+from shared.security.identity import parse_identity as identity_of
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 EXPIRY_WARN_DAYS = 30
 CLOCK_WARN_S = 0.1
 HEAR_S = 1.5  # load reports go out every 0.5 s: three chances to hear each instance
 SPIFFE_PREFIX = "spiffe://pdd/"
-RELATIVE_SUFFIXES = ("_FILE", "_CA", "_CERT", "_KEY")  # env-file values resolved against its directory
 DEFAULT_SERVICE = {"dc-a": "router", "dc-b": "main_decode"}  # the roles that hear the other DC
 
 
@@ -66,13 +68,11 @@ def exit_code(verdicts: Iterable[Verdict]) -> int:
 # ---- verdicts (pure) ---------------------------------------------------------------------------
 
 
-def parse_identity(uris: Iterable[str]) -> tuple[str, str, str | None] | None:
-    """(dc, role, instance or None) of the first spiffe://pdd/<dc>/<role>[/<instance>] URI."""
+def parse_identity(uris: Iterable[str]) -> PeerIdentity | None:
+    """The first well-formed pdd identity among a certificate's URIs."""
     for uri in uris:
-        if uri.startswith(SPIFFE_PREFIX):
-            parts = uri[len(SPIFFE_PREFIX) :].split("/")
-            if len(parts) in (2, 3) and all(parts):
-                return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+        with contextlib.suppress(ValueError):
+            return identity_of(uri)
     return None
 
 
@@ -190,23 +190,6 @@ def clock_verdict(
 # ---- credentials -------------------------------------------------------------------------------
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines (# comments, blank lines, optional quotes); a relative path in a key
-    ending in _FILE, _CA, _CERT or _KEY is taken from the file's directory."""
-    out: dict[str, str] = {}
-    for raw in Path(path).read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, value = (p.strip() for p in line.split("=", 1))
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        if key.endswith(RELATIVE_SUFFIXES) and value and not os.path.isabs(value):
-            value = str((Path(path).parent / value).resolve())
-        out[key] = value
-    return out
-
-
 def service_of(env: dict[str, str]) -> str | None:
     """The service whose NATS user the env names (PDD_<SERVICE>_NATS_USER)."""
     return next((name for name, p in ENV_PREFIX.items() if f"{p}NATS_USER" in env), None)
@@ -221,7 +204,7 @@ def bundle_env(directory: Path, service: str | None) -> tuple[str, dict[str, str
         chosen = service or (services[0] if services else None)
     if not chosen or not (directory / f"{chosen}.env").exists():
         raise SystemExit(f"pdd check: no {chosen or 'service'}.env in {directory} (services: {services})")
-    env = read_env_file(directory / f"{chosen}.env")
+    env = parse_env_file(directory / f"{chosen}.env")
     env.setdefault(f"{ENV_PREFIX[chosen]}DATACENTER", meta.get("dc", ""))
     return chosen, env
 
@@ -491,7 +474,7 @@ def main(args: Any) -> int:
         if all(p.exists() for p in prefill):  # prefill is who dials MD's bulk address
             bulk_identity = tuple(map(str, prefill))
     for f in args.env_file:
-        env.update(read_env_file(f))
+        env.update(parse_env_file(f))
     service = service or service_of(env)
     if not service:
         raise SystemExit(

@@ -16,51 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-NATS_OF = {"dc-a": "nats-a", "dc-b": "nats-b"}  # a DC's server name, also its gateway name
-DEFAULT_PORTS = {"dc-a": (4222, 7222), "dc-b": (4223, 7223)}  # client, gateway
-
-
-@dataclass(frozen=True)
-class DcNats:
-    """What one DC's server needs beyond its bundle."""
-
-    dc: str
-    listen: str  # client connections, host:port
-    gateway_listen: str
-    gateway_urls: tuple[str, ...]  # the other DC's gateway, as this server dials it
-    advertise: str | None  # what the other DC dials to reach this gateway
-    monitor: str = "127.0.0.1:8222"  # plain HTTP: keep it off the WAN
-
-
-def dc_nats_config(bundle: Path, spec: DcNats) -> str:
-    """The nats-server config of `spec.dc` from the bundle in `bundle`; only its users."""
-    from shared.bus.nats_config import NatsConfig, NatsUser  # lazy: `pdd --help` stays quick
-    from shared.bus.permissions import PERMISSIONS
-    from shared.security.pki import Identity
-
-    bundle = bundle.resolve()
-    meta = json.loads((bundle / "bundle.json").read_text())
-    if meta["dc"] != spec.dc:
-        raise ValueError(f"{bundle} is the bundle of {meta['dc']}, not {spec.dc}")
-    name = NATS_OF[spec.dc]
-    users = [
-        NatsUser(s, (bundle / f"{s}.nats-password").read_text().strip(), PERMISSIONS[s])
-        for s in meta["services"]
-    ]
-    other = NATS_OF[next(d for d in NATS_OF if d != spec.dc)]
-    return NatsConfig(
-        name,
-        spec.listen,
-        spec.monitor,
-        tls=Identity(bundle / "ca.pem", bundle / f"{name}.pem", bundle / f"{name}.key"),
-        users=users,
-        gateway_listen=spec.gateway_listen,
-        gateway_advertise=spec.advertise,
-        gateways={other: list(spec.gateway_urls)} if spec.gateway_urls else {},
-    ).render()
+from pdd.certs import NATS_OF, NATS_PORTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_nats(args: argparse.Namespace) -> int:
+    from pdd.certs import bundle_nats_config
     from shared.advertise import loopback_verdict
     from shared.bus.nats_server import nats_server_binary
     from shared.security.pki import write_private
@@ -94,24 +53,20 @@ def serve_nats(args: argparse.Namespace) -> int:
     if not args.dc or not args.bundle:
         print("pdd serve nats: --dc and --bundle are required", flush=True)
         return 2
-    client, gateway = DEFAULT_PORTS[args.dc]
-    spec = DcNats(
-        args.dc,
-        args.listen or f"0.0.0.0:{client}",
-        args.gateway_listen or f"0.0.0.0:{gateway}",
-        tuple(args.gateway_url),
-        args.advertise,
-        args.monitor,
-    )
-    if spec.advertise and loopback_verdict(spec.advertise, spec.gateway_listen, False) == "refuse":
+    gateway_listen = args.gateway_listen or f"0.0.0.0:{NATS_PORTS[args.dc][1]}"
+    if args.advertise and loopback_verdict(args.advertise, gateway_listen, False) == "refuse":
         print(
-            f"pdd serve nats: --advertise {spec.advertise} is a loopback address, but the gateway "
-            f"listens on {spec.gateway_listen}: the other DC would dial its own loopback",
+            f"pdd serve nats: --advertise {args.advertise} is a loopback address, but the gateway "
+            f"listens on {gateway_listen}: the other DC would dial its own loopback",
             flush=True,
         )
         return 2
     try:
-        text = dc_nats_config(args.bundle, spec)
+        if (dc := json.loads((args.bundle / "bundle.json").read_text())["dc"]) != args.dc:
+            raise ValueError(f"it is the bundle of {dc}, not {args.dc}")
+        text = bundle_nats_config(
+            args.bundle, args.listen, gateway_listen, args.gateway_url, args.advertise, args.monitor
+        )
     except (OSError, KeyError, ValueError) as e:
         print(f"pdd serve nats: {args.bundle}: {e}", flush=True)
         return 2

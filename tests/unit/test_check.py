@@ -22,9 +22,9 @@ from pdd.check import (
     own_cert_verdict,
     parse_identity,
     peer_cert_verdict,
-    read_env_file,
     service_of,
 )
+from shared.env_file import parse_env_file
 
 NOW = dt.datetime(2026, 12, 2, tzinfo=dt.UTC)
 DAY = dt.timedelta(days=1)
@@ -119,7 +119,7 @@ def test_env_file_relative_paths_and_the_service_it_names(tmp_path: Path):
         "# dc-a router\n\nPDD_ROUTER_NATS_USER=router\nPDD_ROUTER_TLS_CERT='router.pem'\n"
         'PDD_ROUTER_NATS_URL="tls://10.200.0.1:4222"\nPDD_ROUTER_TLS_CA=/abs/ca.pem\n'
     )
-    env = read_env_file(f)
+    env = parse_env_file(f)
     assert env["PDD_ROUTER_TLS_CERT"] == str(tmp_path / "router.pem")
     assert env["PDD_ROUTER_TLS_CA"] == "/abs/ca.pem" and env["PDD_ROUTER_NATS_URL"] == "tls://10.200.0.1:4222"
     assert service_of(env) == "router"
