@@ -38,7 +38,6 @@ def pdd(*args: str, cwd: Path) -> str:
 
 def make_bundles(root: Path) -> tuple[Path, Path]:
     """The procedure's first step, on the machine that keeps the CA."""
-    pdd("certs", "--workdir", "ca", cwd=root)
     a, b = root / "bundle-dc-a", root / "bundle-dc-b"
     pdd(
         "certs", "bundle", "--workdir", "ca", "--dc", "dc-a", "--out", str(a),
