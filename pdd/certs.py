@@ -21,22 +21,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdd.launch import SERVICES, UpOptions
+from pdd.launch import DC_A, DC_B, NATS_CLUSTER, SERVICES, UpOptions, datacenter, other_dc
 from shared.config import ENV_PREFIX
 from shared.security.credentials import LOCAL_HOSTS, LOCAL_KV_SERVICES, LOCAL_SECRET, Credentials
 from shared.security.identity import PeerIdentity, parse_identity
 from shared.security.pki import Identity, write_private
 
-DCS = ("dc-a", "dc-b")
-DC_SERVICES = {"dc-a": ("prefill", "relay", "router"), "dc-b": ("main_decode",)}
-NATS_OF = {"dc-a": "nats-a", "dc-b": "nats-b"}  # a DC's server name, also its gateway name
-NATS_PORTS = {"dc-a": (4222, 7222), "dc-b": (4223, 7223)}  # client, gateway
+DCS = (DC_A, DC_B)
+DC_SERVICES = {dc: tuple(s for s in SERVICES if datacenter(s) == dc) for dc in DCS}
+NATS_OF = NATS_CLUSTER  # a DC's server name, also its gateway name
+_UP = UpOptions()  # `pdd up`'s ports are a bundle's defaults too: client, gateway
+NATS_PORTS = {DC_A: (_UP.nats_a_port, _UP.gw_a_port), DC_B: (_UP.nats_b_port, _UP.gw_b_port)}
 MONITOR = "127.0.0.1:8222"  # plain HTTP: keep it off the WAN
 ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
-
-
-def _other(dc: str) -> str:
-    return DCS[1 - DCS.index(dc)]
 
 
 def _secrets(workdir: Path) -> Credentials:
@@ -174,7 +171,7 @@ def bundle_nats_config(
         users=users,
         gateway_listen=gateway_listen or f"0.0.0.0:{gateway_port}",
         gateway_advertise=advertise,
-        gateways={NATS_OF[_other(dc)]: list(gateway_urls)} if gateway_urls else {},
+        gateways={NATS_OF[other_dc(dc)]: list(gateway_urls)} if gateway_urls else {},
     ).render()
 
 

@@ -38,7 +38,8 @@ from urllib.parse import urlsplit
 
 from cryptography import x509
 
-from shared.config import ENV_PREFIX, MainDecodeSettings, PrefillSettings, RelaySettings, RouterSettings
+from pdd.launch import other_dc
+from shared.config import ENV_PREFIX, SETTINGS
 from shared.env_file import parse_env_file
 from shared.security.identity import PeerIdentity
 from shared.security.identity import parse_identity as identity_of
@@ -213,8 +214,7 @@ def load_settings(service: str, env: dict[str, str]) -> Any:
     """The service's settings from the files' values under the process environment (which wins)."""
     for key, value in env.items():
         os.environ.setdefault(key, value)
-    cls = {"prefill": PrefillSettings, "relay": RelaySettings, "main_decode": MainDecodeSettings}
-    settings = cls.get(service, RouterSettings)()
+    settings = SETTINGS[service]()
     if not settings.nats_password and settings.nats_password_file:
         with contextlib.suppress(OSError):  # unreadable: reported as a missing credential
             settings.nats_password = Path(settings.nats_password_file).read_text().strip()
@@ -426,7 +426,7 @@ async def _bus_checks(
     from shared.bus.subjects import traces_get
 
     dc = settings.datacenter
-    other = "dc-b" if dc == "dc-a" else "dc-a"
+    other = other_dc(dc)
     out: list[Verdict] = []
     learned: list[str] = []
     if nc is None:

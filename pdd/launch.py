@@ -27,6 +27,7 @@ from pathlib import Path
 
 from shared.config import ENV_PREFIX
 from shared.security.credentials import LOCAL_KV_SERVICES, Credentials
+from shared.security.identity import ROLE_DC
 
 DC_A = "dc-a"
 DC_B = "dc-b"
@@ -269,7 +270,7 @@ def _nats_host(h: Hosts, dc: str, node: int, nodes: int) -> str:
     return h.nats or nats_node_name(dc, node, nodes)
 
 
-def _other(dc: str) -> str:
+def other_dc(dc: str) -> str:
     return DC_B if dc == DC_A else DC_A
 
 
@@ -296,7 +297,7 @@ def nats_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[NatsSpec]:
     h, plan, n = hosts or Hosts.local(opts.host), port_plan(opts), opts.nats_cluster
     specs = []
     for dc in (DC_A, DC_B):
-        remote = [f"nats://{h.wan}:{p}" for p in plan.wan_gateway[_other(dc)]]
+        remote = [f"nats://{h.wan}:{p}" for p in plan.wan_gateway[other_dc(dc)]]
         routes = [f"nats-route://{_nats_host(h, dc, c, n)}:{p}" for c, p in enumerate(plan.cluster[dc])]
         for node in range(n):
             specs.append(
@@ -305,7 +306,7 @@ def nats_specs(opts: UpOptions, hosts: Hosts | None = None) -> list[NatsSpec]:
                     dc,
                     plan.nats[dc][node],
                     plan.gateway[dc][node],
-                    {NATS_CLUSTER[_other(dc)]: remote[0] if n == 1 else remote},
+                    {NATS_CLUSTER[other_dc(dc)]: remote[0] if n == 1 else remote},
                     advertise=f"{h.wan}:{plan.wan_gateway[dc][node]}",
                     cluster=NATS_CLUSTER[dc] if n > 1 else None,
                     cluster_port=plan.cluster[dc][node] if n > 1 else None,
@@ -409,7 +410,7 @@ def _role_settings(name: str, instance: int, opts: UpOptions, h: Hosts) -> dict[
 
 def datacenter(service: str) -> str:
     """Where a role runs: main decode in dc-b, everything else in dc-a."""
-    return DC_B if service == "main_decode" else DC_A
+    return ROLE_DC[service]
 
 
 def service_spec(name: str, instance: int, opts: UpOptions, hosts: Hosts | None = None) -> ProcessSpec:
