@@ -141,9 +141,8 @@ async def test_a_receiver_that_cannot_authenticate_senders_does_not_start(bundle
         await start_kv_server(f"unix://{tmp_path}/x.sock", None, MemorySink(), ssl=ssl, peer_roles=KV_SENDERS)
 
 
-async def test_the_prefill_service_streams_to_md_and_refuses_a_relay_posing_as_it(
-    bundles, nats_server, nats_security
-) -> None:
+async def prefill_service(bundles, nats_server, nats_security) -> PrefillService:
+    """A real PrefillService with dc-a's prefill certificate (its KV pools are what is tested)."""
     a = bundles["dc-a"]
     files = {
         "tls_ca": str(a / "ca.pem"),
@@ -152,11 +151,15 @@ async def test_the_prefill_service_streams_to_md_and_refuses_a_relay_posing_as_i
     }
     nc = await nats_security.connect(nats_server, "prefill-identity")
     try:
-        pool = PrefillService(
-            PrefillSettings(secret="k", instance="0", **files), nc, make_engine()
-        ).kv_clients
+        return PrefillService(PrefillSettings(secret="k", instance="0", **files), nc, make_engine())
     finally:
         await nc.close()
+
+
+async def test_the_prefill_service_streams_to_md_and_refuses_a_relay_posing_as_it(
+    bundles, nats_server, nats_security
+) -> None:
+    pool = (await prefill_service(bundles, nats_server, nats_security)).kv_clients
     impostor, lost = await md_receiver(bundles, "relay", "dc-a")
     md, sink = await md_receiver(bundles)
     try:
@@ -241,17 +244,7 @@ async def test_the_prefill_service_takes_a_relay_on_tcp_only_for_the_local_path(
 ) -> None:
     """A relay on another dc-a host (tcp://, PDD_RELAY_ADVERTISE): the local path accepts its
     certificate, the WAN path never; and a main decoder does not pass for a relay."""
-    a = bundles["dc-a"]
-    files = {
-        "tls_ca": str(a / "ca.pem"),
-        "tls_cert": str(a / "prefill.pem"),
-        "tls_key": str(a / "prefill.key"),
-    }
-    nc = await nats_security.connect(nats_server, "prefill-local")
-    try:
-        service = PrefillService(PrefillSettings(secret="k", instance="0", **files), nc, make_engine())
-    finally:
-        await nc.close()
+    service = await prefill_service(bundles, nats_server, nats_security)
     relay, sink = await md_receiver(bundles, "relay", "dc-a")  # a receiver as the relay runs it
     md, lost = await md_receiver(bundles)
     try:
