@@ -36,8 +36,7 @@ from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, Ste
 from shared.engine.request_admission import Verdict
 from shared.kv.rdma_receiver import RdmaReceiver
 from shared.kv.sink import CONNECTION_LOST
-from shared.kv.transport import advertised_address
-from shared.serving.engine_service import EngineService, outcome_of, token_event
+from shared.serving.engine_service import EngineService, advertised, outcome_of, token_event
 from shared.serving.state_machine import StateMachine
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -76,13 +75,8 @@ class MainDecodeService(EngineService):
         self.track("rdma_offered", lambda: len(self.rdma.offered))
         self.track("rdma_quarantined", lambda: len(self.rdma.quarantined))
 
-    advertise_address = ""  # where P dials this MD's bulk listener, once it listens
-
     async def _take_back(self, job: MDJob, hashes: list[int]) -> None:
         await self.rdma.take_back(job.rid, hashes)  # sent over TCP instead of into their RDMA slots
-
-    def load_address(self) -> str:
-        return self.advertise_address
 
     @classmethod
     async def preflight(cls, settings: MainDecodeSettings) -> None:
@@ -90,7 +84,7 @@ class MainDecodeService(EngineService):
         while its listener expects peers from other hosts (shared/advertise.py)."""
         bound, ok = settings.bulk_address, settings.advertise_loopback_ok
         force = "PDD_MD_ADVERTISE_LOOPBACK_OK"
-        bulk = await advertised_bulk(settings, bound)
+        bulk = await advertised(settings, bound)
         check_advertised("main_decode", "the bulk address", bulk, bound, ok, "PDD_MD_ADVERTISE", force)
         if settings.kv_transport == "rdma" and settings.rdma.host:
             host = settings.rdma.host
@@ -98,8 +92,6 @@ class MainDecodeService(EngineService):
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.bulk_address, self.prompt_kv)
-        assert self.kv_server is not None
-        self.advertise_address = await advertised_bulk(self.settings, self.kv_server.address)
         await self.rdma.start(self.advertise_address)
         await super().start()
         self.life.every(1.0, self._expire)
@@ -329,9 +321,3 @@ class MainDecodeService(EngineService):
         for job in list(self.jobs.values()):
             if now - job.created > self.settings.request_timeout_s:
                 await self._fail(job, "request timed out on MD")
-
-
-async def advertised_bulk(settings: MainDecodeSettings, bound: str) -> str:
-    """What prefill dials for MD's KV: PDD_MD_ADVERTISE, else the bound address with a wildcard
-    host as this host's IP."""
-    return settings.advertise_address or await advertised_address(bound)

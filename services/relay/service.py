@@ -31,8 +31,7 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
-from shared.kv.transport import advertised_address
-from shared.serving.engine_service import EngineService, outcome_of, token_event
+from shared.serving.engine_service import EngineService, advertised, outcome_of, token_event
 from shared.serving.state_machine import StateMachine
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -55,17 +54,12 @@ class RelayService(EngineService):
         self.early = Early()
         self.handoff = HandoffSender(self.settings, nc, self.tracer, self.life.spawn, self.jobs, self)
 
-    advertise_address = ""  # what prefill dials for the local path, once it listens
-
-    def load_address(self) -> str:
-        return self.advertise_address
-
     @classmethod
     async def preflight(cls, settings: RelaySettings) -> None:
         """Exit 2 when the local path's address prefill would get is loopback while its listener
         expects prefill on another host (shared/advertise.py); a unix socket always passes."""
         bound = settings.local_address
-        address = settings.advertise_address or await advertised_address(bound)
+        address = await advertised(settings, bound)
         fix, force = "PDD_RELAY_ADVERTISE", "PDD_RELAY_ADVERTISE_LOOPBACK_OK"
         check_advertised(
             "relay", "the local path's address", address, bound, settings.advertise_loopback_ok, fix, force
@@ -73,10 +67,6 @@ class RelayService(EngineService):
 
     async def start(self) -> None:
         await self.serve_kv(self.settings.local_address)
-        assert self.kv_server is not None
-        self.advertise_address = self.settings.advertise_address or await advertised_address(
-            self.kv_server.address
-        )
         await super().start()
         self.track("early_ready", lambda: len(self.early.ready))
         self.track("early_start", lambda: len(self.early.start))

@@ -33,6 +33,7 @@ from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, Ste
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, KVSink, start_kv_server
 from shared.kv.tls import server_tls
+from shared.kv.transport import advertised_address
 from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
 from shared.serving.runtime import Lifecycle
@@ -76,6 +77,7 @@ class EngineService:
         discovery = {"instance": settings.instance, "datacenter": settings.datacenter}
         self.life = Lifecycle(f"pdd-{self.role.value.replace('_', '-')}", discovery)
         self.kv_server: KVServer | None = None
+        self.advertise_address = ""  # what peers dial for this service's KV, once it listens
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
         self.epoch = secrets.token_hex(8)  # this process (LoadReport.epoch)
         self.routers = Heartbeats(settings.orphan_after_s)
@@ -157,6 +159,7 @@ class EngineService:
         self.kv_server = await start_kv_server(
             address, self.settings.secret, sink or self, ssl=tls, expect=expect, peer_roles=KV_SENDERS
         )
+        self.advertise_address = await advertised(self.settings, self.kv_server.address)
 
     # ---- what each service defines ---------------------------------------------------
     async def subscribe(self) -> None:
@@ -183,7 +186,7 @@ class EngineService:
         raise NotImplementedError
 
     def load_address(self) -> str | None:
-        return self.kv_server.address if self.kv_server else None
+        return self.advertise_address or None
 
     def load_links(self) -> list[LinkReport]:
         return []
@@ -331,3 +334,9 @@ def outcome_of(reason: FinishReason | None) -> Outcome:
     if reason is FinishReason.LENGTH:
         return Outcome.LENGTH
     return Outcome.ERROR
+
+
+async def advertised(settings: Any, bound: str) -> str:
+    """What peers dial for a KV listener bound at `bound`: the settings' advertise_address
+    (PDD_<ROLE>_ADVERTISE) when given, else `bound` with a wildcard host as this host's IP."""
+    return getattr(settings, "advertise_address", None) or await advertised_address(bound)
