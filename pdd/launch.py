@@ -27,13 +27,13 @@ from pathlib import Path
 
 from shared.config import ENV_PREFIX
 from shared.security.credentials import LOCAL_KV_SERVICES, Credentials
-from shared.security.identity import ROLE_DC
+from shared.security.identity import NATS_DC, ROLE_DC
 
 DC_A = "dc-a"
 DC_B = "dc-b"
 SERVICES = ("prefill", "relay", "main_decode", "router")
 KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they run an engine
-NATS_CLUSTER = {DC_A: "nats-a", DC_B: "nats-b"}  # also each DC's gateway name
+NATS_CLUSTER = {dc: name for name, dc in NATS_DC.items()}  # also each DC's gateway name
 MAX_COUNT = 8  # most instances of one role, and most NATS nodes per DC
 COUNTS = {"prefill": "prefill", "relay": "relay", "main_decode": "md", "router": "routers"}  # UpOptions field
 
