@@ -51,6 +51,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=2, help="alternate ours/HF this many times, keep the best")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "packed", "torch"],
+        help="the engine's linear layers",
+    )
+    ap.add_argument(
         "--floor-shapes",
         default="1x128,8x1536,16x3072",
         help="decode steps timed against the floors: SEQSxCONTEXT,...",
@@ -75,7 +81,13 @@ def _engine(args, kv_tokens: int, max_batched: int) -> LLMEngine:
     del probe
     return LLMEngine(
         ModelSettings(preset=args.preset, dtype=args.dtype, device=args.device),
-        EngineSettings(kv_memory_mb=mb, max_batched_tokens=max_batched, max_num_seqs=256, max_model_len=8192),
+        EngineSettings(
+            kv_memory_mb=mb,
+            max_batched_tokens=max_batched,
+            max_num_seqs=256,
+            max_model_len=8192,
+            linear_backend=args.linear_backend,
+        ),
     )
 
 
@@ -331,7 +343,8 @@ def run(args) -> dict:
     backends = _backends(args.device)
     print(
         f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads "
-        f"of {os.cpu_count()} cores, attention backend {engine.runner.backend.name}",
+        f"of {os.cpu_count()} cores, attention backend {engine.runner.backend.name}, "
+        f"linear layers {engine.linear_backend}",
         flush=True,
     )
     result = {
@@ -342,6 +355,7 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
         "backend": engine.runner.backend.name,
+        "linear_backend": engine.linear_backend,
     }
     with progress("floors and decode steps per attention backend"):
         result["floors"] = floor_rows(engine, backends, shapes, max(2, args.repeat))
@@ -386,7 +400,7 @@ def _targets(result: dict) -> list[dict]:
 
 def _print_floors(f: dict) -> None:
     print(
-        f"\nfloors on this host ({f['threads']} threads): weights {f['weight_bytes'] / 1e6:.0f} MB, matvec over them "
+        f"\nfloors on this host ({f['threads']} threads): weights {f['weight_bytes'] / 1e6:.0f} MB, one read of them "
         f"{f['weights_floor_ms']:.1f} ms ({f['weights_gb_per_s']:.1f} GB/s), one thread {f['weights_floor_1thread_ms']:.1f} ms"
     )
     names = list(f["rows"][0]["step_ms"]) if f["rows"] else []

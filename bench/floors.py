@@ -1,7 +1,7 @@
 """What a decode step must at least cost on this host, and what it costs on each attention
 backend. A decode step reads every weight once and, per sequence, its whole KV context:
-  weights floor: a matvec over every weight matrix of the model (best of several; all
-                 threads, and one thread);
+  weights floor: one read (a sum) over every weight matrix of the model, or a matvec over
+                 them, whichever is faster (best of several; all threads, and one thread);
   KV floor:      one read (a sum) over the KV bytes the step attends over, all threads.
 Steps are timed at the model runner (metadata, forward, logits) over sequences whose block
 tables cover the context; the KV values do not change the cost.
@@ -20,6 +20,7 @@ from shared.engine.block_pool import blocks_for
 from shared.engine.scheduler import ScheduledSeq
 from shared.engine.sequence import Mode, Sequence
 from shared.model.attention import AttentionBackend
+from shared.model.packed_linear import PackedLinear
 
 
 def best_of(fn: Callable[[], object], repeat: int) -> float:
@@ -34,19 +35,25 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
 
 @torch.inference_mode()
 def weights_floor_s(model: nn.Module, repeat: int, threads: int | None = None) -> float:
-    mats = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    mats = weight_matrices(model)
     xs = [torch.randn(w.shape[1], dtype=w.dtype, device=w.device) for w in mats]
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return best_of(lambda: [torch.mv(w, x) for w, x in zip(mats, xs, strict=True)], repeat)
+        matvec = best_of(lambda: [torch.mv(w, x) for w, x in zip(mats, xs, strict=True)], repeat)
+        return min(matvec, best_of(lambda: [w.sum() for w in mats], repeat))
     finally:
         torch.set_num_threads(before)
 
 
+def weight_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """Every linear layer's weight, in nn.Linear's layout (packed ones unpacked, once)."""
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
+
+
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(w.numel() * w.element_size() for w in weight_matrices(model))
 
 
 @torch.inference_mode()

@@ -64,6 +64,9 @@ class EngineSettings(BaseModel):
     # Attention over the paged cache: "paged" (C++ kernel reading blocks in place, CPU),
     # "reference" (gather + SDPA, any device), "auto" = paged where it can run.
     attention_backend: Literal["auto", "paged", "reference"] = "auto"
+    # Linear layers: "packed" (weights pre-packed for oneDNN at load, CPU), "torch" (F.linear),
+    # "auto" = packed where it can run.
+    linear_backend: Literal["auto", "packed", "torch"] = "auto"
 
 
 class RdmaSettings(BaseModel):

@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def dense_logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Reference path: one whole sequence, no KV cache -> logits [T, vocab] in fp32."""
-        device = self.lm_head.weight.device
+        device = self.model.embed_tokens.weight.device
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
         positions = torch.arange(ids.numel(), device=device)
         return self.compute_logits(self.forward(ids, positions, None)).float()

@@ -148,9 +148,10 @@ def test_setting_from_the_environment(monkeypatch):
 
 
 # ---- through the engine ------------------------------------------------------------------
-def engine_on(backend: str, **kw) -> LLMEngine:
+def engine_on(backend: str, linear: str = "auto", **kw) -> LLMEngine:
     engine = LLMEngine(
-        ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=2, attention_backend=backend, **kw)
+        ModelSettings(preset="tiny"),
+        EngineSettings(kv_memory_mb=2, attention_backend=backend, linear_backend=linear, **kw),
     )
     assert engine.runner.backend.name == backend
     return engine
@@ -186,3 +187,12 @@ def test_engine_greedy_tokens_equal_across_backends():
     assert set(out) == {"first", "hit", "long", "held", "hit2"}
     assert out == ref
     assert all(len(v) > 0 for v in out.values())
+
+
+def test_engine_greedy_tokens_equal_across_linear_backends():
+    """oneDNN's packed weights (the default on the CPU) against F.linear, on both attention paths."""
+    for attention in ("paged", "reference"):
+        torch_linear = engine_on(attention, "torch", max_batched_tokens=64)
+        packed = engine_on(attention, "auto", max_batched_tokens=64)
+        assert (torch_linear.linear_backend, packed.linear_backend) == ("torch", "packed")
+        assert workload(packed) == workload(torch_linear)
