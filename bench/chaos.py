@@ -306,7 +306,8 @@ def stream_request(routers: Routers, first: int, body: dict, timeout: float) -> 
     """A streamed completion sent to router `first`; refused: the next router; broken: resumed
     on another one with Last-Event-ID. Never longer than `timeout` in all."""
     t0 = time.monotonic()
-    out, headers = Stream(started=t0, router=first), {}
+    # An event stream asked for as such carries SSE ids, to resume from.
+    out, headers = Stream(started=t0, router=first), {"Accept": "text/event-stream"}
     deadline, broke_at, refused_since, last = t0 + timeout, None, None, None
     while time.monotonic() < deadline:
         for i in routers.order(first if last is None else (last + 1) % len(routers.urls)):
@@ -339,7 +340,7 @@ def stream_request(routers: Routers, first: int, body: dict, timeout: float) -> 
                 broke_at = broke_at or time.monotonic()
                 if time.monotonic() - broke_at > RESUME_WINDOW_S:
                     return _failed(out, t0, f"not resumed within {RESUME_WINDOW_S:.0f} s: {e}")
-                headers = {"Last-Event-ID": out.last_event_id}
+                headers = {"Accept": "text/event-stream", "Last-Event-ID": out.last_event_id}
                 out.reconnects += 1
             last = i
         time.sleep(0.2)

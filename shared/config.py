@@ -222,6 +222,11 @@ class RouterSettings(CommonSettings):
     default_bandwidth_bps: float = Field(default=1e9 / 8, ge=0)
     default_rtt_s: float = 0.03
     max_tokens_default: int = 256
+    # SSE `id:` fields (what a stream resumes from, by Last-Event-ID): "asked" = on the streams
+    # of clients that send `Accept: text/event-stream` (EventSource does) or a Last-Event-ID;
+    # "always" = every stream. Not by default: common OpenAI clients (vLLM's and SGLang's
+    # benchmark clients among them) take every SSE line or event for a `data:` line.
+    sse_event_ids: Literal["asked", "always"] = "asked"
     # MD's answer to prepare: one WAN round trip, plus up to MD's admission_wait_s (20 s)
     # when its KV memory is taken. Also bounds prefill's answer to the submit.
     prepare_timeout_s: float = 30.0

@@ -142,3 +142,23 @@ def test_bad_tokenize_requests_are_clear_4xx(system, path, body, status, param):
 def test_tokenize_needs_the_key(system):
     r = httpx.post(f"{system.router_url}/tokenize", json={"prompt": "a"}, timeout=10)
     assert r.status_code == 401
+
+
+def _events(system: RunningSystem, headers: dict) -> list[str]:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream(
+        "POST", f"{system.router_url}/v1/completions", json=body, headers={**AUTH, **headers}, timeout=60
+    ) as r:
+        assert r.status_code == 200, r.read()
+        return [e for e in r.read().decode().split("\n\n") if e.strip()]
+
+
+def test_a_plain_stream_is_data_lines_only_and_an_event_stream_client_gets_ids(system):
+    """vLLM's and SGLang's benchmark clients strip `data: ` off each event and parse the rest
+    as JSON: an `id:` line breaks them. A client asking for an event stream gets the ids."""
+    plain = _events(system, {})
+    assert plain[-1] == "data: [DONE]" and len(plain) >= 3
+    assert all(e.startswith("data: ") and "\n" not in e for e in plain)
+    with_ids = _events(system, {"accept": "text/event-stream"})
+    assert all(e.startswith("id: ") for e in with_ids[:-1]) and with_ids[-1] == "data: [DONE]"
+    assert [e.split("\n", 1)[1] for e in with_ids[:-1]][0].startswith("data: ")

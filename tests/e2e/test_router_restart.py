@@ -48,7 +48,7 @@ class Streamed:
 
 def stream(url: str, payload: dict, headers: dict | None = None, on_tokens=None) -> Streamed:
     """One streamed completion; `on_tokens(n)` after each chunk, n: the tokens so far."""
-    out = Streamed()
+    out, headers = Streamed(), {"Accept": "text/event-stream", **(headers or {})}  # ids: resumable
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=payload, headers=headers, timeout=90) as r:
             assert r.status_code == 200, r.read()

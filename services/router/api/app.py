@@ -221,11 +221,18 @@ async def _serve(request: Request, chat: bool) -> Response:
         detok = Detokenizer(tokenizer, parsed.params.stop)
         opts = output_options(parsed, tokenizer)
         if parsed.body.stream:
-            return SSEResponse(core, stream, detok, opts, headers, resume)  # it releases the stream
+            ids = _wants_event_ids(request, core.settings.sse_event_ids)
+            return SSEResponse(core, stream, detok, opts, headers, resume, ids)  # it releases the stream
         return await complete(request, core, stream, detok, opts, headers)  # so does complete
     except BaseException:
         core.release(stream)  # failed before either took the stream over
         raise
+
+
+def _wants_event_ids(request: Request, setting: str) -> bool:
+    """Whether this stream's events carry `id:` fields (RouterSettings.sse_event_ids)."""
+    asked = "text/event-stream" in request.headers.get("accept", "") or LAST_EVENT_ID in request.headers
+    return setting == "always" or asked
 
 
 def _resume_point(request: Request, parsed) -> EventId | None:

@@ -224,8 +224,9 @@ class SSEResponse(StreamingResponse):
         opts: OutputOptions,
         headers: dict,
         resume: EventId | None = None,
+        event_ids: bool = True,
     ):
-        body = sse(core, stream, detok, opts, resume)
+        body = sse(core, stream, detok, opts, resume, event_ids)
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self.core, self.stream = core, stream
 
@@ -237,48 +238,49 @@ class SSEResponse(StreamingResponse):
             self.core.release(self.stream)  # ...an unstarted one is freed here
 
 
-def _with_id(event_id: EventId, chunk: bytes) -> bytes:
-    return f"id: {event_id}\n".encode() + chunk
-
-
 async def sse(
     core: RouterCore,
     stream: RequestStream,
     detok: Detokenizer,
     opts: OutputOptions,
     resume: EventId | None = None,
+    event_ids: bool = True,
 ) -> AsyncIterator[bytes]:
-    """The stream's events, each with its id (resume.py); from the client's Last-Event-ID on
-    when `resume` is given (the role chunk and the echo it had already)."""
+    """The stream's events, each with its id (resume.py) if `event_ids`; from the client's
+    Last-Event-ID on when `resume` is given (the role chunk and the echo it had already)."""
     assert stream.params is not None and stream.params.seed is not None
     public_id = resume.rid if resume else stream.rid
     chunks = SSEChunks(stream, opts, core.model_id, detok.tokenizer, public_id)
     progress = Progress(public_id, stream.params.seed, stream.prompt_ids)
     replay = Replay(resume, progress, detok) if resume else None
+
+    def with_id(event_id: EventId, chunk: bytes) -> bytes:
+        return f"id: {event_id}\n".encode() + chunk if event_ids else chunk
+
     try:
         if replay is not None:
             replay.check_start()
         if opts.chat and resume is None:
-            yield _with_id(progress.event_id(), chunks.role())
+            yield with_id(progress.event_id(), chunks.role())
         reason, echo = None, (opts.echo if resume is None else None)
         async with aclosing(_texts(core, stream, detok, replay)) as texts:  # closing this closes deltas()
             async for text, delta, finish in texts:
                 reason = finish
                 if echo is not None:  # with the first tokens: the prompt's logprobs came with them
-                    yield _with_id(progress.event_id(), chunks.echo(echo))
+                    yield with_id(progress.event_id(), chunks.echo(echo))
                     echo = None
                 if text or delta.tokens:
                     progress.add(delta.tokens)
-                    yield _with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
+                    yield with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
         tail = detok.flush()
         count(stream, "ok")
         done_usage = usage(stream, len(detok.tokens))
         last = chunks.tokens(
             tail, [], None, openai_reason(reason), {"pdd": stream.summary(), "usage": done_usage}
         )
-        yield _with_id(progress.event_id("end"), last)
+        yield with_id(progress.event_id("end"), last)
         if opts.include_usage:
-            yield _with_id(progress.event_id("usage"), chunks.usage(done_usage))
+            yield with_id(progress.event_id("usage"), chunks.usage(done_usage))
     except APIError as e:
         count(stream, "error")
         yield f"data: {json.dumps(e.body())}\n\n".encode()
@@ -303,7 +305,7 @@ def rest_of_ended(point: EventId, prompt_tokens: int, opts: OutputOptions, model
             },
         }
         usage_id = EventId(point.rid, point.sent, point.seed, point.digest, "usage")
-        body = _with_id(usage_id, f"data: {json.dumps(data)}\n\n".encode())
+        body = f"id: {usage_id}\ndata: {json.dumps(data)}\n\n".encode()
     return Response(body + b"data: [DONE]\n\n", media_type="text/event-stream")
 
 
