@@ -33,6 +33,7 @@ from bench.engine import _workload, run_ours_mixed
 from bench.peer_venv import DEFAULT_VENV, VLLM_VERSION, Missing, Vllm, find_vllm
 from pdd.benchkit.progress import add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
+from pdd.launch import tcmalloc_path
 
 HERE = Path(__file__).parent
 API_KEY = "peer-bench-key"
@@ -404,8 +405,20 @@ def _figure(result: dict):
     return fig
 
 
+def _with_tcmalloc(argv: list[str]) -> None:
+    """Start again with tcmalloc preloaded where it is installed: vLLM's side runs with it, and
+    so do `pdd up`'s engines; the in-process pdd engine needs it from the start too."""
+    lib = tcmalloc_path()
+    if lib and "LD_PRELOAD" not in os.environ:
+        os.execve(
+            sys.executable, [sys.executable, "-m", "bench.peer", *argv], {**os.environ, "LD_PRELOAD": lib}
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
+    _with_tcmalloc(argv)
     result = run(args)
     save_report(result, args.out, table=_print, figures=None if "skipped" in result else _figure)
     return 0

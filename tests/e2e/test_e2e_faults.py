@@ -194,7 +194,9 @@ def test_a_5s_gateway_cut_fails_no_stream(system):
 def test_a_router_frozen_past_its_heartbeat_bound_loses_nothing(system):
     """The backends drop the requests of a router that went silent (freeing their blocks);
     once it runs again it finds its stream held by nobody and moves it by token IDs."""
-    payload = body("p-md", salt=3, max_tokens=320)  # still decoding when the backends give up
+    # Still decoding when the backends give up (4 s after the freeze): ~6 ms a token at batch 1
+    # on a fast host, so ~6 s of decoding.
+    payload = body("p-md", salt=3, max_tokens=1000)
     want = reference(system, payload)
     router = _pid_of(system, "router")
     got = stream(system, payload, at_token=10, fault=freeze(router, 4.5))
