@@ -160,5 +160,5 @@ def test_a_plain_stream_is_data_lines_only_and_an_event_stream_client_gets_ids(s
     assert plain[-1] == "data: [DONE]" and len(plain) >= 3
     assert all(e.startswith("data: ") and "\n" not in e for e in plain)
     with_ids = _events(system, {"accept": "text/event-stream"})
-    assert all(e.startswith("id: ") for e in with_ids[:-1]) and with_ids[-1] == "data: [DONE]"
-    assert [e.split("\n", 1)[1] for e in with_ids[:-1]][0].startswith("data: ")
+    assert with_ids[-1] == "data: [DONE]" and len(with_ids) == len(plain)
+    assert all(e.startswith("id: ") and e.split("\n")[1].startswith("data: ") for e in with_ids[:-1])
