@@ -57,6 +57,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the engine's linear layers",
     )
     ap.add_argument(
+        "--small-ops",
+        default="auto",
+        choices=["auto", "fused", "torch"],
+        help="the engine's RMSNorm and RoPE: fused C++ calls or tensor ops",
+    )
+    ap.add_argument(
         "--floor-shapes",
         default="1x128,8x1536,16x3072",
         help="decode steps timed against the floors: SEQSxCONTEXT,...",
@@ -87,6 +93,7 @@ def _engine(args, kv_tokens: int, max_batched: int) -> LLMEngine:
             max_num_seqs=256,
             max_model_len=8192,
             linear_backend=args.linear_backend,
+            small_ops=args.small_ops,
         ),
     )
 
@@ -344,7 +351,7 @@ def run(args) -> dict:
     print(
         f"model {engine.model_id} ({args.dtype}, {args.device}), {torch.get_num_threads()} CPU threads "
         f"of {os.cpu_count()} cores, attention backend {engine.runner.backend.name}, "
-        f"linear layers {engine.linear_backend}",
+        f"linear layers {engine.linear_backend}, small ops {engine.small_ops}",
         flush=True,
     )
     result = {
@@ -356,6 +363,7 @@ def run(args) -> dict:
         "cores": os.cpu_count(),
         "backend": engine.runner.backend.name,
         "linear_backend": engine.linear_backend,
+        "small_ops": engine.small_ops,
     }
     with progress("floors and decode steps per attention backend"):
         result["floors"] = floor_rows(engine, backends, shapes, max(2, args.repeat))

@@ -22,6 +22,8 @@ from shared.engine.sequence import Mode, Sequence
 from shared.model.attention import AttentionBackend
 from shared.model.packed_linear import PackedLinear
 
+STEPS_PER_TURN = 5  # a backend's best of this many steps per turn: one step (1 x 128: ~4 ms) is noisy
+
 
 def best_of(fn: Callable[[], object], repeat: int) -> float:
     fn()  # first-call allocations
@@ -100,7 +102,7 @@ def floor_rows(
             for _ in range(repeat):  # alternate, so both see the same load on a shared machine
                 for name, backend in backends.items():
                     engine.runner.backend = backend
-                    times[name] = min(times[name], decode_step_s(engine, batch, 1))
+                    times[name] = min(times[name], decode_step_s(engine, batch, STEPS_PER_TURN))
             row = {
                 "seqs": num_seqs,
                 "context": context,

@@ -67,6 +67,9 @@ class EngineSettings(BaseModel):
     # Linear layers: "packed" (weights pre-packed for oneDNN at load, CPU), "torch" (F.linear),
     # "auto" = packed where it can run.
     linear_backend: Literal["auto", "packed", "torch"] = "auto"
+    # RMSNorm (with its residual add) and RoPE: "fused" (one C++ call each, CPU), "torch"
+    # (tensor ops), "auto" = fused where it can run.
+    small_ops: Literal["auto", "fused", "torch"] = "auto"
 
 
 class RdmaSettings(BaseModel):

@@ -29,6 +29,7 @@ from shared.engine.scheduler import ScheduledSeq, Scheduler
 from shared.engine.sequence import Mode, SeqStatus, Sequence
 from shared.engine.stopping import finish_reason
 from shared.model import load_model
+from shared.model.fused import choose_fused_ops
 from shared.model.packed_linear import choose_linear_backend
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class LLMEngine:
         embed = self.model.model.embed_tokens.weight
         self.dtype, self.device = embed.dtype, embed.device
         self.linear_backend = choose_linear_backend(self.model, es.linear_backend)
+        self.small_ops = choose_fused_ops(self.model, es.small_ops)
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
         self.max_model_len = min(es.max_model_len, cfg.max_position_embeddings)
         budget = kv_pool_bytes(es.kv_memory_mb, es.kv_memory_fraction, lambda: available_bytes(self.device))

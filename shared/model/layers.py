@@ -1,8 +1,14 @@
-"""Small building blocks: RMSNorm, rotary embedding, SwiGLU."""
+"""Small building blocks: RMSNorm, rotary embedding, SwiGLU.
+
+RMSNorm and RoPE take a C++ call each (shared/model/kernels/fused_ops.cpp) once the model is
+given the fused ops (`shared.model.fused.use_fused_ops`); the tensor code here stays the
+reference they round like.
+"""
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +22,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.is_contiguous():
+            return self.fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, scale in the model dtype: the same rounding as the reference.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual): the residual add and the norm in one call
+        where fused (both tensors then updated in place: x is a layer's output, used once)."""
+        if self.fused is not None and x.is_contiguous() and residual.is_contiguous():
+            self.fused.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -64,6 +82,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def split_qkv_rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    fused: ModuleType | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, (heads + 2 kv_heads) head_dim] -> q, k rotated and v, as [T, heads, head_dim]."""
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(-1, kv_heads, head_dim)
+    if fused is not None and qkv.is_contiguous():
+        q, k = fused.rope_qk(qkv, cos, sin, heads, kv_heads)
+        return q, k, v
+    q, k = qkv[:, : heads * head_dim], qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    q = apply_rope(q.view(-1, heads, head_dim), cos, sin)
+    return q, apply_rope(k.reshape(-1, kv_heads, head_dim), cos, sin), v
 
 
 class SwiGLU(nn.Module):

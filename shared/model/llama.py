@@ -6,12 +6,14 @@ matmul each (`qkv_proj`, `gate_up_proj`); the loader and the exporter split/merg
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
 from shared.model.attention import Attention, AttentionContext
 from shared.model.config import ModelConfig
-from shared.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from shared.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, split_qkv_rope
 
 
 class SelfAttention(nn.Module):
@@ -31,17 +33,22 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.fused: ModuleType | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext | None
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:  # Qwen3: a norm per head before RoPE
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            q, k, v = split_qkv_rope(
+                qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.fused
+            )
         o = self.attn(q, k, v, ctx)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -55,10 +62,21 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: AttentionContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer (or the
+        final norm) adds the two, so each add goes with a norm in one call where fused."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, ctx), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -74,9 +92,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,9 +1,11 @@
 """C++ kernels, compiled once into the venv and loaded from there.
 
-`make install` builds them (`python -m shared.model.kernels build`); at run time the same call
-finds them built and only loads them (torch's JIT extension loader with a fixed build
-directory, so a changed source is rebuilt). Where they cannot be built or loaded (no compiler,
-no ninja, a read-only venv) `paged_attention_ops()` is None and says why once, in the log.
+Two extensions: the paged attention kernel (paged_attention.cpp) and a decoder layer's small
+ops fused (fused_ops.cpp). `make install` builds them (`python -m shared.model.kernels build`);
+at run time the same call finds them built and only loads them (torch's JIT extension loader
+with a fixed build directory, so a changed source is rebuilt). Where one cannot be built or
+loaded (no compiler, no ninja, a read-only venv) its `*_ops()` is None and says why once, in
+the log, and the model runs the tensor code it replaces.
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HERE = Path(__file__).parent
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# name -> (source, extra flags). The fused ops round as the tensor ops they replace: no FMA.
+KERNELS = {
+    "pdd_paged_attention": (HERE / "paged_attention.cpp", []),
+    "pdd_fused_ops": (HERE / "fused_ops.cpp", ["-ffp-contract=off"]),
+}
 
 
 def _cpu_key() -> str:
@@ -38,28 +45,45 @@ def build_dir() -> Path:
     return Path(sys.prefix) / "pdd-kernels" / f"torch-{torch.__version__}-{_cpu_key()}"
 
 
-def build(verbose: bool = False) -> ModuleType:
+def build_one(name: str, verbose: bool = False) -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    where = build_dir()
+    source, flags = KERNELS[name]
+    where = build_dir() / name  # one directory each: each load writes its own build.ninja
     where.mkdir(parents=True, exist_ok=True)
     return load(
-        name="pdd_paged_attention",
-        sources=[str(SOURCE)],
+        name=name,
+        sources=[str(source)],
         build_directory=str(where),
-        extra_cflags=FLAGS,
+        extra_cflags=FLAGS + flags,
         verbose=verbose,
     )
 
 
+def build(verbose: bool = False) -> list[ModuleType]:
+    return [build_one(name, verbose) for name in KERNELS]
+
+
 @functools.cache
-def paged_attention_ops() -> ModuleType | None:
+def _ops(name: str, what: str, fallback: str) -> ModuleType | None:
     try:
-        return build()
-    except Exception as e:  # any failure to build or load means the reference path, never a crash
+        return build_one(name)
+    except Exception as e:  # any failure to build or load means the tensor path, never a crash
         log.warning(
-            "paged attention kernel unavailable (%s: %s); attention falls back to the reference backend",
+            "%s unavailable (%s: %s); %s",
+            what,
             type(e).__name__,
             str(e).strip().splitlines()[-1] if str(e).strip() else "",
+            fallback,
         )
         return None
+
+
+def paged_attention_ops() -> ModuleType | None:
+    return _ops(
+        "pdd_paged_attention", "paged attention kernel", "attention falls back to the reference backend"
+    )
+
+
+def fused_ops() -> ModuleType | None:
+    return _ops("pdd_fused_ops", "fused small ops", "RMSNorm and RoPE run as tensor ops")

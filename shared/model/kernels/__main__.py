@@ -17,12 +17,12 @@ def main(argv: list[str]) -> int:
         build()
     except Exception as e:
         print(
-            f"warning: the paged attention kernel did not build ({type(e).__name__}: {e}); "
-            "attention will use the reference backend",
+            f"warning: the C++ kernels did not build ({type(e).__name__}: {e}); "
+            "what did not build runs as tensor code (attention: the reference backend)",
             file=sys.stderr,
         )
         return 1
-    print(f"paged attention kernel ready in {build_dir()} ({time.perf_counter() - t0:.1f} s)")
+    print(f"C++ kernels ready in {build_dir()} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 

@@ -1,0 +1,108 @@
+"""The fused small ops (RMSNorm with its residual add, RoPE) against the tensor code they
+replace, and the engine's greedy tokens with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shared.config import EngineSettings, ModelSettings
+from shared.engine.engine import LLMEngine
+from shared.model import load_model
+from shared.model.fused import choose_fused_ops, use_fused_ops, why_not_fused
+from shared.model.kernels import fused_ops
+from shared.model.layers import RMSNorm, RotaryEmbedding, split_qkv_rope
+from tests.unit.test_attention_backends import engine_on, workload
+
+OPS = fused_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ kernels did not build here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def norm_pair(dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm]:
+    plain = RMSNorm(96, 1e-6).to(dtype)
+    plain.weight.data = torch.randn(96).to(dtype)
+    fused = RMSNorm(96, 1e-6).to(dtype)
+    fused.weight.data, fused.fused = plain.weight.data, OPS
+    return plain, fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_residual_add_and_norm_match_the_tensor_code(dtype):
+    plain, fused = norm_pair(dtype)
+    x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
+    want_h, want_r = plain.add_forward(x.clone(), residual.clone())
+    got_x, got_r = x.clone(), residual.clone()
+    h, r = fused.add_forward(got_x, got_r)
+    assert h.data_ptr() == got_x.data_ptr() and r.data_ptr() == got_r.data_ptr()  # in place
+    assert torch.equal(r, want_r)  # the add rounds as the tensor add
+    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)  # the norm sums in another order
+    before = x.clone()
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, before)  # the plain norm writes a new tensor
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_is_bit_exact_against_the_tensor_code(dtype):
+    class Cfg:
+        head_dim, rope_theta, rope_scaling = 32, 10000.0, None
+
+    heads, kv_heads = 6, 2
+    qkv = torch.randn(21, (heads + 2 * kv_heads) * 32).to(dtype)
+    cos, sin = RotaryEmbedding(Cfg)(torch.arange(21) * 13, dtype)
+    want = split_qkv_rope(qkv, cos, sin, heads, kv_heads, 32)
+    got = split_qkv_rope(qkv, cos, sin, heads, kv_heads, 32, OPS)
+    assert [t.shape for t in got] == [(21, heads, 32), (21, kv_heads, 32), (21, kv_heads, 32)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+def test_bad_inputs_are_refused_not_misread():
+    with pytest.raises(RuntimeError, match="do not match"):
+        OPS.rms_norm(torch.randn(3, 8), torch.ones(9), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        OPS.add_rms_norm_(torch.randn(8, 3).t(), torch.randn(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="do not match"):
+        OPS.rope_qk(torch.randn(2, 40), torch.randn(2, 8), torch.randn(2, 8), 2, 2)
+    with pytest.raises(RuntimeError, match="dtype"):
+        OPS.rms_norm(torch.randn(3, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+
+
+def test_a_fused_model_gives_the_same_logits():
+    model, _, _ = load_model(ModelSettings(preset="tiny"))
+    ids = list(range(1, 40))
+    logits = model.dense_logits(ids)
+    layers = model.config.num_layers
+    assert use_fused_ops(model, OPS) == 3 * layers + 1  # two norms and an attention per layer, the final norm
+    torch.testing.assert_close(model.dense_logits(ids), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_choice_and_fallback(monkeypatch):
+    model, _, _ = load_model(ModelSettings(preset="tiny"))
+    assert why_not_fused(model) is None
+    assert choose_fused_ops(model, "torch") == "torch" and model.model.norm.fused is None
+    on_meta = nn.Sequential(RMSNorm(4, 1e-6)).to("meta")
+    assert "meta" in why_not_fused(on_meta)
+    assert choose_fused_ops(on_meta, "auto") == "torch"  # falls back, with a log line
+    with pytest.raises(ValueError, match="cannot run here"):
+        choose_fused_ops(on_meta, "fused")
+    monkeypatch.setattr("shared.model.kernels.fused_ops", lambda: None)
+    assert "did not load" in why_not_fused(model)
+    assert choose_fused_ops(model, "auto") == "torch"
+    monkeypatch.undo()
+    monkeypatch.setenv("PDD_ENGINE__SMALL_OPS", "torch")
+    from shared.config import MainDecodeSettings
+
+    assert MainDecodeSettings().engine.small_ops == "torch"
+    assert EngineSettings().small_ops == "auto"
+    assert LLMEngine(ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=1)).small_ops == "fused"
+
+
+def test_engine_greedy_tokens_equal_with_and_without_fusion():
+    """Chunked prefill, prefix hits and extends, on both attention paths."""
+    for attention in ("paged", "reference"):
+        plain = engine_on(attention, max_batched_tokens=64, small_ops="torch")
+        fused = engine_on(attention, max_batched_tokens=64)
+        assert (plain.small_ops, fused.small_ops) == ("torch", "fused")
+        assert workload(fused) == workload(plain)
