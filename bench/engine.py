@@ -53,7 +53,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--linear-backend",
         default="auto",
-        choices=["auto", "packed", "torch"],
+        choices=["auto", "panel", "packed", "torch"],
         help="the engine's linear layers",
     )
     ap.add_argument(

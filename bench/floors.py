@@ -21,6 +21,7 @@ from shared.engine.scheduler import ScheduledSeq
 from shared.engine.sequence import Mode, Sequence
 from shared.model.attention import AttentionBackend
 from shared.model.packed_linear import PackedLinear
+from shared.model.panel_linear import PanelLinear
 
 STEPS_PER_TURN = 5  # a backend's best of this many steps per turn: one step (1 x 128: ~4 ms) is noisy
 
@@ -51,7 +52,7 @@ def weights_floor_s(model: nn.Module, repeat: int, threads: int | None = None) -
 
 def weight_matrices(model: nn.Module) -> list[torch.Tensor]:
     """Every linear layer's weight, in nn.Linear's layout (packed ones unpacked, once)."""
-    return [m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear | PanelLinear)]
 
 
 def weight_bytes(model: nn.Module) -> int:

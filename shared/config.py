@@ -64,9 +64,10 @@ class EngineSettings(BaseModel):
     # Attention over the paged cache: "paged" (C++ kernel reading blocks in place, CPU),
     # "reference" (gather + SDPA, any device), "auto" = paged where it can run.
     attention_backend: Literal["auto", "paged", "reference"] = "auto"
-    # Linear layers: "packed" (weights pre-packed for oneDNN at load, CPU), "torch" (F.linear),
-    # "auto" = packed where it can run.
-    linear_backend: Literal["auto", "packed", "torch"] = "auto"
+    # Linear layers: "panel" (fp32 weights in 32-column panels for the C++ kernel, the rest as
+    # packed), "packed" (weights pre-packed for oneDNN at load, CPU), "torch" (F.linear),
+    # "auto" = panel for fp32, else packed, where they can run.
+    linear_backend: Literal["auto", "panel", "packed", "torch"] = "auto"
     # RMSNorm (with its residual add) and RoPE: "fused" (one C++ call each, CPU), "torch"
     # (tensor ops), "auto" = fused where it can run.
     small_ops: Literal["auto", "fused", "torch"] = "auto"

@@ -15,10 +15,13 @@ any other matrix kernel's would.
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.model.panel_linear import PanelLinear, fits_panels
 
 log = logging.getLogger(__name__)
 
@@ -74,28 +77,45 @@ def can_pack(model: nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear, in place; -> how many."""
+def pack_linears(model: nn.Module, panel_ops: ModuleType | None = None) -> tuple[int, int]:
+    """Replace every nn.Linear in `model`, in place: by a PanelLinear where `panel_ops` is
+    given and the layer fits its panels, else by a PackedLinear; -> (panels, oneDNN) counts."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
+    panels = 0
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+        if panel_ops is not None and fits_panels(child):
+            setattr(parent, name, PanelLinear(child, panel_ops))
+            panels += 1
+        else:
+            setattr(parent, name, PackedLinear(child))
+    return panels, len(targets) - panels
 
 
 def choose_linear_backend(model: nn.Module, asked: str) -> str:
-    """Pack the model's linear layers if `asked` is "packed" (or "auto" and they can be); -> the
-    backend in use. "packed" where it cannot run is an error, "auto" falls back with a log line."""
+    """Pack the model's linear layers as `asked`: "panel" (the panel kernel where a layer fits
+    it, oneDNN for the rest), "packed" (oneDNN), "torch" (F.linear), or "auto" (panel for fp32
+    weights, else packed, where they can run); -> the backend in use. An explicit choice that
+    cannot run here is an error; "auto" falls back with a log line."""
+    from shared.model.kernels import panel_linear_ops
+
     why_not = None if asked == "torch" else can_pack(model)
     if asked == "torch" or (asked == "auto" and why_not):
         if why_not:
             log.info("linear layers: F.linear (%s)", why_not)
         return "torch"
     if why_not:
-        raise ValueError(f"linear_backend=packed cannot run here: {why_not}")
-    log.info("linear layers: %d packed for oneDNN", pack_linears(model))
-    return "packed"
+        raise ValueError(f"linear_backend={asked} cannot run here: {why_not}")
+    fp32 = next(model.parameters()).dtype == torch.float32
+    ops = panel_linear_ops() if asked == "panel" or (asked == "auto" and fp32) else None
+    if asked == "panel" and (ops is None or not fp32):
+        raise ValueError(
+            "linear_backend=panel cannot run here: " + ("not fp32" if ops else "no panel kernel")
+        )
+    panels, onednn = pack_linears(model, ops)
+    log.info("linear layers: %d in panels, %d packed for oneDNN", panels, onednn)
+    return "panel" if ops is not None else "packed"

@@ -190,9 +190,11 @@ def test_engine_greedy_tokens_equal_across_backends():
 
 
 def test_engine_greedy_tokens_equal_across_linear_backends():
-    """oneDNN's packed weights (the default on the CPU) against F.linear, on both attention paths."""
+    """The panel kernel (the default for fp32 on the CPU) and oneDNN's packed weights against
+    F.linear, on both attention paths."""
     for attention in ("paged", "reference"):
-        torch_linear = engine_on(attention, "torch", max_batched_tokens=64)
-        packed = engine_on(attention, "auto", max_batched_tokens=64)
-        assert (torch_linear.linear_backend, packed.linear_backend) == ("torch", "packed")
-        assert workload(packed) == workload(torch_linear)
+        want = workload(engine_on(attention, "torch", max_batched_tokens=64))
+        for linear in ("packed", "auto"):
+            engine = engine_on(attention, linear, max_batched_tokens=64)
+            assert engine.linear_backend == ("packed" if linear == "packed" else "panel")
+            assert workload(engine) == want

@@ -1,5 +1,5 @@
-"""Linear layers packed for oneDNN: the same products as nn.Linear, the same state dict, and
-the engine's choice of backend."""
+"""Linear layers packed for oneDNN or in the panel kernel's layout: the same products as
+nn.Linear, the same state dict, and the engine's choice of backend."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from torch import nn
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
 from shared.model import load_model
+from shared.model.kernels import panel_linear_ops
 from shared.model.packed_linear import PackedLinear, can_pack, choose_linear_backend, pack_linears
+from shared.model.panel_linear import LARGE_ROWS, PanelLinear
+
+PANEL_OPS = panel_linear_ops()
+needs_panels = pytest.mark.skipif(PANEL_OPS is None, reason="the C++ kernels did not build here")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,7 +48,7 @@ def test_a_packed_model_keeps_its_state_dict_and_outputs():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = list(range(1, 40))
     logits = model.dense_logits(ids)
-    assert pack_linears(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert pack_linears(model) == (0, 2 * 4 + 1)  # qkv, o, gate_up, down per layer, and the LM head
     assert all(not isinstance(m, nn.Linear) for m in model.modules())
     after = model.state_dict()
     assert after.keys() == before.keys()
@@ -66,4 +71,55 @@ def test_choice_of_backend(monkeypatch):
 
     assert MainDecodeSettings().engine.linear_backend == "torch"
     assert EngineSettings().linear_backend == "auto"
-    assert LLMEngine(ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=1)).linear_backend == "packed"
+    expected = "panel" if PANEL_OPS is not None else "packed"  # fp32: the panels where they load
+    assert LLMEngine(ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=1)).linear_backend == expected
+    bf16 = LLMEngine(ModelSettings(preset="tiny", dtype="bfloat16"), EngineSettings(kv_memory_mb=1))
+    assert bf16.linear_backend == "packed"
+    with pytest.raises(ValueError, match="cannot run here"):
+        LLMEngine(
+            ModelSettings(preset="tiny", dtype="bfloat16"),
+            EngineSettings(kv_memory_mb=1, linear_backend="panel"),
+        )
+
+
+@needs_panels
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_computes_what_nn_linear_does(bias):
+    torch.manual_seed(1)
+    linear = nn.Linear(72, 96, bias=bias)
+    panel = PanelLinear(linear, PANEL_OPS)
+    with torch.no_grad():
+        for rows in (
+            1,
+            3,
+            8,
+            9,
+            17,
+            129,
+            LARGE_ROWS,
+        ):  # register tiles of 8 rows and their tails; the plain path
+            x = torch.randn(rows, 72)
+            torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(2, 5, 72)
+        torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
+        wide = torch.randn(4, 144)[:, ::2]  # rows with a gap between them, columns strided
+        torch.testing.assert_close(panel(wide), linear(wide), rtol=1e-5, atol=1e-5)
+    assert torch.equal(panel.weight, linear.weight)
+    assert torch.equal(panel.state_dict()["weight"], linear.weight)
+
+
+@needs_panels
+def test_a_panel_model_keeps_its_state_dict_and_the_rest_goes_to_onednn():
+    model, _, _ = load_model(ModelSettings(preset="tiny"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = list(range(1, 40))
+    logits = model.dense_logits(ids)
+    panels, onednn = pack_linears(model, PANEL_OPS)
+    assert panels + onednn == 2 * 4 + 1 and onednn == 1  # the LM head (258 outputs) is not in panels
+    assert isinstance(model.lm_head, PackedLinear)
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
+    torch.testing.assert_close(model.dense_logits(ids), logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        PANEL_OPS.pack_panels(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="do not match"):
+        PANEL_OPS.panel_linear(torch.randn(2, 9), PANEL_OPS.pack_panels(torch.randn(32, 8)), None)

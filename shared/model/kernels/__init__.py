@@ -22,11 +22,14 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for is an inline template that runs serially unless its caller is
+# compiled with OpenMP; the library it links is the libgomp.so.1 torch has loaded already.
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 # name -> (source, extra flags). The fused ops round as the tensor ops they replace: no FMA.
 KERNELS = {
     "pdd_paged_attention": (HERE / "paged_attention.cpp", []),
     "pdd_fused_ops": (HERE / "fused_ops.cpp", ["-ffp-contract=off"]),
+    "pdd_panel_linear": (HERE / "panel_linear.cpp", []),
 }
 
 
@@ -56,6 +59,7 @@ def build_one(name: str, verbose: bool = False) -> ModuleType:
         sources=[str(source)],
         build_directory=str(where),
         extra_cflags=FLAGS + flags,
+        extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
 
@@ -83,6 +87,10 @@ def paged_attention_ops() -> ModuleType | None:
     return _ops(
         "pdd_paged_attention", "paged attention kernel", "attention falls back to the reference backend"
     )
+
+
+def panel_linear_ops() -> ModuleType | None:
+    return _ops("pdd_panel_linear", "panel linear kernel", "linear layers stay on oneDNN or F.linear")
 
 
 def fused_ops() -> ModuleType | None:
