@@ -1,7 +1,7 @@
 """C++ kernels, compiled once into the venv and loaded from there.
 
-Two extensions: the paged attention kernel (paged_attention.cpp) and a decoder layer's small
-ops fused (fused_ops.cpp). `make install` builds them (`python -m shared.model.kernels build`);
+Three extensions: the paged attention kernel (paged_attention.cpp), the panel linear kernel
+(panel_linear.cpp) and a decoder layer's small ops fused (fused_ops.cpp). `make install` builds them (`python -m shared.model.kernels build`);
 at run time the same call finds them built and only loads them (torch's JIT extension loader
 with a fixed build directory, so a changed source is rebuilt). Where one cannot be built or
 loaded (no compiler, no ninja, a read-only venv) its `*_ops()` is None and says why once, in
@@ -62,10 +62,6 @@ def build_one(name: str, verbose: bool = False) -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
-
-
-def build(verbose: bool = False) -> list[ModuleType]:
-    return [build_one(name, verbose) for name in KERNELS]
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 //
 // A step of a few sequences spends more time dispatching those little ops than computing
 // them. Each row here is one loop over the hidden size, rows split over torch's threads.
-// The rounding follows the tensor code they replace (models/layers.py): RMSNorm normalises in
+// The rounding follows the tensor code they replace (shared/model/layers.py): RMSNorm normalises in
 // fp32 and scales in the model dtype; RoPE rounds each product and the sum to the dtype as the
 // separate multiplies and add do (built without FMA contraction, so fp32 RoPE is bit-exact).
 
