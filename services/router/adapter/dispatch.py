@@ -9,6 +9,7 @@ import secrets
 import time
 import uuid
 
+from nats.errors import NoRespondersError
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
@@ -40,6 +41,8 @@ from ..routing.fleet_view import FleetView
 from ..routing.policy import LineWait, RoutePlan, line_wait
 from .effects import Effects
 
+NO_RESPONDERS_RETRY_S = 0.1  # between tries while a live instance has no subscription heard
+
 
 async def ask(
     nc,
@@ -52,15 +55,26 @@ async def ask(
     timeout: float,
 ):
     """Request/reply to one instance, given up as soon as the instance is lost (a request
-    to a dead instance across the gateway gets no "no responders", only silence)."""
-    task = asyncio.ensure_future(request(nc, subject, msg, reply_cls, timeout=timeout))
-    try:
-        while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
-            if fleet.registry.silent_for(*peer) > lost_after_s:
-                raise ConnectionError(f"{peer[0].value} {peer[1]} was lost")
-        return task.result()
-    finally:
-        task.cancel()
+    to a dead instance across the gateway gets no "no responders", only silence).
+
+    "No responders" from an instance that is not lost means nobody received the request: its
+    NATS node died and it is subscribing again on another (or that interest has not reached
+    this node yet). Sending again is then safe, and is done until the timeout or the loss."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        task = asyncio.ensure_future(request(nc, subject, msg, reply_cls, timeout=max(left, 0.001)))
+        try:
+            while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
+                if fleet.registry.silent_for(*peer) > lost_after_s:
+                    raise ConnectionError(f"{peer[0].value} {peer[1]} was lost")
+            return task.result()
+        except NoRespondersError:
+            if left < 2 * NO_RESPONDERS_RETRY_S or fleet.registry.silent_for(*peer) > lost_after_s:
+                raise
+        finally:
+            task.cancel()
+        await asyncio.sleep(NO_RESPONDERS_RETRY_S)
 
 
 class Dispatcher:

@@ -1,0 +1,88 @@
+"""The router's request to one instance over a real nats-server: "no responders" from an
+instance still alive (its NATS node died and it is subscribing again elsewhere) is tried again
+until it answers; a lost instance, or the timeout, ends the wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from services.router.adapter.dispatch import ask
+from shared.bus import Message, NatsServer, flushed, respond, subscribe
+from shared.bus.messages import Role
+from tests.fixtures_nats import NatsSecurity
+
+
+@dataclass
+class Ping(Message):
+    n: int
+
+
+@dataclass
+class Pong(Message):
+    n: int
+
+
+class Heard:
+    """The router's liveness registry reduced to the one question ask() puts to it: how long
+    since the instance was heard (set by the test: liveness is not under test here)."""
+
+    def __init__(self, silent_s: float = 0.0) -> None:
+        self.silent_s = silent_s
+
+    def silent_for(self, role: Role, instance: str) -> float:
+        return self.silent_s
+
+
+class Fleet:
+    def __init__(self, registry: Heard) -> None:
+        self.registry = registry
+
+
+async def serve_pongs(nc, subject: str) -> None:
+    async def handler(msg: Ping, raw: Msg) -> None:
+        await respond(raw, Pong(msg.n + 1))
+
+    await subscribe(nc, subject, Ping, handler)
+    await flushed(nc)
+
+
+PEER = (Role.PREFILL, "0")
+
+
+async def test_no_responders_from_a_live_instance_is_tried_again_until_it_answers(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
+    asker = await nats_security.connect(nats_server, "t")
+    late = await nats_security.connect(nats_server, "t")
+    try:
+        asking = asyncio.ensure_future(
+            ask(asker, Fleet(Heard()), 2.0, PEER, "pdd.test.late", Ping(1), Pong, 5.0)
+        )
+        await asyncio.sleep(0.35)  # a few tries meet nobody
+        assert not asking.done()
+        await serve_pongs(late, "pdd.test.late")
+        assert await asyncio.wait_for(asking, 5) == Pong(2)
+    finally:
+        await late.drain()
+        await asker.drain()
+
+
+async def test_no_responders_gives_up_on_a_lost_instance_and_at_the_timeout(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
+    nc = await nats_security.connect(nats_server, "t")
+    try:
+        with pytest.raises(NoRespondersError):  # lost: the first "no responders" is the answer
+            await ask(nc, Fleet(Heard(silent_s=9.0)), 2.0, PEER, "pdd.test.none", Ping(1), Pong, 5.0)
+        t0 = time.monotonic()
+        with pytest.raises(NoRespondersError):  # alive but never subscribing: bounded by the timeout
+            await ask(nc, Fleet(Heard()), 2.0, PEER, "pdd.test.none", Ping(1), Pong, 0.6)
+        assert 0.4 < time.monotonic() - t0 < 2.0
+    finally:
+        await nc.drain()
