@@ -6,26 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import pytest
-from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from services.router.adapter.dispatch import ask
-from shared.bus import Message, NatsServer, flushed, respond, subscribe
+from shared.bus import NatsServer
 from shared.bus.messages import Role
 from tests.fixtures_nats import NatsSecurity
-
-
-@dataclass
-class Ping(Message):
-    n: int
-
-
-@dataclass
-class Pong(Message):
-    n: int
+from tests.integration.test_bus_nats import Ping, Pong, _serve_pongs
 
 
 class Heard:
@@ -44,14 +33,6 @@ class Fleet:
         self.registry = registry
 
 
-async def serve_pongs(nc, subject: str) -> None:
-    async def handler(msg: Ping, raw: Msg) -> None:
-        await respond(raw, Pong(msg.n + 1))
-
-    await subscribe(nc, subject, Ping, handler)
-    await flushed(nc)
-
-
 PEER = (Role.PREFILL, "0")
 
 
@@ -66,8 +47,8 @@ async def test_no_responders_from_a_live_instance_is_tried_again_until_it_answer
         )
         await asyncio.sleep(0.35)  # a few tries meet nobody
         assert not asking.done()
-        await serve_pongs(late, "pdd.test.late")
-        assert await asyncio.wait_for(asking, 5) == Pong(2)
+        await _serve_pongs(late, "pdd.test.late")
+        assert (await asyncio.wait_for(asking, 5)).n == 2
     finally:
         await late.drain()
         await asker.drain()

@@ -1,9 +1,10 @@
 """C++ kernels, compiled once into the venv and loaded from there.
 
 Three extensions: the paged attention kernel (paged_attention.cpp), the panel linear kernel
-(panel_linear.cpp) and a decoder layer's small ops fused (fused_ops.cpp). `make install` builds them (`python -m shared.model.kernels build`);
-at run time the same call finds them built and only loads them (torch's JIT extension loader
-with a fixed build directory, so a changed source is rebuilt). Where one cannot be built or
+(panel_linear.cpp) and a decoder layer's small ops fused (fused_ops.cpp). `make install`
+builds them (`python -m shared.model.kernels build`); at run time the same call finds them
+built and only loads them (torch's JIT extension loader with a fixed build directory, so a
+changed source is rebuilt). Where one cannot be built or
 loaded (no compiler, no ninja, a read-only venv) its `*_ops()` is None and says why once, in
 the log, and the model runs the tensor code it replaces.
 """
