@@ -112,6 +112,8 @@ class EngineService:
             await self.cache_events.start(self.life)
         else:  # nobody follows this cache: its events would only pile up
             self.life.every(UNFOLLOWED_EVENTS_DROP_S, self._drop_cache_events)
+        # Started means reachable: the server has every subscription before start returns.
+        await self.nc.flush(timeout=10)
 
     async def stop(self) -> None:
         await self.life.close()

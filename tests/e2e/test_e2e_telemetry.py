@@ -42,13 +42,14 @@ def _trace(system: RunningSystem, rid: str, want: set[str], timeout: float = 15.
 
 def test_relay_request_is_one_trace_across_both_datacenters(system):
     prompt = [(i * 11 + 5) % 250 for i in range(600)]
-    with system.shaped("bulk", bandwidth_mbps=80.0):
+    # 600 tokens of KV (9.6 MB) cross in ~0.4 s; the relay's 400 tokens take longer, so MD takes over.
+    with system.shaped("bulk", bandwidth_mbps=200.0):
         r = httpx.post(
             f"{system.router_url}/v1/completions",
             timeout=120,
             json={
                 "prompt": prompt,
-                "max_tokens": 150,
+                "max_tokens": 400,
                 "temperature": 0,
                 "ignore_eos": True,
                 "pdd": {"pipeline": "p-rld-md"},
