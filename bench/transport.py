@@ -183,7 +183,9 @@ class _BulkRow:
     With `parallel` > 1 it goes through a KVTransfer whose groups are split over that many
     connections."""
 
-    def __init__(self, address: str, blocks: list[torch.Tensor], csum: str, tls: Any, parallel: int) -> None:
+    def __init__(
+        self, address: str, blocks: list[torch.Tensor], csum: str | None, tls: Any, parallel: int
+    ) -> None:
         self.address, self.blocks, self.csum, self.tls, self.parallel = address, blocks, csum, tls, parallel
         self.n = 0
 
@@ -229,12 +231,13 @@ def _bulk_variants(addrs: dict, one: torch.Tensor, parallel: int, tls: Any) -> d
         f"bulk_tcp_1_frame_x{parallel}_conns": _BulkRow(addrs["tcp"], [one], "xxh3", None, parallel),
         f"bulk_tcp_32_frames_x{parallel}_conns": _BulkRow(addrs["tcp"], per_block, "xxh3", None, parallel),
         "bulk_tcp_32_frames_nocsum": _BulkRow(addrs["tcp"], per_block, "none", None, 1),
-        # TLS rows: each is also held against its bulk_tcp_ twin, round by round (_tls_vs_plain)
-        "bulk_tls_1_frame": _BulkRow(addrs["tls"], [one], "xxh3", tls, 1),
-        "bulk_tls_32_frames": _BulkRow(addrs["tls"], per_block, "xxh3", tls, 1),
-        f"bulk_tls_1_frame_x{parallel}_conns": _BulkRow(addrs["tls"], [one], "xxh3", tls, parallel),
-        f"bulk_tls_32_frames_x{parallel}_conns": _BulkRow(addrs["tls"], per_block, "xxh3", tls, parallel),
-        "bulk_tls_32_frames_nocsum": _BulkRow(addrs["tls"], per_block, "none", tls, 1),
+        # TLS rows, the channel's default (no checksum: the records' tags prove the bytes); each
+        # is also held against its bulk_tcp_ twin, round by round (_tls_vs_plain)
+        "bulk_tls_1_frame": _BulkRow(addrs["tls"], [one], None, tls, 1),
+        "bulk_tls_32_frames": _BulkRow(addrs["tls"], per_block, None, tls, 1),
+        f"bulk_tls_1_frame_x{parallel}_conns": _BulkRow(addrs["tls"], [one], None, tls, parallel),
+        f"bulk_tls_32_frames_x{parallel}_conns": _BulkRow(addrs["tls"], per_block, None, tls, parallel),
+        "bulk_tls_32_frames_xxh3": _BulkRow(addrs["tls"], per_block, "xxh3", tls, 1),
         "bulk_unix_32_frames": _BulkRow(addrs["unix"], per_block, "xxh3", None, 1),
     }
 

@@ -239,7 +239,7 @@ class RouterSettings(CommonSettings):
     # waits at most trace_gather_timeout_s for the answers; a DC that does not answer is listed.
     trace_datacenters: str = "dc-a,dc-b"
     trace_gather_timeout_s: float = Field(default=2.0, gt=0)
-    lost_after_s: float = 2.0  # an instance silent this long (heartbeats every 0.5 s) is lost
+    lost_after_s: float = 1.0  # an instance silent this long (heartbeats every 0.25 s) is lost
     # The instances' cache events are numbered; a lost one (or a restart) makes the router ask
     # that instance for its whole cache. Besides, every instance is asked this often (a safety net).
     kv_snapshot_every_s: float = 60.0

@@ -16,7 +16,7 @@ import torch
 from opentelemetry import propagate
 
 from shared.kv import auth
-from shared.kv.checksum import ALGOS, DEFAULT_ALGO, checksum
+from shared.kv.checksum import checksum, frame_algo
 from shared.kv.codec import Encoded
 from shared.kv.errors import FrameError, KVConnectionLost, KVTransferError
 from shared.kv.frame import DEFAULT_MAX_HEADER, PREFIX, byte_view, dtype_name, pack, read_header
@@ -200,12 +200,10 @@ class KVClient:
     monotonic time of the last frame sent or ack received."""
 
     def __init__(
-        self, stream: Stream, address: str, welcome: dict[str, Any], rtt: float, checksum: str = DEFAULT_ALGO
+        self, stream: Stream, address: str, welcome: dict[str, Any], rtt: float, checksum: str | None = None
     ):
-        if checksum not in ALGOS:
-            raise ValueError(f"checksum must be one of {ALGOS}")
         self.address = address
-        self.checksum = checksum
+        self.checksum = frame_algo(checksum, stream.sealed)
         self.closed = False
         self.rtt = rtt
         self.max_frame = int(welcome.get("max_frame", 0)) or None
@@ -442,7 +440,7 @@ async def open_kv_client(
     secret: str | None,
     *,
     timeout: float = 10.0,
-    checksum: str = DEFAULT_ALGO,
+    checksum: str | None = None,
     ssl: SSLContext | None = None,
     via: str | None = None,
     server_name: str | None = None,
@@ -450,7 +448,8 @@ async def open_kv_client(
 ) -> KVClient:
     """Connect and authenticate. Raises KVTransferError when unauthenticated or refused by TLS,
     KVConnectionLost when the connection could not be made or dropped, or on timeout.
-    `checksum`: "xxh3" (default when installed), "crc32", or "none" (sensible only for unix://).
+    `checksum`: "xxh3", "crc32" or "none"; by default none over TLS (its records are
+    authenticated) and xxh3 (crc32 without xxhash) otherwise.
     `ssl`: TLS on tcp:// (a client context with this party's certificate); unix:// ignores it.
     `via`: a dial-on-demand WAN link's tcp:// address to reach tcp:// peers through.
     `server_name`: the host the peer's certificate must name (default: the address's host), when

@@ -22,7 +22,6 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from ssl import SSLContext
 
-from shared.kv.checksum import DEFAULT_ALGO
 from shared.kv.client import KVClient, open_kv_client
 
 # One request's group is split over this many connections (1: never split). Four streams let a
@@ -61,7 +60,7 @@ class KVClientPool:
         ssl: SSLContext | None = None,
         via: str | None = None,
         server_name: str | None = None,
-        checksum: str = DEFAULT_ALGO,
+        checksum: str | None = None,
         parallel: int = PARALLEL_CONNECTIONS,
         parallel_min_bytes: int = PARALLEL_MIN_BYTES,
         peer_roles: Collection[str] | None = None,

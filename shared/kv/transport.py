@@ -36,6 +36,7 @@ SENDMSG_BUFS = 64  # buffers per sendmsg call (IOV_MAX is 1024)
 
 class Stream(Protocol):
     peer: str
+    sealed: bool  # its records carry an AEAD tag: bytes arrive as sent or the stream fails
 
     @property
     def identity(self) -> str:
@@ -81,6 +82,8 @@ class Transport(Protocol):
 
 
 class SocketStream:
+    sealed = False
+
     def __init__(self, sock: socket.socket, peer: str):
         self._sock = sock
         self._fd = sock.fileno()
@@ -196,6 +199,8 @@ class TLSStream(SocketStream):
     """After its TLS 1.3 handshake (mutual certificates), the bytes go as AES-256-GCM records
     keyed inside that TLS session (shared/kv/sealed.py): the same socket pump, records sealed
     from the caller's memory and opened straight into the receive view."""
+
+    sealed = True
 
     def __init__(
         self,

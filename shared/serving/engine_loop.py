@@ -8,6 +8,9 @@ Every `call` has a deadline. When it passes, the caller gets TimeoutError and th
 settled, not lost: one still waiting in the queue is skipped (it never runs), unless it is a
 `must_run` call (a free: skipping it would leak blocks), which stays queued and runs later;
 one already running finishes on the engine thread and its result is dropped. All are logged.
+
+`stats` is the engine's figures as of the end of the last step or call, read without waiting
+for the engine thread: a heartbeat must not wait behind a long prefill step.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from shared.engine import LLMEngine, StepOutput
+from shared.engine import EngineStats, LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +54,7 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.stats: EngineStats = engine.stats()
 
     async def call(
         self,
@@ -64,7 +68,7 @@ class EngineLoop:
         after `timeout_s` (default: `call_timeout_s`); see the module docstring for what then
         becomes of the call."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
-        future = self._executor.submit(fn, *args, **kwargs)
+        future = self._executor.submit(self._then_snapshot, fn, *args, **kwargs)
         deadline = asyncio.timeout(limit)
         waited = asyncio.wrap_future(future)
         try:
@@ -119,9 +123,16 @@ class EngineLoop:
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
 
+    def _then_snapshot(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.stats = self.engine.stats()
+
     def _tick(self) -> tuple[list[StepOutput], Any, bool]:
         outputs = self.engine.step()
         extra = self._post_step(self.engine) if self._post_step else None
+        self.stats = self.engine.stats()
         return outputs, extra, self.engine.has_unfinished()
 
     async def _run(self) -> None:

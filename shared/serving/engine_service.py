@@ -199,7 +199,7 @@ class EngineService:
 
     # ---- load ------------------------------------------------------------------------
     async def report_load(self) -> EngineStats:
-        stats = await self.engine_loop.call(self.engine.stats)
+        stats = self.engine_loop.stats  # not a call: a heartbeat never waits for a step to end
         metrics.KV_BLOCKS_USED.labels(service=self.role.value, instance=self.settings.instance).set(
             stats.used_blocks
         )
@@ -242,6 +242,7 @@ class EngineService:
         now = time.monotonic()
         for rid in [r for r, (t, *_) in self.aborted.items() if now - t > ABORTS_KEPT_S]:
             del self.aborted[rid]
+        self.admission.forget_old()
 
     # ---- migration by token IDs ---------------------------------------------------------
     async def admit_resumed(self, msg: ResumeRequest, raw: Any, job: Any) -> bool:

@@ -1,6 +1,6 @@
 """Who is alive, judged from heartbeats, without false alarms.
 
-Every instance heartbeats (its LoadReport, every 0.5 s). An observer declares a peer lost
+Every instance heartbeats (its LoadReport, every 0.25 s). An observer declares a peer lost
 only when the peer has been silent longer than `lost_after_s` *and* the observer has been
 able to hear for at least as long: while its own NATS connection is down or was just
 re-established (its server restarting), or while the observer itself was frozen (a stopped
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-HEARTBEAT_S = 0.5  # how often every instance reports its load (its heartbeat)
+HEARTBEAT_S = 0.25  # how often every instance reports its load (its heartbeat)
 
 
 def is_lost(last_heard: float, now: float, lost_after_s: float, observer_up_for: float) -> bool:
@@ -30,7 +30,7 @@ class ConnectionWatch:
     than the polling interval shows up as a changed count."""
 
     def __init__(
-        self, nc: Any, clock: Callable[[], float] = time.monotonic, frozen_after_s: float = 2.0
+        self, nc: Any, clock: Callable[[], float] = time.monotonic, frozen_after_s: float = 3 * HEARTBEAT_S
     ) -> None:
         self.nc = nc
         self.clock = clock

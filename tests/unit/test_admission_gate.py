@@ -1,8 +1,14 @@
-"""The admission gate's refusals and the abort that overtakes an admission, without a server."""
+"""The admission gate's refusals, the abort that overtakes an admission and repeats of a request,
+without a server."""
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
 
 from shared.bus.codec import decode
+from shared.bus.connection import respond
 from shared.bus.messages import Abort, AbortReason, ResumeReply, Role
 from shared.serving.admission_gate import AdmissionGate
 from shared.serving.runtime import Lifecycle
@@ -13,6 +19,12 @@ class _Msg:
     rid: str
 
 
+@dataclass
+class _Msg2:
+    rid: str
+    n: int
+
+
 class _Client:
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, dict | None]] = []
@@ -21,11 +33,11 @@ class _Client:
         self.sent.append((data, headers))
 
 
-class _Raw:
-    subject, reply = "ask", "inbox"
-
-    def __init__(self) -> None:
-        self._client = _Client()
+@dataclass
+class _Raw(Msg):
+    _client: Any = field(default_factory=_Client)
+    subject: str = "ask"
+    reply: str = "inbox"
 
     def reply_msg(self) -> ResumeReply:
         return decode(ResumeReply, self._client.sent[-1][0])
@@ -49,7 +61,7 @@ async def test_a_held_or_aborted_request_id_is_refused_and_admit_is_not_called()
         raw = _Raw()
         await gate.admit(_Msg(rid), raw, ResumeReply, admit)
         assert raw.reply_msg() == ResumeReply(ok=False, error=error)
-    raw = _Raw()
+    gate, raw = _gate({}, {"gone": (0.0, abort, Role.ROUTER)}, []), _Raw()  # (a fresh gate: not a repeat)
     await gate.admit(_Msg("gone"), raw, ResumeReply, admit, if_aborted=lambda m: ResumeReply(ok=True))
     assert raw.reply_msg().ok and calls == []
 
@@ -82,3 +94,30 @@ async def test_a_closed_gate_answers_with_a_service_error() -> None:
         "Nats-Service-Error-Code": "503",
         "Nats-Service-Error": "relay 0 is leaving",
     }
+
+
+async def test_a_repeat_of_a_request_gets_the_first_answer_and_is_admitted_once() -> None:
+    jobs: dict = {}
+    gate, calls, go = _gate(jobs, {}, []), [], asyncio.Event()
+
+    async def admit(msg, raw) -> None:
+        calls.append(msg.rid)
+        await go.wait()  # (say it waits for KV memory)
+        jobs[msg.rid] = object()
+        await respond(raw, ResumeReply(ok=True, error=f"answer {len(calls)}"))
+
+    first, during, after = _Raw(), _Raw(reply="inbox2"), _Raw(reply="inbox3")
+    admitting = asyncio.ensure_future(gate.admit(_Msg("r"), first, ResumeReply, admit))
+    await asyncio.sleep(0)
+    await gate.admit(_Msg("r"), during, ResumeReply, admit)  # the same message while it is admitted
+    assert not during._client.sent
+    go.set()
+    await admitting
+    await gate.admit(_Msg("r"), after, ResumeReply, admit)  # and once it was answered
+    assert calls == ["r"]
+    assert (
+        first.reply_msg() == during.reply_msg() == after.reply_msg() == ResumeReply(ok=True, error="answer 1")
+    )
+    other = _Raw()
+    await gate.admit(_Msg2("r", 2), other, ResumeReply, admit)  # another message under that id
+    assert other.reply_msg() == ResumeReply(ok=False, error="duplicate request id r") and calls == ["r"]

@@ -1,9 +1,10 @@
 """The sub-frames of one KV group: headers, byte ranges and checksums, without a connection."""
 
+import pytest
 import torch
 
 from shared.kv import client
-from shared.kv.checksum import checksum
+from shared.kv.checksum import DEFAULT_ALGO, checksum, frame_algo
 from shared.kv.client import _Layers
 
 
@@ -26,3 +27,11 @@ def test_a_piece_starting_past_layer_zero_gets_no_first_fields() -> None:
     (header, data), *_ = layers.frames({"kind": "piece"}, {"hashes": [1]}, layers.ranges(1, 3), "none")
     assert header["layers"][0] == 1 and "hashes" not in header
     assert len(data) == 2 * kv[0].numel() * kv.element_size()
+
+
+def test_frames_go_unchecksummed_only_on_a_sealed_stream_unless_one_is_asked_for() -> None:
+    assert frame_algo(None, sealed=True) == "none"  # AES-GCM tags prove every record
+    assert frame_algo(None, sealed=False) == DEFAULT_ALGO
+    assert frame_algo("crc32", sealed=True) == "crc32"
+    with pytest.raises(ValueError, match="checksum must be one of"):
+        frame_algo("md5", sealed=False)

@@ -69,6 +69,9 @@ class _Engine:
     def __init__(self, fail: bool) -> None:
         self.fail = fail
 
+    def stats(self) -> None:
+        return None
+
     def has_unfinished(self) -> bool:
         if self.fail:
             raise RuntimeError("engine thread broke")

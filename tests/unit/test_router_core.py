@@ -310,7 +310,9 @@ def test_a_token_lost_in_transit_moves_the_request() -> None:
     life.on_tokens(_tok(RID, Role.PREFILL, 0, [10]), now)
     life.on_tokens(_tok(RID, Role.MAIN_DECODE, 2, [12]), now)  # 1 never comes
     assert life.tick(now, {"md0"}) == []  # the gap is seen from now
-    (move,) = life.tick(now + S.gap_timeout_s + 0.1, {"md0"})
+    later = now + S.gap_timeout_s + 0.1
+    life.on_held(LoadReport(Role.MAIN_DECODE, "md0", held=[RID]), later)  # MD is alive and holds it
+    (move,) = life.tick(later, {"md0"})
     assert move == Move(stream, "token 1 was lost in transit", "gap")
 
 

@@ -42,6 +42,8 @@ from ..routing.policy import LineWait, RoutePlan, line_wait
 from .effects import Effects
 
 NO_RESPONDERS_RETRY_S = 0.1  # between tries while a live instance has no subscription heard
+RESEND_FIRST_S = 1.0  # no answer this long: the request is sent again (then every 2, 4, 4... s)
+RESEND_MAX_S = 4.0
 
 
 async def ask(
@@ -57,24 +59,48 @@ async def ask(
     """Request/reply to one instance, given up as soon as the instance is lost (a request
     to a dead instance across the gateway gets no "no responders", only silence).
 
-    "No responders" from an instance that is not lost means nobody received the request: its
-    NATS node died and it is subscribing again on another (or that interest has not reached
-    this node yet). Sending again is then safe, and is done until the timeout or the loss."""
+    NATS delivers at most once: while a server restarts or a gateway reconnects, the request
+    or its answer can be lost. So a request not answered within RESEND_FIRST_S is sent again
+    (backing off to RESEND_MAX_S), and the first answer to any copy is taken: the instance
+    answers a repeat with the first copy's answer (shared/serving/admission_gate.py). "No
+    responders" from an instance that is not lost means nobody received that copy (its NATS
+    node died and it is subscribing again elsewhere): it is sent again after
+    NO_RESPONDERS_RETRY_S. All until the timeout or the loss."""
     deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        task = asyncio.ensure_future(request(nc, subject, msg, reply_cls, timeout=max(left, 0.001)))
-        try:
-            while not (await asyncio.wait({task}, timeout=HEARTBEAT_S))[0]:
-                if fleet.registry.silent_for(*peer) > lost_after_s:
-                    raise ConnectionError(f"{peer[0].value} {peer[1]} was lost")
-            return task.result()
-        except NoRespondersError:
-            if left < 2 * NO_RESPONDERS_RETRY_S or fleet.registry.silent_for(*peer) > lost_after_s:
-                raise
-        finally:
-            task.cancel()
-        await asyncio.sleep(NO_RESPONDERS_RETRY_S)
+    copies: set[asyncio.Future] = set()
+    resend_s, next_send = RESEND_FIRST_S, time.monotonic()
+    try:
+        while True:
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                raise TimeoutError(f"no answer from {peer[0].value} {peer[1]} within {timeout:g} s")
+            if copies and fleet.registry.silent_for(*peer) > lost_after_s:
+                raise ConnectionError(f"{peer[0].value} {peer[1]} was lost")
+            if now >= next_send:
+                copies.add(asyncio.ensure_future(request(nc, subject, msg, reply_cls, timeout=left)))
+                next_send, resend_s = now + resend_s, min(2 * resend_s, RESEND_MAX_S)
+            wait_s = min(HEARTBEAT_S, max(next_send - now, 0.0), left)
+            if not copies:  # each copy met "no responders": wait for the next try
+                await asyncio.sleep(wait_s)
+                continue
+            done, _ = await asyncio.wait(copies, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            for copy in done:
+                copies.discard(copy)
+                try:
+                    return copy.result()
+                except NoRespondersError:
+                    if left < 2 * NO_RESPONDERS_RETRY_S or fleet.registry.silent_for(*peer) > lost_after_s:
+                        raise
+                    resend_s, next_send = (
+                        RESEND_FIRST_S,
+                        min(next_send, time.monotonic() + NO_RESPONDERS_RETRY_S),
+                    )
+                except TimeoutError:
+                    pass  # this copy's wait ran out with the deadline: the loop raises
+    finally:
+        for copy in copies:
+            copy.cancel()
 
 
 class Dispatcher:
