@@ -70,22 +70,24 @@ def derive_keys(own: bytes, peer: bytes, server_side: bool) -> tuple[bytes, byte
     return (s2c, c2s) if server_side else (c2s, s2c)
 
 
-BATCH = 1 << 20  # plaintext sealed per buffer, i.e. per sendmsg
+BATCH = 1 << 20  # plaintext sealed per buffer, i.e. per sendmsg (a batch ends past it)
 _BATCH_PIECES = 64
 
 
 def batches(views: Iterable[memoryview]) -> Iterator[list[memoryview]]:
-    """The bytes of one send as batches of record-sized pieces (each batch fits one buffer)."""
+    """The bytes of one send as batches of record-sized pieces, each under BATCH + RECORD (one
+    buffer). A batch closes once it reaches BATCH, so a frame's small header rides with the
+    first MiB of its payload: one sendmsg for a 1 MiB frame, not two."""
     batch: list[memoryview] = []
     size = 0
     for view in views:
         for i in range(0, len(view), RECORD):
             piece = view[i : i + RECORD]
-            if batch and (size + len(piece) > BATCH or len(batch) == _BATCH_PIECES):
-                yield batch
-                batch, size = [], 0
             batch.append(piece)
             size += len(piece)
+            if size >= BATCH or len(batch) == _BATCH_PIECES:
+                yield batch
+                batch, size = [], 0
     if batch:
         yield batch
 
@@ -95,7 +97,7 @@ class RecordWriter:
 
     def __init__(self, key: bytes) -> None:
         self._dir = _Direction(key)
-        self._out = memoryview(bytearray(BATCH + _BATCH_PIECES * OVERHEAD))
+        self._out = memoryview(bytearray(BATCH + RECORD + _BATCH_PIECES * OVERHEAD))
 
     def seal(self, batch: list[memoryview]) -> memoryview:
         """The batch's records, valid until the next call."""
