@@ -274,8 +274,26 @@ def test_messages_for_unknown_request_ids() -> None:
     finished = _tok(PREFIX + "gone", Role.MAIN_DECODE, 0, [1], outcome=Outcome.STOP)
     assert life.on_tokens(finished, 0.0) == [UnknownMessage(PREFIX + "gone")]  # it stops by itself
     assert life.stale_aborted == {}
-    life.on_held(LoadReport(Role.MAIN_DECODE, "md0", held=[PREFIX + "gone"]), 0.0)  # nothing to follow
-    assert life.streams == {}
+    assert life.on_held(LoadReport(Role.MAIN_DECODE, "md0", held=["cmpl-other-router-1"]), 0.0) == []
+    assert life.streams == {} and life.strays == {}  # another router's: its own router follows it
+
+
+def test_an_ended_attempt_still_held_is_told_again_once_per_rate_limit() -> None:
+    """Its abort was lost (a NATS server restarted): the instance would hold it while this
+    router lives. A heartbeat that lists it just after the end is given one more."""
+    life = _life()
+    stream = _opened(life, Pipeline.P_MD)
+    _dispatched(life, stream)
+    life.abort(RID, AbortReason.CLIENT_GONE)
+    held = LoadReport(Role.MAIN_DECODE, "md0", held=[RID])
+    assert life.on_held(held, 100.0) == []
+    assert life.on_held(held, 100.25) == []
+    assert life.on_held(held, 100.5) == [SendAbort(RID, AbortReason.STALE)]
+    assert life.on_held(held, 101.0) == []  # told; not on every heartbeat
+    life.tick(100.5 + STALE_ABORT_EVERY_S + 1, set())
+    assert life.stale_aborted == {} and life.strays == {}
+    assert life.on_held(held, 112.0) == []  # still held after the rate limit: the same again
+    assert life.on_held(held, 112.5) == [SendAbort(RID, AbortReason.STALE)]
 
 
 def test_duplicate_and_out_of_order_tokens_reach_the_client_exactly_once_in_order() -> None:

@@ -58,7 +58,7 @@ class BusAdapter:
         if report.service is Role.ROUTER:
             return
         self.fleet.registry.update(report)
-        self.requests.on_held(report, time.monotonic())
+        await self.effects.perform_in_order(self.requests.on_held(report, time.monotonic()))
 
     async def _heartbeat(self) -> None:
         """Backends drop the requests of a router that stops heartbeating."""

@@ -29,6 +29,7 @@ from .actions import (
 from .request_stream import ENDED, MOVABLE, Delta, Failure, RequestStream, StreamState
 
 STALE_ABORT_EVERY_S = 10.0  # an abandoned attempt that keeps producing is told again after this
+STRAY_GRACE_S = 0.5  # an ended attempt still listed by an instance after this is told again
 
 
 class RequestLife:
@@ -38,6 +39,7 @@ class RequestLife:
         self.streams: dict[str, RequestStream] = {}  # by the client's request id
         self.attempts: dict[str, RequestStream] = {}  # by the backends' id of the current attempt
         self.stale_aborted: dict[str, float] = {}  # attempt ids told to stop recently (rate limit)
+        self.strays: dict[str, float] = {}  # ended attempts an instance still lists: since when
 
     # ---- a request is routed and dispatched -----------------------------------------
     def opened(self, stream: RequestStream) -> None:
@@ -115,13 +117,25 @@ class RequestLife:
                 out.setdefault(stream.relay_instance, []).append(stream.attempt_rid)
         return out
 
-    def on_held(self, report: LoadReport, now: float) -> None:
-        """A heartbeat: the instance still holds the requests it lists."""
+    def on_held(self, report: LoadReport, now: float) -> list[Action]:
+        """A heartbeat: the instance still holds the requests it lists. One of this router's
+        attempts that it lists though the router no longer follows it lost its abort (NATS
+        delivers at most once): it is told again, or it would hold its blocks while this
+        router lives."""
         me = (report.service, report.instance)
+        actions: list[Action] = []
         for rid in report.held:
             stream = self.attempts.get(rid)
-            if stream is not None and stream.producer == me:
-                stream.last_held = now
+            if stream is not None:
+                if stream.producer == me:
+                    stream.last_held = now
+            elif rid.startswith(self.rid_prefix) and rid not in self.stale_aborted:
+                # (A heartbeat sent just before the abort arrived lists it too: one more first.)
+                if now - self.strays.setdefault(rid, now) >= STRAY_GRACE_S:
+                    del self.strays[rid]
+                    self.stale_aborted[rid] = now
+                    actions.append(SendAbort(rid, AbortReason.STALE))
+        return actions
 
     # ---- the clock ----------------------------------------------------------------------
     def tick(
@@ -149,6 +163,8 @@ class RequestLife:
                 actions.append(Move(stream, *stall))
         for rid in [r for r, t in self.stale_aborted.items() if now - t > STALE_ABORT_EVERY_S]:
             del self.stale_aborted[rid]
+        for rid in [r for r, t in self.strays.items() if now - t > STALE_ABORT_EVERY_S]:
+            del self.strays[rid]  # no longer listed
         return actions
 
     # ---- migration by token IDs ---------------------------------------------------------
