@@ -67,8 +67,9 @@ class BusAdapter:
 
     async def _watch_streams(self) -> None:
         """Act on lost instances. Not while this router's own NATS link was just down: then
-        every silence is its own, and the heartbeats need a moment to come back."""
-        if self.conn.up_for() <= self.settings.lost_after_s:
+        every silence is its own, and the heartbeats need a moment to come back (two of them:
+        a stream whose producer is still unheard then lost tokens in the outage anyway)."""
+        if self.conn.up_for() <= 2 * HEARTBEAT_S:
             return
         alive_md = {r.instance for r in self.fleet.registry.alive(Role.MAIN_DECODE)}
         alive_p = {r.instance: r.epoch for r in self.fleet.registry.alive(Role.PREFILL)}
