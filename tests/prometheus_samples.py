@@ -17,6 +17,7 @@ PER_INSTANCE = frozenset(
         ("router", "registry_reports"),
         ("router", "prefix_index_instances"),
         ("router", "stale_aborted"),
+        ("router", "strays"),
         ("prefill", "routers"),
         ("relay", "routers"),
         ("main_decode", "routers"),

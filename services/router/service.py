@@ -132,6 +132,10 @@ class RouterCore:
         return self.requests.stale_aborted
 
     @property
+    def strays(self) -> dict[str, float]:
+        return self.requests.strays
+
+    @property
     def registry(self) -> Registry:
         return self.fleet.registry
 

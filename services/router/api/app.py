@@ -79,6 +79,7 @@ def _track_maps(core: RouterCore) -> None:
     metrics.track("router", "streams", lambda: len(core.streams))
     metrics.track("router", "attempts", lambda: len(core.attempts))
     metrics.track("router", "stale_aborted", lambda: len(core.stale_aborted))
+    metrics.track("router", "strays", lambda: len(core.strays))
     metrics.track("router", "registry_reports", lambda: len(core.registry))
     metrics.track("router", "prefix_index_instances", lambda: len(core.index))
 
