@@ -533,9 +533,25 @@ def _score(
         "mismatched": sum(id(t) in done and t.token_ids != reference[k] for k, t in results),
         "resumed_equal": sum(t.token_ids == reference[k] for k, t in results if id(t) in done and t.resumed),
         "errors": sorted({(t.error or "")[:160] for _, t in results if not t.ok})[:5],
-        "migrated_max_gap_p99_s": pct([t.max_gap for t in migrated], 99),
+        # (A resumed stream's longest gap is its client's reconnect: counted as resumed, not moved.)
+        "migrated_max_gap_p99_s": pct([t.max_gap for t in migrated if not t.resumed], 99),
         "resumed_max_gap_p99_s": pct([t.max_gap for t in resumed], 99),
         "max_gap_p99_s": pct([t.max_gap for t in completed], 99),
+        "moved_streams": [_moved(t, window) for t in migrated if not t.resumed],  # (where a long gap sits)
+    }
+
+
+def _moved(t: Stream, window: Window | None) -> dict:
+    """A moved stream's longest gap, and when it opened (seconds after the fault began)."""
+    gaps = t.gaps
+    at = t.chunks[gaps.index(max(gaps))][0] if gaps else 0.0
+    since = t.started + at - window.start if window else None
+    unix = time.time() - time.monotonic() + t.started + at  # (to read beside the traces' times)
+    return {
+        "rid": t.rid,
+        "max_gap_s": round(max(gaps, default=0.0), 3),
+        "opened_after_fault_s": since,
+        "opened_unix_s": unix,
     }
 
 
@@ -605,7 +621,9 @@ def _targets(rows: dict[str, dict]) -> list[dict]:
     held = sum(s.get("held", 0) + s.get("blocks", 0) for s in settled)
     missing = sum(s.get("routers_down", 0) + s.get("instances_missing", 0) for s in settled)
     quiet = sum(rows[f]["failed_clear"] + rows[f]["hung"] for f in NO_FAILURE_EXPECTED if f in rows)
-    gaps = [r["migrated_max_gap_p99_s"] for r in rows.values() if r.get("migrated")]
+    gaps = [
+        g for r in rows.values() if r.get("migrated") and (g := r["migrated_max_gap_p99_s"]) == g
+    ]  # (not NaN)
     shares = {f: r["affected_completed_share"] for f, r in rows.items() if r.get("affected")}
     worst = min(shares, key=shares.get) if shares else None
     term, crash = rows.get("restart-router"), rows.get("kill-router")

@@ -240,6 +240,9 @@ class RouterSettings(CommonSettings):
     trace_datacenters: str = "dc-a,dc-b"
     trace_gather_timeout_s: float = Field(default=2.0, gt=0)
     lost_after_s: float = 1.0  # an instance silent this long (heartbeats every 0.25 s) is lost
+    # Once a stream's tokens flow, its producer is judged on them as well as on its heartbeats
+    # (a step every tens of ms): with neither a listing nor a token for this long, it moves.
+    streaming_lost_after_s: float = 0.6
     # The instances' cache events are numbered; a lost one (or a restart) makes the router ask
     # that instance for its whole cache. Besides, every instance is asked this often (a safety net).
     kv_snapshot_every_s: float = 60.0

@@ -78,6 +78,22 @@ def test_a_stream_must_move_when_its_producer_stops_holding_it() -> None:
     assert cause == "lost" and "prefill p0" in why
 
 
+def test_once_tokens_flow_a_silent_producer_is_lost_sooner() -> None:
+    """Before its first token a producer is judged on its heartbeats alone; once tokens flow,
+    silence in both for the shorter time is enough."""
+    s = _stream(Pipeline.P_MD)
+    s.dispatched("p0")
+    quiet = {"lost_after_s": 1.0, "gap_after_s": 1.0, "stall_after_s": 9.0, "streaming_lost_after_s": 0.6}
+    now = s.last_held
+    assert s.stall(now + 0.7, **quiet) is None  # prefill computing: no token yet
+    s.observe(TokenEvent("r", Role.PREFILL, 0, [4]))
+    assert s.producer == (Role.MAIN_DECODE, "md0")
+    now = s.last_held
+    assert s.stall(now + 0.5, **quiet) is None
+    why, cause = s.stall(now + 0.7, **quiet)
+    assert cause == "lost" and "main_decode md0" in why
+
+
 def test_a_token_missing_in_transit_makes_the_stream_move_after_the_gap_timeout() -> None:
     s = _stream(Pipeline.P_MD)
     s.merger = TokenMerger(max_tokens=10)

@@ -212,6 +212,16 @@ def test_an_md_over_the_bound_comes_last_among_the_mds():
     assert order == [(Role.MAIN_DECODE, "cold"), (Role.MAIN_DECODE, "hot"), (Role.RELAY, "r")]
 
 
+def test_a_burst_of_moves_spreads_over_the_decoders_by_the_moves_recomputing_there():
+    mds = [InstanceLoad("m0", running=6)]
+    relays = [InstanceLoad("r0", running=1), InstanceLoad("r1", running=0)]
+    md, r0, r1 = (Role.MAIN_DECODE, "m0"), (Role.RELAY, "r0"), (Role.RELAY, "r1")
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {}) == [md, r1, r0]  # none moving: MD first
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {md: 1}) == [r1, r0, md]
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {md: 1, r1: 1}) == [r0, md, r1]
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {md: 2, r0: 1, r1: 1}) == [r1, r0, md]
+
+
 def test_bandwidth_estimates_of_one_line_compare_as_equal_and_a_slow_link_stays_slow() -> None:
     # Two MDs behind one line measured at 40 and 70 MB/s (short transfers scatter): equal. A
     # third behind a line a quarter as fast keeps its own estimate.

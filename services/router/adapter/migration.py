@@ -50,9 +50,10 @@ class Mover:
             return False  # ended, moving already, or out of moves
         log.warning("request %s (attempt %s): %s; moving it by token IDs", stream.rid, old, why)
         metrics.MIGRATIONS.labels(cause=cause).inc()
-        avoid = (
-            {lost} if lost and self.fleet.registry.silent_for(*lost) > self.settings.lost_after_s else set()
+        silent = (
+            lost is not None and self.fleet.registry.silent_for(*lost) > self.settings.streaming_lost_after_s
         )
+        avoid = {lost} if lost and silent else set()
         ctx = trace.set_span_in_context(stream.span) if stream.span else None
         attrs = {
             REQUEST_ID_ATTR: stream.rid,
@@ -82,7 +83,11 @@ class Mover:
         )
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
-            for role, instance in self.fleet.move_targets(stream.prompt_ids, stream.block_hashes, avoid):
+            recomputing = self.requests.recomputing()
+            for role, instance in self.fleet.move_targets(
+                stream.prompt_ids, stream.block_hashes, avoid, recomputing
+            ):
+                stream.offered_to = role, instance  # (the moves that choose meanwhile count it there)
                 try:
                     subject = subjects.resume(role.value, instance)
                     reply = await ask(
@@ -103,6 +108,7 @@ class Mover:
                     "request %s: %s %s did not take it: %s", stream.rid, role.value, instance, reply.error
                 )
                 avoid = avoid | {(role, instance)}
+            stream.offered_to = None
             if time.monotonic() > deadline:
                 return None
             await asyncio.sleep(HEARTBEAT_S)

@@ -158,7 +158,14 @@ class RequestLife:
                     if inst:  # P stops the WAN stream, the relay finishes the request
                         actions.append(Publish(subjects.to_instance(role, inst, Req.MD_LOST), lost))
             prefill_lost = alive_prefill is not None and _lost(stream, alive_prefill)
-            stall = stream.stall(now, s.lost_after_s, s.gap_timeout_s, s.stall_timeout_s, prefill_lost)
+            stall = stream.stall(
+                now,
+                s.lost_after_s,
+                s.gap_timeout_s,
+                s.stall_timeout_s,
+                prefill_lost,
+                s.streaming_lost_after_s,
+            )
             if stall is not None:
                 actions.append(Move(stream, *stall))
         for rid in [r for r, t in self.stale_aborted.items() if now - t > STALE_ABORT_EVERY_S]:
@@ -180,6 +187,14 @@ class RequestLife:
         self.attempts.pop(old, None)
         self.attempts[stream.migrating()] = stream
         return [SendAbort(old, AbortReason.MIGRATED, stream), Resume(stream, why, cause)]
+
+    def recomputing(self) -> dict[tuple[Role, str], int]:
+        """Per instance: the moved requests recomputing there (RequestStream.recomputing_on)."""
+        out: dict[tuple[Role, str], int] = {}
+        for stream in self.streams.values():
+            if stream.attempt and (where := stream.recomputing_on) is not None:
+                out[where] = out.get(where, 0) + 1
+        return out
 
     def resumed(self, stream: RequestStream, role: Role, instance: str) -> None:
         if not stream.state.is_in(*ENDED):  # (its new instance may have finished it already)

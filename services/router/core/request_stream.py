@@ -89,6 +89,7 @@ class RequestStream:
     first_token_at: float | None = None
     # Who must be holding the request now (listed in its heartbeat), and since when it was seen to.
     producer: tuple[Role, str] | None = None
+    offered_to: tuple[Role, str] | None = None  # while moving: the instance asked to take it
     last_held: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None  # when this attempt last produced a token (None: none yet)
     md_produced: bool = False  # this attempt's MD sent a token: it holds all it needs from prefill
@@ -140,16 +141,19 @@ class RequestStream:
         gap_after_s: float,
         stall_after_s: float,
         prefill_lost: bool = False,
+        streaming_lost_after_s: float | None = None,
     ) -> tuple[str, str] | None:
         """(why, cause) if the request must move: the instance that should produce it stopped
-        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped); its MD
+        listing it in its heartbeat (it died, dropped it, or its heartbeats stopped; once this
+        attempt's tokens flowed, silence in both for `streaming_lost_after_s` is enough); its MD
         waits for a prefill that is lost (`prefill_lost`: its KV or first handoff may never
         come); a token went missing in transit (NATS delivers at most once); or, once tokens
         flowed, none came for stall_after_s although someone holds it (a control message
         between instances was lost, and the one holding it waits for it)."""
         if not self.state.is_in(*MOVABLE):
             return None
-        if self.producer is not None and now - self.last_held > lost_after_s:
+        quiet_s = lost_after_s if self.last_token_at is None else (streaming_lost_after_s or lost_after_s)
+        if self.producer is not None and now - self.last_held > quiet_s:
             role, instance = self.producer
             return f"{role.value} {instance} no longer holds it", "lost"
         if prefill_lost and self.waits_for_prefill:
@@ -182,7 +186,7 @@ class RequestStream:
         """Start a move; the new attempt's backend request id."""
         self.state.to(StreamState.MIGRATING)
         self.attempt += 1
-        self.producer, self.gap_since, self.last_token_at = None, None, None
+        self.producer, self.offered_to, self.gap_since, self.last_token_at = None, None, None, None
         self.merger.restart_at_released()
         return self.attempt_rid
 
@@ -193,6 +197,16 @@ class RequestStream:
             self.md_instance = instance
         else:
             self.relay_instance = instance
+
+    @property
+    def recomputing_on(self) -> tuple[Role, str] | None:
+        """Moved, and its new instance (or the one asked) has not sent a token yet: it is
+        recomputing the prompt and the tokens so far there (None otherwise)."""
+        if self.last_token_at is not None:
+            return None
+        if self.state.is_in(StreamState.MIGRATING):
+            return self.offered_to
+        return self.producer if self.state.is_in(StreamState.RESUMED) else None
 
     def finish(self) -> None:
         self.state.to(StreamState.FINISHED)

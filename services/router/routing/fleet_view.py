@@ -80,15 +80,20 @@ class FleetView:
         return plan, hashes
 
     def move_targets(
-        self, prompt_ids: list[int], hashes: list[int], avoid: set[tuple[Role, str]]
+        self,
+        prompt_ids: list[int],
+        hashes: list[int],
+        avoid: set[tuple[Role, str]],
+        recomputing: dict[tuple[Role, str], int] | None = None,
     ) -> list[tuple[Role, str]]:
-        """Where a request whose instance was lost may continue, best first."""
+        """Where a request whose instance was lost may continue, best first (see
+        policy.resume_candidates for `recomputing`)."""
         mds = [m for m in self.loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
         relays = [r for r in self.loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
         links = self.links([m.instance for m in mds])
         options = md_options(self.route_ctx, len(prompt_ids), hashes, links, False)
         wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
-        return resume_candidates(mds, relays, wan_s, md_weights(self.route_ctx, len(prompt_ids)))
+        return resume_candidates(mds, relays, wan_s, md_weights(self.route_ctx, len(prompt_ids)), recomputing)
 
     def loads(self, role: Role) -> list[InstanceLoad]:
         """The live instances of a role, asked anew each time (instances that join or leave

@@ -24,6 +24,7 @@ and the fleet simulator (pdd/sim) both route through `plan_route`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from operator import attrgetter
@@ -274,14 +275,24 @@ def choose_least_loaded(candidates: list[InstanceLoad]) -> str | None:
 
 
 def resume_candidates(
-    mds: list[InstanceLoad], relays: list[InstanceLoad], wan_s: dict[str, float], w: RouteWeights
+    mds: list[InstanceLoad],
+    relays: list[InstanceLoad],
+    wan_s: dict[str, float],
+    w: RouteWeights,
+    recomputing: Mapping[tuple[Role, str], int] | None = None,
 ) -> list[tuple[Role, str]]:
-    """Where a request whose instance was lost may continue, best first: the MDs (decode is
-    their job) by the MD cost, those within the load bound first; then the relays by load
-    (an RLD-only finish, the fault fallback)."""
+    """Where a request whose instance was lost may continue, best first: the decoders with the
+    fewest moved requests still recomputing there (`recomputing`: their first new token is not
+    out yet); among equals the MDs (decode is their job) by the MD cost, those within the load
+    bound first, then the relays by load (an RLD-only finish). An instance lost with many
+    streams thus spreads them over every decoder: a recompute queued behind the others' on
+    one engine would wait for all of theirs before its first token."""
     by_md = _ranked(mds, md_costs(mds, wan_s, w), _eligible(mds, w.balance_factor))
     by_relay = sorted(relays, key=_by_load)
-    return [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]
+    order = [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]
+    if recomputing:
+        order.sort(key=lambda key: recomputing.get(key, 0))  # (stable: equals keep the order above)
+    return order
 
 
 # ---- one request's route ---------------------------------------------------------------
