@@ -35,6 +35,7 @@ MALFORMED: _Tally[str] = _Tally()
 MALFORMED_TOTAL = Counter("pdd_bus_malformed_total", "Bus messages dropped as malformed", ["subject"])
 
 RECONNECT_BASE_S = 0.1
+RECONNECT_GROWTH = 1.5  # (not 2: a server restarted by its supervisor is back within about a second)
 RECONNECT_MAX_S = 5.0
 
 
@@ -49,7 +50,7 @@ class RequestError(Exception):
 def _backoff(servers: list, _info: dict) -> tuple[Any, float]:
     # Exponential backoff with full jitter, per server; nats-py alone only has a fixed wait.
     srv = min(servers, key=lambda s: s.reconnects)
-    delay = min(RECONNECT_MAX_S, RECONNECT_BASE_S * 2 ** min(srv.reconnects, 16))
+    delay = min(RECONNECT_MAX_S, RECONNECT_BASE_S * RECONNECT_GROWTH ** min(srv.reconnects, 16))
     return srv, random.uniform(delay / 2, delay)
 
 

@@ -17,6 +17,8 @@ from ..routing.fleet_view import FleetView
 from .cache_sync import CacheSync
 from .effects import Effects
 
+WATCH_EVERY_S = 0.1  # how often streams are checked for a lost producer (a loss is acted on within this)
+
 
 class BusAdapter:
     def __init__(
@@ -42,7 +44,7 @@ class BusAdapter:
         await self.life.subscribe(self.nc, subjects.all_kv_events(), KVEvents, self.cache_sync.on_kv_events)
         await self.life.subscribe(self.nc, subjects.all_load(), LoadReport, self._on_load)
         self.life.every(HEARTBEAT_S, self._heartbeat)
-        self.life.every(HEARTBEAT_S, self._watch_streams)
+        self.life.every(WATCH_EVERY_S, self._watch_streams)
         self.life.every(self.settings.kv_snapshot_every_s, self.cache_sync.resync)
 
     async def _on_tokens(self, ev: TokenEvent, raw) -> None:

@@ -55,12 +55,13 @@ async def ask(
     msg,
     reply_cls: type,
     timeout: float,
+    resend_first_s: float = RESEND_FIRST_S,
 ):
     """Request/reply to one instance, given up as soon as the instance is lost (a request
     to a dead instance across the gateway gets no "no responders", only silence).
 
     NATS delivers at most once: while a server restarts or a gateway reconnects, the request
-    or its answer can be lost. So a request not answered within RESEND_FIRST_S is sent again
+    or its answer can be lost. So a request not answered within `resend_first_s` is sent again
     (backing off to RESEND_MAX_S), and the first answer to any copy is taken: the instance
     answers a repeat with the first copy's answer (shared/serving/admission_gate.py). "No
     responders" from an instance that is not lost means nobody received that copy (its NATS
@@ -68,7 +69,7 @@ async def ask(
     NO_RESPONDERS_RETRY_S. All until the timeout or the loss."""
     deadline = time.monotonic() + timeout
     copies: set[asyncio.Future] = set()
-    resend_s, next_send = RESEND_FIRST_S, time.monotonic()
+    resend_s, next_send = resend_first_s, time.monotonic()
     try:
         while True:
             now = time.monotonic()
@@ -93,7 +94,7 @@ async def ask(
                     if left < 2 * NO_RESPONDERS_RETRY_S or fleet.registry.silent_for(*peer) > lost_after_s:
                         raise
                     resend_s, next_send = (
-                        RESEND_FIRST_S,
+                        resend_first_s,
                         min(next_send, time.monotonic() + NO_RESPONDERS_RETRY_S),
                     )
                 except TimeoutError:

@@ -27,6 +27,11 @@ from .effects import Effects
 log = logging.getLogger(__name__)
 
 
+# A move is a stalled stream's whole wait: a copy lost while a gateway reconnects is sent again
+# sooner than a dispatch's (an instance answers a resume within a step; a repeat gets that answer).
+MOVE_RESEND_FIRST_S = 0.4
+
+
 class Mover:
     def __init__(
         self,
@@ -99,6 +104,7 @@ class Mover:
                         msg,
                         ResumeReply,
                         self.settings.resume_timeout_s,
+                        MOVE_RESEND_FIRST_S,
                     )
                 except Exception as e:  # gone, frozen, or NATS trouble: try the next one
                     reply = ResumeReply(ok=False, error=str(e) or type(e).__name__)
