@@ -218,12 +218,13 @@ class Supervisor:
     def children(self) -> list[Supervised]:
         return [c for batch in self.batches for c in batch]
 
-    async def start(self, *children: Supervised) -> None:
-        """Start children in order, as one batch: they will stop together."""
+    async def start(self, *children: Supervised, policy: RestartPolicy | None = None) -> None:
+        """Start children in order, as one batch: they will stop together. `policy`: their
+        restarts' (the supervisor's by default)."""
         batch: list[Supervised] = []
         self.batches.append(batch)
         for child in children:
-            self._backoff[child.name] = Backoff(self.policy)
+            self._backoff[child.name] = Backoff(policy or self.policy)
             await self._start(child)
             batch.append(child)  # only now: a child that failed to start cleaned up after itself
 
@@ -287,9 +288,10 @@ class Supervisor:
     def _restart_delay(self, child: Supervised) -> float:
         pid_path(self.workdir, child.name).unlink(missing_ok=True)  # down: no pid to signal
         why = self.describe(child)
-        delay = self._backoff[child.name].on_crash(self._started_at[child.name], time.monotonic())
+        backoff = self._backoff[child.name]
+        delay = backoff.on_crash(self._started_at[child.name], time.monotonic())
         if delay is None:
-            p = self.policy
+            p = backoff.policy
             raise CrashLoop(
                 f"crash loop ({p.crash_loop_crashes} exits within {p.crash_loop_window_s:.0f}s): {why}"
             )

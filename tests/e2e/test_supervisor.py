@@ -19,6 +19,7 @@ from pdd.supervisor import (
     CrashLoop,
     ProcessDied,
     RestartPolicy,
+    ServiceProcess,
     Supervisor,
     read_pid,
     request_restart,
@@ -155,6 +156,30 @@ async def test_exited_child_is_restarted_with_backoff_and_a_new_pid_file(tmp_pat
         task.cancel()
         await sup.stop_all()
     assert read_pid(tmp_path, "flaky") is None
+
+
+async def test_a_batch_started_with_its_own_policy_restarts_by_it(tmp_path: Path, caplog) -> None:
+    """`pdd up` restarts its NATS servers sooner than its services (BUS_FIRST_RESTART_S)."""
+
+    def once(name: str) -> ProcessSpec:  # exits 3 on its first run, then stays up
+        mark = str(tmp_path / f"{name}.ran")
+        code = f"import pathlib, sys, time\np = pathlib.Path({mark!r})\nif not p.exists():\n    p.touch(); sys.exit(3)\ntime.sleep(60)\n"
+        return _py(name, code)
+
+    sup = Supervisor(tmp_path, grace_s=5, policy=FAST)
+    await sup.start_all([once("svc")])
+    await sup.start(
+        ServiceProcess(once("nats-x"), tmp_path / "logs", 5),
+        policy=dataclasses.replace(FAST, backoff_initial_s=0.01),
+    )
+    caplog.set_level(logging.INFO, logger="pdd.supervisor")
+    task = asyncio.create_task(sup.supervise(poll_s=0.02))
+    try:
+        await until(lambda: _delays(caplog, "svc") and _delays(caplog, "nats-x"))
+        assert _delays(caplog, "nats-x") == ["0.01s"] and _delays(caplog, "svc") == ["0.05s"]
+    finally:
+        task.cancel()
+        await sup.stop_all()
 
 
 async def test_child_stopped_cleanly_from_outside_is_not_restarted(tmp_path: Path, caplog) -> None:

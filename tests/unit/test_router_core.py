@@ -202,7 +202,7 @@ def test_a_request_whose_instance_is_lost_moves_and_continues_from_the_tokens_se
     assert life.close(stream)[1] == SendAbort(new, AbortReason.FINISHED, stream)
 
 
-def test_moved_requests_count_as_recomputing_where_they_went_until_their_first_new_token() -> None:
+def test_moved_requests_count_their_recompute_where_they_went_until_their_first_new_token() -> None:
     life = _life()
     a, b = _opened(life, Pipeline.P_MD, RID), _opened(life, Pipeline.P_MD, PREFIX + "2")
     for stream in (a, b):
@@ -213,13 +213,14 @@ def test_moved_requests_count_as_recomputing_where_they_went_until_their_first_n
         life.move(stream, "lost", "lost")
     assert life.recomputing() == {}  # not offered yet
     a.offered_to = b.offered_to = (Role.MAIN_DECODE, "md1")
-    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 2}
+    a.recompute_tokens, b.recompute_tokens = 4, 2
+    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 6}
     life.resumed(a, Role.RELAY, "rld1")  # took it elsewhere after md1 refused
-    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 1, (Role.RELAY, "rld1"): 1}
+    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 2, (Role.RELAY, "rld1"): 4}
     life.on_tokens(_tok(a.attempt_rid, Role.RELAY, 1, [11]), 0.0)
-    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 1}
+    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 2}
     life.resumed(b, Role.MAIN_DECODE, "md1")
-    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 1}
+    assert life.recomputing() == {(Role.MAIN_DECODE, "md1"): 2}
     life.move(b, "lost again", "lost")  # a new move: not offered anywhere yet
     assert life.recomputing() == {}
 

@@ -212,14 +212,16 @@ def test_an_md_over_the_bound_comes_last_among_the_mds():
     assert order == [(Role.MAIN_DECODE, "cold"), (Role.MAIN_DECODE, "hot"), (Role.RELAY, "r")]
 
 
-def test_a_burst_of_moves_spreads_over_the_decoders_by_the_moves_recomputing_there():
+def test_a_move_goes_where_its_first_token_comes_soonest_and_a_burst_spreads():
     mds = [InstanceLoad("m0", running=6)]
     relays = [InstanceLoad("r0", running=1), InstanceLoad("r1", running=0)]
     md, r0, r1 = (Role.MAIN_DECODE, "m0"), (Role.RELAY, "r0"), (Role.RELAY, "r1")
-    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {}) == [md, r1, r0]  # none moving: MD first
-    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {md: 1}) == [r1, r0, md]
-    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {md: 1, r1: 1}) == [r0, md, r1]
-    assert resume_candidates(mds, relays, {"m0": 0.0}, W, {md: 2, r0: 1, r1: 1}) == [r1, r0, md]
+    own = {md: 300, r0: 300, r1: 300}  # the prompt and the tokens so far, none cached
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, own, {}) == [md, r1, r0]  # equals: MD first
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, own, {md: 300}) == [r1, r0, md]
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, own, {md: 300, r1: 300}) == [r0, md, r1]
+    # MD holds the prompt: it recomputes only the tokens so far, even behind another move.
+    assert resume_candidates(mds, relays, {"m0": 0.0}, W, own | {md: 40}, {md: 200}) == [md, r1, r0]
 
 
 def test_bandwidth_estimates_of_one_line_compare_as_equal_and_a_slow_link_stays_slow() -> None:

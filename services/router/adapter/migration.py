@@ -55,10 +55,8 @@ class Mover:
             return False  # ended, moving already, or out of moves
         log.warning("request %s (attempt %s): %s; moving it by token IDs", stream.rid, old, why)
         metrics.MIGRATIONS.labels(cause=cause).inc()
-        silent = (
-            lost is not None and self.fleet.registry.silent_for(*lost) > self.settings.streaming_lost_after_s
-        )
-        avoid = {lost} if lost and silent else set()
+        quiet_s = self.settings.streaming_lost_after_s  # (a lost producer is not offered the move)
+        avoid = {lost} if lost and self.fleet.registry.silent_for(*lost) > quiet_s else set()
         ctx = trace.set_span_in_context(stream.span) if stream.span else None
         attrs = {
             REQUEST_ID_ATTR: stream.rid,
@@ -88,11 +86,12 @@ class Mover:
         )
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
-            recomputing = self.requests.recomputing()
-            for role, instance in self.fleet.move_targets(
-                stream.prompt_ids, stream.block_hashes, avoid, recomputing
+            queued, sent = self.requests.recomputing(), len(stream.merger.released)
+            for role, instance, tokens in self.fleet.move_targets(
+                stream.prompt_ids, stream.block_hashes, sent, avoid, queued
             ):
-                stream.offered_to = role, instance  # (the moves that choose meanwhile count it there)
+                # (The moves that choose meanwhile count it there.)
+                stream.offered_to, stream.recompute_tokens = (role, instance), tokens
                 try:
                     subject = subjects.resume(role.value, instance)
                     reply = await ask(

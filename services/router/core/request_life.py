@@ -189,11 +189,12 @@ class RequestLife:
         return [SendAbort(old, AbortReason.MIGRATED, stream), Resume(stream, why, cause)]
 
     def recomputing(self) -> dict[tuple[Role, str], int]:
-        """Per instance: the moved requests recomputing there (RequestStream.recomputing_on)."""
+        """Per instance: the tokens the moved requests recomputing there (RequestStream.recomputing_on)
+        have it compute before their next token."""
         out: dict[tuple[Role, str], int] = {}
         for stream in self.streams.values():
             if stream.attempt and (where := stream.recomputing_on) is not None:
-                out[where] = out.get(where, 0) + 1
+                out[where] = out.get(where, 0) + stream.recompute_tokens
         return out
 
     def resumed(self, stream: RequestStream, role: Role, instance: str) -> None:

@@ -90,6 +90,7 @@ class RequestStream:
     # Who must be holding the request now (listed in its heartbeat), and since when it was seen to.
     producer: tuple[Role, str] | None = None
     offered_to: tuple[Role, str] | None = None  # while moving: the instance asked to take it
+    recompute_tokens: int = 0  # what a move makes that instance compute before its next token
     last_held: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None  # when this attempt last produced a token (None: none yet)
     md_produced: bool = False  # this attempt's MD sent a token: it holds all it needs from prefill

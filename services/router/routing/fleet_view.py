@@ -83,17 +83,27 @@ class FleetView:
         self,
         prompt_ids: list[int],
         hashes: list[int],
+        tokens_so_far: int,
         avoid: set[tuple[Role, str]],
-        recomputing: dict[tuple[Role, str], int] | None = None,
-    ) -> list[tuple[Role, str]]:
-        """Where a request whose instance was lost may continue, best first (see
-        policy.resume_candidates for `recomputing`)."""
+        queued: dict[tuple[Role, str], int] | None = None,
+    ) -> list[tuple[Role, str, int]]:
+        """Where a request whose instance was lost may continue, best first, each with the
+        tokens it would compute first (see policy.resume_candidates for `queued`). What an MD
+        holds of the prompt is known from its cache events; a relay's is taken as nothing."""
         mds = [m for m in self.loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
         relays = [r for r in self.loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
         links = self.links([m.instance for m in mds])
         options = md_options(self.route_ctx, len(prompt_ids), hashes, links, False)
         wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
-        return resume_candidates(mds, relays, wan_s, md_weights(self.route_ctx, len(prompt_ids)), recomputing)
+        total = len(prompt_ids) + tokens_so_far
+        cached = self.index.cached_prefix_blocks_all(hashes)
+        recompute = {
+            (Role.MAIN_DECODE, m.instance): total - cached.get(m.instance, 0) * self.block_size for m in mds
+        }
+        recompute |= {(Role.RELAY, r.instance): total for r in relays}
+        weights = md_weights(self.route_ctx, len(prompt_ids))
+        order = resume_candidates(mds, relays, wan_s, weights, recompute, queued)
+        return [(role, instance, recompute[(role, instance)]) for role, instance in order]
 
     def loads(self, role: Role) -> list[InstanceLoad]:
         """The live instances of a role, asked anew each time (instances that join or leave

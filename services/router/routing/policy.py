@@ -279,19 +279,23 @@ def resume_candidates(
     relays: list[InstanceLoad],
     wan_s: dict[str, float],
     w: RouteWeights,
-    recomputing: Mapping[tuple[Role, str], int] | None = None,
+    recompute: Mapping[tuple[Role, str], int] | None = None,
+    queued: Mapping[tuple[Role, str], int] | None = None,
 ) -> list[tuple[Role, str]]:
-    """Where a request whose instance was lost may continue, best first: the decoders with the
-    fewest moved requests still recomputing there (`recomputing`: their first new token is not
-    out yet); among equals the MDs (decode is their job) by the MD cost, those within the load
-    bound first, then the relays by load (an RLD-only finish). An instance lost with many
-    streams thus spreads them over every decoder: a recompute queued behind the others' on
-    one engine would wait for all of theirs before its first token."""
+    """Where a request whose instance was lost may continue, best first: by the tokens each
+    decoder must compute before the request's next token, its own (`recompute`: the prompt
+    and the tokens so far, less the prefix it holds) behind those of the moves still
+    recomputing there (`queued`); among equals the MDs (decode is their job) by the MD cost,
+    those within the load bound first, then the relays by load (an RLD-only finish). An
+    instance lost with many streams thus spreads them over every decoder left, and each goes
+    where its first token comes soonest."""
     by_md = _ranked(mds, md_costs(mds, wan_s, w), _eligible(mds, w.balance_factor))
     by_relay = sorted(relays, key=_by_load)
     order = [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]
-    if recomputing:
-        order.sort(key=lambda key: recomputing.get(key, 0))  # (stable: equals keep the order above)
+    if recompute or queued:
+        own, ahead = recompute or {}, queued or {}
+        # (A stable sort: equals keep the order above.)
+        order.sort(key=lambda key: own.get(key, 0) + ahead.get(key, 0))
     return order
 
 
