@@ -86,10 +86,12 @@ class Mover:
         )
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
-            queued, sent = self.requests.recomputing(), len(stream.merger.released)
-            for role, instance, tokens in self.fleet.move_targets(
-                stream.prompt_ids, stream.block_hashes, sent, avoid, queued
+            # The best candidate, chosen anew after each refusal: the other moves meanwhile changed what
+            # is queued where.
+            while targets := self.fleet.move_targets(
+                stream.prompt_ids, stream.block_hashes, len(msg.generated), avoid, self.requests.recomputing()
             ):
+                role, instance, tokens = targets[0]
                 # (The moves that choose meanwhile count it there.)
                 stream.offered_to, stream.recompute_tokens = (role, instance), tokens
                 try:

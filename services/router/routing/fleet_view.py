@@ -89,9 +89,18 @@ class FleetView:
     ) -> list[tuple[Role, str, int]]:
         """Where a request whose instance was lost may continue, best first, each with the
         tokens it would compute first (see policy.resume_candidates for `queued`). What an MD
-        holds of the prompt is known from its cache events; a relay's is taken as nothing."""
-        mds = [m for m in self.loads(Role.MAIN_DECODE) if (Role.MAIN_DECODE, m.instance) not in avoid]
-        relays = [r for r in self.loads(Role.RELAY) if (Role.RELAY, r.instance) not in avoid]
+        holds of the prompt is known from its cache events; a relay's is taken as nothing.
+        An instance unheard for streaming_lost_after_s is left out: a stream that moves now
+        should not wait to learn that its new instance is gone or cut off too."""
+        quiet_s = self.settings.streaming_lost_after_s
+        mds, relays = (
+            [
+                c
+                for c in self.loads(role)
+                if (role, c.instance) not in avoid and self.registry.silent_for(role, c.instance) <= quiet_s
+            ]
+            for role in (Role.MAIN_DECODE, Role.RELAY)
+        )
         links = self.links([m.instance for m in mds])
         options = md_options(self.route_ctx, len(prompt_ids), hashes, links, False)
         wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
