@@ -545,12 +545,13 @@ def _score(
 def _moved(t: Stream, window: Window | None) -> dict:
     """A moved stream's longest gap, and when it opened (seconds after the fault began)."""
     gaps = t.gaps
-    at = t.chunks[gaps.index(max(gaps))][0] if gaps else 0.0
+    longest = max(gaps, default=0.0)
+    at = t.chunks[gaps.index(longest)][0] if gaps else 0.0
     since = t.started + at - window.start if window else None
     unix = time.time() - time.monotonic() + t.started + at  # (to read beside the traces' times)
     return {
         "rid": t.rid,
-        "max_gap_s": round(max(gaps, default=0.0), 3),
+        "max_gap_s": round(longest, 3),
         "opened_after_fault_s": since,
         "opened_unix_s": unix,
     }

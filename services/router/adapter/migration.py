@@ -48,15 +48,13 @@ class Mover:
 
     async def migrate(self, stream: RequestStream, why: str, cause: str) -> bool:
         """Move the request; False (the stream failed, its consumer told) if no instance takes it."""
-        lost, old = stream.producer, stream.attempt_rid
+        old = stream.attempt_rid
         actions = self.requests.move(stream, why, cause)
         self.effects.perform(actions)
         if not any(isinstance(a, Resume) for a in actions):
             return False  # ended, moving already, or out of moves
         log.warning("request %s (attempt %s): %s; moving it by token IDs", stream.rid, old, why)
         metrics.MIGRATIONS.labels(cause=cause).inc()
-        quiet_s = self.settings.streaming_lost_after_s  # (a lost producer is not offered the move)
-        avoid = {lost} if lost and self.fleet.registry.silent_for(*lost) > quiet_s else set()
         ctx = trace.set_span_in_context(stream.span) if stream.span else None
         attrs = {
             REQUEST_ID_ATTR: stream.rid,
@@ -65,7 +63,7 @@ class Mover:
             "tokens_sent": stream.merger.next_index,
         }
         with self.tracer.start_as_current_span("router.migrate", context=ctx, attributes=attrs) as span:
-            target = await self._resume(stream, avoid)
+            target = await self._resume(stream)
             span.set_attribute("target", f"{target[0].value}/{target[1]}" if target else "")
         if target is None:
             self.effects.perform(self.requests.give_up(stream, f"{why}; no live instance took the request"))
@@ -73,9 +71,11 @@ class Mover:
         self.requests.resumed(stream, *target)
         return True
 
-    async def _resume(self, stream: RequestStream, avoid: set[tuple[Role, str]]) -> tuple[Role, str] | None:
-        """Offer the request to the candidates (best first) until one takes it; wait a little
-        for one to (re)appear. The instance that took it, or None."""
+    async def _resume(self, stream: RequestStream) -> tuple[Role, str] | None:
+        """Offer the request to the candidates (best first; a lost producer, being silent, is
+        none) until one takes it; wait a little for one to (re)appear. The instance that took
+        it, or None."""
+        avoid: set[tuple[Role, str]] = set()
         assert stream.params is not None
         msg = ResumeRequest(
             stream.attempt_rid,

@@ -92,15 +92,7 @@ class FleetView:
         holds of the prompt is known from its cache events; a relay's is taken as nothing.
         An instance unheard for streaming_lost_after_s is left out: a stream that moves now
         should not wait to learn that its new instance is gone or cut off too."""
-        quiet_s = self.settings.streaming_lost_after_s
-        mds, relays = (
-            [
-                c
-                for c in self.loads(role)
-                if (role, c.instance) not in avoid and self.registry.silent_for(role, c.instance) <= quiet_s
-            ]
-            for role in (Role.MAIN_DECODE, Role.RELAY)
-        )
+        mds, relays = (self._heard_lately(role, avoid) for role in (Role.MAIN_DECODE, Role.RELAY))
         links = self.links([m.instance for m in mds])
         options = md_options(self.route_ctx, len(prompt_ids), hashes, links, False)
         wan_s = {m: cost_s for m, (_, cost_s) in options.items()}
@@ -113,6 +105,14 @@ class FleetView:
         weights = md_weights(self.route_ctx, len(prompt_ids))
         order = resume_candidates(mds, relays, wan_s, weights, recompute, queued)
         return [(role, instance, recompute[(role, instance)]) for role, instance in order]
+
+    def _heard_lately(self, role: Role, avoid: set[tuple[Role, str]]) -> list[InstanceLoad]:
+        quiet_s = self.settings.streaming_lost_after_s
+        return [
+            c
+            for c in self.loads(role)
+            if (role, c.instance) not in avoid and self.registry.silent_for(role, c.instance) <= quiet_s
+        ]
 
     def loads(self, role: Role) -> list[InstanceLoad]:
         """The live instances of a role, asked anew each time (instances that join or leave

@@ -292,10 +292,8 @@ def resume_candidates(
     by_md = _ranked(mds, md_costs(mds, wan_s, w), _eligible(mds, w.balance_factor))
     by_relay = sorted(relays, key=_by_load)
     order = [(Role.MAIN_DECODE, c.instance) for c in by_md] + [(Role.RELAY, c.instance) for c in by_relay]
-    if recompute or queued:
-        own, ahead = recompute or {}, queued or {}
-        # (A stable sort: equals keep the order above.)
-        order.sort(key=lambda key: own.get(key, 0) + ahead.get(key, 0))
+    own, ahead = recompute or {}, queued or {}
+    order.sort(key=lambda key: own.get(key, 0) + ahead.get(key, 0))  # (stable: equals keep the order above)
     return order
 
 
