@@ -209,3 +209,29 @@ def test_a_replay_holds_back_what_the_client_has():
     assert replay.take(Delta([1, 2])) is None and replay.left == 2
     rest = replay.take(Delta([3, 4, 5, 6], logprobs=[None, None, None, None]))
     assert rest is not None and rest.tokens == [5, 6] and len(rest.logprobs) == 2 and replay.left == 0
+
+
+async def test_the_chat_role_chunk_goes_out_with_the_first_token_not_before():
+    """A client takes the first chunk with choices for its first token: the role chunk waits
+    for the first delta (here held back until the test lets it through)."""
+    import asyncio
+
+    gate = asyncio.Event()
+
+    class HeldCore(FakeCore):
+        async def deltas(self, stream):
+            await gate.wait()
+            async for d in super().deltas(stream):
+                yield d
+
+    p = parsed(True)
+    body = sse(HeldCore([OUTPUT]), stream_for(p), Detokenizer(TOK, p.params.stop), output_options(p, TOK))
+    first = asyncio.ensure_future(body.__anext__())
+    await asyncio.sleep(0.05)
+    assert not first.done()  # nothing is sent while no token has come
+    gate.set()
+    role = json.loads((await first).decode().split("data: ", 1)[1])
+    assert role["choices"][0]["delta"] == {"role": "assistant"}
+    tokens = json.loads((await body.__anext__()).decode().split("data: ", 1)[1])
+    assert tokens["choices"][0]["delta"]["content"]
+    await body.aclose()

@@ -260,8 +260,9 @@ async def sse(
     try:
         if replay is not None:
             replay.check_start()
-        if opts.chat and resume is None:
-            yield with_id(progress.event_id(), chunks.role())
+        # The chat role chunk goes out with the first token, not before it: clients (and
+        # benchmarks) take the first chunk with choices for the first token.
+        role = opts.chat and resume is None
         reason, echo = None, (opts.echo if resume is None else None)
         async with aclosing(_texts(core, stream, detok, replay)) as texts:  # closing this closes deltas()
             async for text, delta, finish in texts:
@@ -270,8 +271,13 @@ async def sse(
                     yield with_id(progress.event_id(), chunks.echo(echo))
                     echo = None
                 if text or delta.tokens:
+                    if role:
+                        yield with_id(progress.event_id(), chunks.role())
+                        role = False
                     progress.add(delta.tokens)
                     yield with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
+        if role:
+            yield with_id(progress.event_id(), chunks.role())
         tail = detok.flush()
         count(stream, "ok")
         done_usage = usage(stream, len(detok.tokens))
