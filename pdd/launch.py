@@ -33,6 +33,7 @@ DC_A = "dc-a"
 DC_B = "dc-b"
 SERVICES = ("prefill", "relay", "main_decode", "router")
 KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel: they run an engine
+DECODE_SERVICES = ("relay", "main_decode")
 NATS_CLUSTER = {dc: name for name, dc in NATS_DC.items()}  # also each DC's gateway name
 MAX_COUNT = 8  # most instances of one role, and most NATS nodes per DC
 COUNTS = {"prefill": "prefill", "relay": "relay", "main_decode": "md", "router": "routers"}  # UpOptions field
@@ -362,6 +363,9 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
         and not {threads, "PDD_TORCH_THREADS", "OMP_NUM_THREADS"} & set(os.environ)
     ):
         env[threads] = str(torch_threads_share(opts, h.shared_cores))
+    helpers = f"{p}ENGINE__HELPER_THREADS"
+    if name in DECODE_SERVICES and h.shared_cores and helpers not in os.environ:
+        env[helpers] = str(helper_threads(opts, h.shared_cores))
     local = name in KV_SERVICES and h.shared_cores  # processes on this host, not containers
     if local and "LD_PRELOAD" not in os.environ and (lib := tcmalloc_path()):
         env["LD_PRELOAD"] = lib
@@ -386,6 +390,15 @@ def torch_threads_share(opts: UpOptions, cores: int) -> int:
     all of them in every process, oversubscribes them as many times as there are engines)."""
     engines = sum(instance_counts(opts)[s] for s in KV_SERVICES)
     return max(1, cores // engines)
+
+
+def helper_threads(opts: UpOptions, cores: int) -> int:
+    """A decoding engine held to one torch thread gets one low-priority helper for its panel
+    products: a decode step is bound by reading the weights, and one core alone reads them at
+    a fraction of what two do, so the helper takes whatever core is idle at that moment (the
+    shared cores are rarely all busy) without taking time from anything else. Prefill's steps
+    are long and compute-bound on its share already; measured, a helper there gained nothing."""
+    return 1 if torch_threads_share(opts, cores) == 1 and cores > 1 else 0
 
 
 def _credentials_env(name: str, directory: Path) -> dict[str, str]:

@@ -71,6 +71,10 @@ class EngineSettings(BaseModel):
     # RMSNorm (with its residual add) and RoPE: "fused" (one C++ call each, CPU), "torch"
     # (tensor ops), "auto" = fused where it can run.
     small_ops: Literal["auto", "fused", "torch"] = "auto"
+    # With one torch thread: low-priority threads that join the panel products on cores
+    # nobody else is using at that moment (shared/model/kernels/panel_linear.cpp); 0 = none.
+    helper_threads: int = 0
+    helper_nice: int = 10  # their niceness (0..19): they give way to every normal thread
 
 
 class RdmaSettings(BaseModel):

@@ -69,12 +69,24 @@ class LLMEngine:
         self.intake = RequestIntake(cfg.vocab_size, self.max_model_len, self.block_size, num_blocks)
         self.scheduler = Scheduler(self.pool, es, self.model_id)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, es.attention_backend)
+        self._set_helpers(es)
         self.sampler = Sampler()
         self.exchange = BlockExchange(self.pool, self.kv_cache)
         log.info("KV pool: %d blocks of %d tokens (%.0f MB)", num_blocks, self.block_size, budget / 2**20)
         self.seqs: dict[str, Sequence] = {}  # every request the engine still knows
         self._outbox: list[StepOutput] = []  # produced between steps (extend of nothing)
         self._resample: list[Sequence] = []  # held seqs extended by nothing with final=True
+
+    def _set_helpers(self, es: EngineSettings) -> None:
+        """The kernels' low-priority helper threads (per process: the last engine's choice)."""
+        from shared.model.kernels import paged_attention_ops, panel_linear_ops
+
+        libs = [panel_linear_ops() if self.linear_backend == "panel" else None]
+        libs.append(paged_attention_ops() if self.runner.backend.name == "paged" else None)
+        for ops in filter(None, libs):
+            ops.set_helpers(es.helper_threads, es.helper_nice)
+        if es.helper_threads and any(libs):
+            log.info("kernels: %d helper thread(s) at niceness %d", es.helper_threads, es.helper_nice)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(

@@ -100,6 +100,23 @@ def test_paged_equals_reference(case, heads, kv_heads, dim, block_size):
     assert (out - ref).abs().max().item() <= ATOL
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_helper_threads_give_the_same_bits_as_one_thread_alone(case):
+    """With one torch thread, low-priority helpers take whole work items: the same bits."""
+    heads, kv_heads = 8, 4
+    fields, cache, qkv = step(CASES[case], heads, kv_heads, 64, 16, seed=3)
+    ops, before = paged_attention_ops(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = attend(paged(), fields, cache, qkv, heads, kv_heads)
+        ops.set_helpers(2)
+        for _ in range(10):
+            assert torch.equal(attend(paged(), fields, cache, qkv, heads, kv_heads), alone)
+    finally:
+        ops.set_helpers(0)
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["many decodes", "decodes, prefill and extends together"])
 def test_half_precision_cache_matches_the_fp32_result(dtype, case):
@@ -198,3 +215,17 @@ def test_engine_greedy_tokens_equal_across_linear_backends():
             engine = engine_on(attention, linear, max_batched_tokens=64)
             assert engine.linear_backend == ("packed" if linear == "packed" else "panel")
             assert workload(engine) == want
+
+
+def test_engine_greedy_tokens_equal_with_helper_threads():
+    """One torch thread joined by the kernels' low-priority helpers (what `pdd up` gives a
+    decoder on a machine whose cores it shares): the tokens of the reference engine."""
+    want = workload(engine_on("reference", "torch", max_batched_tokens=64))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        engine = engine_on("paged", max_batched_tokens=64, helper_threads=1, helper_nice=0)
+        assert workload(engine) == want
+    finally:
+        engine_on("paged", helper_threads=0)  # the helpers are per process: none for the next tests
+        torch.set_num_threads(before)

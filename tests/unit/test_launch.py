@@ -84,6 +84,29 @@ def test_engines_share_the_machine_s_cores_unless_told_otherwise(monkeypatch: py
     assert threads(hosts)["main_decode"] is None and threads(hosts)["relay"] == "3"
 
 
+def test_decoders_held_to_one_thread_get_a_helper_for_the_idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "OMP_NUM_THREADS",
+        "PDD_TORCH_THREADS",
+        "PDD_MD_TORCH_THREADS",
+        "PDD_MD_ENGINE__HELPER_THREADS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+    def helpers(hosts: Hosts) -> dict[str, str | None]:
+        specs = service_specs(UpOptions(), hosts)[1:]
+        return {s.name: s.env.get(f"{ENV_PREFIX[s.service]}ENGINE__HELPER_THREADS") for s in specs}
+
+    local = Hosts.local("127.0.0.1")
+    two = helpers(dataclasses.replace(local, shared_cores=2))  # three engines, one thread each
+    assert two == {"prefill": None, "relay": "1", "main_decode": "1", "router": None}
+    assert set(helpers(dataclasses.replace(local, shared_cores=16)).values()) <= {"0", None}  # 5 threads each
+    assert set(helpers(dataclasses.replace(local, shared_cores=1)).values()) <= {"0", None}  # no idle core
+    assert set(helpers(COMPOSE_HOSTS).values()) == {None}
+    monkeypatch.setenv("PDD_MD_ENGINE__HELPER_THREADS", "0")  # the operator's choice stands
+    assert helpers(dataclasses.replace(local, shared_cores=2))["main_decode"] is None
+
+
 def test_engines_on_this_host_get_tcmalloc_where_it_is_installed(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     lib = tmp_path / "libtcmalloc_minimal.so.4"

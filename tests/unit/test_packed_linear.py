@@ -123,3 +123,61 @@ def test_a_panel_model_keeps_its_state_dict_and_the_rest_goes_to_onednn():
         PANEL_OPS.pack_panels(torch.randn(40, 8))
     with pytest.raises(RuntimeError, match="do not match"):
         PANEL_OPS.panel_linear(torch.randn(2, 9), PANEL_OPS.pack_panels(torch.randn(32, 8)), None)
+
+
+@needs_panels
+def test_helper_threads_give_the_same_bits_as_the_caller_alone():
+    """Low-priority helpers take chunks of panels: each panel is still computed whole by one
+    thread, so the products are bit-identical however the chunks were shared (and to the
+    multi-threaded path's); many calls in a row exercise late helpers and job hand-over."""
+    torch.manual_seed(1)
+    shapes = [(3072, 512), (512, 1536), (64, 512), (32, 40)]
+    weights = [torch.randn(n, k) for n, k in shapes]
+    panels = [PANEL_OPS.pack_panels(w) for w in weights]
+    bias = torch.randn(3072)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        PANEL_OPS.set_helpers(0)
+        inputs = [(torch.randn(rows, p.shape[1]), p) for rows in (1, 5, 8, 13, 256) for p in panels]
+        alone = [PANEL_OPS.panel_linear(x, p, None) for x, p in inputs]
+        with_bias = PANEL_OPS.panel_linear(inputs[0][0], panels[0], bias)
+        for helpers in (1, 3):
+            PANEL_OPS.set_helpers(helpers)
+            for _ in range(20):
+                for (x, p), expected in zip(inputs, alone, strict=True):
+                    assert torch.equal(PANEL_OPS.panel_linear(x, p, None), expected)
+            assert torch.equal(PANEL_OPS.panel_linear(inputs[0][0], panels[0], bias), with_bias)
+        torch.set_num_threads(2)  # more torch threads: the OpenMP path, the same bits
+        assert all(
+            torch.equal(PANEL_OPS.panel_linear(x, p, None), e)
+            for (x, p), e in zip(inputs, alone, strict=True)
+        )
+    finally:
+        PANEL_OPS.set_helpers(0)
+        torch.set_num_threads(before)
+
+
+@needs_panels
+def test_helper_threads_serve_callers_on_several_threads():
+    """Two engine threads (two engines in one process, as in the tests) share the helpers:
+    each call waits for its own chunks only and gets its own result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(2)
+    p = PANEL_OPS.pack_panels(torch.randn(1024, 512))
+    xs = [torch.randn(8, 512) for _ in range(4)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [PANEL_OPS.panel_linear(x, p, None) for x in xs]
+        PANEL_OPS.set_helpers(1)
+
+        def many(i: int) -> bool:
+            return all(torch.equal(PANEL_OPS.panel_linear(xs[i], p, None), expected[i]) for _ in range(200))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(many, range(4)))
+    finally:
+        PANEL_OPS.set_helpers(0)
+        torch.set_num_threads(before)

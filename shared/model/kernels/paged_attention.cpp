@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "helpers.h"
+
 namespace {
 
 constexpr int kMaxRows = 32;  // query rows (group heads x queries) per item: q and acc stay in L1
@@ -340,6 +342,14 @@ void run_items(const std::vector<Item>& items, const Shape& sh, const at::Tensor
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t n = static_cast<int64_t>(items.size());
+  if (pdd::helpers().count() > 0 && at::get_num_threads() == 1 && n > 1) {  // one item a chunk
+    pdd::helpers().run(n, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> work;
+      for (int64_t i = begin; i < end; ++i)
+        attend<T>(items[i], sh, qp, kp, vp, tables, seq_lens, query_start, op, work);
+    });
+    return;
+  }
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -380,6 +390,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_helpers", &pdd::set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
+        py::arg("count"), py::arg("nice") = 10);
   // Without the GIL: a service's event loop keeps running while its engine thread attends.
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());

@@ -5,7 +5,9 @@
 // speed here. Panel p holds W[32p .. 32p+31, :] transposed, [K][32] contiguous, so one pass
 // streams it once, in order, while up to 8 rows of x are multiplied against it with 16
 // vector accumulators held in registers (AVX-512; a portable loop elsewhere). Threads take
-// whole panels, so every weight byte is read from memory by one thread, once per call.
+// whole panels, so every weight byte is read from memory by one thread, once per call, and
+// a panel's outputs do not depend on which thread computed them.
+// With one torch thread, helpers.h's low-priority helpers take chunks of panels instead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,13 +20,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
+
+#include "helpers.h"
 
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int64_t kRows = 8;    // rows of x per register tile
 constexpr int64_t kAhead = 64;  // panel rows fetched ahead of use (4 KiB): memory keeps streaming while the FMAs run
+constexpr int64_t kChunksPerCall = 16;  // with helpers: a chunk small enough that waiting for one is short
 
 #ifdef __AVX512F__
 template <int R>
@@ -105,7 +111,7 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = num_panels * kPanel;
   // Whole panels per thread: each weight byte is read from memory once, by one thread.
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  const std::function<void(int64_t, int64_t)> panels_in = [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = pp + p * k_size * kPanel;
       const float* bp = b ? b + p * kPanel : nullptr;
@@ -114,12 +120,20 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
         kTiles[rows](xp + m * ldx, ldx, panel, k_size, bp, yp + m * ldy + p * kPanel, ldy);
       }
     }
-  });
+  };
+  if (pdd::helpers().count() > 0 && at::get_num_threads() == 1 && num_panels > 1) {
+    const int64_t chunk = std::max<int64_t>(1, num_panels / kChunksPerCall);
+    pdd::helpers().run(num_panels, chunk, panels_in);
+  } else {
+    at::parallel_for(0, num_panels, 1, panels_in);
+  }
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a [N, K] weight as [N / 32, K, 32] panels");
+  m.def("set_helpers", &pdd::set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
+        py::arg("count"), py::arg("nice") = 10);
   m.def("panel_linear", &panel_linear, "x W^T (+ bias) over panel-packed weights",
         py::call_guard<py::gil_scoped_release>());
 }
