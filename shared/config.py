@@ -71,10 +71,11 @@ class EngineSettings(BaseModel):
     # RMSNorm (with its residual add) and RoPE: "fused" (one C++ call each, CPU), "torch"
     # (tensor ops), "auto" = fused where it can run.
     small_ops: Literal["auto", "fused", "torch"] = "auto"
-    # With one torch thread: low-priority threads that join the panel products on cores
-    # nobody else is using at that moment (shared/model/kernels/panel_linear.cpp); 0 = none.
-    helper_threads: int = 0
-    helper_nice: int = 10  # their niceness (0..19): they give way to every normal thread
+    # With one torch thread: low-priority threads that join the panel products and paged
+    # attention on cores nobody else is using at that moment (shared/model/kernels/helpers.h;
+    # one set per process); 0 = none.
+    helper_threads: int = Field(0, ge=0, le=64)
+    helper_nice: int = Field(10, ge=0, le=19)  # their niceness: they give way to normal threads
 
 
 class RdmaSettings(BaseModel):
