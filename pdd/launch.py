@@ -394,10 +394,10 @@ def torch_threads_share(opts: UpOptions, cores: int) -> int:
 
 def helper_threads(opts: UpOptions, cores: int) -> int:
     """A decoding engine held to one torch thread gets one low-priority helper for its kernels
-    (panel products, paged attention): a decode step is bound by reading the weights, and one core alone reads them at
-    a fraction of what two do, so the helper takes whatever core is idle at that moment (the
-    shared cores are rarely all busy) without taking time from anything else. Prefill's steps
-    are long and compute-bound on its share already; measured, a helper there gained nothing."""
+    (panel products, paged attention): a decode step is bound by reading the weights, one core
+    alone reads them at a fraction of what two do, and the helper takes whichever core is idle
+    at the moment without taking time from anything else. Prefill's steps are compute-bound on
+    its share already: measured, a helper there gained nothing."""
     return 1 if torch_threads_share(opts, cores) == 1 and cores > 1 else 0
 
 

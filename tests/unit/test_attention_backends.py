@@ -15,7 +15,7 @@ from shared.model import attention as attention_pkg
 from shared.model.attention import Attention, AttentionContext, attention_backend
 from shared.model.attention.paged_cpu import PagedCpuBackend
 from shared.model.attention.reference import ReferenceBackend
-from shared.model.kernels import paged_attention_ops
+from shared.model.kernels import paged_attention_ops, panel_linear_ops
 from tests.engine_util import greedy, random_prompt, run_all, tokens_of
 
 ATOL = 2e-5
@@ -227,5 +227,6 @@ def test_engine_greedy_tokens_equal_with_helper_threads():
         engine = engine_on("paged", max_batched_tokens=64, helper_threads=1, helper_nice=0)
         assert workload(engine) == want
     finally:
-        engine_on("paged", helper_threads=0)  # the helpers are per process: none for the next tests
+        for ops in (paged_attention_ops(), panel_linear_ops()):  # per process: none for the next tests
+            ops.set_helpers(0)
         torch.set_num_threads(before)

@@ -230,8 +230,8 @@ async def test_the_chat_role_chunk_goes_out_with_the_first_token_not_before():
     await asyncio.sleep(0.05)
     assert not first.done()  # nothing is sent while no token has come
     gate.set()
-    role = json.loads((await first).decode().split("data: ", 1)[1])
+    role = json.loads((await asyncio.wait_for(first, 5)).decode().split("data: ", 1)[1])
     assert role["choices"][0]["delta"] == {"role": "assistant"}
-    tokens = json.loads((await body.__anext__()).decode().split("data: ", 1)[1])
+    tokens = json.loads((await asyncio.wait_for(body.__anext__(), 5)).decode().split("data: ", 1)[1])
     assert tokens["choices"][0]["delta"]["content"]
     await body.aclose()

@@ -17,14 +17,17 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
 
 namespace pdd {
+
+using Chunks = c10::function_ref<void(int64_t, int64_t)>;  // fn(begin, end); no copy, no allocation
+
 namespace {  // one pool per kernel library: each sets its own up (set_helpers)
 
 class Helpers {
@@ -51,7 +54,7 @@ class Helpers {
   // fn(begin, end) over [0, n) in chunks of `chunk`, by the caller and whichever helpers come.
   // One job at a time: a caller that finds the helpers taken (another engine thread in this
   // process) runs its job alone.
-  void run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+  void run(int64_t n, int64_t chunk, Chunks fn) {
     std::unique_lock<std::mutex> mine(job_mu_, std::try_to_lock);
     if (!mine.owns_lock()) {
       fn(0, n);
@@ -62,7 +65,7 @@ class Helpers {
     {
       std::lock_guard<std::mutex> lock(mu_);
       gen = ++gen_;
-      fn_ = &fn;
+      fn_ = fn;
       n_ = n;
       chunk_ = chunk;
       done_.store(0, std::memory_order_relaxed);
@@ -88,7 +91,7 @@ class Helpers {
   }
 
   // Takes chunks of job `gen` until none is left (or another job has begun); true if it did any.
-  bool work(uint64_t gen, const std::function<void(int64_t, int64_t)>& fn, int64_t n, int64_t chunk) {
+  bool work(uint64_t gen, Chunks fn, int64_t n, int64_t chunk) {
     const int64_t chunks = (n + chunk - 1) / chunk;
     bool any = false;
     for (;;) {
@@ -111,7 +114,7 @@ class Helpers {
     setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
     uint64_t seen = 0;
     for (;;) {
-      const std::function<void(int64_t, int64_t)>* fn;
+      Chunks fn;
       int64_t n, chunk;
       uint64_t gen;
       // A decode step's calls come a few microseconds apart: watch for the next one a while
@@ -132,7 +135,7 @@ class Helpers {
       }
       // The job's function lives until its last taken chunk is done: work() checks the
       // generation before taking one, so a late helper never runs a job that has ended.
-      work(gen, *fn, n, chunk);
+      work(gen, fn, n, chunk);
     }
   }
 
@@ -143,7 +146,7 @@ class Helpers {
   bool stop_ = false;
   std::atomic<bool> stop_flag_{false};
   uint64_t gen_ = 0;
-  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  Chunks fn_;  // the current job's: called only for a chunk taken while the job runs
   int64_t n_ = 0, chunk_ = 1;
   std::atomic<uint64_t> next_{0};
   std::atomic<int64_t> done_{0};

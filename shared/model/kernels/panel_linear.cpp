@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <optional>
 
 #include "helpers.h"
@@ -111,7 +110,7 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = num_panels * kPanel;
   // Whole panels per thread: each weight byte is read from memory once, by one thread.
-  const std::function<void(int64_t, int64_t)> panels_in = [&](int64_t begin, int64_t end) {
+  const auto panels_in = [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = pp + p * k_size * kPanel;
       const float* bp = b ? b + p * kPanel : nullptr;
