@@ -26,7 +26,7 @@
 
 namespace pdd {
 
-using Chunks = c10::function_ref<void(int64_t, int64_t)>;  // fn(begin, end); no copy, no allocation
+using Chunks = c10::function_ref<void(int64_t, int64_t)>;  // fn(begin, end): a reference, no allocation
 
 namespace {  // one pool per kernel library: each sets its own up (set_helpers)
 
@@ -90,19 +90,17 @@ class Helpers {
 #endif
   }
 
-  // Takes chunks of job `gen` until none is left (or another job has begun); true if it did any.
-  bool work(uint64_t gen, Chunks fn, int64_t n, int64_t chunk) {
+  // Takes chunks of job `gen` until none is left (or another job has begun).
+  void work(uint64_t gen, Chunks fn, int64_t n, int64_t chunk) {
     const int64_t chunks = (n + chunk - 1) / chunk;
-    bool any = false;
     for (;;) {
       uint64_t v = next_.load(std::memory_order_acquire);
       int64_t i;
       do {
-        if ((v >> kIndexBits) != gen || static_cast<int64_t>(v & kIndexMask) >= chunks) return any;
+        if ((v >> kIndexBits) != gen || static_cast<int64_t>(v & kIndexMask) >= chunks) return;
         i = static_cast<int64_t>(v & kIndexMask);
       } while (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel));
       fn(i * chunk, std::min(n, (i + 1) * chunk));
-      any = true;
       if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks) {
         std::lock_guard<std::mutex> lock(mu_);  // the caller may be waiting for this one
         finished_.notify_all();
