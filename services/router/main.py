@@ -14,6 +14,7 @@ from shared.bus.connection import connect
 from shared.config import RouterSettings
 from shared.model.describe import describe_model
 from shared.security.credentials import nats_options
+from shared.serving.runtime import freeze_startup_heap
 from shared.telemetry.tracing import setup_tracing, shutdown_tracing
 
 from .api.app import create_app
@@ -78,6 +79,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)  # the lifespan (NATS, RouterCore) ran first
+        freeze_startup_heap()
         if self.started:  # uvicorn logs at warning only: this is the line an operator looks for
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             where = f"[{host}]" if ":" in host else host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,15 @@ def setup_logging(service: str) -> None:
         level=logging.INFO,
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
+
+
+def freeze_startup_heap() -> None:
+    """Move what startup allocated (modules, the model, settings: ~340k objects in an engine
+    service) to the collector's permanent generation. A full collection otherwise walks them
+    all while holding the GIL, ~160 ms here, every few seconds under load: the engine thread
+    waits for it mid-step, and a decode step's tokens with it."""
+    gc.collect()
+    gc.freeze()
 
 
 def shutdown_signal() -> asyncio.Future[signal.Signals]:
@@ -150,6 +160,7 @@ async def serve_service(name: str, settings, factory) -> None:
     nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}", **nats_options(settings))
     service = factory(settings, nc)
     await service.start()  # announces it to nats.micro discovery with its endpoints
+    freeze_startup_heap()
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
     try:
         await live(service, shutdown, settings.drain_timeout_s)
