@@ -126,6 +126,14 @@ class CommonSettings(BaseSettings):
     torch_threads: int = 0  # intra-op threads of this service's engine; 0 = torch's default
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
     metrics_host: str = "127.0.0.1"  # address the /metrics server binds to
+    # Engines on one host (`pdd up` on one machine): a directory they share, where prefill
+    # publishes the prompt tokens it has queued beyond its next step, and a decoder gives way
+    # from when those go above give_way_above_tokens (a burst, not two prompts that came
+    # together) until they are gone, up to give_way_max_s in a row
+    # (shared/serving/host_share.py); None = hosts of their own, nothing shared.
+    host_share_dir: str | None = None
+    give_way_above_tokens: int = Field(default=512, ge=0)
+    give_way_max_s: float = Field(default=0.5, ge=0)
     # Start even when an address given to peers is loopback while its listener expects peers
     # from other hosts (shared/advertise.py); a warning instead of exit 2.
     advertise_loopback_ok: bool = False

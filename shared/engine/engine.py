@@ -283,4 +283,5 @@ class LLMEngine:
             kv_bytes_per_token=self.kv_bytes_per_token,
             computed_tokens=self.scheduler.num_computed_tokens,
             prefix_hit_tokens=self.scheduler.num_hit_tokens,
+            pending_tokens=self.scheduler.pending_tokens(),
         )

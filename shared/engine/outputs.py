@@ -45,6 +45,7 @@ class EngineStats:
     kv_bytes_per_token: int
     computed_tokens: int  # tokens run through the model since start
     prefix_hit_tokens: int  # tokens admitted from the prefix cache since start
+    pending_tokens: int  # tokens of waiting and running sequences not yet run through the model
 
 
 def group_by_request(outputs: list[StepOutput]) -> dict[str, list[StepOutput]]:

@@ -38,6 +38,10 @@ class Scheduler:
         self.num_hit_tokens = 0  # tokens admitted from the prefix cache, since start
         self.num_computed_tokens = 0  # tokens run through the model, since start
 
+    def pending_tokens(self) -> int:
+        """Tokens not yet run through the model, of every waiting and running sequence."""
+        return sum(s.num_uncomputed for s in self.waiting) + sum(s.num_uncomputed for s in self.running)
+
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)

@@ -10,7 +10,9 @@ settled, not lost: one still waiting in the queue is skipped (it never runs), un
 one already running finishes on the engine thread and its result is dropped. All are logged.
 
 `stats` is the engine's figures as of the end of the last step or call, read without waiting
-for the engine thread: a heartbeat must not wait behind a long prefill step.
+for the engine thread: a heartbeat must not wait behind a long prefill step; `on_stats` is
+told each new figure on the engine thread (prefill publishes its backlog from it). A decoder
+on a host shared with prefill waits before a step while `give_way` says so (host_share.py).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shared.engine import EngineStats, LLMEngine, StepOutput
+from shared.serving.host_share import GiveWay
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0  # default deadline of one call (services pass settings.engine_call_timeout_s)
+GIVE_WAY_POLL_S = 0.002  # how often a decoder giving way to prefill looks again
 
 # Called on the engine thread right after each step (e.g. to export freshly computed KV).
 PostStep = Callable[[LLMEngine], Any]
@@ -46,8 +50,12 @@ class EngineLoop:
         on_outputs: OnOutputs,
         post_step: PostStep | None = None,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        give_way: GiveWay | None = None,
     ):
         self.engine = engine
+        self._on_stats = on_stats
+        self._give_way = give_way
         self.call_timeout_s = call_timeout_s
         self._on_outputs = on_outputs
         self._post_step = post_step
@@ -123,16 +131,21 @@ class EngineLoop:
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
 
+    def _snapshot(self) -> None:
+        self.stats = self.engine.stats()
+        if self._on_stats:
+            self._on_stats(self.stats)
+
     def _then_snapshot(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
         finally:
-            self.stats = self.engine.stats()
+            self._snapshot()
 
     def _tick(self) -> tuple[list[StepOutput], Any, bool]:
         outputs = self.engine.step()
         extra = self._post_step(self.engine) if self._post_step else None
-        self.stats = self.engine.stats()
+        self._snapshot()
         return outputs, extra, self.engine.has_unfinished()
 
     async def _run(self) -> None:
@@ -145,6 +158,8 @@ class EngineLoop:
                 self._wake.clear()
                 await self._sleep(0.5)
                 continue
+            while self._give_way and self._give_way.should_wait():  # noqa: ASYNC110 - another process writes it
+                await asyncio.sleep(GIVE_WAY_POLL_S)
             try:
                 outputs, extra, busy = await loop.run_in_executor(self._executor, self._tick)
             except Exception:  # a failing step must not kill the service; it is logged and retried

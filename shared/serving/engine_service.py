@@ -35,6 +35,7 @@ from shared.kv import KVServer, KVSink, start_kv_server
 from shared.kv.tls import server_tls
 from shared.kv.transport import advertised_address
 from shared.serving.engine_loop import EngineLoop, PostStep
+from shared.serving.host_share import GiveWay, PrefillBacklog
 from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
 from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
@@ -72,7 +73,22 @@ class EngineService:
         self.nc = nc
         self.engine = engine
         self.tokens = TokenOutbox(nc)
-        self.engine_loop = EngineLoop(engine, self._on_step, post_step, settings.engine_call_timeout_s)
+        self.backlog: PrefillBacklog | None = None  # prefill on a host shared with decoders
+        self.give_way: GiveWay | None = None  # a decoder on a host shared with prefill
+        if settings.host_share_dir and self.role is Role.PREFILL:
+            self.backlog = PrefillBacklog(settings.host_share_dir, settings.instance)
+        elif settings.host_share_dir:
+            self.give_way = GiveWay(
+                settings.host_share_dir, settings.give_way_max_s, settings.give_way_above_tokens
+            )
+        self.engine_loop = EngineLoop(
+            engine,
+            self._on_step,
+            post_step,
+            settings.engine_call_timeout_s,
+            on_stats=self._publish_backlog if self.backlog else None,
+            give_way=self.give_way,
+        )
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
         discovery = {"instance": settings.instance, "datacenter": settings.datacenter}
         self.life = Lifecycle(f"pdd-{self.role.value.replace('_', '-')}", discovery)
@@ -120,6 +136,14 @@ class EngineService:
         if self.kv_server:
             await self.kv_server.close()
         await self.engine_loop.stop()
+        for shared in (self.backlog, self.give_way):
+            if shared:
+                shared.close()
+
+    def _publish_backlog(self, stats: EngineStats) -> None:
+        """Prefill's prompt tokens queued beyond its next step (engine thread)."""
+        assert self.backlog is not None
+        self.backlog.publish(stats.pending_tokens - self.engine.scheduler.max_batched_tokens)
 
     # ---- leaving (scale-in) ----------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:

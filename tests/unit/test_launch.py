@@ -84,27 +84,56 @@ def test_engines_share_the_machine_s_cores_unless_told_otherwise(monkeypatch: py
     assert threads(hosts)["main_decode"] is None and threads(hosts)["relay"] == "3"
 
 
-def test_decoders_held_to_one_thread_get_a_helper_for_the_idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engines_held_to_one_thread_get_a_helper_and_decoders_give_way_to_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for name in (
         "OMP_NUM_THREADS",
         "PDD_TORCH_THREADS",
         "PDD_MD_TORCH_THREADS",
         "PDD_MD_ENGINE__HELPER_THREADS",
+        "PDD_PREFILL_ENGINE__HELPER_NICE",
+        "PDD_MD_HOST_SHARE_DIR",
     ):
         monkeypatch.delenv(name, raising=False)
+    opts = UpOptions()
 
-    def helpers(hosts: Hosts) -> dict[str, str | None]:
-        specs = service_specs(UpOptions(), hosts)[1:]
-        return {s.name: s.env.get(f"{ENV_PREFIX[s.service]}ENGINE__HELPER_THREADS") for s in specs}
+    def env(hosts: Hosts, field: str) -> dict[str, str | None]:
+        specs = service_specs(opts, hosts)[1:]
+        return {s.name: s.env.get(f"{ENV_PREFIX[s.service]}{field}") for s in specs}
 
     local = Hosts.local("127.0.0.1")
-    two = helpers(dataclasses.replace(local, shared_cores=2))  # three engines, one thread each
-    assert two == {"prefill": None, "relay": "1", "main_decode": "1", "router": None}
-    assert set(helpers(dataclasses.replace(local, shared_cores=16)).values()) <= {"0", None}  # 5 threads each
-    assert set(helpers(dataclasses.replace(local, shared_cores=1)).values()) <= {"0", None}  # no idle core
-    assert set(helpers(COMPOSE_HOSTS).values()) == {None}
+    two = dataclasses.replace(local, shared_cores=2)  # three engines, one thread each
+    assert env(two, "ENGINE__HELPER_THREADS") == {
+        "prefill": "1",
+        "relay": "1",
+        "main_decode": "1",
+        "router": None,
+    }
+    # Prefill's helper takes only what nothing else wants: the cores decoders leave it.
+    assert env(two, "ENGINE__HELPER_NICE") == {
+        "prefill": "19",
+        "relay": None,
+        "main_decode": None,
+        "router": None,
+    }
+    shared = str(opts.workdir.resolve() / "host")
+    assert env(two, "HOST_SHARE_DIR") == {
+        "prefill": shared,
+        "relay": shared,
+        "main_decode": shared,
+        "router": None,
+    }
+    for hosts in (dataclasses.replace(local, shared_cores=16), dataclasses.replace(local, shared_cores=1)):
+        # 5 threads each, or no idle core: no helper, and nothing for decoders to give way to
+        assert set(env(hosts, "ENGINE__HELPER_THREADS").values()) <= {"0", None}
+        assert set(env(hosts, "HOST_SHARE_DIR").values()) == {None}
+    assert set(env(COMPOSE_HOSTS, "ENGINE__HELPER_THREADS").values()) == {None}
+    assert set(env(COMPOSE_HOSTS, "HOST_SHARE_DIR").values()) == {None}  # a container each
     monkeypatch.setenv("PDD_MD_ENGINE__HELPER_THREADS", "0")  # the operator's choice stands
-    assert helpers(dataclasses.replace(local, shared_cores=2))["main_decode"] is None
+    monkeypatch.setenv("PDD_MD_HOST_SHARE_DIR", "")
+    assert env(two, "ENGINE__HELPER_THREADS")["main_decode"] is None
+    assert env(two, "HOST_SHARE_DIR")["main_decode"] is None
 
 
 def test_engines_on_this_host_get_tcmalloc_where_it_is_installed(monkeypatch, tmp_path) -> None:

@@ -1,0 +1,112 @@
+"""Engines that share one host's cores: decoders give way to a prefill backlog.
+
+Where prefill and the decoders run on one machine (`pdd up` on one host), a burst of prompts
+(a client's first wave) waits for prefill's one core while the decoders hold the other cores
+with the burst's first requests, so the burst's last prompt gets its first token late. Here
+prefill says how many prompt tokens it has queued beyond its next step, in a small file of a
+directory the engines share; a decoder reads those files before each step and, while one
+shows a backlog, waits (at most `max_s` in a row; then it steps until the backlog is gone), so
+prefill's helper threads take the idle core. One engine's prefill-first scheduling, across
+processes: the burst's first requests pause, its last one starts sooner. Between hosts
+nothing is shared, and this is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+# When it was written (time.monotonic, one clock for the whole host on Linux) and the prompt
+# tokens queued. A reader may see a record half written: one wrong read, for one poll, that
+# the next write corrects.
+RECORD = struct.Struct("<dq")
+STALE_S = 1.0  # an older record is a prefill that stopped or died (its steps take < 0.2 s)
+RESCAN_S = 1.0  # how often a decoder looks for prefill instances started or gone
+PATTERN = "prefill-*.backlog"
+
+
+def _map(path: Path, writable: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, RECORD.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+class PrefillBacklog:
+    """Prefill's side: its queued prompt tokens, published after each step and command."""
+
+    def __init__(self, directory: str | Path, instance: str):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / PATTERN.replace("*", instance)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(RECORD.pack(time.monotonic(), 0))
+        tmp.replace(self.path)  # whole, so a reader never maps a short file
+        self._map = _map(self.path, writable=True)
+
+    def publish(self, queued_tokens: int) -> None:
+        RECORD.pack_into(self._map, 0, time.monotonic(), max(0, queued_tokens))
+
+    def close(self) -> None:
+        self._map.close()
+        self.path.unlink(missing_ok=True)
+
+
+class GiveWay:
+    """A decoder's side: whether to wait before its next step."""
+
+    def __init__(self, directory: str | Path, max_s: float, above_tokens: int = 0):
+        self.directory = Path(directory)
+        self.max_s = max_s
+        self.above_tokens = above_tokens
+        self._maps: dict[tuple[Path, int], mmap.mmap] = {}  # by path and inode (a restart replaces it)
+        self._scanned = -RESCAN_S
+        self._since: float | None = None  # when the backlog given way to now began
+
+    def backlog(self) -> int:
+        """Prompt tokens queued by the prefills of this host whose records are fresh."""
+        now = time.monotonic()
+        if now - self._scanned >= RESCAN_S:
+            self._rescan(now)
+        total = 0
+        for m in self._maps.values():
+            written, queued = RECORD.unpack_from(m)
+            if now - written < STALE_S:
+                total += queued
+        return total
+
+    def should_wait(self) -> bool:
+        """True from when the backlog goes above above_tokens (a burst, not two prompts that
+        came together) until it is gone, for at most max_s in a row."""
+        backlog = self.backlog()
+        if backlog <= 0:
+            self._since = None
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            if backlog <= self.above_tokens:
+                return False
+            self._since = now
+        return now - self._since < self.max_s
+
+    def _rescan(self, now: float) -> None:
+        self._scanned = now
+        found = set()
+        for path in self.directory.glob(PATTERN):
+            with contextlib.suppress(OSError):  # gone again
+                found.add((path, path.stat().st_ino))
+        for key in set(self._maps) - found:
+            self._maps.pop(key).close()
+        for key in found - set(self._maps):
+            with contextlib.suppress(OSError, ValueError):  # gone again
+                self._maps[key] = _map(key[0], writable=False)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
