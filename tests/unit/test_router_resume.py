@@ -235,3 +235,21 @@ async def test_the_chat_role_chunk_goes_out_with_the_first_token_not_before():
     tokens = json.loads((await asyncio.wait_for(body.__anext__(), 5)).decode().split("data: ", 1)[1])
     assert tokens["choices"][0]["delta"]["content"]
     await body.aclose()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_the_last_tokens_come_in_the_chunk_with_the_finish_reason(chat):
+    """As OpenAI's and vLLM's streams end: a benchmark takes every chunk with choices for a
+    token, so no empty chunk follows the last one."""
+    p = parsed(chat, stream_options={"include_usage": True})
+    groups = grouped(OUTPUT, [5])
+    chunks = [json.loads(data) for _, data in await events(p, groups) if data != "[DONE]"]
+    with_choices = [c for c in chunks if c["choices"]]
+    assert len(with_choices) == len(groups) + chat  # (chat: the role chunk first)
+    reasons = [c["choices"][0]["finish_reason"] for c in with_choices]
+    assert reasons == [None] * (len(with_choices) - 1) + ["length"]
+    last = with_choices[-1]["choices"][0]
+    assert last["delta"]["content"] if chat else last["text"] and last["token_ids"] == groups[-1]
+    text, tokens, _ = content(await events(p, groups))
+    assert text == TOK.decode(OUTPUT) and (chat or tokens == OUTPUT)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(OUTPUT)

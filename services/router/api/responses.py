@@ -264,25 +264,34 @@ async def sse(
         # benchmarks) take the first chunk with choices for the first token.
         role = opts.chat and resume is None
         reason, echo = None, (opts.echo if resume is None else None)
+        # The last delta's text and tokens go out in the last chunk, with the finish reason (as
+        # OpenAI's and vLLM's streams end: no extra empty chunk after the last token).
+        text, delta = "", Delta([], False)
         async with aclosing(_texts(core, stream, detok, replay)) as texts:  # closing this closes deltas()
             async for text, delta, finish in texts:
                 reason = finish
                 if echo is not None:  # with the first tokens: the prompt's logprobs came with them
                     yield with_id(progress.event_id(), chunks.echo(echo))
                     echo = None
-                if text or delta.tokens:
-                    if role:
-                        yield with_id(progress.event_id(), chunks.role())
-                        role = False
+                if role and (text or delta.tokens):
+                    yield with_id(progress.event_id(), chunks.role())
+                    role = False
+                if reason is None and (text or delta.tokens):
                     progress.add(delta.tokens)
                     yield with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
         if role:
             yield with_id(progress.event_id(), chunks.role())
-        tail = detok.flush()
+        if reason is None:  # the stream ended without a finished delta: nothing of it is left
+            text, delta = "", Delta([], False)
+        progress.add(delta.tokens)
         count(stream, "ok")
         done_usage = usage(stream, len(detok.tokens))
         last = chunks.tokens(
-            tail, [], None, openai_reason(reason), {"pdd": stream.summary(), "usage": done_usage}
+            text + detok.flush(),
+            delta.tokens,
+            delta.logprobs,
+            openai_reason(reason),
+            {"pdd": stream.summary(), "usage": done_usage},
         )
         yield with_id(progress.event_id("end"), last)
         if opts.include_usage:
