@@ -13,7 +13,7 @@ from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, Mode
 from shared.model import attention as attention_pkg
 from shared.model.attention import Attention, AttentionContext, attention_backend
-from shared.model.attention.paged_cpu import PagedCpuBackend
+from shared.model.attention.paged_cpu import DENSE_MIN_TOKENS, PagedCpuBackend
 from shared.model.attention.reference import ReferenceBackend
 from shared.model.kernels import paged_attention_ops, panel_linear_ops
 from tests.engine_util import greedy, random_prompt, run_all, tokens_of
@@ -71,6 +71,7 @@ def attend(backend, fields, cache, qkv, heads: int, kv_heads: int) -> torch.Tens
     return Attention(0, heads, kv_heads, qkv.shape[-1])(q, k, v, ctx)
 
 
+DENSE = DENSE_MIN_TOKENS
 CASES = {
     "decodes of mixed lengths": [(0, 1), (4, 1), (15, 1), (16, 1), (31, 1), (99, 1), (250, 1)],
     # Enough decodes (for up to 16 threads) that each takes all its kv heads in one work item;
@@ -82,8 +83,17 @@ CASES = {
     "one prefill chunk": [(0, 53)],
     "chunks after a cached prefix": [(32, 40), (37, 9), (5, 2)],
     "decodes, prefill and extends together": [(7, 1), (300, 1), (0, 70), (64, 33), (17, 100)],
-    # Fresh chunks long enough for SDPA between and after the kernel's runs.
-    "long fresh chunks among the rest": [(3, 1), (0, 300), (20, 5), (0, 260), (0, 256), (10, 40), (0, 280)],
+    # Fresh chunks long enough for SDPA between and after the kernel's runs (and one just short).
+    "long fresh chunks among the rest": [
+        (3, 1),
+        (0, DENSE + 44),
+        (20, 5),
+        (0, DENSE + 4),
+        (0, DENSE),
+        (10, 40),
+        (0, DENSE - 1),
+        (0, DENSE + 24),
+    ],
 }
 
 

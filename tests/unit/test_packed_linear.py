@@ -109,6 +109,34 @@ def test_panel_linear_computes_what_nn_linear_does(bias):
 
 
 @needs_panels
+@pytest.mark.parametrize(("threads", "kernel_calls"), [(1, 1), (2, 0)])
+def test_a_long_chunk_leaves_the_panels_only_for_a_library_with_threads(threads, kernel_calls):
+    """On one torch thread the panels are even with F.linear, and faster where helper threads
+    join them; with more threads the library's kernel spreads over them."""
+
+    class Counting:
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(PANEL_OPS, name)
+
+        def panel_linear(self, *args):
+            Counting.calls += 1
+            return PANEL_OPS.panel_linear(*args)
+
+    linear = nn.Linear(64, 64)
+    panel, before = PanelLinear(linear, Counting()), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            x = torch.randn(LARGE_ROWS, 64)
+            torch.testing.assert_close(panel(x), linear(x), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert Counting.calls == kernel_calls
+
+
+@needs_panels
 def test_a_panel_model_keeps_its_state_dict_and_the_rest_goes_to_onednn():
     model, _, _ = load_model(ModelSettings(preset="tiny"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
