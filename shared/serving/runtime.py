@@ -21,8 +21,8 @@ def setup_logging(service: str) -> None:
 def freeze_startup_heap() -> None:
     """Move what startup allocated (modules, the model, settings: ~340k objects in an engine
     service) to the collector's permanent generation. A full collection otherwise walks them
-    all while holding the GIL, ~160 ms here, every few seconds under load: the engine thread
-    waits for it mid-step, and a decode step's tokens with it."""
+    all while holding the GIL (~160 ms here) whenever it runs under load: the engine thread
+    waits for it mid-step, and a step's tokens with it."""
     gc.collect()
     gc.freeze()
 
