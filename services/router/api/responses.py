@@ -264,9 +264,7 @@ async def sse(
         # benchmarks) take the first chunk with choices for the first token.
         role = opts.chat and resume is None
         reason, echo = None, (opts.echo if resume is None else None)
-        # The last delta's text and tokens go out in the last chunk, with the finish reason (as
-        # OpenAI's and vLLM's streams end: no extra empty chunk after the last token).
-        text, delta = "", Delta([], False)
+        last: tuple[str, Delta] | None = None  # the finishing delta: it goes out in the end chunk
         async with aclosing(_texts(core, stream, detok, replay)) as texts:  # closing this closes deltas()
             async for text, delta, finish in texts:
                 reason = finish
@@ -276,30 +274,42 @@ async def sse(
                 if role and (text or delta.tokens):
                     yield with_id(progress.event_id(), chunks.role())
                     role = False
-                if reason is None and (text or delta.tokens):
+                if reason is not None:
+                    last = text, delta
+                elif text or delta.tokens:
                     progress.add(delta.tokens)
                     yield with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
         if role:
             yield with_id(progress.event_id(), chunks.role())
-        if reason is None:  # the stream ended without a finished delta: nothing of it is left
-            text, delta = "", Delta([], False)
-        progress.add(delta.tokens)
         count(stream, "ok")
-        done_usage = usage(stream, len(detok.tokens))
-        last = chunks.tokens(
-            text + detok.flush(),
-            delta.tokens,
-            delta.logprobs,
-            openai_reason(reason),
-            {"pdd": stream.summary(), "usage": done_usage},
-        )
-        yield with_id(progress.event_id("end"), last)
-        if opts.include_usage:
-            yield with_id(progress.event_id("usage"), chunks.usage(done_usage))
+        for event_id, chunk in _end_events(stream, detok, opts, chunks, progress, reason, last):
+            yield with_id(event_id, chunk)
     except APIError as e:
         count(stream, "error")
         yield f"data: {json.dumps(e.body())}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+def _end_events(
+    stream: RequestStream,
+    detok: Detokenizer,
+    opts: OutputOptions,
+    chunks: SSEChunks,
+    progress: Progress,
+    reason: str | None,
+    last: tuple[str, Delta] | None,
+) -> list[tuple[EventId, bytes]]:
+    """The end chunk (the finishing delta's text and tokens with the finish reason, as OpenAI's
+    and vLLM's streams end: no empty chunk after the last token), then the usage chunk if asked."""
+    text, delta = last or ("", Delta([]))
+    progress.add(delta.tokens)
+    done_usage = usage(stream, len(detok.tokens))
+    extra = {"pdd": stream.summary(), "usage": done_usage}
+    end = chunks.tokens(text + detok.flush(), delta.tokens, delta.logprobs, openai_reason(reason), extra)
+    events = [(progress.event_id("end"), end)]
+    if opts.include_usage:
+        events.append((progress.event_id("usage"), chunks.usage(done_usage)))
+    return events
 
 
 def rest_of_ended(point: EventId, prompt_tokens: int, opts: OutputOptions, model: str) -> Response:
