@@ -363,15 +363,15 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
         and not {threads, "PDD_TORCH_THREADS", "OMP_NUM_THREADS"} & set(os.environ)
     ):
         env[threads] = str(torch_threads_share(opts, h.shared_cores))
-    helpers = f"{p}ENGINE__HELPER_THREADS"
-    if name in KV_SERVICES and h.shared_cores and helpers not in os.environ:
-        env[helpers] = str(helper_threads(opts, h.shared_cores))
+    local = name in KV_SERVICES and h.shared_cores  # processes on this host, not containers
+    helpers = helper_threads(opts, h.shared_cores) if local else 0
+    if local and f"{p}ENGINE__HELPER_THREADS" not in os.environ:
+        env[f"{p}ENGINE__HELPER_THREADS"] = str(helpers)
         nice = f"{p}ENGINE__HELPER_NICE"
         if name not in DECODE_SERVICES and nice not in os.environ:  # only cores the decoders left idle
             env[nice] = "19"
-    local = name in KV_SERVICES and h.shared_cores  # processes on this host, not containers
     # Decoders give way to prefill's backlog where its helper can take the cores they leave.
-    if local and helper_threads(opts, h.shared_cores) and f"{p}HOST_SHARE_DIR" not in os.environ:
+    if helpers and f"{p}HOST_SHARE_DIR" not in os.environ:
         env[f"{p}HOST_SHARE_DIR"] = str(opts.workdir.resolve() / "host")
     if local and "LD_PRELOAD" not in os.environ and (lib := tcmalloc_path()):
         env["LD_PRELOAD"] = lib

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 class PrefillService(EngineService):
     role = Role.PREFILL
     publishes_cache = True
+    publishes_backlog = True
     jobs: dict[str, PrefillJob]
 
     def __init__(self, settings: PrefillSettings, nc, engine: LLMEngine | None = None):

@@ -63,6 +63,9 @@ class EngineService:
 
     role: ClassVar[Role]
     publishes_cache: ClassVar[bool] = False  # its prefix cache steers routing: the routers follow it
+    # On a host shared with other engines (settings.host_share_dir): prefill publishes its
+    # queued prompt tokens, the decoders give way to a burst of them (host_share.py).
+    publishes_backlog: ClassVar[bool] = False
 
     @classmethod
     async def preflight(cls, settings: Any) -> None:
@@ -75,7 +78,7 @@ class EngineService:
         self.tokens = TokenOutbox(nc)
         self.backlog: PrefillBacklog | None = None  # prefill on a host shared with decoders
         self.give_way: GiveWay | None = None  # a decoder on a host shared with prefill
-        if settings.host_share_dir and self.role is Role.PREFILL:
+        if settings.host_share_dir and self.publishes_backlog:
             self.backlog = PrefillBacklog(settings.host_share_dir, settings.instance)
         elif settings.host_share_dir:
             self.give_way = GiveWay(

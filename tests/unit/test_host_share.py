@@ -87,30 +87,40 @@ def test_a_restarted_prefill_is_read_from_its_new_file(tmp_path, monkeypatch: py
 async def test_a_decoder_loop_takes_no_step_while_it_gives_way(tmp_path) -> None:
     """A real engine loop with a request to decode: no token while a burst is queued, tokens
     again once it is gone."""
-    prefill, tokens = PrefillBacklog(tmp_path, "0"), asyncio.Queue()
+    prefill, tokens, giving_way = PrefillBacklog(tmp_path, "0"), asyncio.Queue(), asyncio.Event()
+
+    class Watched(GiveWay):
+        def should_wait(self) -> bool:
+            wait = super().should_wait()
+            if wait:
+                giving_way.set()
+            return wait
 
     async def on_outputs(outputs, extra) -> None:
         for out in outputs:
             tokens.put_nowait(out)
 
     loop = EngineLoop(
-        make_engine(), on_outputs, give_way=GiveWay(tmp_path, max_s=WAIT_S), call_timeout_s=WAIT_S
+        make_engine(), on_outputs, give_way=Watched(tmp_path, max_s=WAIT_S), call_timeout_s=WAIT_S
     )
     loop.start()
+    renew = None
     try:
         await loop.call(loop.engine.add_request, "r", [1, 2, 3], greedy(1000))
         await asyncio.wait_for(tokens.get(), WAIT_S)
         # Renewed as prefill's steps would (a record not renewed for a second is ignored).
         renew = asyncio.create_task(_publish_every(prefill, 4096, 0.05))
-        await asyncio.sleep(0.1)  # a step under way when the burst came ends
+        await asyncio.wait_for(giving_way.wait(), WAIT_S)  # every step before this one has ended
         while not tokens.empty():
             tokens.get_nowait()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # (an absence: watched for a while)
         assert tokens.empty()
         renew.cancel()
         prefill.publish(0)
         await asyncio.wait_for(tokens.get(), WAIT_S)
     finally:
+        if renew:
+            renew.cancel()
         await loop.stop()
         prefill.close()
 
