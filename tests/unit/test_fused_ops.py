@@ -30,6 +30,8 @@ def norm_pair(dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_residual_add_and_norm_match_the_tensor_code(dtype):
+    torch.manual_seed(0)
+    tol = 1e-5 if dtype is torch.float32 else 2**-7  # summed in another order: bf16's last bit may differ
     plain, fused = norm_pair(dtype)
     x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
     want_h, want_r = plain.add_forward(x.clone(), residual.clone())
@@ -37,9 +39,9 @@ def test_the_residual_add_and_norm_match_the_tensor_code(dtype):
     h, r = fused.add_forward(got_x, got_r)
     assert h.data_ptr() == got_x.data_ptr() and r.data_ptr() == got_r.data_ptr()  # in place
     assert torch.equal(r, want_r)  # the add rounds as the tensor add
-    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)  # the norm sums in another order
+    torch.testing.assert_close(h, want_h, rtol=tol, atol=tol)  # the norm sums in another order
     before = x.clone()
-    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused(x), plain(x), rtol=tol, atol=tol)
     assert torch.equal(x, before)  # the plain norm writes a new tensor
 
 
