@@ -1,9 +1,10 @@
 """The decoder's small ops fused into C++ calls (shared/model/kernels/fused_ops.cpp), on the CPU.
 
-At a few sequences per step the RMSNorms, residual adds and RoPE are hundreds of tiny tensor
-ops per forward, and dispatching them costs more than the arithmetic. The fused calls do one
-loop per row instead. RoPE rounds exactly as the tensor code; RMSNorm sums its squares in
-another order, so a norm's last bit can differ, as another matrix kernel's products would.
+At a few sequences per step the RMSNorms, residual adds, RoPE, SwiGLU's activation and the KV
+writes are hundreds of tiny tensor ops per forward, and dispatching them costs more than the
+arithmetic. The fused calls do one loop per row (or one call) instead. RoPE, SiLU x up and
+the KV writes give exactly the tensor code's bits; RMSNorm sums its squares in another order,
+so a norm's last bit can differ, as another matrix kernel's products would.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from shared.model.layers import RMSNorm
+from shared.model.attention import Attention
+from shared.model.layers import RMSNorm, SwiGLU
 from shared.model.llama import SelfAttention
 
 log = logging.getLogger(__name__)
 
 
 def use_fused_ops(model: nn.Module, ops: ModuleType | None) -> int:
-    """Point every RMSNorm and attention block of `model` at `ops` (None: back to tensor ops);
-    -> how many modules were set."""
-    targets = [m for m in model.modules() if isinstance(m, (RMSNorm, SelfAttention))]
+    """Point every RMSNorm, attention block, attention layer (its KV writes) and SwiGLU of
+    `model` at `ops` (None: back to tensor ops); -> how many modules were set."""
+    targets = [m for m in model.modules() if isinstance(m, (RMSNorm, SelfAttention, Attention, SwiGLU))]
     for m in targets:
         m.fused = ops
     return len(targets)
@@ -57,6 +59,7 @@ def choose_fused_ops(model: nn.Module, asked: str) -> str:
     if why_not:
         raise ValueError(f"small_ops=fused cannot run here: {why_not}")
     log.info(
-        "small ops: %d modules fused (RMSNorm with its residual add, RoPE)", use_fused_ops(model, fused_ops())
+        "small ops: %d modules fused (RMSNorm with its residual add, RoPE, SiLU x up, KV writes)",
+        use_fused_ops(model, fused_ops()),
     )
     return "fused"

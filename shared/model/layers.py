@@ -1,6 +1,6 @@
 """Small building blocks: RMSNorm, rotary embedding, SwiGLU.
 
-RMSNorm and RoPE take a C++ call each (shared/model/kernels/fused_ops.cpp) once the model is
+RMSNorm, RoPE and SwiGLU's activation take a C++ call each (shared/model/kernels/fused_ops.cpp) once the model is
 given the fused ops (`shared.model.fused.use_fused_ops`); the tensor code here stays the
 reference they round like.
 """
@@ -110,7 +110,11 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fused: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and gate_up.dim() == 2:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

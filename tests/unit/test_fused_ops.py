@@ -1,5 +1,5 @@
-"""The fused small ops (RMSNorm with its residual add, RoPE) against the tensor code they
-replace, and the engine's greedy tokens with and without them."""
+"""The fused small ops (RMSNorm with its residual add, RoPE, SiLU x up, KV writes) against the
+tensor code they replace, and the engine's greedy tokens with and without them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from shared.engine.engine import LLMEngine
 from shared.model import load_model
 from shared.model.fused import choose_fused_ops, use_fused_ops, why_not_fused
 from shared.model.kernels import fused_ops
-from shared.model.layers import RMSNorm, RotaryEmbedding, split_qkv_rope
+from shared.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, split_qkv_rope
 from tests.unit.test_attention_backends import engine_on, workload
 
 OPS = fused_ops()
@@ -60,6 +60,43 @@ def test_rope_is_bit_exact_against_the_tensor_code(dtype):
     assert got[0].is_contiguous() and got[1].is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_times_up_is_bit_exact_against_the_tensor_code(dtype):
+    torch.manual_seed(0)
+    plain = SwiGLU(48, 80).to(dtype)
+    fused = SwiGLU(48, 80).to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    fused.fused = OPS
+    with torch.no_grad():
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, 48).to(dtype)
+            assert torch.equal(fused(x), plain(x))
+        x = torch.randn(2, 3, 48).to(dtype)  # not a flat batch: the tensor code
+        assert torch.equal(fused(x), plain(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_writes_land_where_index_copy_puts_them(dtype):
+    torch.manual_seed(0)
+    layers, blocks, block, kvh, d = 3, 5, 4, 2, 8
+    cache = torch.randn(layers, 2, blocks, block, kvh, d).to(dtype)
+    want = cache.clone()
+    slots = torch.tensor([19, 0, 7, 12])
+    qkv = torch.randn(4, 4 * kvh * d).to(dtype)  # v as the model has it: a view of the packed product
+    k, v = torch.randn(4, kvh, d).to(dtype), qkv[:, 2 * kvh * d : 3 * kvh * d].view(4, kvh, d)
+    want[1, 0].view(-1, kvh, d).index_copy_(0, slots, k)
+    want[1, 1].view(-1, kvh, d).index_copy_(0, slots, v)
+    OPS.store_kv(cache, 1, slots, k, v)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OPS.store_kv(cache, 1, torch.tensor([0, 1, 2, blocks * block]), k, v)
+    with pytest.raises(RuntimeError, match="hold the layer"):
+        OPS.store_kv(cache, layers, slots, k, v)
+    with pytest.raises(RuntimeError, match="each token's row contiguous"):
+        OPS.store_kv(cache, 1, slots, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+    assert torch.equal(cache, want)  # a refused write wrote nothing
+
+
 def test_bad_inputs_are_refused_not_misread():
     with pytest.raises(RuntimeError, match="do not match"):
         OPS.rms_norm(torch.randn(3, 8), torch.ones(9), 1e-6)
@@ -76,7 +113,8 @@ def test_a_fused_model_gives_the_same_logits():
     ids = list(range(1, 40))
     logits = model.dense_logits(ids)
     layers = model.config.num_layers
-    assert use_fused_ops(model, OPS) == 3 * layers + 1  # two norms and an attention per layer, the final norm
+    # per layer two norms, the attention block, its KV writes and the SwiGLU; the final norm
+    assert use_fused_ops(model, OPS) == 5 * layers + 1
     torch.testing.assert_close(model.dense_logits(ids), logits, rtol=1e-4, atol=1e-4)
 
 

@@ -84,9 +84,10 @@ def test_choice_of_backend(monkeypatch):
 
 @needs_panels
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_computes_what_nn_linear_does(bias):
+@pytest.mark.parametrize("width", [96, 40])  # 40: padded to two panels, the padding cut off
+def test_panel_linear_computes_what_nn_linear_does(bias, width):
     torch.manual_seed(1)
-    linear = nn.Linear(72, 96, bias=bias)
+    linear = nn.Linear(72, width, bias=bias)
     panel = PanelLinear(linear, PANEL_OPS)
     with torch.no_grad():
         for rows in (
@@ -137,14 +138,14 @@ def test_a_long_chunk_leaves_the_panels_only_for_a_library_with_threads(threads,
 
 
 @needs_panels
-def test_a_panel_model_keeps_its_state_dict_and_the_rest_goes_to_onednn():
+def test_a_panel_model_keeps_its_state_dict_even_where_a_layer_is_padded():
     model, _, _ = load_model(ModelSettings(preset="tiny"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = list(range(1, 40))
     logits = model.dense_logits(ids)
     panels, onednn = pack_linears(model, PANEL_OPS)
-    assert panels + onednn == 2 * 4 + 1 and onednn == 1  # the LM head (258 outputs) is not in panels
-    assert isinstance(model.lm_head, PackedLinear)
+    assert panels == 2 * 4 + 1 and onednn == 0  # the LM head (258 outputs) too, padded to 288
+    assert isinstance(model.lm_head, PanelLinear) and model.lm_head.panels.shape[0] * 32 == 288
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
     torch.testing.assert_close(model.dense_logits(ids), logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="multiple of 32"):

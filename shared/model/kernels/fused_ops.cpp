@@ -1,5 +1,6 @@
 // A decoder layer's small ops, one call each instead of a dozen tensor ops: the residual add
-// with RMSNorm, and rotary embedding of q and k straight out of the packed qkv product.
+// with RMSNorm, rotary embedding of q and k straight out of the packed qkv product, SwiGLU's
+// silu(gate) * up, and the step's new K and V written into the paged cache.
 //
 // A step of a few sequences spends more time dispatching those little ops than computing
 // them. Each row here is one loop over the hidden size, rows split over torch's threads.
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
@@ -17,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -148,11 +151,57 @@ std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, 
   return {q, k};
 }
 
+// gate_up: [T, 2I] (gate then up) -> silu(gate) * up, [T, I]. ATen's own kernels, called from
+// here rather than from Python: the same bits as F.silu(gate) * up, without three dispatches.
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2 I]");
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor out = at::silu(gate_up.narrow(1, 0, inter));
+  out.mul_(gate_up.narrow(1, inter, inter));
+  return out;
+}
+
+// kv_cache: [L, 2, blocks, block_size, KVH, D] contiguous; slots: [T] int64 (block * block_size
+// + offset); k, v: [T, KVH, D], each token's KVH x D values contiguous (v may be a view of the
+// qkv product). Writes token t's K and V of layer `layer` at slot slots[t].
+void store_kv(at::Tensor kv_cache, int64_t layer, at::Tensor slots, at::Tensor k, at::Tensor v) {
+  check_rows(kv_cache, "store_kv: kv_cache");
+  check_rows(slots, "store_kv: slots");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && layer >= 0 && layer < kv_cache.size(0),
+              "store_kv: kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim] and hold the layer");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "store_kv: slots must be a 1-D int64 tensor");
+  const int64_t tokens = slots.size(0), kvh = kv_cache.size(4), d = kv_cache.size(5);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_cache.scalar_type() && t->dim() == 3 &&
+                    t->size(0) == tokens && t->size(1) == kvh && t->size(2) == d && t->stride(2) == 1 &&
+                    t->stride(1) == d,
+                "store_kv: k and v must be [T, kv_heads, head_dim] in the cache's dtype, each token's row contiguous");
+  }
+  const int64_t slot_count = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t row = kvh * d * kv_cache.element_size();
+  auto* layer_base = static_cast<char*>(kv_cache.data_ptr()) + layer * 2 * slot_count * row;
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < slot_count, "store_kv: slot ", s[t], " is outside the cache");
+  }
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(layer_base + s[t] * row, kp + t * k_stride, row);
+    std::memcpy(layer_base + (slot_count + s[t]) * row, vp + t * v_stride, row);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as the attention kernel: the service's event loop runs on meanwhile.
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm(x) into a new tensor", py::call_guard<py::gil_scoped_release>());
   m.def("rope_qk", &rope_qk, "rotary embedding of q and k out of a packed qkv row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of a packed gate_up product",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "a layer's new K and V into the paged cache at their slots",
         py::call_guard<py::gil_scoped_release>());
 }
