@@ -191,9 +191,7 @@ class PrefillService(EngineService):
         job.first_token = token
         if job.compute_span:
             job.compute_span.end()
-        reason = await self.engine_loop.call(self.engine.finish_reason, job.rid)
-        if job.state.is_in(PrefillState.RELEASED):
-            return  # dropped meanwhile (abort, failed transfer)
+        reason = out.ends  # told with the token: no round trip to the engine thread
         if reason is not None:
             # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
             event = token_event(job.rid, self.role, 0, [out])

@@ -136,11 +136,6 @@ class LLMEngine:
             del self.seqs[rid]
             self._drop(seq)
 
-    def finish_reason(self, rid: str) -> FinishReason | None:
-        """Would the request end at its last token (STOP / LENGTH)? None if not, or unknown."""
-        seq = self.seqs.get(rid)
-        return None if seq is None else self._finish_reason(seq)
-
     def generated_token_ids(self, rid: str) -> list[int]:
         return self._known(rid).generated_token_ids()
 
@@ -227,6 +222,7 @@ class LLMEngine:
                     index=index,
                     finished=reason is not None,
                     finish_reason=reason,
+                    ends=self._finish_reason(seq) if reason is FinishReason.PREFILLED else None,
                     logprobs=lp,
                     prompt_logprobs=prompt_lps,
                 )

@@ -23,6 +23,9 @@ class StepOutput:
     index: int | None = None  # absolute position - num_prompt_tokens (first generated token: 0)
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # A PREFILL request's first token (finish_reason PREFILLED): whether the request ends at it
+    # (STOP / LENGTH), so that prefill need not ask the engine again before it streams the token.
+    ends: FinishReason | None = None
     error: str | None = None
     computed: bool = False  # a HOLD sequence has KV for all its tokens
     logprobs: TokenLogprobs | None = None  # of token_id, when the request asked

@@ -87,7 +87,7 @@ def test_stop_string_eos_and_max_model_len_in_step():
     assert outs[-1].finish_reason is FinishReason.LENGTH and len(prompt) + len(outs) == 32
 
 
-def test_prefill_asks_the_same_rule_for_its_first_token():
+def test_prefill_is_told_the_same_rule_for_its_first_token():
     engine = make_engine()
     prompt = random_prompt(random.Random(35), 24)
     token = dense_greedy(engine, prompt, 1)[0]
@@ -103,8 +103,8 @@ def test_prefill_asks_the_same_rule_for_its_first_token():
         engine.add_request(f"g{i}", prompt, params)
         outs = engine.step()
         gen = next(o for o in outs if o.rid == f"g{i}")
-        assert gen.finish_reason == expected  # step() decided, for the generating twin
-        assert engine.finish_reason(f"p{i}") == expected  # the prefill asks after its first token
+        pre = next(o for o in outs if o.rid == f"p{i}")
+        assert gen.finish_reason == expected and gen.ends is None  # step() decided, for the generating twin
+        assert pre.finish_reason is FinishReason.PREFILLED and pre.ends == expected  # and told the prefill
         engine.release(f"p{i}")
         engine.abort(f"g{i}")
-    assert engine.finish_reason("unknown") is None
