@@ -68,8 +68,8 @@ class EngineSettings(BaseModel):
     # packed), "packed" (weights pre-packed for oneDNN at load, CPU), "torch" (F.linear),
     # "auto" = panel for fp32, else packed, where they can run.
     linear_backend: Literal["auto", "panel", "packed", "torch"] = "auto"
-    # RMSNorm (with its residual add) and RoPE: "fused" (one C++ call each, CPU), "torch"
-    # (tensor ops), "auto" = fused where it can run.
+    # RMSNorm (with its residual add), RoPE, SwiGLU's silu x up and the KV writes: "fused"
+    # (one C++ call each, CPU), "torch" (tensor ops), "auto" = fused where it can run.
     small_ops: Literal["auto", "fused", "torch"] = "auto"
     # With one torch thread: low-priority threads that join the panel products and paged
     # attention on cores nobody else is using at that moment (shared/model/kernels/helpers.h;
