@@ -1,8 +1,8 @@
 """Small building blocks: RMSNorm, rotary embedding, SwiGLU.
 
-RMSNorm, RoPE and SwiGLU's activation take a C++ call each (shared/model/kernels/fused_ops.cpp) once the model is
-given the fused ops (`shared.model.fused.use_fused_ops`); the tensor code here stays the
-reference they round like.
+RMSNorm, RoPE and SwiGLU's activation take a C++ call each (shared/model/kernels/fused_ops.cpp)
+once the model is given the fused ops (`shared.model.fused.use_fused_ops`); the tensor code
+here stays the reference they round like.
 """
 
 from __future__ import annotations

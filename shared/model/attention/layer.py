@@ -1,5 +1,6 @@
 """The attention layer: writes the step's new K/V into the paged cache (one C++ call where the
-small ops are fused), then lets the step's backend attend (or, with no context, one dense causal sequence)."""
+small ops are fused), then lets the step's backend attend (or, with no context, one dense
+causal sequence)."""
 
 from __future__ import annotations
 
