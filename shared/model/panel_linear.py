@@ -36,7 +36,8 @@ class PanelLinear(nn.Module):
         pad = -self.out_features % PANEL
         self.panels = ops.pack_panels(F.pad(linear.weight.detach(), (0, 0, 0, pad)))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), False)
-        self.padded_bias = None if self.bias is None or not pad else F.pad(self.bias.detach(), (0, pad))
+        # The kernel's bias is as wide as the panels.
+        self.kernel_bias = None if self.bias is None else F.pad(self.bias.detach(), (0, pad))
         self.padded = pad > 0
 
     @property
@@ -53,8 +54,9 @@ class PanelLinear(nn.Module):
         if rows.shape[0] >= LARGE_ROWS and torch.get_num_threads() > 1:
             y = F.linear(rows, self.weight, self.bias)
         else:
-            bias = self.padded_bias if self.padded else self.bias
-            y = self.ops.panel_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), self.panels, bias)
+            y = self.ops.panel_linear(
+                rows if rows.stride(-1) == 1 else rows.contiguous(), self.panels, self.kernel_bias
+            )
             if self.padded:
                 y = y[:, : self.out_features].contiguous()
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

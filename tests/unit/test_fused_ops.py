@@ -71,8 +71,10 @@ def test_silu_times_up_is_bit_exact_against_the_tensor_code(dtype):
         for rows in (1, 7, 300):
             x = torch.randn(rows, 48).to(dtype)
             assert torch.equal(fused(x), plain(x))
-        x = torch.randn(2, 3, 48).to(dtype)  # not a flat batch: the tensor code
+        x = torch.randn(2, 3, 48).to(dtype)  # not a flat batch
         assert torch.equal(fused(x), plain(x))
+    with pytest.raises(RuntimeError, match="2 I"):
+        OPS.silu_mul(torch.randn(3, 7))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

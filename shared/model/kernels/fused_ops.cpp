@@ -151,13 +151,13 @@ std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, 
   return {q, k};
 }
 
-// gate_up: [T, 2I] (gate then up) -> silu(gate) * up, [T, I]. ATen's own kernels, called from
-// here rather than from Python: the same bits as F.silu(gate) * up, without three dispatches.
+// gate_up: [..., 2I] (gate then up) -> silu(gate) * up, [..., I]. ATen's own kernels, called
+// from here rather than from Python: the same bits as F.silu(gate) * up, without three dispatches.
 at::Tensor silu_mul(at::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [T, 2 I]");
-  const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor out = at::silu(gate_up.narrow(1, 0, inter));
-  out.mul_(gate_up.narrow(1, inter, inter));
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: gate_up's last dimension must be 2 I");
+  const int64_t inter = gate_up.size(-1) / 2;
+  at::Tensor out = at::silu(gate_up.narrow(-1, 0, inter));
+  out.mul_(gate_up.narrow(-1, inter, inter));
   return out;
 }
 
