@@ -187,9 +187,8 @@ def service_env(
 ) -> dict[str, str]:
     """Environment of a benchmark deployment: KV pools sized for the workload; torch intra-op
     threads pinned (three engine processes share this host's cores); with prefill_chunk > 0,
-    P's engine runs prompts in chunks of that many tokens, so KV blocks stream to MD while
-    the rest of the prompt is still being prefilled (what PrefillSettings.prefill_chunk
-    describes; that setting is not read by the service yet)."""
+    P computes a prompt in chunks of that many tokens (PrefillSettings.prefill_chunk), so KV
+    blocks stream to MD while the rest of the prompt is still being prefilled."""
     env = {
         "PDD_MD_ENGINE__KV_MEMORY_MB": str(md_kv_mb),
         "PDD_PREFILL_ENGINE__KV_MEMORY_MB": str(prefill_kv_mb),
@@ -199,7 +198,7 @@ def service_env(
     if torch_threads > 0:
         env["OMP_NUM_THREADS"] = str(torch_threads)
     if prefill_chunk > 0:
-        env["PDD_PREFILL_ENGINE__MAX_BATCHED_TOKENS"] = str(prefill_chunk)
+        env["PDD_PREFILL_PREFILL_CHUNK"] = str(prefill_chunk)
     env.update(extra or {})
     return env
 

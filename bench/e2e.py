@@ -899,7 +899,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill-chunk",
         type=int,
         default=256,
-        help="P's engine max_batched_tokens, so KV streams while the prompt is prefilled (0 = system default)",
+        help="P's tokens of one prompt per forward, so KV streams while the prompt is prefilled (0 = system default)",
     )
     g = p.add_argument_group("WAN (cross-DC deployments)")
     g.add_argument("--delay-ms", type=float, default=15.0, help="one-way delay (RTT = 2x)")

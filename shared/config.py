@@ -60,6 +60,9 @@ class EngineSettings(BaseModel):
     kv_memory_fraction: float = 0.05
     max_num_seqs: int = 64  # running sequences per step
     max_batched_tokens: int = 2048  # tokens per forward (prefill chunks + decodes)
+    # Most tokens of one sequence in a forward: a longer prompt is computed in chunks of this
+    # many, several sequences' chunks sharing a forward (0 = up to max_batched_tokens).
+    chunk_tokens: int = Field(0, ge=0)
     max_model_len: int = 4096
     # Attention over the paged cache: "paged" (C++ kernel reading blocks in place, CPU),
     # "reference" (gather + SDPA, any device), "auto" = paged where it can run.
@@ -127,12 +130,12 @@ class CommonSettings(BaseSettings):
     metrics_port: int | None = None  # Prometheus /metrics port of a non-router service; None = off
     metrics_host: str = "127.0.0.1"  # address the /metrics server binds to
     # Engines on one host (`pdd up` on one machine): a directory they share, where prefill
-    # publishes the prompt tokens it has queued beyond its next step, and a decoder gives way
-    # from when those go above give_way_above_tokens (a burst, not two prompts that came
-    # together) until they are gone, up to give_way_max_s in a row
+    # publishes the prompt tokens it has not computed yet (its running step's included), and a
+    # decoder gives way from when those go above give_way_above_tokens (a burst, not three
+    # prompts that came together) until they are gone, up to give_way_max_s in a row
     # (shared/serving/host_share.py); None = hosts of their own, nothing shared.
     host_share_dir: str | None = None
-    give_way_above_tokens: int = Field(default=512, ge=0)
+    give_way_above_tokens: int = Field(default=768, ge=0)
     give_way_max_s: float = Field(default=0.5, ge=0)
     # Start even when an address given to peers is loopback while its listener expects peers
     # from other hosts (shared/advertise.py); a warning instead of exit 2.
@@ -157,7 +160,10 @@ class CommonSettings(BaseSettings):
 class PrefillSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="PDD_PREFILL_")
 
-    prefill_chunk: int = 256  # tokens per prefill forward; KV blocks stream after each chunk (0 = no cap)
+    # Tokens of one prompt per forward: KV blocks stream after each chunk, while the rest of the
+    # prompt is computed. Prompts waiting together share a forward (up to the engine's
+    # max_batched_tokens), so a burst's last prompt does not wait for a forward each (0 = no cap).
+    prefill_chunk: int = 256
     # tcp://host:port of the WAN link every tcp:// KV peer (a main decoder) is dialed through,
     # naming the peer in a first line (shared/wan/via.py); None = dial peers directly.
     bulk_via: str | None = None

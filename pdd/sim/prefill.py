@@ -1,6 +1,7 @@
 """A prefill instance: requests in arrival order, continuous batching with chunked prefill
-(at most max_batched_tokens per step, shared first come first served), computing only the
-prompt tokens its prefix cache lacks. After each step the chunk's KV exists (and streams out)."""
+(at most max_batched_tokens per step, shared first come first served, at most chunk_tokens of
+one prompt), computing only the prompt tokens its prefix cache lacks. After each step the
+chunk's KV exists (and streams out)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ class PrefillInstance(Instance):
         max_num_seqs: int,
         max_batched_tokens: int,
         on_cache_events: CacheEvents,
+        chunk_tokens: int = 0,
     ):
         super().__init__(name, chip, loop, num_blocks, block_size)
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
+        self.chunk_tokens = chunk_tokens or max_batched_tokens
         self.on_cache_events = on_cache_events
         self.active: list[PrefillWork] = []  # holding their blocks, in arrival order
         self.queued = 0  # submitted, waiting for blocks
@@ -84,7 +87,7 @@ class PrefillInstance(Instance):
     def _plan(self) -> None:
         budget = self.max_batched_tokens
         for work in self.active[: self.max_num_seqs]:
-            k = min(work.input_tokens - work.computed, budget)
+            k = min(work.input_tokens - work.computed, budget, self.chunk_tokens)
             if k <= 0:
                 break
             self._chunks.append((work, k))

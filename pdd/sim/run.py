@@ -319,6 +319,7 @@ def _settings(
         "router": settings.router.model_dump(include=set(_overridden(args, "router"))),
         "relay": settings.relay.model_dump(include=set(_overridden(args, "relay"))),
         "max_batched_tokens": settings.max_batched_tokens,
+        "prefill_chunk": settings.prefill_chunk,
         "max_num_seqs": settings.max_num_seqs,
         "workload": {
             "name": workload.name,

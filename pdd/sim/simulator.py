@@ -37,6 +37,7 @@ class SimSettings:
     router: RouterSettings = field(default_factory=RouterSettings)
     relay: RelaySettings = field(default_factory=RelaySettings)
     max_batched_tokens: int = 8192  # per step, per instance (chunked prefill)
+    prefill_chunk: int = 0  # P's tokens of one prompt per step (0 = up to max_batched_tokens)
     max_num_seqs: int = 256
     seed: int = 0
     time_limit_s: float | None = None  # stop admitting and stop the clock here (None: run to the end)
@@ -120,7 +121,7 @@ class _Simulation:
                 for i in range(spec.count)
             ]
 
-        prefills = make("p", d.prefill, lambda *a: PrefillInstance(*a, self._prefill_events))
+        prefills = make("p", d.prefill, lambda *a: PrefillInstance(*a, self._prefill_events, s.prefill_chunk))
         decodes = make("md" if cross_dc else "d", d.decode, DecodeInstance)
         relays = make("rld", d.relay, DecodeInstance) if d.relay else []
         self.roles = {"prefill": prefills, "relay": relays, "decode": decodes}

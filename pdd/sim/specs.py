@@ -336,12 +336,12 @@ def add_settings_options(ap: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECTION.FIELD=VALUE",
         help="override a setting: router.* (RouterSettings), relay.* (RelaySettings) or sim.* "
-        "(max_batched_tokens, max_num_seqs), e.g. router.wan_time_threshold_s=1.0",
+        "(max_batched_tokens, prefill_chunk, max_num_seqs), e.g. router.wan_time_threshold_s=1.0",
     )
 
 
 SECTIONS = {"router": RouterSettings, "relay": RelaySettings}
-SIM_FIELDS = ("max_batched_tokens", "max_num_seqs")  # of SimSettings
+SIM_FIELDS = ("max_batched_tokens", "prefill_chunk", "max_num_seqs")  # of SimSettings
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:

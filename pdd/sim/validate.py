@@ -42,7 +42,7 @@ from pdd.sim.records import RequestRecord, SimResult, percentile
 from pdd.sim.simulator import SimSettings, simulate
 from pdd.sim.step_cost import Linear, StepCost
 from pdd.sim.workload import SimRequest, Workload
-from shared.config import RelaySettings, RouterSettings
+from shared.config import PrefillSettings, RelaySettings, RouterSettings
 
 TOLERANCE = 0.25  # a simulated median within ±25% of the measured one
 METRICS = {"ttft": "TTFT", "tt2t": "2nd token", "max_gap": "max gap", "tpot": "TPOT"}
@@ -52,7 +52,8 @@ MODEL = "small"  # the preset `pdd bench e2e` serves, in fp32
 # agentic gives P and MD --md-kv-mb and the relay 256 MiB.
 SINGLE_KV_MB = 256.0
 RELAY_KV_MB = 256.0
-ENGINE_MAX_BATCHED = 2048  # EngineSettings.max_batched_tokens, when the bench does not chunk P
+ENGINE_MAX_BATCHED = 2048  # EngineSettings.max_batched_tokens
+PREFILL_CHUNK = PrefillSettings.model_fields["prefill_chunk"].default  # P's, when the bench leaves it
 ENGINE_MAX_SEQS = 64  # EngineSettings.max_num_seqs
 # The bench warms MD with the shared system prompt (+64 tokens) before the traffic; the sim
 # runs that request first and starts the agents this much later (simulated seconds).
@@ -87,12 +88,13 @@ def engine(base: Chip, kv_mb: float) -> RoleSpec:
 def sim_settings(
     config: dict, router: RouterSettings | None = None, relay: RelaySettings | None = None
 ) -> SimSettings:
-    """The engines' batching: P's token budget is --prefill-chunk (KV streams as it is computed);
-    one budget per simulation, so the decoders get it too (their extends are short)."""
+    """The engines' batching: every engine's step budget, and P's tokens of one prompt per step
+    (--prefill-chunk: KV streams as it is computed)."""
     return SimSettings(
         router=router or RouterSettings(),
         relay=relay or RelaySettings(),
-        max_batched_tokens=config.get("prefill_chunk") or ENGINE_MAX_BATCHED,
+        max_batched_tokens=ENGINE_MAX_BATCHED,
+        prefill_chunk=config.get("prefill_chunk") or PREFILL_CHUNK,
         max_num_seqs=ENGINE_MAX_SEQS,
         seed=config.get("seed", 0),
     )

@@ -307,8 +307,9 @@ class PrefillService(EngineService):
 
 
 def chunked(engine: EngineSettings, prefill_chunk: int) -> EngineSettings:
-    """Cap the tokens per forward so KV blocks stream to the peers while the prompt is still
-    being prefilled, instead of after one long forward."""
+    """Compute each prompt in chunks of prefill_chunk tokens, so its KV blocks stream to the
+    peers while the rest is still being prefilled; prompts that wait together share a forward
+    (up to max_batched_tokens), so a burst's last prompt does not wait for one forward each."""
     if prefill_chunk <= 0:
         return engine
-    return engine.model_copy(update={"max_batched_tokens": min(engine.max_batched_tokens, prefill_chunk)})
+    return engine.model_copy(update={"chunk_tokens": prefill_chunk})

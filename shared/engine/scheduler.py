@@ -31,6 +31,7 @@ class Scheduler:
         self.block_size = settings.block_size
         self.max_num_seqs = settings.max_num_seqs
         self.max_batched_tokens = settings.max_batched_tokens
+        self.chunk_tokens = settings.chunk_tokens or settings.max_batched_tokens
         self.model_id = model_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -88,7 +89,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, self.chunk_tokens)
             need = blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
             while need > self.pool.num_free:
                 # The youngest sequence not yet scheduled in this step (possibly seq itself).
@@ -124,7 +125,7 @@ class Scheduler:
             # keeps KV, not logits, so this request computes its whole prompt.
             hit, seq.prompt_logprobs = [], []
         num_cached = len(hit) * bs
-        n = min(seq.num_tokens - num_cached, budget)
+        n = min(seq.num_tokens - num_cached, budget, self.chunk_tokens)
         new = blocks_for(num_cached + n, bs) - len(hit)
         reserve = len(self.running)  # roughly one block per running sequence for its next step
         if new + self.pool.cost_of(hit) + reserve > self.pool.num_free:

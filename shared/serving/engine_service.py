@@ -144,9 +144,9 @@ class EngineService:
                 shared.close()
 
     def _publish_backlog(self, stats: EngineStats) -> None:
-        """Prefill's prompt tokens queued beyond its next step (engine thread)."""
+        """Prefill's prompt tokens not yet computed, its next step's included (engine thread)."""
         assert self.backlog is not None
-        self.backlog.publish(stats.pending_tokens - self.engine.scheduler.max_batched_tokens)
+        self.backlog.publish(stats.pending_tokens)
 
     # ---- leaving (scale-in) ----------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:

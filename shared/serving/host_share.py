@@ -3,14 +3,15 @@
 Where prefill and the decoders run on one machine (`pdd up` on one host), a burst of prompts
 (a client's first wave) waits for prefill's one core while the decoders hold the other cores
 with the burst's first requests, so the burst's last prompt gets its first token late. Here
-prefill says how many prompt tokens it has queued beyond its next step, in a small file of a
-directory the engines share; a decoder reads those files before each step and, from when
-they show a burst (more than `above_tokens`) until it is gone, takes no step (at most `max_s`
-in a row; then it steps until the backlog is gone), so prefill's helper threads take the
-idle core. One engine's prefill-first scheduling, across processes: the burst's first
-requests pause once, its last one starts sooner. Two prompts that came together are not a
-burst: giving way to them paused the decoders many times a run for little. Between hosts
-nothing is shared, and this is off.
+prefill says how many prompt tokens it has not computed yet, the step it is running
+included, in a small file of a directory the engines share; a decoder reads those files
+before each step and, from when they show a burst (more than `above_tokens`) until it is
+gone, takes no step (at most `max_s` in a row; then it steps until the backlog is gone), so
+prefill's helper threads take the idle core until prefill's last step of the burst has ended.
+One engine's prefill-first scheduling, across processes: the burst's first requests pause
+once, its last one starts sooner. A few prompts that came together are not a burst: giving
+way to them paused the decoders many times a run for little. Between hosts nothing is
+shared, and this is off.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 # tokens queued. A reader may see a record half written: one wrong read, for one poll, that
 # the next write corrects.
 RECORD = struct.Struct("<dq")
-STALE_S = 1.0  # an older record is a prefill that stopped or died (a 256-token step takes ~0.1 s)
+STALE_S = 2.0  # an older record is a prefill that stopped or died (a 2,048-token step: ~0.5-1 s)
 RESCAN_S = 1.0  # how often a decoder looks for prefill instances started or gone
 PATTERN = "prefill-*.backlog"
 

@@ -103,6 +103,21 @@ def test_prefill_mode_streams_blocks_chunk_by_chunk():
     assert engine.stats().used_blocks == 0 and engine.computed_block_hashes("p") == []
 
 
+def test_prompts_waiting_together_share_a_forward_chunk_by_chunk():
+    engine = make_engine(max_batched_tokens=96, chunk_tokens=32)
+    rng = random.Random(6)
+    prompts = {rid: random_prompt(rng, 40) for rid in "abc"}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=5), mode=Mode.PREFILL)
+    assert engine.step() == []  # 32 tokens of each: no prompt is done, all three advanced
+    assert [len(engine.computed_block_hashes(rid)) for rid in prompts] == [2, 2, 2]
+    outs = engine.step()  # the last 8 of each
+    assert sorted(o.rid for o in outs) == ["a", "b", "c"] and not engine.has_unfinished()
+    for o in outs:
+        assert o.finish_reason is FinishReason.PREFILLED
+        assert o.token_id == dense_greedy(engine, prompts[o.rid], 1)[0]
+
+
 def test_hold_waits_without_compute_then_generates():
     engine = make_engine()
     prompt = random_prompt(random.Random(4), 30)

@@ -24,24 +24,24 @@ def test_a_decoder_reads_every_prefill_of_the_host(tmp_path) -> None:
     a.publish(300)
     b.publish(200)
     assert way.backlog() == 500
-    b.publish(-256)  # less than its next step: nothing queued
+    b.publish(-1)  # below zero counts as nothing
     assert way.backlog() == 300
     a.close()
     b.close()
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_burst_is_given_way_to_until_it_is_gone_two_prompts_are_not(tmp_path) -> None:
-    prefill, way = PrefillBacklog(tmp_path, "0"), GiveWay(tmp_path, max_s=10, above_tokens=512)
-    prefill.publish(512)  # two prompts behind the running one: not a burst
+def test_a_burst_is_given_way_to_until_it_is_gone_three_prompts_are_not(tmp_path) -> None:
+    prefill, way = PrefillBacklog(tmp_path, "0"), GiveWay(tmp_path, max_s=10, above_tokens=768)
+    prefill.publish(768)  # three prompts that came together: not a burst
     assert not way.should_wait()
-    prefill.publish(1792)  # a wave of eight
+    prefill.publish(2048)  # a wave of eight
     assert way.should_wait()
-    prefill.publish(256)  # draining: still given way to, until nothing is queued
+    prefill.publish(256)  # its last step: still given way to, until it has ended
     assert way.should_wait()
     prefill.publish(0)
     assert not way.should_wait()
-    prefill.publish(512)  # a new pair is not a burst again
+    prefill.publish(768)  # a new three are not a burst again
     assert not way.should_wait()
 
 

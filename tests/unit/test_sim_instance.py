@@ -9,7 +9,7 @@ from pdd.sim.chip import Chip
 from pdd.sim.decoder import DecodeInstance, Seq
 from pdd.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
 from pdd.sim.events import EventLoop
-from pdd.sim.simulator import simulate
+from pdd.sim.simulator import SimSettings, simulate
 from pdd.sim.step_cost import Linear, StepCost, decode_load
 from pdd.sim.workload import Workload
 from tests.sim_util import FLAT, TINY, request, workload
@@ -44,6 +44,17 @@ def test_p_md_across_a_wan():
     assert r.tpot_s == pytest.approx((0.752 - 0.01) / 4, abs=EXACT)
     assert r.max_gap_s == pytest.approx(0.712, abs=EXACT)
     assert r.wan_bytes == KV and sum(result.wan_bytes_per_s) == pytest.approx(KV)
+
+
+@pytest.mark.parametrize(
+    ("budget", "chunk", "ttfts"),
+    [(64, 0, [0.01, 0.01]), (64, 16, [0.02, 0.02]), (16, 16, [0.02, 0.04])],
+)
+def test_prefill_chunks_prompts_that_share_its_step_budget(budget, chunk, ttfts):
+    reqs = workload(request(0, 0.0, 2, 2), request(1, 0.0, 2, 2))  # 32 tokens each, together
+    settings = SimSettings(max_batched_tokens=budget, prefill_chunk=chunk)
+    result = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), reqs, TINY, settings)
+    assert [r.ttft_s for r in result.records] == pytest.approx(ttfts, abs=EXACT)
 
 
 def test_a_joiner_waits_for_the_step_boundary():

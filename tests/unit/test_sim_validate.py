@@ -73,7 +73,12 @@ def test_agentic_scenario_from_the_recorded_config(base):
     ) == (8 * 2**20, 8 * 2**20, 256 * 2**20)
     assert d.prefill.chip.step == base.step and d.prefill.count == d.decode.count == d.relay.count == 1
     s = cases["pdd"].settings
-    assert (s.max_batched_tokens, s.max_num_seqs, s.router.wan_time_threshold_s) == (256, 64, 0.5)
+    assert (s.max_batched_tokens, s.prefill_chunk, s.max_num_seqs, s.router.wan_time_threshold_s) == (
+        2048,
+        256,
+        64,
+        0.5,
+    )
     w = cases["naive"].workload
     warm, *reqs = w.requests
     assert (warm.kind, warm.input_tokens, warm.client, cases["naive"].warm) == ("warm", 128, -1, 1)
@@ -99,10 +104,8 @@ def test_single_scenario_from_the_recorded_config(base):
     one_shot = cases["p-rld-md/one-shot"]
     assert one_shot.settings.relay.catchup_threshold == 100_000
     assert one_shot.settings.router.wan_time_threshold_s == 0.0  # the relay is forced, as the bench forces it
-    assert (
-        cases["p-md"].settings.relay.catchup_threshold == 64
-        and cases["p-md"].settings.max_batched_tokens == 2048
-    )
+    p_md = cases["p-md"].settings
+    assert (p_md.relay.catchup_threshold, p_md.max_batched_tokens, p_md.prefill_chunk) == (64, 2048, 256)
     assert one_shot.deployment.wan == LinkSpec(12.5e6, 0.015, 0.0)
     assert one_shot.deployment.relay.chip.kv_capacity_bytes == 256 * 2**20
     reqs = one_shot.workload.requests
