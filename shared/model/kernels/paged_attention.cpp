@@ -16,7 +16,7 @@
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -201,6 +201,156 @@ struct Shape {
   float scale;
 };
 
+#ifdef __AVX512F__
+inline __m512 exp_nonpos16(__m512 x) {  // exp_nonpos8, sixteen lanes
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// s[i] = q_i . k_j for the 16 keys of a transposed block (kt: [D][16]), RB rows at once.
+template <int RB>
+inline void scores16(const float* qs, int D, const float* kt, __m512* s) {
+  for (int i = 0; i < RB; ++i) s[i] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    for (int i = 0; i < RB; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * D + d]), k, s[i]);
+  }
+}
+
+// acc_i[c, c + 16 NV) += sum_j p_i[j] v_j[c, c + 16 NV), RB rows sharing each V load.
+template <int RB, int NV>
+inline void pv16(const float* p, const float* v, int64_t stride, int nk, int D, float* acc) {
+  __m512 a[RB][NV];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < NV; ++c) a[i][c] = _mm512_loadu_ps(acc + i * D + 16 * c);
+  for (int j = 0; j < nk; ++j) {
+    __m512 vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(v + j * stride + 16 * c);
+    for (int i = 0; i < RB; ++i) {
+      const __m512 pij = _mm512_set1_ps(p[i * 16 + j]);
+      for (int c = 0; c < NV; ++c) a[i][c] = _mm512_fmadd_ps(pij, vj[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, a[i][c]);
+}
+
+template <int RB>
+inline void pv16_rows(const float* p, const float* v, int64_t stride, int nk, int D, float* acc) {
+  for (int c = 0; c < D; c += 64) {  // 16 accumulators and 4 V vectors in registers
+    switch (std::min(4, (D - c) / 16)) {
+      case 4: pv16<RB, 4>(p, v + c, stride, nk, D, acc + c); break;
+      case 3: pv16<RB, 3>(p, v + c, stride, nk, D, acc + c); break;
+      case 2: pv16<RB, 2>(p, v + c, stride, nk, D, acc + c); break;
+      default: pv16<RB, 1>(p, v + c, stride, nk, D, acc + c); break;
+    }
+  }
+}
+
+// attend() for a float cache with head_dim % 16 == 0 and block_size <= 16, where a block's
+// keys fit one 16-lane vector, and at least four query rows per kv head. Each block's K is gathered once, transposed ([D][16]): a row's
+// scores are then D broadcast FMAs with no horizontal sums, up to four rows of one kv head
+// sharing each K load, and P.V shares each V row among them likewise.
+void attend16(const Item& it, const Shape& sh, const float* q, const float* k_cache, const float* v_cache,
+              const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start, float* out,
+              std::vector<float>& work) {
+  const int D = static_cast<int>(sh.head_dim), BS = static_cast<int>(sh.block_size);
+  const int G = static_cast<int>(sh.num_heads / sh.num_kv_heads);
+  const int64_t H = sh.num_heads, KVH = sh.num_kv_heads;
+  const int NKV = it.kv_count, RQ = G * NKV, R = it.q_count * RQ;
+  const int64_t row0 = query_start[it.seq] + it.q_begin;
+  const int64_t n_new = query_start[it.seq + 1] - query_start[it.seq];
+  const int64_t first_pos = seq_lens[it.seq] - n_new + it.q_begin;
+  const int64_t n_keys = first_pos + it.q_count;
+  const int32_t* table = block_tables + it.seq * sh.max_blocks;
+  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * 16 + static_cast<size_t>(NKV) * D * 16);
+  float* qs = work.data();  // [R, D] scaled queries
+  float* acc = qs + R * D;  // [R, D]
+  float* p = acc + R * D;  // [R, 16] probabilities of the block's keys
+  float* kt = p + R * 16;  // [NKV, D, 16] the block's K, transposed
+  float m[kMaxRows], l[kMaxRows];
+  for (int r = 0; r < R; ++r) {
+    const float* src = q + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
+    for (int i = 0; i < D; ++i) qs[r * D + i] = src[i] * sh.scale;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  const int64_t row_stride = KVH * D;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i gather_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(row_stride)));
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int64_t k0 = 0; k0 < n_keys; k0 += BS) {
+    const int nk = static_cast<int>(std::min<int64_t>(BS, n_keys - k0));
+    const __mmask16 present = static_cast<__mmask16>((1u << nk) - 1);
+    const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * KVH + it.kv_head) * D;
+    for (int h = 0; h < NKV; ++h)
+      for (int d = 0; d < D; ++d)
+        _mm512_storeu_ps(kt + (h * D + d) * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, gather_at,
+                                                                          k_cache + base + h * D + d, 4));
+    const float* vb = v_cache + base;
+    for (int r = 0; r < R;) {
+      const int h = (r % RQ) / G;  // the row's kv head, within the item
+      int rb = 1;
+      while (rb < 4 && r + rb < R && ((r + rb) % RQ) / G == h) ++rb;
+      __m512 s[4];
+      const float* kth = kt + h * D * 16;
+      switch (rb) {
+        case 4: scores16<4>(qs + r * D, D, kth, s); break;
+        case 3: scores16<3>(qs + r * D, D, kth, s); break;
+        case 2: scores16<2>(qs + r * D, D, kth, s); break;
+        default: scores16<1>(qs + r * D, D, kth, s); break;
+      }
+      for (int i = 0; i < rb; ++i) {
+        const int row = r + i;
+        const int64_t pos = first_pos + row / RQ;  // keys after it are not seen
+        const __mmask16 seen = present & _mm512_cmple_epi32_mask(
+                                             _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(k0))),
+                                             _mm512_set1_epi32(static_cast<int32_t>(pos)));
+        const __m512 si = _mm512_mask_mov_ps(neg_inf, seen, s[i]);
+        // Key 0 is in the first block and every query sees it, so mx is finite from there on.
+        const float mx = std::max(m[row], _mm512_reduce_max_ps(si));
+        const float alpha = exp_nonpos(m[row] - mx);
+        const __m512 pi = exp_nonpos16(_mm512_sub_ps(si, _mm512_set1_ps(mx)));
+        l[row] = l[row] * alpha + _mm512_reduce_add_ps(pi);
+        m[row] = mx;
+        _mm512_storeu_ps(p + i * 16, pi);
+        if (alpha != 1.0f)
+          for (int c = 0; c < D; ++c) acc[row * D + c] *= alpha;
+      }
+      const float* vh = vb + h * D;
+      switch (rb) {
+        case 4: pv16_rows<4>(p, vh, row_stride, nk, D, acc + r * D); break;
+        case 3: pv16_rows<3>(p, vh, row_stride, nk, D, acc + r * D); break;
+        case 2: pv16_rows<2>(p, vh, row_stride, nk, D, acc + r * D); break;
+        default: pv16_rows<1>(p, vh, row_stride, nk, D, acc + r * D); break;
+      }
+      r += rb;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* dst = out + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
+    const float inv = 1.0f / l[r];
+    for (int i = 0; i < D; ++i) dst[i] = acc[r * D + i] * inv;
+  }
+}
+#endif
+
 template <typename T>
 void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const T* v_cache,
             const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start, T* out,
@@ -216,6 +366,14 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   const int64_t n_keys = first_pos + it.q_count;  // the tile's last query sees keys [0, n_keys)
   const int32_t* table = block_tables + it.seq * sh.max_blocks;
   constexpr bool kFloat = std::is_same<T, float>::value;
+#ifdef __AVX512F__
+  if constexpr (kFloat) {  // (a decode's one or two rows per kv head would not pay for the transpose)
+    if (D % 16 == 0 && BS <= 16 && it.q_count * G >= 4) {
+      attend16(it, sh, q, k_cache, v_cache, block_tables, seq_lens, query_start, out, work);
+      return;
+    }
+  }
+#endif
 
   const int BSP = (BS + 7) & ~7;  // a row's scores, padded for 8-wide steps
   const bool wide = D % 8 == 0;  // the AVX2 steps, where compiled in
