@@ -160,6 +160,9 @@ def test_a_router_told_to_stop_finishes_every_stream_and_exits_zero(system):
     in_flight = re.search(r"router draining \(SIGTERM\): (\d+) requests in flight", system.log("router-1"))
     assert in_flight and int(in_flight[1]) > 0  # the drain had streams to finish
     until(lambda: system.pid("router-1") is None, 30)  # it exited, with 0: not restarted
-    assert "router-1 stopped cleanly; not restarted" in (system.workdir / "pdd-up.log").read_text()
+    # The supervisor drops the pid file, reaps the child, then logs it: wait for the line.
+    until(
+        lambda: "router-1 stopped cleanly; not restarted" in (system.workdir / "pdd-up.log").read_text(), 10
+    )
     assert time.monotonic() - t0 < 30
     assert healthy(other)

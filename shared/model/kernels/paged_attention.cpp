@@ -254,9 +254,10 @@ inline void pv16_rows(const float* p, const float* v, int64_t stride, int nk, in
 }
 
 // attend() for a float cache with head_dim % 16 == 0 and block_size <= 16, where a block's
-// keys fit one 16-lane vector, and at least four query rows per kv head. Each block's K is gathered once, transposed ([D][16]): a row's
-// scores are then D broadcast FMAs with no horizontal sums, up to four rows of one kv head
-// sharing each K load, and P.V shares each V row among them likewise.
+// keys fit one 16-lane vector, and at least four query rows per kv head. Each block's K is
+// gathered once, transposed ([D][16]): a row's scores are then D broadcast FMAs with no
+// horizontal sums, up to four rows of one kv head sharing each K load, and P.V shares each V
+// row among them likewise.
 void attend16(const Item& it, const Shape& sh, const float* q, const float* k_cache, const float* v_cache,
               const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start, float* out,
               std::vector<float>& work) {
@@ -269,11 +270,11 @@ void attend16(const Item& it, const Shape& sh, const float* q, const float* k_ca
   const int64_t first_pos = seq_lens[it.seq] - n_new + it.q_begin;
   const int64_t n_keys = first_pos + it.q_count;
   const int32_t* table = block_tables + it.seq * sh.max_blocks;
-  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * 16 + static_cast<size_t>(NKV) * D * 16);
+  work.resize(static_cast<size_t>(R) * D * 2 + 4 * 16 + static_cast<size_t>(NKV) * D * 16);
   float* qs = work.data();  // [R, D] scaled queries
   float* acc = qs + R * D;  // [R, D]
-  float* p = acc + R * D;  // [R, 16] probabilities of the block's keys
-  float* kt = p + R * 16;  // [NKV, D, 16] the block's K, transposed
+  float* p = acc + R * D;  // [4, 16] the row block's probabilities of the block's keys
+  float* kt = p + 4 * 16;  // [NKV, D, 16] the block's K, transposed
   float m[kMaxRows], l[kMaxRows];
   for (int r = 0; r < R; ++r) {
     const float* src = q + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
