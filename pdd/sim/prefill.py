@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pdd.sim.chip import Chip
 from pdd.sim.events import EventLoop
 from pdd.sim.instance import Blocks, Instance
+from shared.engine.chunking import chunk_size
 
 CacheEvents = Callable[[str, list[int], list[int]], None]  # (instance, stored, evicted)
 
@@ -87,7 +88,7 @@ class PrefillInstance(Instance):
     def _plan(self) -> None:
         budget = self.max_batched_tokens
         for work in self.active[: self.max_num_seqs]:
-            k = min(work.input_tokens - work.computed, budget, self.chunk_tokens)
+            k = chunk_size(work.input_tokens - work.computed, budget, self.chunk_tokens)
             if k <= 0:
                 break
             self._chunks.append((work, k))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shared.config import EngineSettings
 from shared.engine.block_pool import BlockPool, blocks_for
+from shared.engine.chunking import chunk_size
 from shared.engine.hashing import extend_block_hashes
 from shared.engine.sequence import SeqStatus, Sequence
 
@@ -89,7 +90,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget, self.chunk_tokens)
+            n = chunk_size(seq.num_uncomputed, budget, self.chunk_tokens)
             need = blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
             while need > self.pool.num_free:
                 # The youngest sequence not yet scheduled in this step (possibly seq itself).
@@ -125,7 +126,7 @@ class Scheduler:
             # keeps KV, not logits, so this request computes its whole prompt.
             hit, seq.prompt_logprobs = [], []
         num_cached = len(hit) * bs
-        n = min(seq.num_tokens - num_cached, budget, self.chunk_tokens)
+        n = chunk_size(seq.num_tokens - num_cached, budget, self.chunk_tokens)
         new = blocks_for(num_cached + n, bs) - len(hit)
         reserve = len(self.running)  # roughly one block per running sequence for its next step
         if new + self.pool.cost_of(hit) + reserve > self.pool.num_free:
