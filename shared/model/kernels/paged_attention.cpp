@@ -253,44 +253,27 @@ inline void pv16_rows(const float* p, const float* v, int64_t stride, int nk, in
   }
 }
 
-// attend() for a float cache with head_dim % 16 == 0 and block_size <= 16, where a block's
-// keys fit one 16-lane vector, and at least four query rows per kv head. Each block's K is
-// gathered once, transposed ([D][16]): a row's scores are then D broadcast FMAs with no
+// attend()'s blocks for a float cache with head_dim % 16 == 0 and block_size <= 16, where a
+// block's keys fit one 16-lane vector, and at least four query rows per kv head. Each block's K
+// is gathered once, transposed ([D][16]): a row's scores are then D broadcast FMAs with no
 // horizontal sums, up to four rows of one kv head sharing each K load, and P.V shares each V
-// row among them likewise.
-void attend16(const Item& it, const Shape& sh, const float* q, const float* k_cache, const float* v_cache,
-              const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start, float* out,
-              std::vector<float>& work) {
+// row among them likewise. scratch: 4 * 16 + kv_count * D * 16 floats.
+void blocks16(const Item& it, const Shape& sh, const float* k_cache, const float* v_cache, const int32_t* table,
+              int64_t first_pos, const float* qs, float* acc, float* m, float* l, float* scratch) {
   const int D = static_cast<int>(sh.head_dim), BS = static_cast<int>(sh.block_size);
   const int G = static_cast<int>(sh.num_heads / sh.num_kv_heads);
-  const int64_t H = sh.num_heads, KVH = sh.num_kv_heads;
   const int NKV = it.kv_count, RQ = G * NKV, R = it.q_count * RQ;
-  const int64_t row0 = query_start[it.seq] + it.q_begin;
-  const int64_t n_new = query_start[it.seq + 1] - query_start[it.seq];
-  const int64_t first_pos = seq_lens[it.seq] - n_new + it.q_begin;
   const int64_t n_keys = first_pos + it.q_count;
-  const int32_t* table = block_tables + it.seq * sh.max_blocks;
-  work.resize(static_cast<size_t>(R) * D * 2 + 4 * 16 + static_cast<size_t>(NKV) * D * 16);
-  float* qs = work.data();  // [R, D] scaled queries
-  float* acc = qs + R * D;  // [R, D]
-  float* p = acc + R * D;  // [4, 16] the row block's probabilities of the block's keys
+  float* p = scratch;  // [4, 16] the row block's probabilities of the block's keys
   float* kt = p + 4 * 16;  // [NKV, D, 16] the block's K, transposed
-  float m[kMaxRows], l[kMaxRows];
-  for (int r = 0; r < R; ++r) {
-    const float* src = q + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
-    for (int i = 0; i < D; ++i) qs[r * D + i] = src[i] * sh.scale;
-    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
-    m[r] = kNegInf;
-    l[r] = 0.0f;
-  }
-  const int64_t row_stride = KVH * D;
+  const int64_t row_stride = sh.num_kv_heads * D;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i gather_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(row_stride)));
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   for (int64_t k0 = 0; k0 < n_keys; k0 += BS) {
     const int nk = static_cast<int>(std::min<int64_t>(BS, n_keys - k0));
     const __mmask16 present = static_cast<__mmask16>((1u << nk) - 1);
-    const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * KVH + it.kv_head) * D;
+    const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * sh.num_kv_heads + it.kv_head) * D;
     for (int h = 0; h < NKV; ++h)
       for (int d = 0; d < D; ++d)
         _mm512_storeu_ps(kt + (h * D + d) * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, gather_at,
@@ -335,11 +318,6 @@ void attend16(const Item& it, const Shape& sh, const float* q, const float* k_ca
       r += rb;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* dst = out + ((row0 + r / RQ) * H + it.kv_head * G + r % RQ) * D;
-    const float inv = 1.0f / l[r];
-    for (int i = 0; i < D; ++i) dst[i] = acc[r * D + i] * inv;
-  }
 }
 #endif
 
@@ -358,20 +336,19 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   const int64_t n_keys = first_pos + it.q_count;  // the tile's last query sees keys [0, n_keys)
   const int32_t* table = block_tables + it.seq * sh.max_blocks;
   constexpr bool kFloat = std::is_same<T, float>::value;
+  // The 16-lane blocks where they can run (a decode's one or two rows per kv head would not
+  // pay for the transpose).
+  bool wide16 = false;
 #ifdef __AVX512F__
-  if constexpr (kFloat) {  // (a decode's one or two rows per kv head would not pay for the transpose)
-    if (D % 16 == 0 && BS <= 16 && it.q_count * G >= 4) {
-      attend16(it, sh, q, k_cache, v_cache, block_tables, seq_lens, query_start, out, work);
-      return;
-    }
-  }
+  wide16 = kFloat && D % 16 == 0 && BS <= 16 && it.q_count * G >= 4;
 #endif
 
   const int BSP = (BS + 7) & ~7;  // a row's scores, padded for 8-wide steps
   const bool wide = D % 8 == 0;  // the AVX2 steps, where compiled in
   const int NKV = it.kv_count;
-  work.resize(static_cast<size_t>(R) * D * 2 + static_cast<size_t>(R) * BSP +
-              (kFloat ? 0 : 2 * static_cast<size_t>(NKV) * BS * D));
+  work.resize(static_cast<size_t>(R) * D * 2 +
+              (wide16 ? 4 * 16 + static_cast<size_t>(NKV) * D * 16
+                      : static_cast<size_t>(R) * BSP + (kFloat ? 0 : 2 * static_cast<size_t>(NKV) * BS * D)));
   float* qs = work.data();  // [R, D] scaled queries
   float* acc = qs + R * D;  // [R, D]
   float* s = acc + R * D;  // [R, BSP] scores, then probabilities
@@ -386,8 +363,13 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
   }
+#ifdef __AVX512F__
+  if constexpr (kFloat) {
+    if (wide16) blocks16(it, sh, k_cache, v_cache, table, first_pos, qs, acc, m, l, acc + R * D);
+  }
+#endif
   const int64_t row_stride = KVH * D;  // between consecutive tokens of a block, in the cache
-  for (int64_t k0 = 0; k0 < n_keys; k0 += BS) {
+  for (int64_t k0 = 0; !wide16 && k0 < n_keys; k0 += BS) {  // (the 8-key steps)
     const int nk = static_cast<int>(std::min<int64_t>(BS, n_keys - k0));
     const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * KVH + it.kv_head) * D;
     const float* kb;  // kv head h of the item (0 <= h < NKV), token j: kb + h * head_step + j * stride
