@@ -74,9 +74,9 @@ class EngineSettings(BaseModel):
     # RMSNorm (with its residual add), RoPE, SwiGLU's silu x up and the KV writes: "fused"
     # (one C++ call each, CPU), "torch" (tensor ops), "auto" = fused where it can run.
     small_ops: Literal["auto", "fused", "torch"] = "auto"
-    # With one torch thread: low-priority threads that join the panel products and paged
-    # attention on cores nobody else is using at that moment (shared/model/kernels/helpers.h;
-    # one set per process); 0 = none.
+    # With one torch thread: low-priority threads that join the panel products, paged
+    # attention and a long step's fused small ops on cores nobody else is using at that moment
+    # (shared/model/kernels/helpers.h; one set per process); 0 = none.
     helper_threads: int = Field(0, ge=0, le=64)
     helper_nice: int = Field(10, ge=0, le=19)  # their niceness: they give way to normal threads
 

@@ -79,10 +79,11 @@ class LLMEngine:
 
     def _set_helpers(self, es: EngineSettings) -> None:
         """The kernels' low-priority helper threads (per process: the last engine's choice)."""
-        from shared.model.kernels import paged_attention_ops, panel_linear_ops
+        from shared.model.kernels import fused_ops, paged_attention_ops, panel_linear_ops
 
         libs = [panel_linear_ops() if self.linear_backend == "panel" else None]
         libs.append(paged_attention_ops() if self.runner.backend.name == "paged" else None)
+        libs.append(fused_ops() if self.small_ops == "fused" else None)
         for ops in filter(None, libs):
             ops.set_helpers(es.helper_threads, es.helper_nice)
         if es.helper_threads and any(libs):

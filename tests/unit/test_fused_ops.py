@@ -78,6 +78,40 @@ def test_silu_times_up_is_bit_exact_against_the_tensor_code(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_helper_threads_give_the_same_bits_as_one_thread_alone(dtype):
+    """With one torch thread, low-priority helpers take chunks of rows (a prefill's hundreds):
+    each row is computed whole by one thread, so the bits are those of the thread alone; under
+    inference mode too (a helper thread starts with the default modes)."""
+    torch.manual_seed(0)
+    rows, heads, kv_heads, d = 2000, 6, 2, 32
+    x, residual = torch.randn(rows, 96).to(dtype), torch.randn(rows, 96).to(dtype)
+    weight = torch.randn(96).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d).to(dtype)
+    cos, sin = torch.randn(rows, d).to(dtype), torch.randn(rows, d).to(dtype)
+    gate_up = torch.randn(rows, 160).to(dtype)
+
+    def run() -> list[torch.Tensor]:
+        x1, r1 = x.clone(), residual.clone()
+        OPS.add_rms_norm_(x1, r1, weight, 1e-6)
+        with torch.inference_mode():
+            silu = OPS.silu_mul(gate_up)
+        return [x1, r1, OPS.rms_norm(x, weight, 1e-6), *OPS.rope_qk(qkv, cos, sin, heads, kv_heads), silu]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert torch.equal(alone[-1], torch.nn.functional.silu(gate) * up)
+        OPS.set_helpers(2)
+        for _ in range(10):
+            assert all(torch.equal(g, w) for g, w in zip(run(), alone, strict=True))
+    finally:
+        OPS.set_helpers(0)
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_writes_land_where_index_copy_puts_them(dtype):
     torch.manual_seed(0)
     layers, blocks, block, kvh, d = 3, 5, 4, 2, 8

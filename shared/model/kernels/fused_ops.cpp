@@ -3,7 +3,8 @@
 // silu(gate) * up, and the step's new K and V written into the paged cache.
 //
 // A step of a few sequences spends more time dispatching those little ops than computing
-// them. Each row here is one loop over the hidden size, rows split over torch's threads.
+// them. Each row here is one loop over the hidden size, rows split over torch's threads (or,
+// with one, its helpers: a prefill step's hundreds of rows).
 // The rounding follows the tensor code they replace (shared/model/layers.py): RMSNorm normalises in
 // fp32 and scales in the model dtype; RoPE rounds each product and the sum to the dtype as the
 // separate multiplies and add do (built without FMA contraction, so fp32 RoPE is bit-exact).
@@ -11,9 +12,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/ParallelGuard.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -22,16 +26,18 @@
 #include <cstring>
 #include <vector>
 
+#include "helpers.h"
+
 namespace {
 
-constexpr int64_t kGrainBytes = 1 << 16;  // rows per task: at least ~64 KiB of work
+constexpr int64_t kGrainBytes = 1 << 18;  // rows per task: at least ~256 KiB (a decode step's few rows stay on one thread)
 
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, row_bytes)); }
 
 // residual += x (when add); x = weight * dtype(residual * rsqrt(mean(residual^2) + eps)).
 template <typename T>
 void add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps, bool add) {
-  at::parallel_for(0, rows, grain(dim * sizeof(T) * 2), [&](int64_t begin, int64_t end) {
+  pdd::parallel(rows, grain(dim * sizeof(T) * 2), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
       T* res = add ? residual + r * dim : nullptr;
@@ -77,7 +83,7 @@ template <typename T>
 void rope_qk_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k, int64_t rows, int64_t heads,
                   int64_t kv_heads, int64_t d) {
   const int64_t width = (heads + 2 * kv_heads) * d;
-  at::parallel_for(0, rows, grain(width * sizeof(T)), [&](int64_t begin, int64_t end) {
+  pdd::parallel(rows, grain(width * sizeof(T)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = qkv + r * width;
       const T* c = cos + r * d;
@@ -153,12 +159,25 @@ std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, 
 
 // gate_up: [..., 2I] (gate then up) -> silu(gate) * up, [..., I]. ATen's own kernels, called
 // from here rather than from Python: the same bits as F.silu(gate) * up, without three dispatches.
+// Rows go in chunks (to the helpers too), each chunk's product while its silu is in cache; each
+// row is one run of ATen's vector loop either way, so the chunks do not change the bits.
 at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: gate_up's last dimension must be 2 I");
   const int64_t inter = gate_up.size(-1) / 2;
-  at::Tensor out = at::silu(gate_up.narrow(-1, 0, inter));
-  out.mul_(gate_up.narrow(-1, inter, inter));
-  return out;
+  const at::Tensor rows = gate_up.reshape({-1, 2 * inter});
+  at::Tensor out = at::empty({rows.size(0), inter}, gate_up.options());
+  const bool inference = c10::InferenceMode::is_enabled();
+  pdd::parallel(rows.size(0), grain(inter * gate_up.element_size() * 3), [&](int64_t begin, int64_t end) {
+    c10::InferenceMode mode(inference);  // a helper thread has its own (default) modes
+    c10::ParallelGuard serial(true);     // and must not start a thread team of its own
+    at::Tensor o = out.narrow(0, begin, end - begin);
+    const at::Tensor part = rows.narrow(0, begin, end - begin);
+    at::silu_out(o, part.narrow(1, 0, inter));
+    o.mul_(part.narrow(1, inter, inter));
+  });
+  std::vector<int64_t> shape = gate_up.sizes().vec();
+  shape.back() = inter;
+  return out.view(shape);
 }
 
 // kv_cache: [L, 2, blocks, block_size, KVH, D] contiguous; slots: [T] int64 (block * block_size
@@ -202,6 +221,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of a packed gate_up product",
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_helpers", &pdd::set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
+        py::arg("count"), py::arg("nice") = 10);
   m.def("store_kv", &store_kv, "a layer's new K and V into the paged cache at their slots",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/FunctionRef.h>
 
@@ -153,6 +154,19 @@ class Helpers {
 Helpers& helpers() {
   static Helpers h;
   return h;
+}
+
+// fn over [0, n): with helpers in a one-thread engine, in about kChunksPerCall chunks (at
+// least `grain` each, a chunk small enough that waiting for one is short); otherwise
+// at::parallel_for's split over torch's threads, `grain` at least per task.
+constexpr int64_t kChunksPerCall = 16;
+
+inline void parallel(int64_t n, int64_t grain, Chunks fn) {
+  if (helpers().count() > 0 && at::get_num_threads() == 1 && n > grain) {
+    helpers().run(n, std::max(grain, (n + kChunksPerCall - 1) / kChunksPerCall), fn);
+  } else {
+    at::parallel_for(0, n, grain, fn);
+  }
 }
 
 // count helpers (0 = none) at niceness `nice`, replacing those there were.

@@ -29,7 +29,9 @@ namespace {
 constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int64_t kRows = 8;    // rows of x per register tile
 constexpr int64_t kAhead = 64;  // panel rows fetched ahead of use (4 KiB): memory keeps streaming while the FMAs run
-constexpr int64_t kChunksPerCall = 16;  // with helpers: a chunk small enough that waiting for one is short
+// Rows of x per pass over a thread's panels: a long prefill's x (MBs) would otherwise be
+// read again from L3 for every panel; 256 rows of it stay in L2 while the panels go by.
+constexpr int64_t kBlockRows = 256;
 
 #ifdef __AVX512F__
 template <int R>
@@ -111,21 +113,19 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
   const int64_t ldx = x.stride(0), ldy = num_panels * kPanel;
   // Whole panels per thread: each weight byte is read from memory once, by one thread.
   const auto panels_in = [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = pp + p * k_size * kPanel;
-      const float* bp = b ? b + p * kPanel : nullptr;
-      for (int64_t m = 0; m < m_size; m += kRows) {
-        const int64_t rows = std::min(kRows, m_size - m);
-        kTiles[rows](xp + m * ldx, ldx, panel, k_size, bp, yp + m * ldy + p * kPanel, ldy);
+    for (int64_t block = 0; block < m_size; block += kBlockRows) {
+      const int64_t block_end = std::min(m_size, block + kBlockRows);
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = pp + p * k_size * kPanel;
+        const float* bp = b ? b + p * kPanel : nullptr;
+        for (int64_t m = block; m < block_end; m += kRows) {
+          const int64_t rows = std::min(kRows, block_end - m);
+          kTiles[rows](xp + m * ldx, ldx, panel, k_size, bp, yp + m * ldy + p * kPanel, ldy);
+        }
       }
     }
   };
-  if (pdd::helpers().count() > 0 && at::get_num_threads() == 1 && num_panels > 1) {
-    const int64_t chunk = std::max<int64_t>(1, num_panels / kChunksPerCall);
-    pdd::helpers().run(num_panels, chunk, panels_in);
-  } else {
-    at::parallel_for(0, num_panels, 1, panels_in);
-  }
+  pdd::parallel(num_panels, 1, panels_in);
   return y;
 }
 
