@@ -78,15 +78,21 @@ class LLMEngine:
         self._resample: list[Sequence] = []  # held seqs extended by nothing with final=True
 
     def _set_helpers(self, es: EngineSettings) -> None:
-        """The kernels' low-priority helper threads (per process: the last engine's choice)."""
+        """The kernels' low-priority helper threads: one pool, in the first kernel library in
+        use, that the others share (per process: the last engine's choice)."""
         from shared.model.kernels import fused_ops, paged_attention_ops, panel_linear_ops
 
         libs = [panel_linear_ops() if self.linear_backend == "panel" else None]
         libs.append(paged_attention_ops() if self.runner.backend.name == "paged" else None)
         libs.append(fused_ops() if self.small_ops == "fused" else None)
-        for ops in filter(None, libs):
-            ops.set_helpers(es.helper_threads, es.helper_nice)
-        if es.helper_threads and any(libs):
+        libs = [ops for ops in libs if ops is not None]
+        if not libs:
+            return
+        owner, *others = libs
+        owner.set_helpers(es.helper_threads, es.helper_nice)
+        for ops in others:
+            ops.share_helpers(owner.helpers_capsule())
+        if es.helper_threads:
             log.info("kernels: %d helper thread(s) at niceness %d", es.helper_threads, es.helper_nice)
 
     # ---- requests ---------------------------------------------------------------------

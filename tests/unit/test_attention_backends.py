@@ -4,6 +4,7 @@ partial last blocks; and the same greedy tokens through the engine on either bac
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from shared.model import attention as attention_pkg
 from shared.model.attention import Attention, AttentionContext, attention_backend
 from shared.model.attention.paged_cpu import DENSE_MIN_TOKENS, PagedCpuBackend
 from shared.model.attention.reference import ReferenceBackend
-from shared.model.kernels import paged_attention_ops, panel_linear_ops
+from shared.model.kernels import fused_ops, paged_attention_ops, panel_linear_ops
 from tests.engine_util import greedy, random_prompt, run_all, tokens_of
 
 ATOL = 2e-5
@@ -229,14 +230,22 @@ def test_engine_greedy_tokens_equal_across_linear_backends():
 
 def test_engine_greedy_tokens_equal_with_helper_threads():
     """One torch thread joined by the kernels' low-priority helpers (what `pdd up` gives a
-    decoder on a machine whose cores it shares): the tokens of the reference engine."""
+    decoder on a machine whose cores it shares): the tokens of the reference engine. The
+    three kernel libraries share one pool: two helpers are two threads, not six."""
     want = workload(engine_on("reference", "torch", max_batched_tokens=64))
     before = torch.get_num_threads()
+    libs = (paged_attention_ops(), panel_linear_ops(), fused_ops())
     try:
         torch.set_num_threads(1)
-        engine = engine_on("paged", max_batched_tokens=64, helper_threads=1, helper_nice=0)
+        for ops in libs:
+            ops.set_helpers(0)
+        threads = len(os.listdir("/proc/self/task"))
+        engine = engine_on("paged", max_batched_tokens=64, helper_threads=2, helper_nice=0)
+        assert len(os.listdir("/proc/self/task")) == threads + 2
         assert workload(engine) == want
     finally:
-        for ops in (paged_attention_ops(), panel_linear_ops()):  # per process: none for the next tests
+        for ops in libs:  # per process: none for the next tests
             ops.set_helpers(0)
         torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="not a helper pool"):  # another capsule: a tensor's
+        paged_attention_ops().share_helpers(torch.utils.dlpack.to_dlpack(torch.zeros(1)))

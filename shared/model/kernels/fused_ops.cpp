@@ -221,8 +221,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of a packed gate_up product",
         py::call_guard<py::gil_scoped_release>());
-  m.def("set_helpers", &pdd::set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
-        py::arg("count"), py::arg("nice") = 10);
+  pdd::def_helpers(m);
   m.def("store_kv", &store_kv, "a layer's new K and V into the paged cache at their slots",
         py::call_guard<py::gil_scoped_release>());
 }

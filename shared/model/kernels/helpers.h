@@ -18,18 +18,20 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/FunctionRef.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace pdd {
 
 using Chunks = c10::function_ref<void(int64_t, int64_t)>;  // fn(begin, end): a reference, no allocation
 
-namespace {  // one pool per kernel library: each sets its own up (set_helpers)
+namespace {  // in each kernel library; the pool itself is shared (helpers() below)
 
 class Helpers {
  public:
@@ -151,9 +153,24 @@ class Helpers {
   std::atomic<int64_t> done_{0};
 };
 
-Helpers& helpers() {
+// One pool per process: the library whose set_helpers ran last owns it, the other kernel
+// libraries share it (share_helpers, given its capsule), so one helper thread follows the
+// engine thread from a product to the attention and back, awake between its calls. A pool
+// per library would leave each helper asleep through the others' calls, to be woken late
+// for its own (a decode step's panel products: 5.7 ms a step instead of 4.9).
+Helpers& own_helpers() {
   static Helpers h;
   return h;
+}
+
+Helpers*& shared_helpers() {
+  static Helpers* pool = nullptr;  // another library's, or null: this one's own
+  return pool;
+}
+
+Helpers& helpers() {
+  Helpers* pool = shared_helpers();
+  return pool ? *pool : own_helpers();
 }
 
 // fn over [0, n): with helpers in a one-thread engine, in about kChunksPerCall chunks (at
@@ -169,10 +186,27 @@ inline void parallel(int64_t n, int64_t grain, Chunks fn) {
   }
 }
 
-// count helpers (0 = none) at niceness `nice`, replacing those there were.
+// count helpers (0 = none) at niceness `nice` in this library's own pool, replacing those
+// there were; it stops sharing another's.
 void set_helpers(int64_t count, int64_t nice) {
   TORCH_CHECK(count >= 0 && count <= 64, "set_helpers: count must be in 0..64");
-  helpers().resize(static_cast<int>(count), static_cast<int>(nice));
+  shared_helpers() = nullptr;
+  own_helpers().resize(static_cast<int>(count), static_cast<int>(nice));
+}
+
+constexpr const char* kCapsule = "pdd.helpers";
+
+// The set_helpers / helpers_capsule / share_helpers functions of one kernel library.
+void def_helpers(pybind11::module_& m) {
+  m.def("set_helpers", &set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
+        pybind11::arg("count"), pybind11::arg("nice") = 10);
+  m.def("helpers_capsule", [] { return pybind11::capsule(&own_helpers(), kCapsule); },
+        "this library's helper pool, for another kernel library of this process to share");
+  m.def("share_helpers", [](const pybind11::capsule& pool) {
+    TORCH_CHECK(pool.name() != nullptr && std::string(pool.name()) == kCapsule, "share_helpers: not a helper pool");
+    own_helpers().resize(0, 0);
+    shared_helpers() = pool.get_pointer<Helpers>();
+  }, "use another kernel library's helper pool (its helpers_capsule) instead of this one's");
 }
 
 }  // namespace

@@ -522,8 +522,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_helpers", &pdd::set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
-        py::arg("count"), py::arg("nice") = 10);
+  pdd::def_helpers(m);
   // Without the GIL: a service's event loop keeps running while its engine thread attends.
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());

@@ -131,8 +131,7 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a [N, K] weight as [N / 32, K, 32] panels");
-  m.def("set_helpers", &pdd::set_helpers, "low-priority helper threads (count, nice) for one-thread engines",
-        py::arg("count"), py::arg("nice") = 10);
+  pdd::def_helpers(m);
   m.def("panel_linear", &panel_linear, "x W^T (+ bias) over panel-packed weights",
         py::call_guard<py::gil_scoped_release>());
 }
