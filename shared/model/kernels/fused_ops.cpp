@@ -30,7 +30,8 @@
 
 namespace {
 
-constexpr int64_t kGrainBytes = 1 << 18;  // rows per task: at least ~256 KiB (a decode step's few rows stay on one thread)
+// Rows per task: at least ~256 KiB of work, so a decode step's few rows stay on one thread.
+constexpr int64_t kGrainBytes = 1 << 18;
 
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, row_bytes)); }
 
@@ -213,6 +214,7 @@ void store_kv(at::Tensor kv_cache, int64_t layer, at::Tensor slots, at::Tensor k
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pdd::def_helpers(m);
   // Without the GIL, as the attention kernel: the service's event loop runs on meanwhile.
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place",
         py::call_guard<py::gil_scoped_release>());
@@ -221,7 +223,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up of a packed gate_up product",
         py::call_guard<py::gil_scoped_release>());
-  pdd::def_helpers(m);
   m.def("store_kv", &store_kv, "a layer's new K and V into the paged cache at their slots",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -157,7 +157,8 @@ class Helpers {
 // libraries share it (share_helpers, given its capsule), so one helper thread follows the
 // engine thread from a product to the attention and back, awake between its calls. A pool
 // per library would leave each helper asleep through the others' calls, to be woken late
-// for its own (a decode step's panel products: 5.7 ms a step instead of 4.9).
+// for its own (a decode step of 8 sequences, one thread and a helper: 10.6-11.1 ms against
+// 9.3-9.8 with the pool shared).
 Helpers& own_helpers() {
   static Helpers h;
   return h;
