@@ -223,9 +223,10 @@ inline void scores16(const float* qs, int D, const float* kt, __m512* s) {
   }
 }
 
-// acc_i[c, c + 16 NV) += sum_j p_i[j] v_j[c, c + 16 NV), RB rows sharing each V load.
+// acc_i[c, c + 16 NV) += sum_j p_i[j] v_j[c, c + 16 NV), RB rows sharing each V load; row i's
+// probabilities at p + i * ps.
 template <int RB, int NV>
-inline void pv16(const float* p, const float* v, int64_t stride, int nk, int D, float* acc) {
+inline void pv16(const float* p, int ps, const float* v, int64_t stride, int nk, int D, float* acc) {
   __m512 a[RB][NV];
   for (int i = 0; i < RB; ++i)
     for (int c = 0; c < NV; ++c) a[i][c] = _mm512_loadu_ps(acc + i * D + 16 * c);
@@ -233,7 +234,7 @@ inline void pv16(const float* p, const float* v, int64_t stride, int nk, int D, 
     __m512 vj[NV];
     for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(v + j * stride + 16 * c);
     for (int i = 0; i < RB; ++i) {
-      const __m512 pij = _mm512_set1_ps(p[i * 16 + j]);
+      const __m512 pij = _mm512_set1_ps(p[i * ps + j]);
       for (int c = 0; c < NV; ++c) a[i][c] = _mm512_fmadd_ps(pij, vj[c], a[i][c]);
     }
   }
@@ -242,78 +243,104 @@ inline void pv16(const float* p, const float* v, int64_t stride, int nk, int D, 
 }
 
 template <int RB>
-inline void pv16_rows(const float* p, const float* v, int64_t stride, int nk, int D, float* acc) {
+inline void pv16_rows(const float* p, int ps, const float* v, int64_t stride, int nk, int D, float* acc) {
   for (int c = 0; c < D; c += 64) {  // 16 accumulators and 4 V vectors in registers
     switch (std::min(4, (D - c) / 16)) {
-      case 4: pv16<RB, 4>(p, v + c, stride, nk, D, acc + c); break;
-      case 3: pv16<RB, 3>(p, v + c, stride, nk, D, acc + c); break;
-      case 2: pv16<RB, 2>(p, v + c, stride, nk, D, acc + c); break;
-      default: pv16<RB, 1>(p, v + c, stride, nk, D, acc + c); break;
+      case 4: pv16<RB, 4>(p, ps, v + c, stride, nk, D, acc + c); break;
+      case 3: pv16<RB, 3>(p, ps, v + c, stride, nk, D, acc + c); break;
+      case 2: pv16<RB, 2>(p, ps, v + c, stride, nk, D, acc + c); break;
+      default: pv16<RB, 1>(p, ps, v + c, stride, nk, D, acc + c); break;
     }
   }
 }
 
 // attend()'s blocks for a float cache with head_dim % 16 == 0 and block_size <= 16, where a
-// block's keys fit one 16-lane vector, and at least four query rows per kv head. Each block's K
-// is gathered once, transposed ([D][16]): a row's scores are then D broadcast FMAs with no
-// horizontal sums, up to four rows of one kv head sharing each K load, and P.V shares each V
-// row among them likewise. scratch: 4 * 16 + kv_count * D * 16 floats.
+// block's keys fit one 16-lane vector, and at least four query rows per kv head. Up to kGroup
+// blocks at a time: their K is gathered once, transposed ([D][16] each), so a row's scores
+// are D broadcast FMAs per block with no horizontal sums, up to four rows of one kv head
+// sharing each K load; the online softmax then takes one max, one sum and one rescale of the
+// row's accumulator per group rather than per block, and P.V shares each V row among the rows.
+// scratch: 4 * kGroup * 16 + kv_count * kGroup * D * 16 floats.
+constexpr int kGroup = 4;
+
 void blocks16(const Item& it, const Shape& sh, const float* k_cache, const float* v_cache, const int32_t* table,
               int64_t first_pos, const float* qs, float* acc, float* m, float* l, float* scratch) {
   const int D = static_cast<int>(sh.head_dim), BS = static_cast<int>(sh.block_size);
   const int G = static_cast<int>(sh.num_heads / sh.num_kv_heads);
   const int NKV = it.kv_count, RQ = G * NKV, R = it.q_count * RQ;
   const int64_t n_keys = first_pos + it.q_count;
-  float* p = scratch;  // [4, 16] the row block's probabilities of the block's keys
-  float* kt = p + 4 * 16;  // [NKV, D, 16] the block's K, transposed
+  float* p = scratch;  // [4, kGroup, 16] the row block's probabilities of the group's keys
+  float* kt = p + 4 * kGroup * 16;  // [NKV, kGroup, D, 16] the group's K, transposed block by block
   const int64_t row_stride = sh.num_kv_heads * D;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i gather_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(row_stride)));
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  for (int64_t k0 = 0; k0 < n_keys; k0 += BS) {
-    const int nk = static_cast<int>(std::min<int64_t>(BS, n_keys - k0));
-    const __mmask16 present = static_cast<__mmask16>((1u << nk) - 1);
-    const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * sh.num_kv_heads + it.kv_head) * D;
-    for (int h = 0; h < NKV; ++h)
-      for (int d = 0; d < D; ++d)
-        _mm512_storeu_ps(kt + (h * D + d) * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, gather_at,
-                                                                          k_cache + base + h * D + d, 4));
-    const float* vb = v_cache + base;
+  for (int64_t g0 = 0; g0 < n_keys; g0 += static_cast<int64_t>(kGroup) * BS) {
+    const int nb = static_cast<int>(std::min<int64_t>(kGroup, (n_keys - g0 + BS - 1) / BS));
+    int nk[kGroup];
+    __mmask16 present[kGroup];
+    const float* vb[kGroup];
+    for (int b = 0; b < nb; ++b) {
+      const int64_t k0 = g0 + static_cast<int64_t>(b) * BS;
+      nk[b] = static_cast<int>(std::min<int64_t>(BS, n_keys - k0));
+      present[b] = static_cast<__mmask16>((1u << nk[b]) - 1);
+      const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS * sh.num_kv_heads + it.kv_head) * D;
+      vb[b] = v_cache + base;
+      for (int h = 0; h < NKV; ++h)
+        for (int d = 0; d < D; ++d)
+          _mm512_storeu_ps(kt + ((h * kGroup + b) * D + d) * 16,
+                           _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present[b], gather_at,
+                                                    k_cache + base + h * D + d, 4));
+    }
     for (int r = 0; r < R;) {
       const int h = (r % RQ) / G;  // the row's kv head, within the item
       int rb = 1;
       while (rb < 4 && r + rb < R && ((r + rb) % RQ) / G == h) ++rb;
-      __m512 s[4];
-      const float* kth = kt + h * D * 16;
-      switch (rb) {
-        case 4: scores16<4>(qs + r * D, D, kth, s); break;
-        case 3: scores16<3>(qs + r * D, D, kth, s); break;
-        case 2: scores16<2>(qs + r * D, D, kth, s); break;
-        default: scores16<1>(qs + r * D, D, kth, s); break;
+      __m512 s[kGroup][4];
+      for (int b = 0; b < nb; ++b) {
+        const float* kth = kt + (h * kGroup + b) * D * 16;
+        switch (rb) {
+          case 4: scores16<4>(qs + r * D, D, kth, s[b]); break;
+          case 3: scores16<3>(qs + r * D, D, kth, s[b]); break;
+          case 2: scores16<2>(qs + r * D, D, kth, s[b]); break;
+          default: scores16<1>(qs + r * D, D, kth, s[b]); break;
+        }
       }
       for (int i = 0; i < rb; ++i) {
         const int row = r + i;
         const int64_t pos = first_pos + row / RQ;  // keys after it are not seen
-        const __mmask16 seen = present & _mm512_cmple_epi32_mask(
-                                             _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(k0))),
-                                             _mm512_set1_epi32(static_cast<int32_t>(pos)));
-        const __m512 si = _mm512_mask_mov_ps(neg_inf, seen, s[i]);
-        // Key 0 is in the first block and every query sees it, so mx is finite from there on.
-        const float mx = std::max(m[row], _mm512_reduce_max_ps(si));
+        __m512 top = neg_inf;
+        for (int b = 0; b < nb; ++b) {
+          const __mmask16 seen = present[b] & _mm512_cmple_epi32_mask(
+                                                  _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(g0 + b * BS))),
+                                                  _mm512_set1_epi32(static_cast<int32_t>(pos)));
+          s[b][i] = _mm512_mask_mov_ps(neg_inf, seen, s[b][i]);
+          top = _mm512_max_ps(top, s[b][i]);
+        }
+        // Key 0 is in the first group and every query sees it, so mx is finite from there on.
+        const float mx = std::max(m[row], _mm512_reduce_max_ps(top));
         const float alpha = exp_nonpos(m[row] - mx);
-        const __m512 pi = exp_nonpos16(_mm512_sub_ps(si, _mm512_set1_ps(mx)));
-        l[row] = l[row] * alpha + _mm512_reduce_add_ps(pi);
+        const __m512 mxv = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+          const __m512 pi = exp_nonpos16(_mm512_sub_ps(s[b][i], mxv));
+          sum = _mm512_add_ps(sum, pi);
+          _mm512_storeu_ps(p + (i * kGroup + b) * 16, pi);
+        }
+        l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
         m[row] = mx;
-        _mm512_storeu_ps(p + i * 16, pi);
         if (alpha != 1.0f)
           for (int c = 0; c < D; ++c) acc[row * D + c] *= alpha;
       }
-      const float* vh = vb + h * D;
-      switch (rb) {
-        case 4: pv16_rows<4>(p, vh, row_stride, nk, D, acc + r * D); break;
-        case 3: pv16_rows<3>(p, vh, row_stride, nk, D, acc + r * D); break;
-        case 2: pv16_rows<2>(p, vh, row_stride, nk, D, acc + r * D); break;
-        default: pv16_rows<1>(p, vh, row_stride, nk, D, acc + r * D); break;
+      for (int b = 0; b < nb; ++b) {
+        const float* vh = vb[b] + h * D;
+        const float* pb = p + b * 16;
+        switch (rb) {
+          case 4: pv16_rows<4>(pb, kGroup * 16, vh, row_stride, nk[b], D, acc + r * D); break;
+          case 3: pv16_rows<3>(pb, kGroup * 16, vh, row_stride, nk[b], D, acc + r * D); break;
+          case 2: pv16_rows<2>(pb, kGroup * 16, vh, row_stride, nk[b], D, acc + r * D); break;
+          default: pv16_rows<1>(pb, kGroup * 16, vh, row_stride, nk[b], D, acc + r * D); break;
+        }
       }
       r += rb;
     }
@@ -347,7 +374,7 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   const bool wide = D % 8 == 0;  // the AVX2 steps, where compiled in
   const int NKV = it.kv_count;
   work.resize(static_cast<size_t>(R) * D * 2 +
-              (wide16 ? 4 * 16 + static_cast<size_t>(NKV) * D * 16
+              (wide16 ? 4 * kGroup * 16 + static_cast<size_t>(NKV) * kGroup * D * 16
                       : static_cast<size_t>(R) * BSP + (kFloat ? 0 : 2 * static_cast<size_t>(NKV) * BS * D)));
   float* qs = work.data();  // [R, D] scaled queries
   float* acc = qs + R * D;  // [R, D]
