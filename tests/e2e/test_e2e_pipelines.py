@@ -135,14 +135,20 @@ def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference
     assert wait_idle(system) == {}
 
 
+# Enough tokens that the relay is still decoding when its MD deadline fires: the relay decodes
+# one stream at ~4-5 ms a token here, ~6 s for these against the deadline's 3.5 (with 600 it
+# could finish first, as a short output, and the fallback never ran).
+CUT_TOKENS = 1400
+
+
 def assert_wan_cut_falls_back_to_relay(system: RunningSystem, reference: LLMEngine, salt: int) -> None:
     prompt = prompt_of(300, salt=salt)
     with system.shaped("bulk", cut=True):
-        r = complete(system, prompt, max_tokens=600, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
+        r = complete(system, prompt, max_tokens=CUT_TOKENS, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
     assert r.status_code == 200, r.text
     assert r.json()["pdd"]["pipeline"] == "rld-only"
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(
-        reference, prompt, max_tokens=600, ignore_eos=True
+        reference, prompt, max_tokens=CUT_TOKENS, ignore_eos=True
     )
     assert f"request {r.headers['x-request-id']}: MD not ready in time" in system.log(
         "relay"
