@@ -135,9 +135,9 @@ def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference
     assert wait_idle(system) == {}
 
 
-# Enough tokens that the relay is still decoding when its MD deadline fires: the relay decodes
-# one stream at ~4-5 ms a token here, ~6 s for these against the deadline's 3.5 (with 600 it
-# could finish first, as a short output, and the fallback never ran).
+# Enough tokens that the relay is still decoding when its MD deadline fires: the request takes
+# ~10 s here against the deadline's 3.5 (with 600 the relay could finish first, as a short
+# output, and the fallback the test looks for never ran).
 CUT_TOKENS = 1400
 
 
