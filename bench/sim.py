@@ -22,15 +22,15 @@ import time
 
 from pdd.benchkit.progress import add_quiet_option, progress
 from pdd.benchkit.report import save_report
-from pdd.sim.agentic import PAPER, agentic_open_loop
-from pdd.sim.deployment import Deployment, LinkSpec, RoleSpec, pdd, same_dc
-from pdd.sim.goodput import sla_goodput
-from pdd.sim.model_spec import ModelSpec
-from pdd.sim.profiles import chip, model_names, model_spec
-from pdd.sim.records import SimResult
-from pdd.sim.simulator import simulate
-from pdd.sim.sla import Sla
-from pdd.sim.workload import Workload
+from pdd.sim.fleet.deployment import Deployment, LinkSpec, RoleSpec, pdd, same_dc
+from pdd.sim.fleet.records import SimResult
+from pdd.sim.fleet.simulator import simulate
+from pdd.sim.hardware.model_spec import ModelSpec
+from pdd.sim.hardware.profiles import chip, model_names, model_spec
+from pdd.sim.studies.goodput import sla_goodput
+from pdd.sim.studies.sla import Sla
+from pdd.sim.workloads.agentic import PAPER, agentic_open_loop
+from pdd.sim.workloads.workload import Workload
 
 GOAL_CPU_S = 60.0  # per simulated hour
 HOUR_S = 3600.0

@@ -13,7 +13,7 @@ import time
 import torch
 
 from shared.kv.checksum import DEFAULT_ALGO, checksum
-from shared.kv.rdma_engine import RdmaEngine, unavailable
+from shared.kv.rdma.engine import RdmaEngine, unavailable
 
 HOST = "127.0.0.1"
 

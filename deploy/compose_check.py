@@ -251,7 +251,8 @@ def check_scaled(compose: Compose, want: dict[str, Any]) -> None:
 
 def check_monitoring() -> None:
     """Profile `monitoring`: Prometheus scrapes every replica (both MDs after the scale-up, found
-    through Docker's DNS), Grafana shows the provisioned dashboard and queries Prometheus."""
+    through Docker's DNS) and evaluates its rules, Grafana shows the provisioned dashboard and
+    queries Prometheus."""
     replicas = {"prefill": 1, "relay": 1, "main_decode": 2, "router": 1}
 
     def targets_up() -> bool:
@@ -261,6 +262,14 @@ def check_monitoring() -> None:
 
     wait_for("Prometheus scraping every replica", targets_up, 90)
     check(True, f"Prometheus: every replica scraped {replicas}")
+
+    def rules_evaluated() -> bool:  # deploy/prometheus/rules.yml, mounted beside the config
+        groups = httpx.get(f"{PROMETHEUS}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return bool(rules) and all(r["health"] == "ok" for r in rules)
+
+    wait_for("Prometheus evaluating its recording rules and alerts", rules_evaluated, 60)
+    check(True, "Prometheus: its recording rules and alerts evaluate")
     board = httpx.get(f"{GRAFANA}/api/dashboards/uid/{DASHBOARD_UID}", timeout=10)  # anonymous viewer
     check(
         board.status_code == 200 and bool(board.json()["dashboard"]["panels"]), "Grafana: the pdd dashboard"

@@ -3,12 +3,12 @@ a workdir, for that DC's hosts only.
 
 A bundle directory (0700, files 0600) holds what a DC's hosts need and nothing of the other
 DC's: the CA certificate (never its key), the DC's NATS server certificate and config (only
-its own services' users), each of its services' certificate, key and NATS password, dc-a's
-local KV key, an env file per service (`pdd serve SERVICE --env-file`, paths relative to the
+its own services' users, each mapped from its certificate), each of its services' certificate
+and key (no NATS password: the certificate is the credential), dc-a's local KV key, an env file per service (`pdd serve SERVICE --env-file`, paths relative to the
 bundle) and bundle.json. Certificates are issued from <workdir>/secrets/ca.key; nothing
 already issued (in the workdir or the other DC's bundle) changes.
 
-    ca.pem  nats-a.{pem,key,conf}  <svc>.{pem,key,nats-password,env}  [kv-local-secret]  bundle.json
+    ca.pem  nats-a.{pem,key,conf}  <svc>.{pem,key,env}  [kv-local-secret]  bundle.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ENV_KEY = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 def _secrets(workdir: Path) -> Credentials:
-    """The workdir's credentials: the CA, the passwords and the local key (made if missing)."""
+    """The workdir's credentials: the CA and the local key (made if missing)."""
     return Credentials(workdir.resolve() / "secrets").ensure(SERVICES, [])
 
 
@@ -73,8 +73,6 @@ def _service_env(dc: str, service: str, stem: str, extra: dict[str, str]) -> dic
     p = ENV_PREFIX[service]
     env = {
         f"{p}DATACENTER": dc,
-        f"{p}NATS_USER": service,
-        f"{p}NATS_PASSWORD_FILE": f"{service}.nats-password",
         f"{p}TLS_CA": "ca.pem",
         f"{p}TLS_CERT": f"{stem}.pem",
         f"{p}TLS_KEY": f"{stem}.key",
@@ -90,7 +88,6 @@ def _write_env(path: Path, env: dict[str, str]) -> None:
 
 
 def _service_files(creds: Credentials, out: Path, dc: str, service: str, extra: dict[str, str]) -> None:
-    _copy(creds.password_file(service), out / f"{service}.nats-password")
     if service in LOCAL_KV_SERVICES:
         _copy(creds.secret_file, out / creds.secret_file.name)
     _write_env(out / f"{service}.env", _service_env(dc, service, service, extra))
@@ -122,6 +119,8 @@ def write_bundle(
         raise ValueError(f"unknown datacenter {dc!r} (one of {', '.join(DCS)})")
     creds, out, hosts = _secrets(workdir), _private_dir(out.resolve()), sorted(set(hosts or []))
     _copy(creds.pki.ca_cert, out / "ca.pem")  # every CA it holds (a rotation's overlap): never the key
+    for old in out.glob("*.nats-password"):  # a bundle made before certificates were the NATS credential
+        old.unlink()
     _issue_dc(creds, out, dc, hosts)
     for service in DC_SERVICES[dc]:
         _service_files(creds, out, dc, service, env or {})
@@ -151,16 +150,12 @@ def bundle_nats_config(
     (nats-a 4222 / 7222, nats-b 4223 / 7223); gateway_urls: how this server dials the other
     DC's gateway (none: it waits to be dialed); advertise: the address the other DC should dial
     (the WAN link in front of this gateway)."""
-    from shared.bus.nats_config import NatsConfig, NatsUser  # lazy: shared.bus pulls in nats
-    from shared.bus.permissions import PERMISSIONS
+    from shared.bus.nats_config import NatsConfig, nats_users  # lazy: shared.bus pulls in nats
 
     bundle_dir = Path(bundle_dir).resolve()
     meta = json.loads((bundle_dir / "bundle.json").read_text())
     dc, nats = meta["dc"], meta["nats"]
-    users = [
-        NatsUser(s, (bundle_dir / f"{s}.nats-password").read_text().strip(), PERMISSIONS[s])
-        for s in meta["services"]
-    ]
+    users = nats_users(meta["services"])
     client_port, gateway_port = NATS_PORTS[dc]
     tls = Identity(bundle_dir / "ca.pem", bundle_dir / f"{nats}.pem", bundle_dir / f"{nats}.key")
     return NatsConfig(
@@ -198,7 +193,7 @@ def add_instance(
 ) -> Path:
     """One instance's own certificate (spiffe://pdd/<dc>/<role>/<instance>) into `out`, as
     <role>-<instance>.pem/.key, with what it needs to run there (the CA certificate, its
-    role's NATS password, an env file) unless present; returns the certificate."""
+    role's local KV key where it has one, an env file) unless present; returns the certificate."""
     if role != "nats" and role not in DC_SERVICES.get(dc, ()):
         raise ValueError(f"{role} does not run in {dc} (it has {', '.join(DC_SERVICES.get(dc, ()))}, nats)")
     ident = parse_identity(PeerIdentity(dc, role, instance).uri)  # a well-formed instance id
@@ -208,9 +203,8 @@ def add_instance(
     if not (out / "ca.pem").exists():
         _copy(creds.pki.ca_cert, out / "ca.pem")
     if role != "nats":
-        for src in [creds.password_file(role), *([creds.secret_file] if role in LOCAL_KV_SERVICES else [])]:
-            if not (out / src.name).exists():
-                _copy(src, out / src.name)
+        if role in LOCAL_KV_SERVICES and not (out / creds.secret_file.name).exists():
+            _copy(creds.secret_file, out / creds.secret_file.name)
         extra = {f"{ENV_PREFIX[role]}INSTANCE": instance}
         _write_env(out / f"{stem}.env", _service_env(dc, role, stem, extra))
     return out / f"{stem}.pem"

@@ -7,7 +7,8 @@ per check, ok / warn / FAIL (skip: the check does not apply in this DC); exit 1 
     own cert      valid now, not expiring within 30 days, its URI SAN names this role and DC
     server cert   each NATS URL in use: the server's certificate names that host, role nats
     gateway cert  the same for each --gateway-url (the other DC's gateway this DC's server dials)
-    nats          connect with this service's user, password and certificate, then flush
+    nats          connect with this service's certificate (the server maps it to the role's
+                  user), then flush
     gateway       a load report from the other DC heard through the gateway (and, with
                   --monitor, the server's /gatewayz lists an inbound and an outbound gateway)
     md bulk       dc-a: each MD address (--md-bulk, else learned from MD's load reports)
@@ -41,7 +42,7 @@ from cryptography import x509
 from pdd.launch import other_dc
 from shared.config import ENV_PREFIX, SETTINGS
 from shared.env_file import parse_env_file
-from shared.security.identity import PeerIdentity
+from shared.security.identity import PeerIdentity, mismatch
 from shared.security.identity import parse_identity as identity_of
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -103,8 +104,8 @@ def own_cert_verdict(
         return Verdict(
             FAIL, check, f"names no {SPIFFE_PREFIX}<dc>/<role> identity: reissue it (pdd certs bundle)"
         )
-    if ident[:2] != (dc, role):
-        return Verdict(FAIL, check, f"says {ident[0]}/{ident[1]}, this host runs {dc}/{role}")
+    if why := mismatch(ident, role, dc):
+        return Verdict(FAIL, check, f"{why}: {ident.uri} cannot run {role} in {dc}")
     left = not_after - now
     if left < dt.timedelta(days=EXPIRY_WARN_DAYS):
         return Verdict(WARN, check, f"expires in {left.days} days ({not_after:%Y-%m-%d}): rotate it")
@@ -114,18 +115,19 @@ def own_cert_verdict(
 def peer_cert_verdict(
     check: str, host: str, dns: Sequence[str], ips: Sequence[str], uris: Sequence[str], role: str
 ) -> Verdict:
-    """The certificate a server at `host` presented: it names the host and has role `role`."""
+    """The certificate a server at `host` presented has role `role` and names the host. Who
+    it is comes first: another role's certificate is that fault, whatever hosts it names."""
+    ident = parse_identity(uris)
+    if ident is None:
+        return Verdict(FAIL, check, f"its certificate names no {SPIFFE_PREFIX}<dc>/{role} identity")
+    if why := mismatch(ident, role):
+        return Verdict(FAIL, check, f"{why}: {host} presents {ident.uri}")
     if not names_host(host, dns, ips):
         return Verdict(
             FAIL,
             check,
             f"its certificate names {sorted({*dns, *ips})}, not {host}: add it (pdd certs add-host)",
         )
-    ident = parse_identity(uris)
-    if ident is None:
-        return Verdict(FAIL, check, f"its certificate names no {SPIFFE_PREFIX}<dc>/{role} identity")
-    if ident[1] != role:
-        return Verdict(FAIL, check, f"its certificate is {ident[0]}/{ident[1]}'s, not a {role}'s")
     return Verdict(OK, check, f"names {host}, {SPIFFE_PREFIX}{'/'.join(filter(None, ident))}")
 
 
@@ -192,8 +194,8 @@ def clock_verdict(
 
 
 def service_of(env: dict[str, str]) -> str | None:
-    """The service whose NATS user the env names (PDD_<SERVICE>_NATS_USER)."""
-    return next((name for name, p in ENV_PREFIX.items() if f"{p}NATS_USER" in env), None)
+    """The service whose certificate the env names (PDD_<SERVICE>_TLS_CERT)."""
+    return next((name for name, p in ENV_PREFIX.items() if f"{p}TLS_CERT" in env), None)
 
 
 def bundle_env(directory: Path, service: str | None) -> tuple[str, dict[str, str]]:
@@ -214,11 +216,7 @@ def load_settings(service: str, env: dict[str, str]) -> Any:
     """The service's settings from the files' values under the process environment (which wins)."""
     for key, value in env.items():
         os.environ.setdefault(key, value)
-    settings = SETTINGS[service]()
-    if not settings.nats_password and settings.nats_password_file:
-        with contextlib.suppress(OSError):  # unreadable: reported as a missing credential
-            settings.nats_password = Path(settings.nats_password_file).read_text().strip()
-    return settings
+    return SETTINGS[service]()
 
 
 # ---- probes ------------------------------------------------------------------------------------
@@ -289,22 +287,6 @@ async def peer_cert(
     return peer_cert_verdict(check, host, dns, ips, uris, role)
 
 
-def may(patterns: Iterable[str], subject: str) -> bool:
-    """Whether a subject (wildcards allowed) lies within one of the permission patterns."""
-    want = subject.split(".")
-    for pattern in patterns:
-        have = pattern.split(".")
-        for i, tok in enumerate(have):
-            if tok == ">":
-                return True
-            if i >= len(want) or (tok != "*" and tok != want[i]) or (tok == "*" and want[i] == ">"):
-                break
-        else:
-            if len(have) == len(want):
-                return True
-    return False
-
-
 async def hear_other_dc(
     nc, service: str, other_dc: str, window_s: float
 ) -> tuple[list[str], list[str], list[str]]:
@@ -313,10 +295,10 @@ async def hear_other_dc(
     from pdd.launch import SERVICES, datacenter
     from shared.bus.codec import MessageError, decode
     from shared.bus.messages import LoadReport, Role
-    from shared.bus.permissions import PERMISSIONS, own_load
+    from shared.bus.permissions import PERMISSIONS, allows, own_load
 
     wanted = [own_load(r) for r in SERVICES if datacenter(r) == other_dc]
-    allowed = [s for s in wanted if may(PERMISSIONS[service].subscribe, s)]
+    allowed = [s for s in wanted if allows(PERMISSIONS[service].subscribe, s)]
     heard: set[str] = set()
     addresses: set[str] = set()
 
@@ -373,7 +355,7 @@ async def run_checks(
     from shared.security.credentials import nats_options
 
     urls = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
-    needed = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key")
+    needed = ("tls_ca", "tls_cert", "tls_key")
     missing = [n for n in needed if not getattr(settings, n)]
     if missing:
         why = f"{service}: no {', '.join(missing)} in the bundle, env files or environment"
@@ -395,12 +377,10 @@ async def run_checks(
         nc = await connect(urls, f"pdd-check-{service}", timeout=timeout_s, allow_reconnect=False, **opts)
         await nc.flush(timeout_s)
         took = (time.monotonic() - t0) * 1e3
-        out.append(Verdict(OK, "nats", f"{nc.connected_url.netloc} as {settings.nats_user}, {took:.0f} ms"))
+        out.append(Verdict(OK, "nats", f"{nc.connected_url.netloc} as {service}, {took:.0f} ms"))
     except Exception as e:
         why = str(e) or f"no connection within {timeout_s:g} s"
-        out.append(
-            Verdict(FAIL, "nats", f"{', '.join(urls)} as {settings.nats_user}: {type(e).__name__}: {why}")
-        )
+        out.append(Verdict(FAIL, "nats", f"{', '.join(urls)} as {service}: {type(e).__name__}: {why}"))
     try:
         out += await _bus_checks(nc, service, settings, md_bulk, bulk_identity, monitor, timeout_s)
     finally:
@@ -422,7 +402,7 @@ async def _bus_checks(
     """gateway, md bulk, clock: what the other DC shows of itself on the bus."""
     import httpx
 
-    from shared.bus.permissions import PERMISSIONS
+    from shared.bus.permissions import PERMISSIONS, allows
     from shared.bus.subjects import traces_get
 
     dc = settings.datacenter
@@ -457,7 +437,7 @@ async def _bus_checks(
     clock = f"clock vs {other}"
     if nc is None:
         out.append(Verdict(WARN, clock, "no NATS connection: clocks not compared"))
-    elif not may(PERMISSIONS[service].publish, traces_get(other)):
+    elif not allows(PERMISSIONS[service].publish, traces_get(other)):
         out.append(Verdict(SKIP, clock, "asked from dc-a as router (a trace across DCs assumes NTP)"))
     else:
         out.append(clock_verdict(other, await clock_samples(nc, other, timeout_s)))
@@ -478,7 +458,7 @@ def main(args: Any) -> int:
     service = service or service_of(env)
     if not service:
         raise SystemExit(
-            "pdd check: which service? give --service, --bundle or an env file naming PDD_<SVC>_NATS_USER"
+            "pdd check: which service? give --service, --bundle or an env file naming PDD_<SVC>_TLS_CERT"
         )
     if args.nats_url:
         os.environ[f"{ENV_PREFIX[service]}NATS_URL"] = args.nats_url

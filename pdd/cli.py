@@ -18,7 +18,8 @@ from pathlib import Path
 from pdd import certs as certs_cli
 from pdd import serve_nats
 from pdd.benchkit.catalog import bench_names, benches, listing
-from pdd.launch import MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
+from pdd.launch import DTYPE_CHOICES, MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
+from shared.config import TOOL_CALL_PARSERS
 
 ENV_FILE_HELP = (
     "KEY=VALUE lines (repeatable; a later file wins, the process environment over all); "
@@ -32,7 +33,16 @@ COUNT_HELP = {
     "routers": f"routers, on consecutive ports from --port (1..{MAX_COUNT}); ",
     "nats_cluster": f"NATS nodes per datacenter (1..{MAX_COUNT}); ",
     "bandwidth_mbps": "WAN cap per direction, Mbit/s (0: uncapped); ",
+    "model": "a Hugging Face directory or a .gguf file (llama, mistral, qwen2, qwen3); "
+    "none: the embedded SmolLM2-135M-Instruct; ",
+    "model_preset": "seeded random weights instead (tiny | small | medium: tests, benchmarks); ",
+    "served_model_name": "the model id of the API; default: --model as given; ",
+    "max_model_len": "longest prompt + output, tokens; default: the model's context length; ",
+    "dtype": "auto (float32 on the CPU; the checkpoint's on a GPU) | float32 | bfloat16 | float16; ",
+    "kv_cache_space": "GiB of KV cache on this machine, split among the engines (vLLM's CPU default); ",
+    "tool_call_parser": "the format of the model's tool calls; none: what its chat template teaches; ",
 }
+FIELD_TYPES = {"max_model_len": int}  # fields whose default (None) does not tell their type
 
 
 def _add_up_options(p: argparse.ArgumentParser) -> None:
@@ -44,10 +54,16 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
             continue  # repeatable: below
         value = getattr(defaults, f.name)
         flags = [f"--{f.name.replace('_', '-')}"] + (["--port"] if f.name == "router_port" else [])
-        kind = type(value) if value is not None else str
+        kind = FIELD_TYPES.get(f.name) or (type(value) if value is not None else str)
         what = COUNT_HELP.get(f.name, "")
+        choices = {"dtype": DTYPE_CHOICES, "tool_call_parser": TOOL_CALL_PARSERS}.get(f.name)
         p.add_argument(
-            *flags, dest=f.name, type=kind, default=argparse.SUPPRESS, help=f"{what}default: {value}"
+            *flags,
+            dest=f.name,
+            type=kind,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"{what}default: {value}",
         )
     p.add_argument(
         "--api-key",
@@ -70,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole two-DC system on this machine")
     _add_up_options(up)
 
-    certs = sub.add_parser("certs", help="(re)create credentials (CA, certs, NATS passwords); per-DC bundles")
+    certs = sub.add_parser(
+        "certs", help="(re)create credentials (CA, certificates, local KV key); per-DC bundles"
+    )
     certs.add_argument(
         "--workdir", type=Path, default=UpOptions().workdir, help="credentials go to <workdir>/secrets"
     )
@@ -241,7 +259,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
                 f"{COMPOSE_HOSTS.bind}:{spec.port}",
                 "127.0.0.1:8222",
                 tls=creds.identity(spec.identity),
-                users=nats_users(creds, SERVICES),
+                users=nats_users(SERVICES),
                 gateway_listen=f"{COMPOSE_HOSTS.bind}:{spec.gateway_port}",
                 gateway_advertise=spec.advertise,
                 gateways=spec.gateways,

@@ -87,6 +87,15 @@ def _router_http() -> Iterator[tuple[str, tuple[str, ...], Any]]:
         yield f"http.{f.name}", env_names(f.name), f.default
 
 
+def _span_store() -> Iterator[tuple[str, tuple[str, ...], Any]]:
+    """The host's span store, read from the process environment by every service: one per DC
+    (or per host) unless they share a filesystem on purpose."""
+    from shared.telemetry.span_store import DEFAULT_MAX_BYTES, MAX_BYTES_ENV, TRACE_DIR_ENV
+
+    yield "trace.dir", (TRACE_DIR_ENV,), "(.pdd/traces under the working directory)"
+    yield "trace.max_bytes", (MAX_BYTES_ENV,), DEFAULT_MAX_BYTES
+
+
 def _dig(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
@@ -114,6 +123,7 @@ def rows(service: str, origins: Mapping[str, Path] | None = None) -> tuple[list[
         except ValueError as e:
             errors.append(str(e))
         fields += [("router", *f) for f in _router_http()]
+    fields += [("environment", *f) for f in _span_store()]
     out = []
     for owner, name, names, default in fields:
         given = next((n for n in names if n in env), None)

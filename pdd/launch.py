@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import ENV_PREFIX
+from shared.config import ENV_PREFIX, TOOL_CALL_PARSERS
 from shared.security.credentials import LOCAL_KV_SERVICES, Credentials
 from shared.security.identity import NATS_DC, ROLE_DC
 
@@ -36,6 +36,7 @@ KV_SERVICES = ("prefill", "relay", "main_decode")  # ends of the KV bulk channel
 DECODE_SERVICES = ("relay", "main_decode")
 NATS_CLUSTER = {dc: name for name, dc in NATS_DC.items()}  # also each DC's gateway name
 MAX_COUNT = 8  # most instances of one role, and most NATS nodes per DC
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 COUNTS = {"prefill": "prefill", "relay": "relay", "main_decode": "md", "router": "routers"}  # UpOptions field
 
 
@@ -48,8 +49,17 @@ class UpOptions:
     delay_ms: float = 15.0  # one-way WAN delay
     jitter_ms: float = 2.0
     bandwidth_mbps: float = 1000.0  # 0: uncapped
-    model_preset: str = "tiny"
-    model_path: str | None = None
+    # What to serve (vLLM's --model): a Hugging Face directory or a .gguf file; or a seeded
+    # preset (tiny | small | medium); neither: the embedded default, SmolLM2-135M-Instruct.
+    model: str | None = None
+    model_preset: str | None = None
+    served_model_name: str | None = None  # the API's model id; default: --model as given
+    max_model_len: int | None = None  # default: the model's context length
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # KV cache memory of the machine, GiB, split evenly among the engines on it: vLLM's
+    # VLLM_CPU_KVCACHE_SPACE default for its one CPU engine (on CUDA each engine takes
+    # gpu_memory_utilization of its device instead; PDD_ENGINE__GPU_MEMORY_UTILIZATION).
+    kv_cache_space: float = 4.0
     workdir: Path = Path(".pdd")
     prefill: int = 1  # instances of each role
     relay: int = 1
@@ -69,8 +79,21 @@ class UpOptions:
     wan_control_port: int = 7490
     metrics_base_port: int = 9100
     api_keys: tuple[str, ...] = ()  # router API keys (`--api-key`, repeatable); none: the API is open
+    # How the model writes tool calls (vLLM's --tool-call-parser): hermes | llama3_json; none:
+    # what the model's chat template teaches (hermes unless it is Llama 3's).
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if not self.kv_cache_space > 0:
+            raise ValueError(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
         for name in (*COUNTS.values(), "nats_cluster"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
@@ -347,11 +370,12 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
         f"{p}NATS_URL": nats_url(opts, h, dc),
         **({f"{p}INSTANCE": str(instance)} if h.instance_ids else {}),  # compose: the container's hostname
         f"{p}DATACENTER": dc,
-        f"{p}MODEL__PRESET": opts.model_preset,
+        **_model_env(p, opts),
         **_credentials_env(name, secrets_dir(opts, h)),
     }
-    if opts.model_path:
-        env[f"{p}MODEL__PATH"] = str(opts.model_path)
+    if name in KV_SERVICES and h.shared_cores:  # engines on one machine share its KV space
+        engines = sum(instance_counts(opts)[s] for s in KV_SERVICES)
+        env[f"{p}ENGINE__KV_CACHE_SPACE_GIB"] = f"{opts.kv_cache_space / engines:g}"
     if name != "router":  # the router serves /metrics on its HTTP port
         env[f"{p}METRICS_PORT"] = str(port_plan(opts).metrics[name][instance])
         env[f"{p}METRICS_HOST"] = h.bind  # like the service: loopback under `pdd up`
@@ -376,6 +400,19 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
     if local and "LD_PRELOAD" not in os.environ and (lib := tcmalloc_path()):
         env["LD_PRELOAD"] = lib
     return env
+
+
+def _model_env(p: str, opts: UpOptions) -> dict[str, str]:
+    """What to serve, as every service reads it: only what was given (the services' own
+    defaults are the rest: the embedded model, auto dtype, the model's context length)."""
+    given = {
+        "MODEL__PATH": opts.model,
+        "MODEL__PRESET": opts.model_preset,
+        "MODEL__SERVED_MODEL_NAME": opts.served_model_name,
+        "MODEL__DTYPE": None if opts.dtype == "auto" else opts.dtype,
+        "ENGINE__MAX_MODEL_LEN": opts.max_model_len,
+    }
+    return {f"{p}{k}": str(v) for k, v in given.items() if v is not None}
 
 
 # tcmalloc (Debian: libtcmalloc-minimal4), as vLLM's CPU build asks for: the engines' large
@@ -413,8 +450,6 @@ def _credentials_env(name: str, directory: Path) -> dict[str, str]:
     creds, p = Credentials(directory), ENV_PREFIX[name]
     ident = creds.identity(name)
     env = {
-        f"{p}NATS_USER": name,
-        f"{p}NATS_PASSWORD_FILE": str(creds.password_file(name)),
         f"{p}TLS_CA": str(ident.ca),
         f"{p}TLS_CERT": str(ident.cert),
         f"{p}TLS_KEY": str(ident.key),
@@ -438,6 +473,7 @@ def _role_settings(name: str, instance: int, opts: UpOptions, h: Hosts) -> dict[
         "host": h.bind,
         "port": str(plan.router[instance]),
         **({"api_keys": ",".join(opts.api_keys)} if opts.api_keys else {}),
+        **({"tool_call_parser": opts.tool_call_parser} if opts.tool_call_parser else {}),
         # The router's link-estimator priors start from the emulated link's settings.
         "default_bandwidth_bps": str(opts.bandwidth_mbps * 1e6 / 8),
         "default_rtt_s": str(2 * opts.delay_ms / 1000),

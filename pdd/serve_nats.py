@@ -1,7 +1,7 @@
 """`pdd serve nats --dc D --bundle DIR`: one datacenter's NATS server from its bundle.
 
 The config is rendered at every start from what the bundle holds (the CA, the server's own
-certificate, the passwords of that DC's services only) and the flags, then nats-server replaces
+certificate, the users of that DC's services only, each mapped from its certificate) and the flags, then nats-server replaces
 this process (signals reach it directly). Paths in the config are absolute, so a bundle copied
 anywhere works without edits.
 
@@ -75,7 +75,7 @@ def serve_nats(args: argparse.Namespace) -> int:
         return 0
     conf = args.config_out or args.bundle.resolve() / f"{NATS_OF[args.dc]}.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)
-    write_private(conf, text.encode())  # it holds this DC's passwords
+    write_private(conf, text.encode())
     binary = nats_server_binary()
     os.execv(binary, [binary, "-c", str(conf)])
     return 0  # not reached

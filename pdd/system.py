@@ -87,7 +87,7 @@ def start_system(
     delay_ms: float = 10,
     jitter_ms: float = 0,
     bandwidth_mbps: float = 1000,
-    model_preset: str = "tiny",
+    model_preset: str | None = "tiny",
     timeout_s: float = 180,
     prefill: int = 1,
     relay: int = 1,
@@ -119,8 +119,6 @@ def start_system(
         str(workdir),
         "--base-port",
         str(base),
-        "--model-preset",
-        model_preset,
         "--delay-ms",
         str(delay_ms),
         "--jitter-ms",
@@ -129,7 +127,8 @@ def start_system(
         str(bandwidth_mbps),
     ]
     args += [a for name, n in counts.items() for a in (f"--{name.replace('_', '-')}", str(n))]
-    args += ["--model-path", model_path] if model_path else []
+    args += ["--model-preset", model_preset] if model_preset else []
+    args += ["--model", model_path] if model_path else []
     args += [a for key in api_keys for a in ("--api-key", key)]
     out = open(workdir / "pdd-up.log", "wb")
     proc = subprocess.Popen(

@@ -59,7 +59,7 @@ def _nats_server(spec: NatsSpec, opts: UpOptions, creds: Credentials) -> Any:
         workdir=workdir,
         gateway_advertise=spec.advertise,
         tls=creds.identity(spec.identity),
-        users=nats_users(creds, SERVICES),
+        users=nats_users(SERVICES),
         # a lone server gets today's arguments only: no cluster block at all
         **(
             dict(cluster=spec.cluster, cluster_port=spec.cluster_port, routes=spec.routes)

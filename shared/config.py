@@ -5,7 +5,7 @@ NATS URL, secret, model, engine, ...) is read from `PDD_<FIELD>` for all service
 from `PDD_<SERVICE>_<FIELD>` for one service; the service's own variable wins. A field only one
 service has is read from `PDD_<SERVICE>_<FIELD>` alone. Nested model and engine fields use a
 double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_URL=nats://...`
-(MD only, over the former), `PDD_RELAY_CATCHUP_THRESHOLD=64`, `PDD_MODEL__PRESET=small`,
+(MD only, over the former), `PDD_RELAY_CATCHUP_THRESHOLD=64`, `PDD_MODEL__PATH=model.gguf`,
 `PDD_MD_MODEL__PRESET=small`.
 """
 
@@ -39,12 +39,21 @@ def advertise_field(prefix: str) -> Any:
     )
 
 
-class ModelSettings(BaseModel):
-    """Which weights to run and where."""
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # the tool-call formats the router reads
 
-    preset: str = "tiny"  # built-in seeded preset: tiny | small
-    path: str | None = None  # local Hugging Face directory; overrides preset
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+
+class ModelSettings(BaseModel):
+    """Which weights to run and where. `path` wins over `preset`; with neither, the embedded
+    default model (SmolLM2-135M-Instruct, a GGUF file the install step puts in the environment)."""
+
+    path: str | None = None  # a local Hugging Face directory or a .gguf file
+    preset: str | None = None  # seeded random weights (tests, benchmarks): tiny | small | medium
+    # The model id clients name (/v1/models, requests' `model`); default: `path` as given (the
+    # default model: HuggingFaceTB/SmolLM2-135M-Instruct; a preset: its own id, e.g. tiny-s0).
+    served_model_name: str | None = None
+    # auto: float32 on the CPU; on a GPU the checkpoint's dtype (bfloat16 for a GGUF). Or
+    # float32 | bfloat16 | float16.
+    dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:N
     seed: int = 0  # seed of the preset's deterministic weights
 
@@ -53,17 +62,22 @@ class EngineSettings(BaseModel):
     """Paged KV pool and batching limits."""
 
     block_size: int = 16
-    kv_memory_mb: float | None = None  # KV pool budget; the block count follows from it. Overrides:
-    # Used when kv_memory_mb is not given: this share of the memory available at start (host RAM
-    # on the CPU, free device memory after the weights on CUDA). Small, so three engines and a
-    # few test systems share a 24 GiB machine; raise it on a machine an engine has to itself.
-    kv_memory_fraction: float = 0.05
+    # The KV pool's size, as vLLM sizes its own: on the CPU kv_cache_space_gib (vLLM's
+    # VLLM_CPU_KVCACHE_SPACE, 4 GiB unless set); on CUDA gpu_memory_utilization of the device's
+    # memory, less what is in use once the weights are loaded. Either is overridden by
+    # kv_memory_mb (a size) or kv_memory_fraction (a share of the memory available at start).
+    kv_cache_space_gib: float = Field(4.0, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_memory_mb: float | None = None
+    kv_memory_fraction: float | None = None
     max_num_seqs: int = 64  # running sequences per step
     max_batched_tokens: int = 2048  # tokens per forward (prefill chunks + decodes)
     # Most tokens of one sequence in a forward: a longer prompt is computed in chunks of this
     # many, several sequences' chunks sharing a forward (0 = up to max_batched_tokens).
     chunk_tokens: int = Field(0, ge=0)
-    max_model_len: int = 4096
+    # Longest sequence (prompt + output); None: the model's context length (capped at a sliding
+    # window), as vLLM's --max-model-len. More than the model allows is refused at start.
+    max_model_len: int | None = Field(None, ge=2)
     # Attention over the paged cache: "paged" (C++ kernel reading blocks in place, CPU),
     # "reference" (gather + SDPA, any device), "auto" = paged where it can run.
     attention_backend: Literal["auto", "paged", "reference"] = "auto"
@@ -110,11 +124,8 @@ class CommonSettings(BaseSettings):
     datacenter: str = "dc-a"
     secret: str | None = None  # key of the local KV path, prefill <-> relay (required there, or secret_file)
     secret_file: str | None = None  # a file holding `secret` (what `pdd up` passes)
-    nats_user: str | None = None  # this service's NATS user (required)
-    nats_password: str | None = None  # required, or nats_password_file
-    nats_password_file: str | None = None  # a file holding `nats_password` (what `pdd up` passes)
     tls_ca: str | None = None  # the private CA's certificate (required)
-    tls_cert: str | None = None  # this service's certificate (required)
+    tls_cert: str | None = None  # this service's certificate (required): also its NATS user
     tls_key: str | None = None  # its private key (required)
     model: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
@@ -192,6 +203,10 @@ class RelaySettings(CommonSettings):
     catchup_max_rounds: int = 4  # catch-up batches before the final one, whatever remains
     md_ready_timeout_s: float = 30.0  # after this, RLD finishes the request itself
     kv_import_wait_s: float = 20.0  # longest wait for free KV blocks to take prefill's stream
+    # Test knob (0 = off): each decode step takes at least this long, so a test that needs the
+    # relay still decoding when MD takes over (or when MD's deadline passes) has it on any
+    # host, instead of asking for an output long enough on this one (docs/testing.md).
+    min_step_s: float = Field(default=0.0, ge=0)
 
     def model_post_init(self, _context: object) -> None:
         self.local_address = self.local_address.replace("{instance}", self.instance)
@@ -244,7 +259,10 @@ class RouterSettings(CommonSettings):
     # taken as UNCAPPED_BANDWIDTH_BPS until transfers are measured.
     default_bandwidth_bps: float = Field(default=1e9 / 8, ge=0)
     default_rtt_s: float = 0.03
-    max_tokens_default: int = 256
+    max_tokens_default: int | None = None  # a request without max_tokens: None = the rest of the context
+    # The format of the model's tool calls (vLLM's --tool-call-parser): hermes (`<tool_call>`
+    # JSON: Qwen2.5/3, Hermes, SmolLM) | llama3_json; "": what the chat template teaches.
+    tool_call_parser: Literal["", "hermes", "llama3_json"] = ""  # (TOOL_CALL_PARSERS)
     # SSE `id:` fields (what a stream resumes from, by Last-Event-ID): "asked" = on the streams
     # of clients that send `Accept: text/event-stream` (EventSource does) or a Last-Event-ID;
     # "always" = every stream. Not by default: common OpenAI clients (vLLM's and SGLang's

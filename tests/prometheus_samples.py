@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
+import contextlib
 
 import httpx
 
 from pdd.system import RunningSystem
 from pdd.top import Samples, parse_metrics
+from tests.polling import wait_until
 
 Entries = dict[tuple[str, str], float]
 # Maps keyed by instance, not by request: they stay filled while the system is up.
@@ -67,12 +68,16 @@ def wait_until_drained(
     system: RunningSystem, timeout_s: float, headers: dict[str, str] | None = None
 ) -> Entries:
     """Poll until no service holds a per-request entry; what is still held after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    left: Entries = {}
+
+    def drained() -> bool:
+        left.clear()
         try:
-            left = held(open_entries(system, headers))
+            left.update(held(open_entries(system, headers)))
         except httpx.HTTPError as e:  # a service restarting
-            left = {("unreachable", str(e)): 1.0}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.25)
+            left[("unreachable", str(e))] = 1.0
+        return not left
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(drained, timeout_s, 0.25)
+    return left

@@ -3,10 +3,10 @@ and a chip whose every step takes exactly 10 ms."""
 
 from __future__ import annotations
 
-from pdd.sim.chip import Chip
-from pdd.sim.model_spec import ModelSpec
-from pdd.sim.step_cost import Linear, StepCost
-from pdd.sim.workload import SimRequest, Workload
+from pdd.sim.hardware.chip import Chip
+from pdd.sim.hardware.model_spec import ModelSpec
+from pdd.sim.hardware.step_cost import Linear, StepCost
+from pdd.sim.workloads.workload import SimRequest, Workload
 
 TINY = ModelSpec(
     "tiny", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=4, intermediate=16, vocab=32

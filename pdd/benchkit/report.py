@@ -12,7 +12,7 @@ Figures = Any  # a matplotlib Figure, or {name: Figure} for several images
 
 def print_targets(targets: list[dict]) -> None:
     """Each target as [met] / [MISSED] / [info] (met is None), or as its "verdict" where it has one
-    (a goal judged on an interval: met / likely / MISSED, bench/bootstrap.py), with its value."""
+    (a goal judged on an interval: met / likely / MISSED, pdd/benchkit/bootstrap.py), with its value."""
     if not targets:
         return
     print("\ntargets:")

@@ -13,14 +13,26 @@ from collections.abc import Sequence
 
 # name: (module with main(argv) -> int, one line for `pdd sim --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("pdd.sim.run", "simulate one deployment under one workload: latencies, goodput, cost, bandwidth"),
-    "calibrate": ("pdd.sim.calibrate", "time the real engine here and write a calibrated hardware profile"),
-    "validate": ("pdd.sim.validate", "simulate the `pdd bench e2e` scenarios and compare with measured runs"),
-    "paper": ("pdd.sim.paper", "reproduce the paper's fleet table (88 A same-DC vs 43 A + 32 B PDD)"),
-    "map": ("pdd.sim.map", "where PDD pays: goodput and BCR change over KV bytes/token x line x prefix hit"),
-    "plan": ("pdd.sim.plan", "cheapest (P, RLD, MD) counts per datacenter that meet an SLA"),
+    "run": (
+        "pdd.sim.studies.run",
+        "simulate one deployment under one workload: latencies, goodput, cost, bandwidth",
+    ),
+    "calibrate": (
+        "pdd.sim.hardware.calibrate",
+        "time the real engine here and write a calibrated hardware profile",
+    ),
+    "validate": (
+        "pdd.sim.studies.validate",
+        "simulate the `pdd bench e2e` scenarios and compare with measured runs",
+    ),
+    "paper": ("pdd.sim.studies.paper", "reproduce the paper's fleet table (88 A same-DC vs 43 A + 32 B PDD)"),
+    "map": (
+        "pdd.sim.studies.map",
+        "where PDD pays: goodput and BCR change over KV bytes/token x line x prefix hit",
+    ),
+    "plan": ("pdd.sim.studies.plan", "cheapest (P, RLD, MD) counts per datacenter that meet an SLA"),
     "profiles": (
-        "pdd.sim.list_profiles",
+        "pdd.sim.hardware.list_profiles",
         "list the hardware profiles and model shapes with their key figures",
     ),
 }

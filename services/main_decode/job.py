@@ -16,7 +16,7 @@ from shared.bus.messages import HandoffBatch, PrepareRequest
 from shared.serving.state_machine import StateMachine, table_of
 
 
-class DecodeState(Enum):
+class MainDecodeState(Enum):
     RECEIVING = auto()  # prepared: prompt KV crossing the WAN (its own, or others'); handoff batches wait
     READY = auto()  # prompt KV complete: the next handoff batch can be applied
     EXTENDING = auto()  # one handoff batch's extend pass is running
@@ -25,7 +25,7 @@ class DecodeState(Enum):
 
 
 MOVES = table_of(
-    DecodeState,
+    MainDecodeState,
     RECEIVING=("READY", "DONE"),
     READY=("EXTENDING", "DONE"),
     EXTENDING=("READY", "DECODING", "DONE"),
@@ -44,13 +44,13 @@ class Extend:
 
 
 @dataclass
-class MDJob:
+class MainDecodeJob:
     req: PrepareRequest
     rid = property(lambda self: self.req.rid)
     router = property(lambda self: self.req.router)
     missing: set[int]
-    state: StateMachine[DecodeState] = field(
-        default_factory=lambda: StateMachine(DecodeState.RECEIVING, MOVES)
+    state: StateMachine[MainDecodeState] = field(
+        default_factory=lambda: StateMachine(MainDecodeState.RECEIVING, MOVES)
     )
     received: set[int] = field(default_factory=set)
     kv_sent_at: float | None = None  # prefill's transfer of `missing` ended (its done marker came)
@@ -85,19 +85,19 @@ class MDJob:
         """The batch to apply now, strictly in seq order: only a READY job starts one, and
         EXTENDING keeps a second one out until it is applied. None: nothing to do yet; a str:
         why the request fails (a batch that does not continue the output, or an empty one)."""
-        if not (self.state.is_in(DecodeState.READY) and self.next_seq in self.batches):
+        if not (self.state.is_in(MainDecodeState.READY) and self.next_seq in self.batches):
             return None
         batch, ctx = self.batches.pop(self.next_seq)
         if batch.start_index != self.next_index or not batch.tokens:
             return f"handoff batch {batch.seq} out of order or empty"
-        self.state.to(DecodeState.EXTENDING)
+        self.state.to(MainDecodeState.EXTENDING)
         return Extend(batch, ctx, first=self.next_seq == 0)
 
     def extended(self, batch: HandoffBatch) -> None:
         """The batch's extend pass ran: after the final one MD decodes on its own."""
         self.next_seq += 1
         self.next_index += len(batch.tokens)
-        self.state.to(DecodeState.DECODING if batch.final else DecodeState.READY)
+        self.state.to(MainDecodeState.DECODING if batch.final else MainDecodeState.READY)
 
     def end_spans(self) -> None:
         if self.decode_span and self.decode_span.is_recording():

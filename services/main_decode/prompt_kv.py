@@ -1,5 +1,5 @@
 """Main decode's sink for prompt KV from prefill (the bulk channel over the WAN; the RDMA path's
-receiver, shared/kv/rdma_receiver.py, reports its blocks here too): blocks of a prepared
+receiver, rdma_receiver.py, reports its blocks here too): blocks of a prepared
 request go into the cache pinned for it, idempotently by block hash (after a dropped connection
 prefill sends every block again); once all it lacked are in, the request is READY for its
 handoff batches.
@@ -11,7 +11,8 @@ as it lands; if that transfer ends without it, or stops making progress, the ext
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from opentelemetry import trace
@@ -24,32 +25,34 @@ from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from .job import DecodeState, MDJob
+from .job import MainDecodeJob, MainDecodeState
 
-JobStep = Callable[[MDJob], Awaitable[None]]
-Abandoned = Callable[[MDJob, str], Awaitable[None]]  # the job, the sender's reason
+
+class IntakeEvents(Protocol):
+    """What the intake tells the service."""
+
+    async def take_back(self, job: MainDecodeJob, hashes: list[int]) -> None:
+        """These blocks came over TCP: the RDMA slots offered for them are free again."""
+
+    async def kv_complete(self, job: MainDecodeJob) -> None:
+        """The prompt KV is all in: the request is ready for its handoff batches."""
+
+    async def kv_abandoned(self, job: MainDecodeJob, reason: str) -> None:
+        """The sender gave up before the KV was complete (`reason`: the sender's)."""
 
 
 class PromptKVIntake:
     def __init__(
         self,
-        jobs: Mapping[str, MDJob],
+        jobs: Mapping[str, MainDecodeJob],
         engine_loop: EngineLoop,
         exchange: BlockExchange,
         tracer: trace.Tracer,
-        take_back: Callable[[MDJob, list[int]], Awaitable[None]],
-        complete: JobStep,
-        abandoned: Abandoned,
+        events: IntakeEvents,
         share_in_flight: bool = True,
     ):
-        self.jobs = jobs
-        self.engine_loop = engine_loop
-        self.exchange = exchange
-        self.tracer = tracer
-        self.take_back = take_back  # RDMA slots of blocks that came over TCP instead
-        self.complete = complete  # the prompt KV is all in: the job is READY
-        self.abandoned = abandoned  # the sender gave up before the KV was complete
-        self.share_in_flight = share_in_flight
+        self.jobs, self.engine_loop, self.exchange = jobs, engine_loop, exchange
+        self.tracer, self.events, self.share_in_flight = tracer, events, share_in_flight
         self.in_flight = BlocksInFlight()
 
     def claim(self, rid: str, lacking: list[int]) -> list[int]:
@@ -60,12 +63,12 @@ class PromptKVIntake:
         carry, _waited_for = self.in_flight.claim(rid, lacking)
         return carry
 
-    def receiving_job(self, rid: str) -> MDJob | None:
+    def receiving_job(self, rid: str) -> MainDecodeJob | None:
         job = self.jobs.get(rid)
-        return job if job is not None and job.state.is_in(DecodeState.RECEIVING) else None
+        return job if job is not None and job.state.is_in(MainDecodeState.RECEIVING) else None
 
     async def received(
-        self, job: MDJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
+        self, job: MainDecodeJob, hashes: list[int], nbytes: int, traceparent: str | None, transport: str
     ) -> None:
         """Blocks of the request are cached and pinned for it (over TCP or RDMA): those that
         others wait for are theirs too."""
@@ -80,7 +83,7 @@ class PromptKVIntake:
         job.last_block_at = time.monotonic()
         await self._share(self.in_flight.landed(job.rid, hashes), lost=False)
 
-    async def dropped(self, job: MDJob) -> None:
+    async def dropped(self, job: MainDecodeJob) -> None:
         """The request ended: what its transfer still owed others is lost to them."""
         await self._share(self.in_flight.dropped(job.rid), lost=True)
 
@@ -114,11 +117,11 @@ class PromptKVIntake:
             metrics.KV_BLOCKS_SHARED_IN_FLIGHT.labels(outcome="computed").inc(len(hashes) - len(pinned))
             await self._ready_if_complete(job)
 
-    def _receiving(self, rid: str) -> MDJob:
+    def _receiving(self, rid: str) -> MainDecodeJob:
         job = self.jobs.get(rid)
         if job is None:
             raise KeyError(f"unknown request id {rid}")
-        if not job.state.is_in(DecodeState.RECEIVING):
+        if not job.state.is_in(MainDecodeState.RECEIVING):
             raise ValueError(f"request {rid} is not receiving KV ({job.state.state.name})")
         return job
 
@@ -137,13 +140,13 @@ class PromptKVIntake:
         ratio = wire_ratio(kv)  # a lossy WAN codec's, read before kv is sliced
         if len(fresh) < len(hashes):
             hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
-        await self.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
+        await self.events.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
         await self.engine_loop.call(self.exchange.import_blocks, hashes, kv, pin=rid)
         await self.received(job, hashes, wire_nbytes(kv, ratio), traceparent, "tcp")
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         job = self.jobs.get(rid)
-        if job is not None and not job.state.is_in(DecodeState.RECEIVING):
+        if job is not None and not job.state.is_in(MainDecodeState.RECEIVING):
             return  # again after a dropped connection lost the ack: the first one was applied
         job = self._receiving(rid)
         lacking = job.missing - job.received
@@ -153,13 +156,12 @@ class PromptKVIntake:
             job.kv_sent_at = time.monotonic()
         await self._ready_if_complete(job)
 
-    async def _ready_if_complete(self, job: MDJob) -> None:
+    async def _ready_if_complete(self, job: MainDecodeJob) -> None:
         """READY once its own transfer is done and nothing it waits for is still in flight."""
-        if not job.state.is_in(DecodeState.RECEIVING) or job.kv_sent_at is None:
+        if not job.state.is_in(MainDecodeState.RECEIVING) or job.kv_sent_at is None:
             return
         if self.in_flight.waiting(job.rid):
             return
-        job.state.to(DecodeState.READY)
         if job.receive_span:
             attrs = {
                 "bytes": job.wan_bytes,
@@ -168,10 +170,10 @@ class PromptKVIntake:
             }
             job.receive_span.set_attributes(attrs)
             job.receive_span.end()
-        await self.complete(job)
+        await self.events.kv_complete(job)  # READY now (core.py)
 
     async def on_abort(self, rid: str, reason: str) -> None:
         """The sender aborted the transfer: drop a request whose KV never completed."""
         job = self.jobs.get(rid)
-        if job is not None and job.state.is_in(DecodeState.RECEIVING):
-            await self.abandoned(job, reason)
+        if job is not None and job.state.is_in(MainDecodeState.RECEIVING):
+            await self.events.kv_abandoned(job, reason)

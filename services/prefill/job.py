@@ -79,6 +79,7 @@ class PrefillJob:
     wan_bytes: int = 0
     rdma_bytes: int = 0  # of wan_bytes, written over the RDMA path
     wan_queued: int = 0  # KV bytes waiting in md_queue (reported as backlog to the router)
+    streaming: set[KVPath] = field(default_factory=set)  # streams started and not ended yet (core.py)
     senders: dict[KVPath, asyncio.Task] = field(default_factory=dict)
     transfers: dict[KVPath, KVSender] = field(default_factory=dict)  # each stream's (it survives drops)
     ctx: Context | None = None  # trace context of the router's request
@@ -97,6 +98,11 @@ class PrefillJob:
             self.wan_queued += kv.numel() * kv.element_size()
             self.md_pending.difference_update(hashes)
             self.close_wan_if_complete()
+
+    def end_local_stream(self) -> None:
+        """The relay's stream ends with the first token."""
+        if self.local_queue is not None:
+            self.local_queue.put_nowait(END)
 
     def close_wan_if_complete(self) -> None:
         """MD asked for an exact set of blocks: the WAN stream ends once all are queued."""

@@ -9,13 +9,14 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from shared.bus.messages import LinkReport
 from shared.config import PrefillSettings
-from shared.kv import KVClient, KVTransferError, LinkEstimator
+from shared.kv import KVClient, KVClientPool, KVTransferError, LinkEstimator
 from shared.kv.sender import KVSender, KVSenders
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
@@ -25,9 +26,29 @@ from .job import END, KVPath, PrefillJob
 
 log = logging.getLogger(__name__)
 
-Failed = Callable[[PrefillJob, KVPath, Exception], Awaitable[None]]  # a stream failed (logged already)
-Acked = Callable[[PrefillJob, KVPath, str | None], Awaitable[None]]  # the peer holds it all (traceparent)
-Ended = Callable[[PrefillJob], Awaitable[None]]  # a sender is done, in its own task
+
+class StreamEvents(Protocol):
+    """What a stream tells the service, from the stream's own task."""
+
+    async def stream_acked(self, job: PrefillJob, path: KVPath, traceparent: str | None) -> None:
+        """The peer holds all of it (`traceparent`: the transfer's span, for what follows)."""
+
+    async def stream_failed(self, job: PrefillJob, path: KVPath, e: Exception) -> None:
+        """It failed (logged already)."""
+
+    async def stream_ended(self, job: PrefillJob, path: KVPath) -> None:
+        """It is done, however it went (last)."""
+
+
+def kv_senders(
+    settings: PrefillSettings, nc, pool: KVClientPool, local: KVClientPool | None = None
+) -> KVSenders:
+    """Prefill's senders as its settings say: the WAN codec, the request timeout as each
+    transfer's bound, the RDMA path to main decoders when kv_transport is "rdma"."""
+    rdma = settings.rdma if settings.kv_transport == "rdma" else None
+    return KVSenders(
+        nc, pool, local, wan_codec=settings.wan_kv_codec, timeout_s=settings.request_timeout_s, rdma=rdma
+    )
 
 
 class KVStreamer:
@@ -37,17 +58,10 @@ class KVStreamer:
         tracer: trace.Tracer,
         spawn: Callable[[Awaitable], asyncio.Task],
         senders: KVSenders,
-        failed: Failed,
-        acked: Acked,
-        ended: Ended,
+        events: StreamEvents,
     ):
-        self.settings = settings
-        self.tracer = tracer
-        self.spawn = spawn
-        self.senders = senders
-        self.failed = failed
-        self.acked = acked
-        self.ended = ended
+        self.settings, self.tracer, self.spawn = settings, tracer, spawn
+        self.senders, self.events = senders, events
         self.links = LinkEstimator()
         self._rtt_seen: weakref.WeakSet[KVClient] = weakref.WeakSet()  # connections whose RTT is counted
         self._labelled_peers: set[str] = set()  # peers with a WAN_BANDWIDTH series
@@ -104,7 +118,7 @@ class KVStreamer:
                 # In KV bytes, as the router prices a transfer: a lossy WAN codec makes the
                 # line carry them faster than its wire rate.
                 self._observe_link(address, sender.client, kv_bytes, t_first, time.monotonic())  # no outage
-            await self.acked(job, path, tp)
+            await self.events.stream_acked(job, path, tp)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # transfer errors, timeouts, and bugs alike end the request cleanly
@@ -112,7 +126,7 @@ class KVStreamer:
                 log.exception("%s transfer of %s crashed", path.value, job.rid)
             log.warning("%s transfer of %s to %s failed: %s", path.value, job.rid, address, e)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
-            await self.failed(job, path, e)
+            await self.events.stream_failed(job, path, e)
         finally:
             if path is KVPath.WAN:
                 job.rdma_bytes = sender.rdma_bytes
@@ -127,7 +141,7 @@ class KVStreamer:
             span.end()
             job.transfers.pop(path, None)
             sender.close()
-            await self.ended(job)
+            await self.events.stream_ended(job, path)
 
     async def _stream(
         self, job: PrefillJob, path: KVPath, sender: KVSender, queue: asyncio.Queue, tp: str | None

@@ -10,38 +10,40 @@ import logging
 from opentelemetry import context as otel_context
 
 from shared.advertise import check_advertised
-from shared.bus import subjects
 from shared.bus.connection import respond
-from shared.bus.delivery import deliver
 from shared.bus.messages import (
     Abort,
     AbortReason,
-    HandoffBatch,
-    HandoffMode,
     LinkReport,
     MainDecodeLost,
-    MDTarget,
-    Outcome,
-    Pipeline,
+    MainDecodeTarget,
     PrefillSubmit,
     Role,
     SubmitReply,
-    TokenEvent,
 )
-from shared.bus.subjects import Req
 from shared.config import EngineSettings, PrefillSettings
 from shared.engine import EngineError, LLMEngine, StepOutput
 from shared.kv import KVClientPool
-from shared.kv.rdma_link import rdma_host
-from shared.kv.sender import KVSenders
+from shared.kv.rdma.link import rdma_host
 from shared.kv.tls import client_tls
-from shared.serving.engine_service import EngineService, outcome_of, token_event
+from shared.serving import identity_fault
+from shared.serving.actions import SENT, Free, perform_sent
+from shared.serving.engine_service import EngineService
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 
+from .core import (
+    Action,
+    CancelStream,
+    ExportTarget,
+    PrefillCore,
+    ReportRefused,
+    StartStream,
+    submit_error,
+)
 from .exporter import BlockExport, BlockExporter
-from .job import END, KVPath, PrefillJob, PrefillState, after_first_token, after_target
-from .kv_stream import KVStreamer
+from .job import KVPath, PrefillJob
+from .kv_stream import KVStreamer, kv_senders
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +76,16 @@ class PrefillService(EngineService):
         self.kv_clients = pool(Role.MAIN_DECODE, settings.bulk_via)
         self.local_clients = pool(Role.RELAY, None)  # the relay is in this DC: never via the WAN
         self.track("export_plans", lambda: len(self.exporter._plans))
-        self.senders = KVSenders(settings, nc, self.kv_clients, self.local_clients)
-        self.streams = KVStreamer(
-            settings,
-            self.tracer,
-            self.life.spawn,
-            self.senders,
-            self._stream_failed,
-            self._stream_acked,
-            self._release_if_drained,
-        )
+        self.senders = kv_senders(settings, nc, self.kv_clients, self.local_clients)
+        self.streams = KVStreamer(settings, self.tracer, self.life.spawn, self.senders, self)
+        self.core = PrefillCore(self.jobs)
 
     @classmethod
     async def preflight(cls, settings: PrefillSettings) -> None:
         """Exit 2 when the RDMA engine's host, taken from this host's name, is loopback: MD on
         another host would write to its own (shared/advertise.py). A host given is taken as is."""
         if settings.kv_transport == "rdma" and not settings.rdma.host:
-            host = await rdma_host(settings)
+            host = await rdma_host(settings.rdma)
             fix, force = "PDD_PREFILL_RDMA__HOST", "PDD_PREFILL_ADVERTISE_LOOPBACK_OK"
             ok = settings.advertise_loopback_ok
             check_advertised("prefill", "the RDMA engine's host", host, "0.0.0.0", ok, fix, force)
@@ -99,35 +94,18 @@ class PrefillService(EngineService):
         await self.senders.start()
         await super().start()
 
-    async def subscribe(self) -> None:
-        # Least-loaded choice by the router on the instance subject; the queue group serves
-        # clients that do not pick an instance.
-        inst = self.settings.instance
-        await self.admission.subscribe(
-            subjects.prefill_submit_to(inst), PrefillSubmit, SubmitReply, self._submit
-        )
-        await self.admission.subscribe(
-            subjects.prefill_submit(), PrefillSubmit, SubmitReply, self._submit, "prefill"
-        )
-        for kind, cls, handler in (
-            (Req.MD_TARGET, MDTarget, self._on_md_target),
-            (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
-        ):
-            subject = subjects.to_instance(self.role, inst, kind)
-            await self.life.subscribe(self.nc, subject, cls, handler, ack=True)
-
     async def stop(self) -> None:
         await self.life.close()
         for job in list(self.jobs.values()):
-            await self._drop(job, AbortReason.SHUTDOWN)
+            await self._perform(self.core.drop(job, AbortReason.SHUTDOWN))
         await self.kv_clients.close()
         await self.local_clients.close()
         await super().stop()
 
     # ---- admission -------------------------------------------------------------------
-    async def _submit(self, msg: PrefillSubmit, raw) -> None:
-        if bool(msg.relay_address) != bool(msg.relay):  # RelayStart goes to the relay by its instance
-            await respond(raw, SubmitReply(ok=False, error="relay_address and relay must be given together"))
+    async def submit(self, msg: PrefillSubmit, raw) -> None:
+        if (error := submit_error(msg)) is not None:
+            await respond(raw, SubmitReply(ok=False, error=error))
             return
         local = bool(msg.relay_address)
         job = PrefillJob(msg, local_queue=asyncio.Queue() if local else None, ctx=otel_context.get_current())
@@ -140,159 +118,92 @@ class PrefillService(EngineService):
                 "pdd.pipeline": msg.pipeline.value,
             },
         )
-        self.jobs[msg.rid] = job
+        self.core.admit(job)
         try:
             await self.engine_loop.call(self.exporter.admit, msg.rid, msg.prompt_ids, msg.params, local)
         except (EngineError, TimeoutError) as e:
-            self.jobs.pop(msg.rid, None)
+            self.core.refused(job)
             if isinstance(e, TimeoutError):  # an admit that was already running still lands: free it after
                 self.life.spawn(self.engine_loop.call(self._free_request, msg.rid, must_run=True))
             job.compute_span.end()
             await respond(raw, SubmitReply(ok=False, error=str(e)))
             return
-        if job.local_queue is not None and msg.relay_address:  # P→RLD→MD
-            self.streams.start(job, KVPath.LOCAL, msg.relay_address, job.local_queue)
+        await self._perform(self.core.admitted(job))
         self.life.spawn(self._watch(job))
-        await respond(raw, SubmitReply(ok=True, instance=self.settings.instance, epoch=self.epoch))
+        await respond(raw, SubmitReply(ok=True, instance=self.settings.instance, epoch=self.presence.epoch))
 
-    # ---- MD's target and the first token: the two events that start draining ----------
-    async def _on_md_target(self, msg: MDTarget, raw) -> None:
-        job = self.jobs.get(msg.rid)
-        if job is None:
-            self.count_unknown_request()
-            return
-        moved = after_target(job.state.state)
-        if moved is None:
-            return  # a duplicate target, or the request is gone
-        job.state.to(moved)
-        starts_draining = moved is PrefillState.DRAINING
-        # The WAN sender exists before any await, so draining cannot see "all senders done"
-        # while MD's blocks are still to come.
-        job.md_instance = msg.md_instance
-        job.md_address, job.md_missing, job.md_pending = (
-            msg.md_bulk_address,
-            msg.md_missing,
-            set(msg.md_missing),
-        )
-        self.streams.start(job, KVPath.WAN, msg.md_bulk_address, job.md_queue)
-        job.close_wan_if_complete()
-        if starts_draining:
-            # The handoff goes before the export's await: a WAN sender with nothing to send
-            # (MD holds, or awaits, every block) may end during it and release the request,
-            # and MD would then never get the first token.
-            await self._on_draining(job)
-        export = await self.engine_loop.call(self.exporter.target, job.rid, msg.md_missing)
-        if export is not None:
-            job.queue_blocks(export)
+    # ---- events in, the core's actions performed ----------------------------------------
+    async def on_md_target(self, msg: MainDecodeTarget, raw) -> None:
+        await self._perform(self.core.md_target(msg))
 
-    async def _first_token(self, job: PrefillJob, out: StepOutput) -> None:
-        token = out.token_id
-        assert token is not None
-        job.first_token = token
-        if job.compute_span:
-            job.compute_span.end()
-        reason = out.ends  # told with the token: no round trip to the engine thread
-        if reason is not None:
-            # Nothing left to decode: stop the transfers and tell MD / RLD to drop the request.
-            event = token_event(job.rid, self.role, 0, [out])
-            event.outcome = outcome_of(reason)
-            await self.send_tokens(job.router, event)
-            await self.send_abort(job.rid, AbortReason.FINISHED_AT_PREFILL)
-            await self._drop(job, AbortReason.FINISHED_AT_PREFILL)
-            return
-        await self.send_tokens(job.router, token_event(job.rid, self.role, 0, [out]))
-        if job.local_queue is not None:
-            job.local_queue.put_nowait(END)  # the relay's stream ends with the first token
-        moved = after_first_token(job.state.state)
-        if moved is not None:
-            job.state.to(moved)
-        if moved is PrefillState.DRAINING:
-            await self._on_draining(job)
-
-    async def _on_draining(self, job: PrefillJob) -> None:
-        """The first token is out and MD holds the request: on P→MD prefill is the relay and
-        hands its one token over; the request is released once the senders are done."""
-        if job.submit.pipeline is Pipeline.P_MD:
-            batch = HandoffBatch(job.rid, 0, 0, [job.first_token], final=True, mode=HandoffMode.PREFILL)
-            to_md = subjects.to_instance(Role.MAIN_DECODE, job.md_instance, Req.HANDOFF)
-            self.life.spawn(deliver(self.nc, to_md, batch))
-        await self._release_if_drained(job)
-
-    # ---- blocks from the engine thread ------------------------------------------------
     async def on_outputs(self, outputs: list[StepOutput], exports: list[BlockExport] | None) -> None:
-        for export in exports or []:
-            job = self.jobs.get(export.rid)
-            if job is not None:
-                job.queue_blocks(export)
-        for out in outputs:
+        for out in outputs:  # the first token is out: its compute is done
             job = self.jobs.get(out.rid)
-            if job is None:
-                continue
-            if out.token_id is not None:
-                await self._first_token(job, out)
-            elif out.finished:  # error or abort inside the engine
-                await self._fail(job, out.error or "prefill failed")
+            if job is not None and job.compute_span and out.token_id is not None:
+                job.compute_span.end()
+        await self._perform(self.core.outputs(outputs, exports))
 
-    async def _stream_acked(self, job: PrefillJob, path: KVPath, traceparent: str | None) -> None:
-        if path is KVPath.LOCAL:  # the relay holds the prompt KV: it decodes once told from where
-            start = subjects.to_instance(Role.RELAY, job.submit.relay, Req.RELAY_START)
-            self.life.spawn(deliver(self.nc, start, job.relay_start(traceparent)))
+    async def stream_acked(self, job: PrefillJob, path: KVPath, traceparent: str | None) -> None:
+        await self._perform(self.core.stream_acked(job, path, traceparent))
 
-    async def _stream_failed(self, job: PrefillJob, path: KVPath, e: Exception) -> None:
-        if path is KVPath.LOCAL or job.submit.pipeline is Pipeline.P_MD:
-            await self._fail(job, f"KV transfer to {path.value} peer failed: {e}")
-        # On P→RLD→MD a WAN failure is the relay's to absorb (it finishes the request).
+    async def stream_failed(self, job: PrefillJob, path: KVPath, e: Exception) -> None:
+        await self._perform(self.core.stream_failed(job, path, e))
 
-    # ---- endings ---------------------------------------------------------------------
+    async def stream_ended(self, job: PrefillJob, path: KVPath) -> None:
+        await self._perform(self.core.stream_ended(job, path))
+
     async def _watch(self, job: PrefillJob) -> None:
         """Bound every request: whatever happens, it is freed after the timeout."""
         await asyncio.sleep(self.settings.request_timeout_s)
-        if self.jobs.get(job.rid) is job:
-            await self._fail(job, "prefill timed out")
-
-    async def _fail(self, job: PrefillJob, error: str) -> None:
-        if self.jobs.get(job.rid) is not job:
-            return
-        await self.send_tokens(
-            job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error)
-        )
-        await self.send_abort(job.rid, AbortReason.FAILED, error)
-        await self._drop(job, AbortReason.FAILED)
+        await self._perform(self.core.timed_out(job))
 
     async def release_on_leaving(self, job: PrefillJob) -> None:
-        await self._fail(job, "prefill is leaving")
+        await self._perform(self.core.fail(job, "prefill is leaving"))
 
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
-        job = self.jobs.get(msg.rid)
-        if job is not None:
-            with self.tracer.start_as_current_span(
-                "abort", attributes={REQUEST_ID_ATTR: msg.rid, "reason": msg.reason.value}
-            ):
-                await self._drop(job, msg.reason)
+        actions = self.core.abort(msg)
+        if actions:
+            attrs = {REQUEST_ID_ATTR: msg.rid, "reason": msg.reason.value}
+            with self.tracer.start_as_current_span(msg.reason.span_name, attributes=attrs):
+                await self._perform(actions)
 
-    async def _on_md_lost(self, msg: MainDecodeLost, raw) -> None:
-        """Only the WAN stream goes: the relay's local stream must go on."""
-        job = self.jobs.get(msg.rid)
-        if job is not None and await self.streams.cancel(job, KVPath.WAN, "md_lost"):
-            metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason("md_lost")).inc()
+    async def on_md_lost(self, msg: MainDecodeLost, raw) -> None:
+        await self._perform(self.core.md_lost(msg))
 
-    async def _drop(self, job: PrefillJob, reason: AbortReason) -> None:
-        """Cancel transfers (peers are told to drop what they got) and free the blocks."""
-        for path in list(job.senders):
-            if await self.streams.cancel(job, path, reason.value) and path is KVPath.WAN:
-                metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason(reason.value)).inc()
-        await self._release(job)
+    async def _perform(self, actions: list[Action]) -> None:
+        """What the core decided, in order."""
+        for action in actions:
+            if isinstance(action, SENT):
+                await perform_sent(self, action)
+            elif isinstance(action, StartStream):
+                job, path = action.job, action.path
+                queue = job.local_queue if path is KVPath.LOCAL else job.md_queue
+                assert queue is not None
+                self.streams.start(job, path, action.address, queue)
+            elif isinstance(action, CancelStream):
+                await self._cancel(action.job, action.path, action.reason)
+            elif isinstance(action, ExportTarget):
+                export = await self.engine_loop.call(self.exporter.target, action.job.rid, action.missing)
+                if export is not None:
+                    action.job.queue_blocks(export)
+            elif isinstance(action, Free):
+                await self._release(action.job)
+            elif isinstance(action, ReportRefused):
+                fault = identity_fault.fault_of(
+                    action.refused, Role.MAIN_DECODE, action.job.md_instance, self.settings.instance
+                )
+                await identity_fault.report(self.nc, self.role, fault)
 
-    async def _release_if_drained(self, job: PrefillJob) -> None:
-        others = [t for t in job.senders.values() if t is not asyncio.current_task()]
-        if job.state.is_in(PrefillState.DRAINING) and all(t.done() for t in others):
-            await self._release(job)
+    async def _cancel(self, job: PrefillJob, path: KVPath, reason: str) -> None:
+        if not await self.streams.cancel(job, path, reason):
+            return  # it had ended: its own task told the core
+        if path is KVPath.WAN:
+            metrics.KV_TRANSFER_ABORTS.labels(reason=metrics.abort_reason(reason)).inc()
+        await self._perform(self.core.stream_ended(job, path))  # a task cancelled unstarted tells nothing
 
     async def _release(self, job: PrefillJob) -> None:
-        if job.state.is_in(PrefillState.RELEASED):
+        if not self.core.release(job):
             return
-        job.state.to(PrefillState.RELEASED)
-        self.jobs.pop(job.rid, None)
         if job.compute_span and job.compute_span.is_recording():
             job.compute_span.end()
         await self.engine_loop.call(self._free_request, job.rid, must_run=True)

@@ -75,12 +75,8 @@ class HandoffSender:
         jobs: Mapping[str, RelayJob],
         host: RelayHost,
     ):
-        self.settings = settings
-        self.nc = nc
-        self.tracer = tracer
-        self.spawn = spawn
-        self.jobs = jobs
-        self.host = host
+        self.settings, self.nc, self.tracer, self.spawn = settings, nc, tracer, spawn
+        self.jobs, self.host = jobs, host
 
     async def start(self, job: RelayJob) -> None:
         """MD's kv_ready came: pick the mode, then send the first (or only) batch."""

@@ -13,31 +13,28 @@ import time
 import torch
 
 from shared.advertise import check_advertised
-from shared.bus import subjects
 from shared.bus.messages import (
     Abort,
     AbortReason,
     HandoffAck,
     KVReady,
     MainDecodeLost,
-    Outcome,
     RelayReport,
     RelayStart,
-    ResumeReply,
     ResumeRequest,
     Role,
     TokenEvent,
 )
-from shared.bus.subjects import Req
 from shared.config import RelaySettings
 from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
-from shared.serving.engine_service import EngineService, advertised, outcome_of, token_event
+from shared.serving.engine_service import EngineService, advertised
 from shared.serving.state_machine import StateMachine
+from shared.serving.token_events import error_event, outcome_of, token_event
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import context_from_traceparent
 
-from .early import EARLY_TTL_S, Early
+from .core import Action, Begin, Drop, Fail, GoSolo, Handoff, RelayCore, Unpin
 from .handoff import HandoffSender
 from .job import HOLDS_REQUEST, MOVES, RelayJob, RelayState
 from .kv_import import import_when_room
@@ -51,7 +48,9 @@ class RelayService(EngineService):
 
     def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
         super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
-        self.early = Early()
+        self.engine_loop.min_step_s = settings.min_step_s
+        self.core = RelayCore(self.jobs, self.aborted, settings.catchup_threshold)
+        self.early = self.core.early
         self.handoff = HandoffSender(self.settings, nc, self.tracer, self.life.spawn, self.jobs, self)
 
     @classmethod
@@ -73,20 +72,6 @@ class RelayService(EngineService):
         self.track("landed", lambda: len(self.early.landed))
         self.life.every(1.0, self._expire)
 
-    async def subscribe(self) -> None:
-        for kind, cls, handler in [
-            (Req.RELAY_START, RelayStart, self._on_relay_start),
-            (Req.KV_READY, KVReady, self._on_kv_ready),
-            (Req.HANDOFF_ACK, HandoffAck, self._on_ack),
-            (Req.MD_LOST, MainDecodeLost, self._on_md_lost),
-        ]:
-            subject = subjects.to_instance(self.role, self.settings.instance, kind)
-            await self.life.subscribe(self.nc, subject, cls, handler, ack=True)
-        inst = self.settings.instance
-        await self.admission.subscribe(
-            subjects.resume(self.role, inst), ResumeRequest, ResumeReply, self._resume
-        )
-
     async def report_load(self) -> EngineStats:
         stats = await super().report_load()
         metrics.RELAY_RUNNING.set(stats.running)
@@ -99,50 +84,54 @@ class RelayService(EngineService):
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         """All prompt blocks are here: decode once prefill's RelayStart is in too."""
-        if self.was_aborted(rid):
-            raise ValueError(f"request {rid} was aborted")
-        if rid in self.jobs:
-            return  # resent after the connection dropped before its ack: it is running already
-        if (start := self.early.kv_landed(rid)) is not None:
-            await self._begin(start)
+        await self._perform(self.core.kv_landed(rid))
 
-    async def _on_relay_start(self, msg: RelayStart, raw) -> None:
+    async def on_relay_start(self, msg: RelayStart, raw) -> None:
         """Prefill's first token and the request's parameters, once the local KV is acked."""
-        if msg.rid in self.jobs or self.was_aborted(msg.rid) or not self.early.start_came(msg):
-            return
         try:
-            await self._begin(msg)
+            await self._perform(self.core.relay_start(msg))
         except EngineError as e:  # nobody waits on this message: give the request up here
             job = self.jobs.get(msg.rid)
             if job is not None:
                 await self._fail(job, f"relay could not start: {e}")
 
-    async def _begin(self, start: RelayStart) -> None:
+    async def _perform(self, actions: list[Action]) -> None:
+        """What the core decided, in order."""
+        for action in actions:
+            if isinstance(action, Begin):
+                await self._begin(action.job, action.start)
+                if action.handoff:
+                    await self.handoff.start(action.job)
+            elif isinstance(action, Handoff):
+                self.life.spawn(self.handoff.start(action.job))
+            elif isinstance(action, GoSolo):
+                await self._go_solo(action.job, action.why)
+            elif isinstance(action, Unpin):
+                await self.unpin(action.rid)
+            elif isinstance(action, Drop):  # the core forgot it already
+                self._close(action.job, RelayState.DONE)
+                await self.free(action.job.rid)
+            elif isinstance(action, Fail):
+                await self._fail(action.job, action.error)
+
+    async def _begin(self, job: RelayJob, start: RelayStart) -> None:
         """Decode from prefill's first token over the landed prompt KV."""
-        rid = start.rid
-        asked = start.catchup_threshold or 0
-        job = RelayJob(rid, asked if asked > 0 else self.settings.catchup_threshold, router=start.router)
         job.span = self.tracer.start_span(
             "relay.decode",
             context=context_from_traceparent(start.traceparent),
-            attributes={REQUEST_ID_ATTR: rid, "prompt_tokens": len(start.prompt_ids)},
+            attributes={REQUEST_ID_ATTR: job.rid, "prompt_tokens": len(start.prompt_ids)},
         )
-        self.jobs[rid] = job
         prompt = start.prompt_ids
         await self.engine_loop.call(
             self.engine.add_request,
-            rid,
+            job.rid,
             prompt + [start.first_token],
             start.params,
             num_prompt_tokens=len(prompt),
         )
         job.timers.append(self.life.spawn(self._md_deadline(job)))
-        if (md := self.early.ready.pop(rid)) is not None:
-            job.md_instance = md
-            job.state.to(RelayState.HANDING_OFF)
-            await self.handoff.start(job)
 
-    async def _resume(self, msg: ResumeRequest, raw) -> None:
+    async def resume(self, msg: ResumeRequest, raw) -> None:
         """The request moved here by its token IDs (its instance was lost, or no MD is
         reachable): the relay finishes it alone, recomputing what its cache lacks."""
         job = RelayJob(
@@ -156,9 +145,7 @@ class RelayService(EngineService):
             job.span.end()
 
     async def on_abort(self, rid: str, reason: str) -> None:
-        if rid not in self.jobs:  # stream aborted before decoding began: just unpin
-            self.early.forget(rid)
-            await self.unpin(rid)
+        await self._perform(self.core.stream_aborted(rid))
 
     # ---- decoding ----------------------------------------------------------------------
     async def request_outputs(self, job: RelayJob, outs: list[StepOutput]) -> None:
@@ -180,18 +167,11 @@ class RelayService(EngineService):
             event.relay = RelayReport(handed_over=False, rld_tokens=job.produced)
             await self.send_abort(job.rid, AbortReason.RELAY_FINISHED, parent=job.span)
         await self.send_tokens(job.router, event)
-        self._forget(job)
+        self._ended(job)
 
     # ---- handoff -----------------------------------------------------------------------
-    async def _on_kv_ready(self, msg: KVReady, raw) -> None:
-        job = self.jobs.get(msg.rid)
-        if job is None:
-            self.early.ready.put(msg.rid, msg.md_instance)
-            return
-        if job.state.is_in(RelayState.RELAYING):  # a duplicate kv_ready cannot start a second handoff
-            job.md_instance = msg.md_instance
-            job.state.to(RelayState.HANDING_OFF)
-            self.life.spawn(self.handoff.start(job))
+    async def on_kv_ready(self, msg: KVReady, raw) -> None:
+        await self._perform(self.core.kv_ready(msg))
 
     def _snapshot(self, rid: str, final: bool) -> list[int] | None:
         """Engine thread: the output tokens so far; on the final batch also stop decoding."""
@@ -211,9 +191,9 @@ class RelayService(EngineService):
 
     async def handed(self, job: RelayJob, index: int, report: RelayReport) -> None:
         await self.send_tokens(job.router, TokenEvent(job.rid, self.role, index, [], relay=report))
-        self._forget(job)
+        self._ended(job)
 
-    async def _on_ack(self, msg: HandoffAck, raw) -> None:
+    async def on_ack(self, msg: HandoffAck, raw) -> None:
         job = self.jobs.get(msg.rid)
         if job is not None:
             self.handoff.acked(job, msg.seq)
@@ -221,51 +201,33 @@ class RelayService(EngineService):
     async def lost_after_stop(self, job: RelayJob) -> None:
         if job.state.is_in(RelayState.SOLO):
             error = "main decode was lost during the handoff"
-            await self.send_tokens(
-                job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error)
-            )
-        self._forget(job)
+            await self.send_tokens(job.router, error_event(job.rid, self.role, error))
+        self._ended(job)
 
     # ---- faults ------------------------------------------------------------------------
     async def _md_deadline(self, job: RelayJob) -> None:
         await asyncio.sleep(self.settings.md_ready_timeout_s)
-        if self.jobs.get(job.rid) is job and job.state.is_in(RelayState.RELAYING):
-            await self.go_solo(job, "MD not ready in time")
+        await self._perform(self.core.md_deadline(job))
 
     async def go_solo(self, job: RelayJob, why: str) -> None:
-        """Fault fallback: MD is out of the picture; the relay finishes the request."""
+        """The handoff's fallback (MD did not acknowledge): the relay finishes the request."""
+        await self._go_solo(self.core.solo(job, why).job, why)
+
+    async def _go_solo(self, job: RelayJob, why: str) -> None:
         log.warning("request %s: %s; relay finishes it", job.rid, why)
-        job.state.to(RelayState.SOLO)
         await self.send_abort(job.rid, AbortReason.MD_UNAVAILABLE, why, parent=job.span)
 
-    async def _on_md_lost(self, msg: MainDecodeLost, raw) -> None:
-        job = self.jobs.get(msg.rid)
-        if job is not None and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
-            await self.go_solo(job, f"main decode {msg.md_instance} was lost")
+    async def on_md_lost(self, msg: MainDecodeLost, raw) -> None:
+        await self._perform(self.core.md_lost(msg))
 
     async def on_abort_message(self, msg: Abort, source: Role) -> None:
-        job = self.jobs.get(msg.rid)
-        if job is None:
-            self.early.forget(msg.rid)
-            await self.unpin(msg.rid)
-        elif source is Role.MAIN_DECODE and job.state.is_in(RelayState.RELAYING, RelayState.HANDING_OFF):
-            await self.go_solo(job, f"MD gave up: {msg.reason.value} {msg.detail}")
-        else:
-            self._forget(job)
-            await self.free(msg.rid)
+        await self._perform(self.core.abort(msg, source))
 
     async def _expire(self) -> None:
         """No request outlives the timeout on the relay, whatever its peers (or the engine) did:
-        the router gets an error, the other roles an abort, and the relay frees it. What came
-        early for a request that never started (or had already ended) goes after EARLY_TTL_S,
-        local KV whose RelayStart never came unpinned."""
-        now = time.monotonic()
-        for rid in self.early.expire(now):
-            log.warning("request %s: no RelayStart within %g s of its local KV; dropped", rid, EARLY_TTL_S)
-            await self.unpin(rid)
-        for job in list(self.jobs.values()):
-            if now - job.created > self.settings.request_timeout_s and job.state.is_in(*HOLDS_REQUEST):
-                await self._fail(job, "request timed out on the relay")
+        the router gets an error, the other roles an abort, and the relay frees it. Local KV
+        whose RelayStart never came within EARLY_TTL_S is unpinned."""
+        await self._perform(self.core.expire(time.monotonic(), self.settings.request_timeout_s))
 
     async def release_on_leaving(self, job: RelayJob) -> None:
         await self._fail(job, "the relay is leaving")
@@ -273,19 +235,18 @@ class RelayService(EngineService):
     async def _fail(self, job: RelayJob, error: str) -> None:
         """Give the request up: the router gets an error (and moves it), the other roles an abort."""
         log.warning("request %s: %s", job.rid, error)
-        self._forget(job)
+        self._ended(job)
         await self.send_abort(job.rid, AbortReason.FAILED, error, parent=job.span)
-        await self.send_tokens(
-            job.router, TokenEvent(job.rid, self.role, 0, [], outcome=Outcome.ERROR, error=error)
-        )
+        await self.send_tokens(job.router, error_event(job.rid, self.role, error))
         await self.free(job.rid)
 
-    def _forget(self, job: RelayJob) -> None:
-        if job.state.is_in(RelayState.DONE):
-            return
+    def _ended(self, job: RelayJob) -> None:
+        """The core forgets the job; its span ends and its timers stop."""
         last = job.state.state
-        job.state.to(RelayState.DONE)
-        self.jobs.pop(job.rid, None)
+        if self.core.forget(job):
+            self._close(job, last)
+
+    def _close(self, job: RelayJob, last: RelayState) -> None:
         if job.span and job.span.is_recording():
             job.span.set_attributes(
                 {

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from shared.bus.connection import connect
 from shared.config import RouterSettings
+from shared.model.config import context_limit
 from shared.model.describe import describe_model
 from shared.security.credentials import nats_options
 from shared.serving.runtime import freeze_startup_heap
@@ -43,6 +44,7 @@ def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = Non
             model_id=info.model_id,
             block_size=settings.engine.block_size,
             kv_bytes_per_token=info.kv_bytes_per_token,
+            served_model_name=info.served_name,
         )
         await core.start()
 
@@ -55,7 +57,7 @@ def build_app(settings: RouterSettings, nc=None, http: HttpSettings | None = Non
                     await conn.close()
             shutdown_tracing()
 
-        max_len = min(settings.engine.max_model_len, info.max_position_embeddings)
+        max_len = context_limit(info.config, settings.engine.max_model_len)
         return core, info.tokenizer, max_len, close
 
     return create_app(factory, http or HttpSettings.from_env())

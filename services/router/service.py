@@ -13,16 +13,19 @@ from shared.config import RouterSettings
 from shared.engine import SamplingParams
 from shared.serving.runtime import Lifecycle
 from shared.telemetry.tracing import get_tracer
+from shared.telemetry.vllm_metrics import RequestMetrics
 
+from .adapter import request_metrics
 from .adapter.bus_adapter import BusAdapter
 from .adapter.consumer import Consumer
 from .adapter.dispatch import Dispatcher
 from .adapter.effects import Effects
 from .adapter.migration import Mover
-from .api.schemas import PddOptions
 from .core.actions import Deliver
+from .core.options import PddOptions
 from .core.request_life import RequestLife
 from .core.request_stream import Delta, Failure, RequestStream
+from .core.set_aside import SetAside
 from .routing.cache_view import CacheView
 from .routing.fleet_view import FleetView
 from .routing.policy import RouteDecision
@@ -32,9 +35,18 @@ from .routing.registry import Registry
 
 class RouterCore:
     def __init__(
-        self, settings: RouterSettings, nc, *, model_id: str, block_size: int, kv_bytes_per_token: int
+        self,
+        settings: RouterSettings,
+        nc,
+        *,
+        model_id: str,
+        block_size: int,
+        kv_bytes_per_token: int,
+        served_model_name: str | None = None,
     ):
+        # model_id: the weights' identity (KV block hashes); served_model_name: the API's model id.
         self.settings, self.nc, self.model_id = settings, nc, model_id
+        self.served_model_name = served_model_name or model_id
         # Instance plus a per-process suffix: the requests of a router that restarted under the
         # same instance id belong to a router that is gone, and backends drop them.
         self.identity = f"{settings.instance}-{secrets.token_hex(4)}"
@@ -47,13 +59,18 @@ class RouterCore:
             settings, model_id=model_id, block_size=block_size, kv_bytes_per_token=kv_bytes_per_token
         )
         self.fleet.bound_for_relays = self.requests.bound_for_relays
-        self.effects = Effects(nc, tracer, self.life, self.fleet.assignments)
+        self.set_aside = SetAside()
+        self.fleet.set_aside = self.set_aside.of
+        self.vllm = RequestMetrics(self.served_model_name, settings.instance)
+        request_metrics.start()
+        self.effects = Effects(nc, tracer, self.life, self.fleet.assignments, self.vllm)
         self.mover = Mover(settings, nc, tracer, self.identity, self.requests, self.fleet, self.effects)
         self.effects.migrate = self.mover.migrate
         self.dispatcher = Dispatcher(
             settings, nc, tracer, self.identity, rid_prefix, self.requests, self.fleet, self.effects
         )
         self.bus = BusAdapter(settings, nc, self.identity, self.requests, self.fleet, self.effects, self.life)
+        self.bus.set_aside = self.set_aside
         self.consumer = Consumer(settings, self.requests, self.effects)
 
     async def start(self) -> None:

@@ -60,6 +60,13 @@ class AbortReason(StrEnum):
     ROUTER_LOST = "router_lost"  # the router that owns the request stopped heartbeating
     STALE = "stale"  # tokens for a request the router no longer has: stop producing them
 
+    @property
+    def span_name(self) -> str:
+        """What a trace calls sending (or acting on) it: "release" when the request finished
+        and what is left is freed, "abort" when it is given up."""
+        finished = (AbortReason.FINISHED, AbortReason.FINISHED_AT_PREFILL, AbortReason.RELAY_FINISHED)
+        return "release" if self in finished else "abort"
+
 
 @dataclass
 class PrepareRequest(Message):
@@ -85,7 +92,7 @@ class PrepareReply(Message):
 
 @dataclass
 class PrefillSubmit(Message):
-    """router → P (request/reply). MD's target follows in an MDTarget."""
+    """router → P (request/reply). MD's target follows in an MainDecodeTarget."""
 
     rid: str
     prompt_ids: list[int]
@@ -125,7 +132,7 @@ class ResumeReply(Message):
 
 
 @dataclass
-class MDTarget(Message):
+class MainDecodeTarget(Message):
     """router → P: MD's answer to prepare, sent once it is in. The router asks MD and P at
     the same time, so prefill never waits a WAN round trip for it."""
 
@@ -295,6 +302,20 @@ class MainDecodeLost(Message):
 
     rid: str
     md_instance: str
+
+
+@dataclass
+class IdentityFault(Message):
+    """P / MD → router: a KV peer failed the identity check (its certificate names another
+    role, or no pdd identity), so it was refused before anything was sent. An instance-level
+    fault: the router sets `role`/`instance` aside until it restarts. `instance` is "" when the
+    reporter cannot tell which instance it was (a receiver refusing an unknown sender)."""
+
+    role: Role  # the role the peer was supposed to have (prefill dialed a main_decode)
+    instance: str
+    reason: str  # e.g. "peer identity spiffe://pdd/dc-a/relay is not main_decode"
+    reporter: str = ""  # the reporting instance
+    peer: str = ""  # the address it was refused at
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Who may publish and subscribe to what on NATS: one row per service identity.
+"""Who may publish and subscribe to what on NATS: one row per service identity, generated from
+the services' declared tables (shared/bus/contract.py): a role subscribes to what its table
+routes, and publishes what another role's table says it sends.
 
-The NATS servers' `authorization` block is generated from this table (shared/bus/nats_config.py),
-so it is the one place that says which service may say what. A subject outside a service's
+The NATS servers' `authorization` block is generated from these rows (shared/bus/nats_config.py). A subject outside a service's
 publish list is refused by the server (the client gets a permissions-violation error and nobody
 receives the message); a subscription outside its subscribe list never sees a message.
 
@@ -39,10 +40,14 @@ every service that sends such requests subscribes to its `_INBOX`. Every service
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.bus import subjects
-from shared.bus.subjects import PREFIX, Req
+from shared.bus.contract import ENGINES, EVERY_ROLE, TABLES, own_load
+from shared.bus.subjects import Req
+
+__all__ = ["PERMISSIONS", "Permissions", "allows", "own_load", "permissions_of"]
 
 
 @dataclass(frozen=True)
@@ -52,121 +57,35 @@ class Permissions:
     responds: bool = False  # may reply to requests it received (NATS `allow_responses`)
 
 
-ABORTS = subjects.all_aborts()  # every role hears every abort; the subject names who sent it
 INBOX = "_INBOX.>"  # where the replies to this client's requests arrive
 DISCOVERY = "$SRV.>"  # nats.micro PING / INFO / STATS
-# Wildcard forms of the per-instance subjects in shared/bus/subjects.py.
-ANY_MD_PREPARE = f"{PREFIX}.md.*.prepare"
-ANY_PREFILL_SUBMIT = f"{PREFIX}.prefill.*.submit"
-ANY_MD_RESUME = f"{PREFIX}.md.*.resume"
-ANY_RELAY_RESUME = f"{PREFIX}.relay.*.resume"
-ANY_MD_RDMA = f"{PREFIX}.rdma.*.*"  # subjects.md_rdma: offers and written-notes to a main decoder
-ROUTER_HEARTBEATS = subjects.router_heartbeats()
-TRACES = subjects.all_traces_get()  # the router asks each DC's span stores; engines answer
-TOKENS = (subjects.all_router_tokens(), subjects.all_req(Req.TOKENS))  # what P, RLD and MD stream
+# Published for a request no router owns: whoever asked for it listens there (no table routes it).
+UNOWNED_TOKENS = subjects.all_req(Req.TOKENS)
 
 
-def own_load(service: str) -> str:
-    """The load reports a service may publish: its own, any instance."""
-    return f"{PREFIX}.load.{service}.*"
+def permissions_of(role: str) -> Permissions:
+    """The role's row: its table's subjects and what the others' tables say it sends."""
+    engine = role in ENGINES
+    subscribe = [r.pattern for r in TABLES.get(role, ())] + ([DISCOVERY] if engine else []) + [INBOX]
+    publish = [r.published_by(role) for table in TABLES.values() for r in table if role in r.senders]
+    publish += [UNOWNED_TOKENS] if engine else []
+    return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)), responds=engine)
 
 
-def kv_snapshots(service: str) -> str:
-    """The snapshot requests of one role's instances (named per role: a wildcard over the role
-    would also match a kv events subject of an instance called "snapshot")."""
-    return f"{PREFIX}.kv.{service}.*.snapshot"
+def allows(patterns: Iterable[str], subject: str) -> bool:
+    """Whether a subject (wildcards allowed) lies within one of the permission patterns."""
+    want = subject.split(".")
+    for pattern in patterns:
+        have = pattern.split(".")
+        for i, tok in enumerate(have):
+            if tok == ">":
+                return True
+            if i >= len(want) or (tok != "*" and tok != want[i]) or (tok == "*" and want[i] == ">"):
+                break
+        else:
+            if len(have) == len(want):
+                return True
+    return False
 
 
-def own_abort(service: str) -> str:
-    """The aborts a service may publish: signed with its own role (subjects.abort)."""
-    return f"{PREFIX}.req.*.abort.{service}"
-
-
-PERMISSIONS: dict[str, Permissions] = {
-    "router": Permissions(
-        publish=(
-            ANY_MD_PREPARE,
-            subjects.prefill_submit(),
-            ANY_PREFILL_SUBMIT,
-            ANY_MD_RESUME,
-            ANY_RELAY_RESUME,
-            subjects.any_instance("prefill", Req.MD_TARGET),
-            subjects.any_instance("prefill", Req.MD_LOST),
-            subjects.any_instance("relay", Req.MD_LOST),
-            own_abort("router"),
-            own_load("router"),
-            kv_snapshots("prefill"),
-            kv_snapshots("main_decode"),
-            TRACES,
-        ),
-        subscribe=(subjects.all_router_tokens(), subjects.all_kv_events(), subjects.all_load(), INBOX),
-    ),
-    "prefill": Permissions(
-        publish=(
-            *TOKENS,
-            subjects.any_instance("main_decode", Req.HANDOFF),
-            subjects.any_instance("relay", Req.RELAY_START),
-            own_abort("prefill"),
-            own_load("prefill"),
-            subjects.all_kv_events("prefill"),
-            ANY_MD_RDMA,
-        ),
-        subscribe=(
-            subjects.prefill_submit(),
-            ANY_PREFILL_SUBMIT,
-            subjects.any_instance("prefill", Req.MD_TARGET),
-            subjects.any_instance("prefill", Req.MD_LOST),
-            ABORTS,
-            ROUTER_HEARTBEATS,
-            DISCOVERY,
-            kv_snapshots("prefill"),
-            TRACES,
-            INBOX,
-        ),
-        responds=True,
-    ),
-    "relay": Permissions(
-        publish=(
-            *TOKENS,
-            subjects.any_instance("main_decode", Req.HANDOFF),
-            own_abort("relay"),
-            own_load("relay"),
-        ),
-        subscribe=(
-            subjects.any_instance("relay", Req.RELAY_START),
-            subjects.any_instance("relay", Req.KV_READY),
-            subjects.any_instance("relay", Req.HANDOFF_ACK),
-            subjects.any_instance("relay", Req.MD_LOST),
-            ANY_RELAY_RESUME,
-            ABORTS,
-            ROUTER_HEARTBEATS,
-            DISCOVERY,
-            TRACES,
-            INBOX,
-        ),
-        responds=True,
-    ),
-    "main_decode": Permissions(
-        publish=(
-            *TOKENS,
-            subjects.any_instance("relay", Req.KV_READY),
-            subjects.any_instance("relay", Req.HANDOFF_ACK),
-            subjects.all_kv_events("main_decode"),
-            own_abort("main_decode"),
-            own_load("main_decode"),
-        ),
-        subscribe=(
-            ANY_MD_PREPARE,
-            ANY_MD_RESUME,
-            subjects.any_instance("main_decode", Req.HANDOFF),
-            ABORTS,
-            ROUTER_HEARTBEATS,
-            DISCOVERY,
-            kv_snapshots("main_decode"),
-            ANY_MD_RDMA,
-            TRACES,
-            INBOX,
-        ),
-        responds=True,
-    ),
-}
+PERMISSIONS: dict[str, Permissions] = {role: permissions_of(role) for role in EVERY_ROLE}

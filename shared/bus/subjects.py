@@ -94,7 +94,7 @@ def md_prepare(inst: str) -> str:
 
 def md_rdma(bulk_address: str, kind: str) -> str:
     """`pdd.rdma.<key>.<offer|written>`: the RDMA path's exchanges with the main decoder that
-    P knows by its bulk address (MDTarget names no instance); key: a digest of that address."""
+    P knows by its bulk address (MainDecodeTarget names no instance); key: a digest of that address."""
     key = hashlib.sha256(bulk_address.encode()).hexdigest()[:20]
     return f"{PREFIX}.rdma.{key}.{_tok(kind)}"
 
@@ -137,6 +137,12 @@ def router_heartbeats() -> str:
 
 def all_load() -> str:
     return f"{PREFIX}.load.*.*"
+
+
+def identity_faults(reporter: str = "*") -> str:
+    """A KV peer that failed an identity check, as reported by one role (each may publish only
+    its own: the router knows who reported it from the subject)."""
+    return f"{PREFIX}.fault.identity.{reporter}"
 
 
 def traces_get(dc: str) -> str:

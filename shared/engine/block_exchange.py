@@ -15,7 +15,7 @@ import torch
 
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, KVShortageError
-from shared.engine.request_admission import Verdict, admission_verdict
+from shared.engine.kv_admission import Verdict, admission_verdict
 
 
 class BlockExchange:

@@ -36,7 +36,7 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise EngineError(
-                "the KV pool has no block: raise kv_memory_mb (or kv_memory_fraction) or lower block_size"
+                "the KV pool has no block: raise kv_memory_mb (or kv_cache_space_gib) or lower block_size"
             )
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]

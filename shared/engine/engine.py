@@ -16,19 +16,22 @@ from shared.config import EngineSettings, ModelSettings
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, InvalidRequestError
+from shared.engine.grammar import Grammars
 from shared.engine.hashing import block_hashes
 from shared.engine.intake import RequestIntake
-from shared.engine.kv_memory import available_bytes, kv_pool_bytes
-from shared.engine.logprobs import logprobs_of, sampled_logprobs
+from shared.engine.kv_admission import request_blocks
+from shared.engine.kv_memory import available_bytes, kv_pool_bytes, vllm_pool_bytes
+from shared.engine.logprobs import sampled_logprobs
 from shared.engine.model_runner import ModelRunner
 from shared.engine.outputs import EngineStats, FinishReason, StepOutput
-from shared.engine.request_admission import request_blocks
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler
 from shared.engine.sequence import Mode, SeqStatus, Sequence
+from shared.engine.step_logits import collect_prompt_logprobs, processed_logits
 from shared.engine.stopping import finish_reason
 from shared.model import load_model
+from shared.model.config import context_limit
 from shared.model.fused import choose_fused_ops
 from shared.model.packed_linear import choose_linear_backend
 
@@ -49,8 +52,16 @@ class LLMEngine:
         self.linear_backend = choose_linear_backend(self.model, es.linear_backend)
         self.small_ops = choose_fused_ops(self.model, es.small_ops)
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
-        self.max_model_len = min(es.max_model_len, cfg.max_position_embeddings)
-        budget = kv_pool_bytes(es.kv_memory_mb, es.kv_memory_fraction, lambda: available_bytes(self.device))
+        try:
+            self.max_model_len = context_limit(cfg, es.max_model_len)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        budget = kv_pool_bytes(
+            es.kv_memory_mb,
+            es.kv_memory_fraction,
+            lambda: available_bytes(self.device),
+            lambda: vllm_pool_bytes(self.device, es.kv_cache_space_gib, es.gpu_memory_utilization),
+        )
         num_blocks = budget // (self.block_size * self.kv_bytes_per_token)
         self.pool = BlockPool(num_blocks)
         # The pool is exactly num_blocks * block_size tokens of K and V: no other per-token state.
@@ -69,31 +80,14 @@ class LLMEngine:
         self.intake = RequestIntake(cfg.vocab_size, self.max_model_len, self.block_size, num_blocks)
         self.scheduler = Scheduler(self.pool, es, self.model_id)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, es.attention_backend)
-        self._set_helpers(es)
+        share_kernel_helpers(es, self.linear_backend, self.runner.backend.name, self.small_ops)
         self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.exchange = BlockExchange(self.pool, self.kv_cache)
         log.info("KV pool: %d blocks of %d tokens (%.0f MB)", num_blocks, self.block_size, budget / 2**20)
         self.seqs: dict[str, Sequence] = {}  # every request the engine still knows
         self._outbox: list[StepOutput] = []  # produced between steps (extend of nothing)
         self._resample: list[Sequence] = []  # held seqs extended by nothing with final=True
-
-    def _set_helpers(self, es: EngineSettings) -> None:
-        """The kernels' low-priority helper threads: one pool, in the first kernel library in
-        use, that the others share (per process: the last engine's choice)."""
-        from shared.model.kernels import fused_ops, paged_attention_ops, panel_linear_ops
-
-        libs = [panel_linear_ops() if self.linear_backend == "panel" else None]
-        libs.append(paged_attention_ops() if self.runner.backend.name == "paged" else None)
-        libs.append(fused_ops() if self.small_ops == "fused" else None)
-        libs = [ops for ops in libs if ops is not None]
-        if not libs:
-            return
-        owner, *others = libs
-        owner.set_helpers(es.helper_threads, es.helper_nice)
-        for ops in others:
-            ops.share_helpers(owner.helpers_capsule())
-        if es.helper_threads:
-            log.info("kernels: %d helper thread(s) at niceness %d", es.helper_threads, es.helper_nice)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(
@@ -108,6 +102,9 @@ class LLMEngine:
         seq = self.intake.new_sequence(
             rid, token_ids, params, num_prompt_tokens=num_prompt_tokens, mode=mode, taken=self.seqs
         )
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
+            seq.grammar.catch_up(seq.generated_token_ids())  # refuses output the grammar does not allow
         self.seqs[rid] = seq
         self.scheduler.add(seq)
 
@@ -189,7 +186,7 @@ class LLMEngine:
             log.exception("forward failed")
             return [self._fail(b.seq, f"forward failed: {type(e).__name__}: {e}") for b in batch]
         for j, rows in chunk_logits.items():
-            self._collect_prompt_logprobs(batch[j], rows)
+            collect_prompt_logprobs(batch[j], rows)
         for b in batch:
             self.scheduler.commit(b)
         done = [b.seq for b, w in zip(batch, want, strict=True) if w]  # one logits row each
@@ -204,17 +201,10 @@ class LLMEngine:
             outputs += self._sample([done[i] for i in rows], logits[rows])
         return outputs
 
-    def _collect_prompt_logprobs(self, item: ScheduledSeq, rows: torch.Tensor) -> None:
-        """Row i of this step's logits (position c + i) gives the logprobs of prompt token c + i + 1."""
-        seq, c = item.seq, item.seq.num_computed_tokens
-        m = min(item.num_new, seq.num_prompt_tokens - 1 - c)
-        if m > 0 and seq.prompt_logprobs is not None:
-            targets = seq.token_ids[c + 1 : c + 1 + m]
-            seq.prompt_logprobs += logprobs_of(rows[:m], targets, seq.params.prompt_logprobs or 0)
-
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         positions = [s.num_tokens for s in seqs]
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
+        processed = processed_logits(seqs, logits, self.model_config.eos_token_ids)
+        tokens = self.sampler(processed, [s.params for s in seqs], [s.seed for s in seqs], positions)
         lps = sampled_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
         outputs = []
         for seq, tok, lp in zip(seqs, tokens, lps, strict=True):
@@ -286,5 +276,25 @@ class LLMEngine:
             kv_bytes_per_token=self.kv_bytes_per_token,
             computed_tokens=self.scheduler.num_computed_tokens,
             prefix_hit_tokens=self.scheduler.num_hit_tokens,
+            prefix_query_tokens=self.scheduler.num_queried_tokens,
             pending_tokens=self.scheduler.pending_tokens(),
         )
+
+
+def share_kernel_helpers(es: EngineSettings, linear_backend: str, attention: str, small_ops: str) -> None:
+    """The kernels' low-priority helper threads: one pool, in the first kernel library in
+    use, that the others share (per process: the last engine's choice)."""
+    from shared.model.kernels import fused_ops, paged_attention_ops, panel_linear_ops
+
+    libs = [panel_linear_ops() if linear_backend == "panel" else None]
+    libs.append(paged_attention_ops() if attention == "paged" else None)
+    libs.append(fused_ops() if small_ops == "fused" else None)
+    libs = [ops for ops in libs if ops is not None]
+    if not libs:
+        return
+    owner, *others = libs
+    owner.set_helpers(es.helper_threads, es.helper_nice)
+    for ops in others:
+        ops.share_helpers(owner.helpers_capsule())
+    if es.helper_threads:
+        log.info("kernels: %d helper thread(s) at niceness %d", es.helper_threads, es.helper_nice)

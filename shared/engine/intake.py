@@ -14,7 +14,7 @@ import torch
 
 from shared.engine.block_pool import blocks_for
 from shared.engine.errors import InvalidRequestError
-from shared.engine.request_admission import request_blocks
+from shared.engine.kv_admission import request_blocks
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Mode, Sequence
 
@@ -48,6 +48,8 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         params.validate()
+        self.check_token_ids(list(params.logit_bias), "logit_bias")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         ids = self.check_token_ids(token_ids, "prompt")
         npt = self._check_lengths(len(ids), params, num_prompt_tokens, mode)
         self._check_fits_pool(len(ids), npt, params, mode)

@@ -21,18 +21,21 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # of the chosen token: 1 + how many tokens are more likely (0: not computed)
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], top_k: int) -> list[TokenLogprobs]:
     """logits [N, vocab] (row i produced token_ids[i]) -> one TokenLogprobs per row."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).view(-1, 1)).view(-1).tolist()
+    chosen_t = lp.gather(1, torch.tensor(token_ids, device=lp.device).view(-1, 1))
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.view(-1).tolist()
     if top_k > 0:
         top = torch.topk(lp, min(top_k, lp.shape[-1]), dim=-1)
         ids, vals = top.indices.tolist(), top.values.tolist()
     else:
         ids = vals = [[] for _ in token_ids]
-    return [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids, vals, strict=True)]
+    return [TokenLogprobs(c, i, v, r) for c, i, v, r in zip(chosen, ids, vals, ranks, strict=True)]
 
 
 def sampled_logprobs(

@@ -48,6 +48,7 @@ class EngineStats:
     kv_bytes_per_token: int
     computed_tokens: int  # tokens run through the model since start
     prefix_hit_tokens: int  # tokens admitted from the prefix cache since start
+    prefix_query_tokens: int  # tokens of the sequences admitted since start (what the cache was asked for)
     pending_tokens: int  # tokens of waiting and running sequences not yet run through the model
 
 

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, with randomness keyed by position.
+"""Sampling: greedy, temperature, min-p, top-k, top-p, with randomness keyed by position.
 
 All sampled rows of a step draw at once, on the logits' device, by inverse transform: row r
 takes the token whose interval of the filtered distribution's CDF holds u_r, one uniform per
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.logits_processors import apply_min_p
 from shared.engine.sampling_params import SamplingParams
 
 _M64 = (1 << 64) - 1
@@ -36,10 +37,11 @@ def uniform(seed: int, position: int) -> float:
 
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Rows of fp32 logits / temperature, with the tokens top-k and top-p leave out at -inf
-    (top-k keeps the tokens tied with the k-th). Each row's result depends on that row alone."""
+    """Rows of fp32 logits / temperature, with the tokens min-p, top-k and top-p leave out at
+    -inf (top-k keeps the tokens tied with the k-th). Each row's result depends on that row alone."""
     device, vocab = logits.device, logits.shape[-1]
     x = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    x = apply_min_p(x, [p.min_p for p in params])
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     nucleus = [p.top_p < 1.0 for p in params]
     if not (any(top_k) or any(nucleus)):

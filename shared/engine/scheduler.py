@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_hit_tokens = 0  # tokens admitted from the prefix cache, since start
+        self.num_queried_tokens = 0  # tokens of the sequences admitted (looked up in the cache), since start
         self.num_computed_tokens = 0  # tokens run through the model, since start
 
     def pending_tokens(self) -> int:
@@ -136,6 +137,7 @@ class Scheduler:
         seq.block_table = hit + [self.pool.allocate() for _ in range(new)]
         seq.num_computed_tokens = num_cached
         self.num_hit_tokens += num_cached
+        self.num_queried_tokens += seq.num_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return ScheduledSeq(seq, n)

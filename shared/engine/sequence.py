@@ -6,6 +6,7 @@ from enum import Enum, StrEnum, auto
 
 import torch
 
+from shared.engine.grammar import GrammarState
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs] | None = None
         if params.prompt_logprobs is not None and len(token_ids) == num_prompt_tokens:
             self.prompt_logprobs = []
+        self.grammar: GrammarState | None = None  # a constrained request's matcher (grammar.py)
 
     @property
     def num_tokens(self) -> int:

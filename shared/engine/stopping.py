@@ -25,11 +25,16 @@ def finish_reason(
         return None
     if not params.ignore_eos and token_ids[-1] in eos_token_ids:
         return FinishReason.STOP
-    if params.stop:
-        # Only the tail can hold a stop string that the last token completed; the prompt never counts.
+    if token_ids[-1] in params.stop_token_ids:
+        return FinishReason.STOP
+    if params.stop and num_generated > params.min_tokens:
+        # Only the tail can hold a stop string that the last token completed; the prompt never
+        # counts, nor (min_tokens) a stop string that ends in the text of the first min_tokens.
         window = max(len(s.encode()) for s in params.stop) + STOP_WINDOW_SLACK
-        text = decode(token_ids[max(num_prompt_tokens, len(token_ids) - window) :])
-        if any(s in text for s in params.stop):
+        start = max(num_prompt_tokens, len(token_ids) - window)
+        text = decode(token_ids[start:])
+        floor = len(decode(token_ids[start : num_prompt_tokens + params.min_tokens]))
+        if any(text.find(s, max(0, floor - len(s) + 1)) >= 0 for s in params.stop):
             return FinishReason.STOP
     if num_generated >= params.max_tokens or len(token_ids) >= max_model_len:
         return FinishReason.LENGTH

@@ -6,7 +6,7 @@ from shared.kv.link_estimator import LinkEstimator, estimate_wan_seconds
 from shared.kv.pool import KVClientPool
 from shared.kv.server import KVServer, start_kv_server
 from shared.kv.sink import KVSink
-from shared.kv.transfer import KVTransfer, RetryPolicy
+from shared.kv.transfer import RetryPolicy, TcpSender
 from shared.kv.transport import register_transport
 
 __all__ = [
@@ -16,7 +16,7 @@ __all__ = [
     "KVConnectionLost",
     "KVServer",
     "KVSink",
-    "KVTransfer",
+    "TcpSender",
     "KVTransferError",
     "LinkEstimator",
     "RetryPolicy",

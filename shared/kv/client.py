@@ -21,6 +21,7 @@ from shared.kv.codec import Encoded
 from shared.kv.errors import FrameError, KVConnectionLost, KVTransferError
 from shared.kv.frame import DEFAULT_MAX_HEADER, PREFIX, byte_view, dtype_name, pack, read_header
 from shared.kv.transport import Stream, transport_for
+from shared.security.identity import refusal
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +460,10 @@ async def open_kv_client(
     stream: Stream | None = None
     try:
         async with asyncio.timeout(timeout):
-            stream = await transport_for(address).connect(address, ssl=ssl, via=via, server_name=server_name)
+            check = (lambda der: refusal(der, peer_roles)) if peer_roles else None
+            stream = await transport_for(address).connect(
+                address, ssl=ssl, via=via, server_name=server_name, peer_check=check
+            )
             t0 = time.perf_counter()
             welcome = await auth.client_handshake(stream, secret.encode() if secret else None, peer_roles)
             rtt = time.perf_counter() - t0  # hello was already in flight: ~ one round trip

@@ -34,6 +34,8 @@ HEADER = 4
 TAG = 16
 OVERHEAD = HEADER + TAG
 REKEY_RECORDS = 1 << 16
+# A receiver says nothing to a peer whose certificate's role it refuses: it just closes.
+_WHY_CLOSED = " (refused our certificate's identity, or going away)"
 SHARE_MAGIC = b"pdd-kv-sealed-1\n"  # a peer without sealed records fails here, by name
 SHARE_BYTES = 32
 _LEN = struct.Struct(">I")
@@ -203,10 +205,12 @@ async def exchange_shares(
         except ssl.SSLWantReadError:
             pass
         except ssl.SSLZeroReturnError:
-            raise ConnectionResetError(f"{peer} closed the connection after the TLS handshake") from None
+            raise ConnectionResetError(
+                f"{peer} closed the connection after the TLS handshake{_WHY_CLOSED}"
+            ) from None
         data = await loop.sock_recv(sock, 1 << 16)
         if not data:
-            raise ConnectionResetError(f"{peer} closed the connection after the TLS handshake")
+            raise ConnectionResetError(f"{peer} closed the connection after the TLS handshake{_WHY_CLOSED}")
         incoming.write(data)
     if not got.startswith(SHARE_MAGIC):
         raise ssl.SSLError(f"{peer} does not speak sealed KV records (an older pdd?)")

@@ -1,4 +1,4 @@
-"""One request's KV to one peer, whatever carries it: the TCP bulk channel (KVTransfer, to a
+"""One request's KV to one peer, whatever carries it: the TCP bulk channel (TcpSender, to a
 main decoder over the WAN or to the relay over the local path) or the RDMA path to a main
 decoder (RdmaSender, which falls back to the TCP channel for what it cannot write).
 
@@ -10,13 +10,13 @@ from typing import Protocol
 
 import torch
 
-from shared.config import PrefillSettings
+from shared.config import RdmaSettings
 from shared.kv.client import KVClient
 from shared.kv.codec import EXACT
 from shared.kv.pool import KVClientPool
-from shared.kv.rdma_link import RdmaPeers, start_writer
-from shared.kv.rdma_sender import RdmaSender
-from shared.kv.transfer import KVTransfer
+from shared.kv.rdma.link import RdmaPeers, start_writer
+from shared.kv.rdma.sender import RdmaSender
+from shared.kv.transfer import TcpSender
 
 
 class KVSender(Protocol):
@@ -47,29 +47,39 @@ class KVSender(Protocol):
 
 
 class KVSenders:
-    """Opens prefill's senders; the settings pick the transport to a main decoder."""
+    """Opens prefill's senders: the TCP channel, or the RDMA path to a main decoder when `rdma`
+    names its settings (None: every transfer takes TCP)."""
 
-    def __init__(self, settings: PrefillSettings, nc, pool: KVClientPool, local: KVClientPool | None = None):
-        """`pool`: connections to main decoders; `local`: to relays (default: the same)."""
-        self.settings, self.pool, self.local = settings, pool, local or pool
-        rdma = settings.kv_transport == "rdma"
-        self.rdma = RdmaPeers(nc, None, settings.rdma.control_timeout_s) if rdma else None
+    def __init__(
+        self,
+        nc,
+        pool: KVClientPool,
+        local: KVClientPool | None = None,
+        *,
+        wan_codec: str = EXACT,
+        timeout_s: float,
+        rdma: RdmaSettings | None = None,
+    ):
+        """`pool`: connections to main decoders; `local`: to relays (default: the same).
+        `wan_codec`: how a main decoder's blocks are coded; `timeout_s`: each transfer's bound."""
+        self.pool, self.local = pool, local or pool
+        self.wan_codec, self.timeout_s, self.rdma_settings = wan_codec, timeout_s, rdma
+        self.rdma = RdmaPeers(nc, None, rdma.control_timeout_s) if rdma is not None else None
 
     async def start(self) -> None:
         """Start the RDMA path's engine when it is on (without one, every transfer takes TCP)."""
-        if self.rdma is not None:
-            self.rdma.writer = await start_writer(self.settings)
+        if self.rdma is not None and self.rdma_settings is not None:
+            self.rdma.writer = await start_writer(self.rdma_settings)
 
     def open(self, address: str, rid: str, missing: list[int] | None = None) -> KVSender:
         """A sender of rid's blocks to the peer at `address`. missing: the blocks a main decoder
         lacks, which it may take straight into its pool; None for a peer that cannot (the relay).
-        Only a main decoder's (WAN) blocks go in settings.wan_kv_codec; the relay's are always
-        exact. A lossy codec takes the TCP channel: the RDMA path writes raw blocks into the
-        receiver's slots, with no step that could decode them."""
-        codec = self.settings.wan_kv_codec if missing is not None else EXACT
-        timeout = self.settings.request_timeout_s
+        Only a main decoder's (WAN) blocks go in the WAN codec; the relay's are always exact. A
+        lossy codec takes the TCP channel: the RDMA path writes raw blocks into the receiver's
+        slots, with no step that could decode them."""
+        codec = self.wan_codec if missing is not None else EXACT
         pool = self.pool if missing is not None else self.local
-        transfer = KVTransfer(pool, address, rid, timeout=timeout, codec=codec)
+        transfer = TcpSender(pool, address, rid, timeout=self.timeout_s, codec=codec)
         if self.rdma is None or missing is None or codec != EXACT:
             return transfer
         return RdmaSender(self.rdma, transfer, missing)

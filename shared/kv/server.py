@@ -29,7 +29,8 @@ from shared.kv.frame import (
 )
 from shared.kv.pieces import SplitGroup, SplitGroups
 from shared.kv.sink import CONNECTION_LOST, KVSink
-from shared.kv.transport import Listener, Stream, transport_for
+from shared.kv.transport import Listener, OnRefused, Stream, transport_for
+from shared.security.identity import refusal
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -501,6 +502,7 @@ async def start_kv_server(
     idle_timeout: float = IDLE_TIMEOUT_S,
     reconnect_grace: float = RECONNECT_GRACE_S,
     peer_roles: Collection[str] | None = None,
+    on_refused: OnRefused | None = None,
 ) -> KVServer:
     """Listen on "tcp://host:port" (port 0 = any) or "unix:///path"; `server.address` is the bound one.
     ssl: TLS on tcp:// (a server context that requires client certificates). peer_roles: over
@@ -511,7 +513,9 @@ async def start_kv_server(
     before reserving them. caps: bounds on connections and on what is reserved (defaults).
     idle_timeout: a connection with nothing in flight is closed after this long silent (senders
     learn it in the handshake). reconnect_grace: when a connection drops, its requests wait this
-    long to continue on a new connection from the same peer before the sink gets on_abort."""
+    long to continue on a new connection from the same peer before the sink gets on_abort.
+    on_refused: hears of each peer refused by its certificate's role (before anything was sent
+    to it) that went on to talk: (its address, the PeerRefused)."""
     by_identity = bool(peer_roles) and ssl is not None and address.startswith("tcp://")
     if not secret and not by_identity:
         raise ValueError(f"kv receiver {address}: no secret, and no certificate identity to check instead")
@@ -527,6 +531,9 @@ async def start_kv_server(
         reconnect_grace,
         peer_roles,
     )
-    server._listener = await transport_for(address).listen(address, server._serve, ssl=ssl)
+    check = (lambda der: refusal(der, server.peer_roles)) if by_identity and server.peer_roles else None
+    server._listener = await transport_for(address).listen(
+        address, server._serve, ssl=ssl, peer_check=check, on_refused=on_refused
+    )
     log.info("kv receiver listening on %s", server.address)
     return server

@@ -72,7 +72,7 @@ class _Group:
     traceparent: str | None
 
 
-class KVTransfer:
+class TcpSender:
     """send_blocks()* then finish(), or abort(); close() always (it returns the connection).
     A KVSender (shared/kv/sender.py) over the TCP channel alone."""
 

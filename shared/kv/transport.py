@@ -23,6 +23,7 @@ from ssl import SSLContext
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from shared.kv.refusal import PeerRefused, handshake_refusal
 from shared.kv.sealed import RecordReader, RecordWriter, batches, exchange_shares
 from shared.wan.via import via_line
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 RECV_CHUNK = 512 << 10  # checksum each piece while it is still in cache
 SNDBUF = 4 << 20  # Linux doubles it; larger than the default autotuning cap (4 MiB)
 TLS_HANDSHAKE_TIMEOUT_S = 5.0
+FIRST_WORD_S = 1.0  # how long a refused peer has to show it is a real attempt, not a probe
 SENDMSG_BUFS = 64  # buffers per sendmsg call (IOV_MAX is 1024)
 
 
@@ -68,16 +70,28 @@ class Listener(Protocol):
 
 
 OnStream = Callable[[Stream], Awaitable[None]]
+# Why the peer's certificate (DER, None: none) is not one this end deals with; None: it is.
+PeerCheck = Callable[[bytes | None], str | None]
+# A connection refused before it became a stream: (peer, why, the refusal) -> None.
+OnRefused = Callable[[str, BaseException], None]
 
 
 class Transport(Protocol):
-    async def listen(self, address: str, on_stream: OnStream, ssl: SSLContext | None = None) -> Listener: ...
+    async def listen(
+        self,
+        address: str,
+        on_stream: OnStream,
+        ssl: SSLContext | None = None,
+        peer_check: PeerCheck | None = None,
+        on_refused: OnRefused | None = None,
+    ) -> Listener: ...
     async def connect(
         self,
         address: str,
         ssl: SSLContext | None = None,
         via: str | None = None,
         server_name: str | None = None,
+        peer_check: PeerCheck | None = None,
     ) -> Stream: ...
 
 
@@ -239,9 +253,15 @@ class TLSStream(SocketStream):
 
 
 async def _tls_handshake(
-    sock: socket.socket, peer: str, tls: SSLContext, server_hostname: str | None
+    sock: socket.socket,
+    peer: str,
+    tls: SSLContext,
+    server_hostname: str | None,
+    peer_check: PeerCheck | None = None,
 ) -> TLSStream:
-    """Certificates are checked here; a refusal's alert still reaches the peer."""
+    """Certificates are checked here; a refusal's alert still reaches the peer. `peer_check`
+    runs on the verified peer certificate before this end sends anything of its own (the key
+    share): a peer of the wrong role learns nothing but that the connection closed."""
     loop = asyncio.get_running_loop()
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = tls.wrap_bio(
@@ -265,17 +285,54 @@ async def _tls_handshake(
                     await loop.sock_sendall(sock, outgoing.read())
                 raise
         await loop.sock_sendall(sock, outgoing.read())
+        if peer_check is not None:
+            der = obj.getpeercert(binary_form=True)
+            if (why := peer_check(der)) is not None:
+                spoke = server_hostname is not None or await _first_word(sock, obj, incoming)
+                raise PeerRefused(peer, why, _uri_of(obj), spoke)
         send_key, recv_key, early = await exchange_shares(sock, peer, obj, incoming, outgoing)
     return TLSStream(sock, peer, obj, (send_key, recv_key), early)
 
 
+def _uri_of(tls: ssl.SSLObject) -> str | None:
+    cert = tls.getpeercert() or {}
+    return next(
+        (v for k, v in cert.get("subjectAltName", ()) if k == "URI" and v.startswith("spiffe:")), None
+    )
+
+
+async def _first_word(sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO) -> bool:
+    """Whether a peer that was just refused goes on to talk (a real attempt: ours sends its key
+    share at once) rather than close without a word (a probe). Nothing is sent to it."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(FIRST_WORD_S):
+            while True:
+                try:
+                    return bool(tls.read(1))
+                except ssl.SSLWantReadError:
+                    pass
+                data = await loop.sock_recv(sock, 1 << 16)
+                if not data:
+                    return False
+                incoming.write(data)
+    except TimeoutError:
+        return True  # it holds the connection open, silent: not a probe that is done
+    except (ssl.SSLZeroReturnError, OSError):  # its close_notify, or a reset
+        return False
+
+
 async def _stream_of(
-    sock: socket.socket, peer: str, tls: SSLContext | None, server_hostname: str | None = None
+    sock: socket.socket,
+    peer: str,
+    tls: SSLContext | None,
+    server_hostname: str | None = None,
+    peer_check: PeerCheck | None = None,
 ) -> SocketStream:
     """A plaintext stream, or a TLS one once the handshake (certificates checked) is through."""
     if tls is None:
         return SocketStream(sock, peer)
-    return await _tls_handshake(sock, peer, tls, server_hostname)
+    return await _tls_handshake(sock, peer, tls, server_hostname, peer_check)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -329,11 +386,20 @@ async def advertised_address(bound: str) -> str:
 
 
 class SocketListener:
-    def __init__(self, sock: socket.socket, address: str, on_stream: OnStream, tls: SSLContext | None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        address: str,
+        on_stream: OnStream,
+        tls: SSLContext | None,
+        peer_check: PeerCheck | None = None,
+        on_refused: OnRefused | None = None,
+    ):
         self.address = address
         self._sock = sock
         self._on_stream = on_stream
         self._tls = tls
+        self._peer_check, self._on_refused = peer_check, on_refused
         self._conns: set[asyncio.Task] = set()
         self._accepting = asyncio.create_task(self._accept_loop())
 
@@ -354,10 +420,14 @@ class SocketListener:
 
     async def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
-            stream = await _stream_of(conn, peer, self._tls)
-        except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError: no or a foreign certificate
-            log.warning("kv listener %s: refused %s: TLS handshake failed: %s", self.address, peer, e)
+            stream = await _stream_of(conn, peer, self._tls, peer_check=self._peer_check)
+        except (OSError, TimeoutError, PeerRefused) as e:  # ssl.SSLError is an OSError
             conn.close()
+            level, why = handshake_refusal(e)
+            who = f"{e.identity}@{peer}" if isinstance(e, PeerRefused) and e.identity else peer
+            log.log(level, "kv listener %s: refused %s: %s", self.address, who, why)
+            if self._on_refused is not None and isinstance(e, PeerRefused) and e.spoke:
+                self._on_refused(peer, e)
             return
         await self._on_stream(stream)
 
@@ -379,7 +449,16 @@ class SocketListener:
 class SocketTransport:
     """TCP or Unix sockets; `ssl` turns on TLS for tcp:// (unix:// stays plaintext)."""
 
-    async def listen(self, address: str, on_stream: OnStream, ssl: SSLContext | None = None) -> Listener:
+    async def listen(
+        self,
+        address: str,
+        on_stream: OnStream,
+        ssl: SSLContext | None = None,
+        peer_check: PeerCheck | None = None,
+        on_refused: OnRefused | None = None,
+    ) -> Listener:
+        """`peer_check` (TLS only): refuse peers by their certificate before anything is sent;
+        `on_refused` hears of each such refusal of a peer that went on to talk."""
         kind, where = _parse(address)
         if kind == "unix":
             assert isinstance(where, str)
@@ -398,7 +477,8 @@ class SocketTransport:
             bound = f"tcp://{h}:{sock.getsockname()[1]}"
         sock.listen(128)
         sock.setblocking(False)
-        return SocketListener(sock, bound, on_stream, ssl if kind == "tcp" else None)
+        tls = ssl if kind == "tcp" else None
+        return SocketListener(sock, bound, on_stream, tls, peer_check if tls else None, on_refused)
 
     async def connect(
         self,
@@ -406,11 +486,13 @@ class SocketTransport:
         ssl: SSLContext | None = None,
         via: str | None = None,
         server_name: str | None = None,
+        peer_check: PeerCheck | None = None,
     ) -> Stream:
         """`via` (tcp://host:port of a dial-on-demand WAN link, shared/wan/via.py): connect
         there and name `address` in a first line; TLS still runs end to end with `address`.
         `server_name`: the name the server's certificate must hold (default: the address's
-        host). unix:// ignores all three."""
+        host). `peer_check`: refuse the server by its certificate (PeerRefused) before sending
+        it anything. unix:// ignores all four."""
         kind, where = _parse(address)
         loop = asyncio.get_running_loop()
         dial = where
@@ -426,7 +508,7 @@ class SocketTransport:
             if kind == "tcp" and via is not None:
                 await loop.sock_sendall(sock, via_line(*where))
             if kind == "tcp" and ssl is not None:
-                return await _stream_of(sock, address, ssl, server_hostname=server_name or where[0])
+                return await _stream_of(sock, address, ssl, server_name or where[0], peer_check)
         except BaseException:
             sock.close()
             raise

@@ -114,6 +114,12 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template does not compile: {e} (line {e.lineno})") from None
         self.special_tokens = special_tokens
+        self.sources = dict(templates)  # the templates' text, by name (what the router reads of them)
+
+    @property
+    def source(self) -> str:
+        """The text of every template (default first): what they teach the model to write."""
+        return "\n".join([self.sources["default"], *(t for n, t in self.sources.items() if n != "default")])
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate | None:
@@ -129,20 +135,28 @@ class ChatTemplate:
             raise ValueError(f"{model_dir}: {e}") from None
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text; ChatTemplateError when the template refuses or fails on these messages."""
+        """The prompt text; ChatTemplateError when the template refuses or fails on these messages.
+        `extra`: more template variables (a request's chat_template_kwargs); they never replace
+        the messages, tools or special tokens."""
         name = "tool_use" if tools is not None and "tool_use" in self._compiled else "default"
         # Keys set to None are dropped: templates test `is defined`, and would print "None".
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {
+            "messages": messages,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self.special_tokens,
+        }
+        variables = {k: v for k, v in (extra or {}).items() if k not in variables} | variables
         try:
-            return self._compiled[name].render(
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            return self._compiled[name].render(**variables)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         except (

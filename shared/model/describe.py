@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from shared.config import ModelSettings
 from shared.model.config import ModelConfig, config_from_hf
-from shared.model.loader import resolve_dtype
 from shared.model.presets import preset_config
+from shared.model.source import resolve_source, serving_dtype
 from shared.model.tokenizer import load_tokenizer
 
 
@@ -17,9 +16,11 @@ class ModelInfo:
     config: ModelConfig
     tokenizer: object
     dtype_bytes: int
+    served_name: str  # the model id of the API: what /v1/models lists and requests name
 
     @property
     def model_id(self) -> str:
+        """The weights' identity (KV block hashes are keyed by it)."""
         return self.config.model_id
 
     @property
@@ -32,10 +33,19 @@ class ModelInfo:
 
 
 def describe_model(settings: ModelSettings) -> ModelInfo:
-    dtype_bytes = resolve_dtype(settings.dtype).itemsize
-    if settings.path:
-        config = config_from_hf(Path(settings.path))
-        tokenizer = load_tokenizer(Path(settings.path), config.eos_token_id, with_chat_template=True)
-        return ModelInfo(config, tokenizer, dtype_bytes)
-    config = preset_config(settings.preset, settings.seed)
-    return ModelInfo(config, load_tokenizer(None, config.eos_token_id), dtype_bytes)
+    source = resolve_source(settings)
+    dtype_bytes = serving_dtype(settings.dtype, settings.device, source).itemsize
+    if source.kind == "gguf":
+        from shared.model.gguf_checkpoint import GGUFCheckpoint
+        from shared.model.loader import gguf_tokenizer
+
+        ckpt = GGUFCheckpoint(source.path)
+        config = ckpt.config()
+        tokenizer = gguf_tokenizer(ckpt, config, with_chat_template=True)
+    elif source.kind == "hf":
+        config = config_from_hf(source.path)
+        tokenizer = load_tokenizer(source.path, config.eos_token_id, with_chat_template=True)
+    else:
+        config = preset_config(settings.preset, settings.seed)
+        tokenizer = load_tokenizer(None, config.eos_token_id)
+    return ModelInfo(config, tokenizer, dtype_bytes, source.served_name or config.model_id)

@@ -77,3 +77,40 @@ def save_hf(model: LlamaForCausalLM, out_dir: str | Path, byte_tokenizer: bool =
             )
         save_byte_tokenizer(out, c.max_position_embeddings)
     return out
+
+
+def save_gguf_as_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """A GGUF file's model as a Hugging Face directory: its weights dequantized to float32 (the
+    values the file encodes, exactly), its tokenizer as tokenizer.json and its chat template and
+    special tokens in tokenizer_config.json. The same model for a server that cannot read the
+    GGUF file on this device (vLLM's GGUF kernels are GPU-only)."""
+    from shared.model.gguf_checkpoint import GGUFCheckpoint
+    from shared.model.loader import load_gguf
+
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    model, config, tokenizer = load_gguf(gguf_path, torch.float32, torch.device("cpu"))
+    save_hf(model, out)
+    tokenizer.save(out / "tokenizer.json")
+    ckpt = GGUFCheckpoint(gguf_path)
+    tokens = ckpt.field("tokenizer.ggml.tokens")
+    special = {
+        f"{name}_token": tokens[i]
+        for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
+        if (i := ckpt.field(f"tokenizer.ggml.{key}_token_id")) is not None
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": bool(ckpt.field("tokenizer.ggml.add_bos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config.max_position_embeddings,
+    }
+    if (template := ckpt.field("tokenizer.chat_template")) is not None:
+        tokenizer_config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}, indent=2
+        )
+    )
+    return out

@@ -43,13 +43,49 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN, as transformers computes it: frequencies blended between interpolated and
+    extrapolated along a ramp over the dimensions, and cos/sin scaled by the attention factor."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention)
+
+
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor cos and sin are scaled by)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "freq_factors":  # a GGUF's rope_freqs tensor: one divisor per frequency
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    elif kind == "yarn":
+        return _yarn(inv_freq, dim, config.rope_theta, scaling)
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -61,7 +97,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
+    elif kind is not None:
+        raise ValueError(f"rope scaling {kind!r} is not implemented")
+    return inv_freq, 1.0
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    return rope_parameters(config)[0]
 
 
 class RotaryEmbedding(nn.Module):
@@ -69,11 +111,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        inv_freq, self.scale = rope_parameters(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        if self.scale != 1.0:
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

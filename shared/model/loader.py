@@ -1,9 +1,11 @@
-"""load_model(settings): a built-in preset or a local Hugging Face directory."""
+"""load_model(settings): a seeded preset, a local Hugging Face directory or a GGUF file (the
+embedded default model is one)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,12 +14,13 @@ from torch import nn
 
 from shared.config import ModelSettings
 from shared.model.config import ModelConfig, config_from_hf
+from shared.model.gguf_checkpoint import GGUFCheckpoint
+from shared.model.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
 from shared.model.layers import RotaryEmbedding
 from shared.model.llama import LlamaForCausalLM
 from shared.model.presets import init_preset_weights, preset_config
+from shared.model.source import DTYPES, ModelSource, resolve_source, serving_dtype
 from shared.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # HF name -> (our packed name, shard index): q,k,v into qkv_proj; gate,up into gate_up_proj.
 _PACKED = {
@@ -31,6 +34,7 @@ _PACKED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weig
 
 
 def resolve_dtype(name: str) -> torch.dtype:
+    """An explicit dtype name (not `auto`: see source.serving_dtype)."""
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -77,36 +81,44 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name), file.name
+
+
 @torch.no_grad()
-def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(
+    model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor, str]], where: Path
+) -> None:
+    """Copy (Hugging Face name, tensor, file) into the model, splitting q/k/v and gate/up into
+    their packed matrices; every parameter must be given, and nothing else."""
     config = model.config
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if "rotary_emb" in hf_name:
-                    continue
-                if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
-                tensor = f.get_tensor(hf_name)
-                m = _PACKED_RE.match(hf_name)
-                if m:
-                    packed, shard = _PACKED[m.group(2)]
-                    name = f"{m.group(1)}.{packed}.{m.group(3)}"
-                    lo, hi = _shard_ranges(config, packed)[shard]
-                    target = params[name][lo:hi]
-                    loaded.add(f"{name}#{shard}")
-                else:
-                    if hf_name not in params:
-                        raise ValueError(f"unexpected tensor {hf_name!r} in {file.name}")
-                    target = params[hf_name]
-                    loaded.add(hf_name)
-                if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}"
-                    )
-                target.copy_(tensor.to(target.dtype))
+    for hf_name, tensor, file in tensors:
+        if "rotary_emb" in hf_name:
+            continue
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        m = _PACKED_RE.match(hf_name)
+        if m:
+            packed, shard = _PACKED[m.group(2)]
+            name = f"{m.group(1)}.{packed}.{m.group(3)}"
+            if name not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
+            lo, hi = _shard_ranges(config, packed)[shard]
+            target = params[name][lo:hi]
+            loaded.add(f"{name}#{shard}")
+        else:
+            if hf_name not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} in {file}")
+            target = params[hf_name]
+            loaded.add(hf_name)
+        if target.shape != tensor.shape:
+            raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+        target.copy_(tensor.to(target.dtype))
     missing = []
     for name in params:
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -118,26 +130,53 @@ def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
         elif name not in loaded:
             missing.append(name)
     if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint {where} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def load_hf_weights(model: LlamaForCausalLM, path: Path) -> None:
+    load_weights(model, _safetensors(path), path)
+
+
+def gguf_tokenizer(
+    ckpt: GGUFCheckpoint, config: ModelConfig, with_chat_template: bool = False
+) -> HFTokenizer:
+    meta = {k: ckpt.field(k) for k in ckpt.reader.fields if k.startswith("tokenizer.")}
+    template = chat_template_from_gguf(meta, str(ckpt.path)) if with_chat_template else None
+    return HFTokenizer(tokenizer_from_gguf(meta, str(ckpt.path)), config.eos_token_id, template)
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, ModelConfig, HFTokenizer]:
+    ckpt = GGUFCheckpoint(path)
+    config = ckpt.config()
+    tokenizer = gguf_tokenizer(ckpt, config)  # first: a file without a usable tokenizer is refused at once
+    if config.eos_token_id < 0:
+        raise ValueError(f"{path}: no tokenizer.ggml.eos_token_id")
+    model = _empty_model(config, dtype, device)
+    load_weights(model, ((n, w, path.name) for n, w in ckpt.hf_tensors(config)), path)
+    return model, config, tokenizer
 
 
 def load_model(settings: ModelSettings) -> tuple[LlamaForCausalLM, ModelConfig, ByteTokenizer | HFTokenizer]:
     """-> (model in eval mode, its ModelConfig, its tokenizer)."""
-    dtype = resolve_dtype(settings.dtype)
+    source: ModelSource = resolve_source(settings)
+    dtype = serving_dtype(settings.dtype, settings.device, source)
     device = torch.device(settings.device)
-    if settings.path:
-        path = Path(settings.path)
+    if source.kind == "gguf":
+        return load_gguf(source.path, dtype, device)
+    if source.kind == "hf":
+        path = source.path
         config = config_from_hf(path)
+        tokenizer = load_tokenizer(path, config.eos_token_id)
+        if config.eos_token_id < 0:
+            raise ValueError(f"{path}: no eos_token_id in config.json or generation_config.json")
         model = _empty_model(config, dtype, device)
         load_hf_weights(model, path)
-        tokenizer = load_tokenizer(path, config.eos_token_id)
-        if isinstance(tokenizer, HFTokenizer) and config.eos_token_id < 0:
-            raise ValueError(f"{path}: no eos_token_id in config.json or generation_config.json")
-    else:
-        config = preset_config(settings.preset, settings.seed)
-        cpu = _empty_model(config, torch.float32, torch.device("cpu"))
-        init_preset_weights(cpu, settings.seed)  # always fp32 on CPU: identical bits on any device
-        model = _empty_model(config, dtype, device)
-        model.load_state_dict(cpu.state_dict())
-        tokenizer = load_tokenizer(None, config.eos_token_id)
-    return model, config, tokenizer
+        return model, config, tokenizer
+    config = preset_config(settings.preset, settings.seed)
+    cpu = _empty_model(config, torch.float32, torch.device("cpu"))
+    init_preset_weights(cpu, settings.seed)  # always fp32 on CPU: identical bits on any device
+    model = _empty_model(config, dtype, device)
+    model.load_state_dict(cpu.state_dict())
+    return model, config, load_tokenizer(None, config.eos_token_id)

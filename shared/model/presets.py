@@ -39,7 +39,7 @@ def preset_config(name: str, seed: int) -> ModelConfig:
         vocab_size=ByteTokenizer.vocab_size,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
+        max_position_embeddings=4096,
         eos_token_id=ByteTokenizer.eos_token_id,
         bos_token_id=ByteTokenizer.bos_token_id,
         model_id=f"{name}-s{seed}",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from tokenizers import Tokenizer as _Tok
+
 from shared.model.chat_template import ChatTemplate
 
 
@@ -34,16 +36,22 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json; special tokens (e.g. a BOS) are added as its post-processor
-    says, unless add_special_tokens=False."""
+    """A `tokenizers` tokenizer: a checkpoint's tokenizer.json, or one built from a GGUF file's
+    metadata. Special tokens (e.g. a BOS) are added as its post-processor says, unless
+    add_special_tokens=False."""
 
-    def __init__(self, path: Path, eos_token_id: int, chat_template: ChatTemplate | None = None) -> None:
-        from tokenizers import Tokenizer as _Tok
-
-        self._tok = _Tok.from_file(str(path))
+    def __init__(
+        self, path: Path | _Tok, eos_token_id: int, chat_template: ChatTemplate | None = None
+    ) -> None:
+        self._tok = path if isinstance(path, _Tok) else _Tok.from_file(str(path))
         self.eos_token_id = eos_token_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
+
+    @property
+    def backend(self):
+        """The `tokenizers` object (its vocabulary and JSON: what constrained decoding reads)."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -51,12 +59,23 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def save(self, path: Path) -> None:
+        """As a tokenizer.json file."""
+        self._tok.save(str(path))
+
 
 def load_tokenizer(
     model_dir: Path | None, eos_token_id: int, with_chat_template: bool = False
 ) -> ByteTokenizer | HFTokenizer:
-    """with_chat_template: also the checkpoint's chat template (only the router renders chats)."""
-    if model_dir is not None and (model_dir / "tokenizer.json").exists():
-        template = ChatTemplate.from_checkpoint(model_dir) if with_chat_template else None
-        return HFTokenizer(model_dir / "tokenizer.json", eos_token_id, template)
-    return ByteTokenizer()
+    """The byte tokenizer of the presets (model_dir None), or a checkpoint's tokenizer.json;
+    with_chat_template: also the checkpoint's chat template (only the router renders chats).
+    A checkpoint without a tokenizer is refused: bytes are not its vocabulary."""
+    if model_dir is None:
+        return ByteTokenizer()
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{model_dir}: no tokenizer.json; a checkpoint needs its tokenizer to be served "
+            "(save it with the model: tokenizer.save_pretrained(dir))"
+        )
+    template = ChatTemplate.from_checkpoint(model_dir) if with_chat_template else None
+    return HFTokenizer(model_dir / "tokenizer.json", eos_token_id, template)

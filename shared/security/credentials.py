@@ -1,13 +1,14 @@
 """Each service's credentials: created once by `pdd up` (or `pdd certs`), read by the services.
 
 One directory (0700, files 0600) holds the private CA and a certificate per identity (the two
-NATS servers and the four services, each naming its role: shared/security/identity.py), each
-service's NATS password and the key of the local KV path between prefill and the relay (dc-a
-only: KV over TCP is authenticated by the certificates' identities, so main decode holds no KV
-key). Services get file *paths* in their settings (`PDD_<SVC>_NATS_PASSWORD_FILE`,
-`PDD_<SVC>_SECRET_FILE`, `PDD_<SVC>_TLS_CA/CERT/KEY`), so no secret sits in an environment or
-in compose.yaml; `NATS_PASSWORD` / `SECRET` given directly work too. A service without them
-does not start: there is no insecure mode.
+NATS servers and the four services, each naming its role: shared/security/identity.py) and the
+key of the local KV path between prefill and the relay (dc-a only: KV over TCP is authenticated
+by the certificates' identities, so main decode holds no KV key). The certificate is also the
+NATS credential (the servers map it to its role's user), so there are no NATS passwords.
+Services get file *paths* in their settings (`PDD_<SVC>_SECRET_FILE`, `PDD_<SVC>_TLS_CA/CERT/KEY`),
+so no secret sits in an environment or in compose.yaml; `SECRET` given directly works too. A
+service without them does not start, nor with another role's certificate: there is no insecure
+mode.
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from shared.security.identity import own_identity_refusal
 from shared.security.pki import Identity, Pki, client_context, write_private
 
 NATS_SERVERS = ("nats-a", "nats-b")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Compose service names are hostnames there; `wan` fronts the gateways and the KV channel.
 COMPOSE_HOSTNAMES = ("nats-a", "nats-b", "wan", "main_decode", "prefill", "relay", "router")
-REQUIRED = ("nats_user", "nats_password", "tls_ca", "tls_cert", "tls_key")
+REQUIRED = ("tls_ca", "tls_cert", "tls_key")
 LOCAL_KV_SERVICES = ("prefill", "relay")  # the ends of the local KV path hold its key
 LOCAL_SECRET = "kv-local-secret"
 OLD_SECRET = "kv-secret"  # the one KV key every DC held, before identities: removed
+OLD_PASSWORD = ".nats-password"  # NATS passwords, before certificates were the NATS credential: removed
 FILES = ("tls_ca", "tls_cert", "tls_key")
 
 
@@ -43,16 +46,10 @@ class Credentials:
     def identity(self, name: str) -> Identity:
         return self.pki.identity(name)
 
-    def password_file(self, service: str) -> Path:
-        return self.dir / f"{service}.nats-password"
-
     @property
     def secret_file(self) -> Path:
         """The local KV path's key (prefill <-> relay, in dc-a)."""
         return self.dir / LOCAL_SECRET
-
-    def password(self, service: str) -> str:
-        return self.password_file(service).read_text().strip()
 
     def ensure(self, services: Iterable[str], hosts: Iterable[str], *, renew: bool = False) -> Credentials:
         """Create what is missing (everything anew with renew). Certificates are reissued from
@@ -63,19 +60,21 @@ class Credentials:
         self.pki.ensure([*NATS_SERVERS, *services], hosts, renew=renew, reissue=reissue)
         write_private(hosts_file, json.dumps(hosts).encode())
         (self.dir / OLD_SECRET).unlink(missing_ok=True)
-        for path in [*map(self.password_file, services), self.secret_file]:
-            if renew or not path.exists():
-                write_private(path, secrets.token_urlsafe(32).encode())
+        for old in self.dir.glob(f"*{OLD_PASSWORD}"):
+            old.unlink()
+        if renew or not self.secret_file.exists():
+            write_private(self.secret_file, secrets.token_urlsafe(32).encode())
         return self
 
 
 def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: bool | None = None) -> Any:
-    """Read the password and secret files into `settings`; exit 2 naming what is missing.
+    """Read the secret file into `settings`; exit 2 naming what is missing, or when the
+    certificate is another party's.
     `kv`: the service is an end of the local KV path, so it needs that path's key (default:
     prefill and the relay)."""
     kv = service in LOCAL_KV_SERVICES if kv is None else kv
     required = [*REQUIRED, "secret"] if kv else REQUIRED
-    for name in ("nats_password", "secret"):
+    for name in ("secret",):
         path = getattr(settings, f"{name}_file", None)
         if not getattr(settings, name) and path:
             try:
@@ -92,7 +91,22 @@ def require_credentials(settings: Any, service: str, env_prefix: str, *, kv: boo
     for name in FILES:
         if not Path(getattr(settings, name)).is_file():
             _refuse(service, f"{env_prefix}{name.upper()}: no such file {getattr(settings, name)}")
+    require_own_identity(settings, service, env_prefix)
     return settings
+
+
+def require_own_identity(settings: Any, service: str, env_prefix: str) -> None:
+    """Exit 2 unless this service's certificate names its role and datacenter: a service never
+    runs under another party's identity (peers would take it for that party, or refuse it)."""
+    try:
+        why = own_identity_refusal(Path(settings.tls_cert).read_bytes(), service, settings.datacenter)
+    except (OSError, ValueError) as e:
+        why = f"unreadable: {e}"
+    if why:
+        _refuse(
+            service,
+            f"{env_prefix}TLS_CERT {settings.tls_cert}: {why}; this is {service} in {settings.datacenter}",
+        )
 
 
 def _refuse(service: str, why: str) -> None:
@@ -106,5 +120,6 @@ def tls_context(settings: Any) -> ssl.SSLContext:
 
 
 def nats_options(settings: Any) -> dict[str, Any]:
-    """Keyword arguments for shared.bus.connection.connect: this service's user and certificate."""
-    return {"user": settings.nats_user, "password": settings.nats_password, "tls": tls_context(settings)}
+    """Keyword arguments for shared.bus.connection.connect: this service's certificate, which
+    the server maps to its role's user (no user name or password is sent)."""
+    return {"tls": tls_context(settings)}

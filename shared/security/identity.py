@@ -21,6 +21,7 @@ ROLES = ("prefill", "relay", "main_decode", "router", "nats")
 # Where each role runs; a NATS server's instance is its name.
 ROLE_DC = {"prefill": "dc-a", "relay": "dc-a", "router": "dc-a", "main_decode": "dc-b"}
 NATS_DC = {"nats-a": "dc-a", "nats-b": "dc-b"}
+OTHER_DC = {"dc-a": "dc-b", "dc-b": "dc-a"}
 _PART = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 
 
@@ -33,6 +34,13 @@ class PeerIdentity(NamedTuple):
     def uri(self) -> str:
         parts = [self.dc, self.role, *([self.instance] if self.instance else [])]
         return f"spiffe://{TRUST_DOMAIN}/" + "/".join(parts)
+
+
+def distinguished_name(ident: PeerIdentity) -> str:
+    """The subject of every certificate of `ident`'s role in its DC (an instance's too), as
+    RFC 4514 writes it: "CN=main_decode,OU=dc-b,O=pdd". NATS maps a client's certificate to the
+    user of this name, so a role's permissions on the bus go with its certificate."""
+    return f"CN={ident.role},OU={ident.dc},O={TRUST_DOMAIN}"
 
 
 def parse_identity(uri: str) -> PeerIdentity:
@@ -74,6 +82,26 @@ def refusal(cert: bytes | None, roles: Collection[str]) -> str | None:
     if ident.role not in roles:
         return f"peer identity {ident.uri} is not {' or '.join(sorted(roles))}"
     return None
+
+
+def mismatch(ident: PeerIdentity, role: str, dc: str | None = None) -> str | None:
+    """How `ident` differs from what a party of `role` (in `dc`, when given) must present;
+    None when it does not. Both sides are named: "wrong role (relay, expected main_decode)"."""
+    if ident.role != role:
+        return f"wrong role ({ident.role}, expected {role})"
+    if dc is not None and ident.dc != dc:
+        return f"wrong datacenter ({ident.dc}, expected {dc})"
+    return None
+
+
+def own_identity_refusal(cert_pem: bytes, role: str, dc: str) -> str | None:
+    """Why a service of `role` in `dc` must not start with this certificate (None: it may)."""
+    try:
+        ident = peer_identity(x509.load_pem_x509_certificate(cert_pem))
+    except ValueError as e:
+        return f"{e}: reissue it (pdd certs bundle)"
+    why = mismatch(ident, role, dc)
+    return f"it names {ident.uri}: {why}" if why else None
 
 
 def identity_of(name: str) -> PeerIdentity | None:

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.security.identity import identity_of
+from shared.security.identity import identity_of, parse_identity
 
 VALID_DAYS = 397  # what public CAs may issue; `pdd certs` renews
 CA_NAME = "ca"
@@ -104,7 +104,7 @@ class Pki:
             cert.verify_directly_issued_by(self.signer()[0])
         except (ValueError, TypeError, InvalidSignature):
             return False
-        return _uris(cert) == ([uri] if uri else [])
+        return _uris(cert) == ([uri] if uri else []) and (not uri or cert.subject == leaf_subject("", uri))
 
     def issue(
         self, cert_path: Path, key_path: Path, name: str, hosts: Iterable[str], uri: str | None
@@ -127,13 +127,23 @@ def _uris(cert: x509.Certificate) -> list[str]:
     return san.get_values_for_type(x509.UniformResourceIdentifier)
 
 
-def _name(common_name: str) -> x509.Name:
+def _name(common_name: str, unit: str | None = None) -> x509.Name:
     return x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdd"),
+            *([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit)] if unit else []),
             x509.NameAttribute(NameOID.COMMON_NAME, common_name),
         ]
     )
+
+
+def leaf_subject(name: str, uri: str | None) -> x509.Name:
+    """A leaf's subject: O=pdd, OU=<dc>, CN=<role> for a party with an identity (every
+    instance of a role alike: identity.distinguished_name), else O=pdd, CN=<name>."""
+    if uri is None:
+        return _name(name)
+    ident = parse_identity(uri)
+    return _name(ident.role, ident.dc)
 
 
 def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
@@ -172,7 +182,7 @@ def _leaf_certificate(
     uri: str | None,
 ) -> x509.Certificate:
     """Server and client use in one certificate: every service both listens and dials."""
-    builder = x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
+    builder = x509.CertificateBuilder().subject_name(leaf_subject(name, uri)).issuer_name(ca.subject)
     builder = _validity(builder.public_key(key.public_key()).serial_number(x509.random_serial_number()))
     builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())

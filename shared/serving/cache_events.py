@@ -40,9 +40,8 @@ class CacheEvents:
         self.seq = 0  # the last message's number (engine thread)
         self._sent_at = -math.inf
 
-    async def start(self, life: Lifecycle) -> None:
-        subject = subjects.kv_snapshot(self.role.value, self.instance)
-        await life.endpoint(self.nc, subject, KVSnapshotRequest, self._answer)
+    def start(self, life: Lifecycle) -> None:
+        """Publish the changes periodically (the snapshot requests are routed to `answer`)."""
         life.every(EVENTS_EVERY_S, self.publish)
 
     # ---- engine thread -------------------------------------------------------------------
@@ -68,6 +67,10 @@ class CacheEvents:
         await publish(self.nc, subjects.kv_events(self.role.value, self.instance), msg)
         self._sent_at = time.monotonic()
 
-    async def _answer(self, msg: KVSnapshotRequest, raw) -> None:
+    async def drop(self) -> None:
+        """Let the events go unsent (a cache nobody follows: they would only pile up)."""
+        await self.engine_loop.call(self.exchange.drain_events)
+
+    async def answer(self, msg: KVSnapshotRequest, raw) -> None:
         seq, stored = await self.engine_loop.call(self._snapshot)
         await respond(raw, KVSnapshot(self.role, self.instance, self.epoch, seq, stored))

@@ -13,6 +13,8 @@ one already running finishes on the engine thread and its result is dropped. All
 for the engine thread: a heartbeat must not wait behind a long prefill step; `on_stats` is
 told each new figure on the engine thread (prefill publishes its backlog from it). A decoder
 on a host shared with prefill waits before a step while `give_way` says so (host_share.py).
+`min_step_s` (a test knob, 0 = off) makes each step take at least that long: the loop waits out
+the rest after the step, so a test can hold a decoder mid-output whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -63,6 +66,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.stats: EngineStats = engine.stats()
+        self.min_step_s = 0.0  # a floor on each step's time (a test knob; 0 = off)
 
     async def call(
         self,
@@ -160,6 +164,7 @@ class EngineLoop:
                 continue
             while self._give_way and self._give_way.should_wait():  # noqa: ASYNC110 - another process writes it
                 await asyncio.sleep(GIVE_WAY_POLL_S)
+            began = time.monotonic()
             try:
                 outputs, extra, busy = await loop.run_in_executor(self._executor, self._tick)
             except Exception:  # a failing step must not kill the service; it is logged and retried
@@ -177,3 +182,5 @@ class EngineLoop:
                 # yield briefly instead of spinning on the engine thread.
                 self._wake.clear()
                 await self._sleep(0.002)
+            if (rest := self.min_step_s - (time.monotonic() - began)) > 0:
+                await asyncio.sleep(rest)  # commands still run on the engine thread meanwhile

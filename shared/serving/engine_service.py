@@ -9,49 +9,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from typing import Any, ClassVar
 
+import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
+from shared.bus.contract import TABLES, At
 from shared.bus.messages import (
     Abort,
     AbortReason,
     LinkReport,
     LoadReport,
-    Outcome,
     ResumeReply,
     ResumeRequest,
     Role,
     TokenEvent,
 )
-from shared.engine import EngineError, EngineStats, FinishReason, LLMEngine, StepOutput
+from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, KVSink, start_kv_server
 from shared.kv.tls import server_tls
-from shared.kv.transport import advertised_address
+from shared.kv.transport import OnRefused, advertised_address
+from shared.model.source import served_name
 from shared.serving.engine_loop import EngineLoop, PostStep
 from shared.serving.host_share import GiveWay, PrefillBacklog
-from shared.serving.liveness import HEARTBEAT_S, ConnectionWatch, Heartbeats
+from shared.serving.liveness import HEARTBEAT_S
 from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
-from shared.telemetry.span_bus import serve_traces
+from shared.telemetry.span_bus import TraceAnswers
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 from shared.telemetry.tracing import get_tracer
+from shared.telemetry.vllm_metrics import EngineMetrics
 
-from .admission_gate import AdmissionGate
+from .aborts import ABORTS_KEPT_S, RecentAborts
 from .cache_events import CacheEvents
+from .job_admission import AdmissionGate
+from .presence import Presence
+from .subscriptions import serve
 from .token_outbox import TokenOutbox
 
 KV_SENDERS = (Role.PREFILL.value,)  # the only role whose certificate may send KV over TCP
 
 log = logging.getLogger(__name__)
 
-ABORTS_KEPT_S = 60.0  # how long an abort is remembered against a late admission
 DRAIN_POLL_S = 0.1  # how often a drain looks whether the requests held have ended
 UNFOLLOWED_EVENTS_DROP_S = 5.0  # how often a cache nobody follows drops its events
 FREED_RECHECK_S = 0.25  # a wait for freed blocks looks again after this even unwoken (a free it missed)
@@ -89,7 +93,7 @@ class EngineService:
             self._on_step,
             post_step,
             settings.engine_call_timeout_s,
-            on_stats=self._publish_backlog if self.backlog else None,
+            on_stats=self.backlog.after_step if self.backlog else None,
             give_way=self.give_way,
         )
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
@@ -98,39 +102,34 @@ class EngineService:
         self.kv_server: KVServer | None = None
         self.advertise_address = ""  # what peers dial for this service's KV, once it listens
         self.jobs: dict[str, Any] = {}  # rid -> the service's job (event loop only)
-        self.epoch = secrets.token_hex(8)  # this process (LoadReport.epoch)
-        self.routers = Heartbeats(settings.orphan_after_s)
-        # Aborts heard lately: one may overtake the message that creates its job (they travel
-        # different paths, and admission awaits the engine), and must still win.
-        self.aborted: dict[str, tuple[float, Abort, Role]] = {}
-        self.conn = ConnectionWatch(nc)
+        self.presence = Presence(self.role, settings.instance, nc, settings.orphan_after_s)
+        self.aborted = RecentAborts()
         self._freed = asyncio.Event()  # set when KV blocks went back to the pool
         self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine.exchange)
+        # This host's spans, for the router's GET /v1/traces when the DCs are separate hosts.
+        self.traces = TraceAnswers(self.role, settings.instance, settings.datacenter)
         self.admission = AdmissionGate(self.life, nc, self.jobs, self.aborted, self.on_abort_message)
+        self.blocks_used = metrics.KV_BLOCKS_USED.labels(service=self.role.value, instance=settings.instance)
+        self.vllm = EngineMetrics(served_name(settings.model, engine.model_id), settings.instance)
         self.track("jobs", lambda: len(self.jobs))
         self.track("engine_requests", lambda: len(engine.seqs))
         self.track("pins", lambda: len(engine.exchange.pins))
-        self.track("routers", lambda: len(self.routers))
+        self.track("routers", lambda: len(self.presence.routers))
         self.track("aborted", lambda: len(self.aborted))
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.engine_loop.start()
         await self.life.announce(self.nc)
-        await self.subscribe()
-        await self.life.subscribe(self.nc, subjects.all_aborts(), Abort, self._on_abort)
-        await self.life.subscribe(
-            self.nc, subjects.router_heartbeats(), LoadReport, self._on_router_heartbeat
-        )
-        # This host's spans, for the router's GET /v1/traces when the DCs are separate hosts.
-        await serve_traces(self.life, self.nc, self.role, self.settings.instance, self.settings.datacenter)
+        at = At(self.settings.instance, self.settings.datacenter, self.advertise_address)
+        await serve(self, TABLES[self.role.value], at, self.life, self.nc, self.admission)
         self.life.every(HEARTBEAT_S, self.report_load)
         self.life.every(HEARTBEAT_S, self._drop_orphans)
         self.life.every(ABORTS_KEPT_S / 10, self._forget_old_aborts)
         if self.publishes_cache:
-            await self.cache_events.start(self.life)
+            self.cache_events.start(self.life)
         else:  # nobody follows this cache: its events would only pile up
-            self.life.every(UNFOLLOWED_EVENTS_DROP_S, self._drop_cache_events)
+            self.life.every(UNFOLLOWED_EVENTS_DROP_S, self.cache_events.drop)
         # Started means reachable: the server has every subscription before start returns.
         await self.nc.flush(timeout=10)
 
@@ -142,11 +141,6 @@ class EngineService:
         for shared in (self.backlog, self.give_way):
             if shared:
                 shared.close()
-
-    def _publish_backlog(self, stats: EngineStats) -> None:
-        """Prefill's prompt tokens not yet computed, its next step's included (engine thread)."""
-        assert self.backlog is not None
-        self.backlog.publish(stats.pending_tokens)
 
     # ---- leaving (scale-in) ----------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:
@@ -176,24 +170,17 @@ class EngineService:
         """Give up a request at the end of a drain, so that its router moves it."""
         raise NotImplementedError
 
-    async def serve_kv(self, address: str, sink: KVSink | None = None) -> None:
-        """Receive KV on the bulk channel into `sink` (default: this service's on_blocks/on_done/on_abort).
-        TLS on tcp:// when the settings name certificates, and then only from a sender whose
-        certificate names prefill (the local unix:// path goes by the settings' secret); groups
-        that are not this model's dtype and per-block shape are refused before any memory is
-        reserved for them."""
-        layers, two, _, *block = self.engine.kv_cache.shape
-        expect = (self.engine.kv_cache.dtype, (layers, two, *block))
-        tls = server_tls(self.settings)
-        self.kv_server = await start_kv_server(
-            address, self.settings.secret, sink or self, ssl=tls, expect=expect, peer_roles=KV_SENDERS
+    async def serve_kv(
+        self, address: str, sink: KVSink | None = None, on_refused: OnRefused | None = None
+    ) -> None:
+        """Receive KV on the bulk channel into `sink` (default: this service's on_blocks/on_done/on_abort);
+        `on_refused`: told of a sender refused for its identity."""
+        self.kv_server = await listen_for_kv(
+            self.settings, self.engine.kv_cache, address, sink or self, on_refused=on_refused
         )
         self.advertise_address = await advertised(self.settings, self.kv_server.address)
 
     # ---- what each service defines ---------------------------------------------------
-    async def subscribe(self) -> None:
-        """The service's own subscriptions (aborts are handled here)."""
-
     async def _on_step(self, outputs: list[StepOutput], extra: Any) -> None:
         async with self.tokens.collecting():  # the step's token events leave together, per router
             await self.on_outputs(outputs, extra)
@@ -227,48 +214,32 @@ class EngineService:
     # ---- load ------------------------------------------------------------------------
     async def report_load(self) -> EngineStats:
         stats = self.engine_loop.stats  # not a call: a heartbeat never waits for a step to end
-        metrics.KV_BLOCKS_USED.labels(service=self.role.value, instance=self.settings.instance).set(
-            stats.used_blocks
-        )
-        report = LoadReport(
-            service=self.role,
-            instance=self.settings.instance,
-            running=stats.running,
-            waiting=stats.waiting,
-            num_blocks=stats.num_blocks,
-            used_blocks=stats.used_blocks,
-            free_blocks=stats.free_blocks,
+        self.blocks_used.set(stats.used_blocks)
+        self.vllm.update(stats)
+        report = self.presence.report(
+            stats,
+            self.jobs,
             address=self.load_address(),
             links=self.load_links(),
             model_id=self.engine.model_id,
-            held=list(self.jobs),
             draining=self.draining,
-            epoch=self.epoch,
         )
         await publish(self.nc, subjects.load(self.role.value, self.settings.instance), report)
         return stats
 
     # ---- the owning router ------------------------------------------------------------
-    async def _on_router_heartbeat(self, report: LoadReport, raw: Any) -> None:
-        self.routers.heard(report.instance)
+    async def on_router_heartbeat(self, report: LoadReport, raw: Any) -> None:
+        self.presence.routers.heard(report.instance)
 
     async def _drop_orphans(self) -> None:
         """A router that stopped heartbeating cannot stream its requests to anyone: drop them
         and free their blocks (a restarted router re-sends the ones it still wants)."""
-        owners = {job.router for job in self.jobs.values() if job.router}
-        lost = self.routers.lost(owners, self.conn.up_for())
-        for job in [j for j in list(self.jobs.values()) if j.router in lost]:
+        for job in self.presence.orphans(self.jobs.values()):
             log.warning("request %s: router %s stopped heartbeating; dropping it", job.rid, job.router)
             await self.on_abort_message(Abort(job.rid, AbortReason.ROUTER_LOST, job.router), Role.ROUTER)
-        self.routers.prune(keep_s=600.0)
-
-    async def _drop_cache_events(self) -> None:
-        await self.engine_loop.call(self.engine.exchange.drain_events)
 
     async def _forget_old_aborts(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, (t, *_) in self.aborted.items() if now - t > ABORTS_KEPT_S]:
-            del self.aborted[rid]
+        self.aborted.forget_old(time.monotonic())
         self.admission.forget_old()
 
     # ---- migration by token IDs ---------------------------------------------------------
@@ -312,13 +283,13 @@ class EngineService:
         self._freed.clear()
 
     # ---- messages --------------------------------------------------------------------
-    async def _on_abort(self, msg: Abort, raw: Any) -> None:
+    async def on_bus_abort(self, msg: Abort, raw: Any) -> None:
         try:
             source = Role(subjects.abort_source(raw.subject))
         except ValueError:
             return  # not a role's subject: nobody we know sent it
         if source is not self.role:
-            self.aborted[msg.rid] = (time.monotonic(), msg, source)
+            self.aborted.heard(msg, source, time.monotonic())
             await self.on_abort_message(msg, source)
 
     def was_aborted(self, rid: str) -> bool:
@@ -331,7 +302,7 @@ class EngineService:
         """Tell every other role to drop `rid`."""
         ctx = trace.set_span_in_context(parent) if parent else None
         attrs = {REQUEST_ID_ATTR: rid, "reason": reason.value, "detail": detail}
-        with self.tracer.start_as_current_span("abort", context=ctx, attributes=attrs):
+        with self.tracer.start_as_current_span(reason.span_name, context=ctx, attributes=attrs):
             await publish(self.nc, subjects.abort(rid, self.role.value), Abort(rid, reason, detail))
 
     async def send_tokens(self, router: str, event: TokenEvent) -> None:
@@ -342,31 +313,22 @@ class EngineService:
         metrics.UNKNOWN_REQUEST_MESSAGES.labels(service=self.role.value).inc()
 
 
-def token_event(rid: str, source: Role, index: int, outs: list[StepOutput]) -> TokenEvent:
-    """The tokens of one step's outputs for the router, with their logprobs when asked for."""
-    sampled = [o for o in outs if o.token_id is not None]
-    lps = [o.logprobs for o in sampled]
-    prompt_lps = next((o.prompt_logprobs for o in sampled if o.prompt_logprobs is not None), None)
-    return TokenEvent(
-        rid,
-        source,
-        index,
-        [o.token_id for o in sampled],  # type: ignore[misc]
-        logprobs=lps if sampled and None not in lps else None,
-        prompt_logprobs=prompt_lps,  # type: ignore[arg-type]
-    )
-
-
-def outcome_of(reason: FinishReason | None) -> Outcome:
-    """The wire outcome of an engine's finish reason."""
-    if reason is FinishReason.STOP:
-        return Outcome.STOP
-    if reason is FinishReason.LENGTH:
-        return Outcome.LENGTH
-    return Outcome.ERROR
-
-
 async def advertised(settings: Any, bound: str) -> str:
     """What peers dial for a KV listener bound at `bound`: the settings' advertise_address
     (PDD_<ROLE>_ADVERTISE) when given, else `bound` with a wildcard host as this host's IP."""
     return getattr(settings, "advertise_address", None) or await advertised_address(bound)
+
+
+async def listen_for_kv(
+    settings: Any, kv_cache: torch.Tensor, address: str, sink: KVSink, on_refused: OnRefused | None = None
+) -> KVServer:
+    """The bulk channel's listener into `sink`. TLS on tcp:// when the settings name
+    certificates, and then only from a sender whose certificate names prefill (the local unix://
+    path goes by the settings' secret); groups that are not this model's dtype and per-block
+    shape are refused before any memory is reserved for them."""
+    layers, two, _, *block = kv_cache.shape
+    expect = (kv_cache.dtype, (layers, two, *block))
+    tls = server_tls(settings)
+    return await start_kv_server(
+        address, settings.secret, sink, ssl=tls, expect=expect, peer_roles=KV_SENDERS, on_refused=on_refused
+    )

@@ -23,6 +23,8 @@ import struct
 import time
 from pathlib import Path
 
+from shared.engine.outputs import EngineStats
+
 # When it was written (time.monotonic, one clock for the whole host on Linux) and the prompt
 # tokens queued. A reader may see a record half written: one wrong read, for one poll, that
 # the next write corrects.
@@ -54,6 +56,10 @@ class PrefillBacklog:
 
     def publish(self, queued_tokens: int) -> None:
         RECORD.pack_into(self._map, 0, time.monotonic(), max(0, queued_tokens))
+
+    def after_step(self, stats: EngineStats) -> None:
+        """The prompt tokens not yet computed, the next step's included (engine thread)."""
+        self.publish(stats.pending_tokens)
 
     def close(self) -> None:
         self._map.close()

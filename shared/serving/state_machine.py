@@ -25,6 +25,14 @@ class StateMachine(Generic[S]):
             raise IllegalTransition(f"{type(new).__name__}: {self.state.name} -> {new.name}")
         self.state = new
 
+    def finish(self, final: S) -> bool:
+        """Move to the final state, once: False if it is there already (a request ends once,
+        however many events ask)."""
+        if self.state is final:
+            return False
+        self.to(final)
+        return True
+
     def is_in(self, *states: S) -> bool:
         return self.state in states
 

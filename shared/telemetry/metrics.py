@@ -1,7 +1,8 @@
 """Prometheus metrics of every pdd service, defined once here so services import them.
 
 All live in prometheus-client's default registry. Non-router services expose it with
-`start_metrics_server(port, addr)`; the router serves `metrics_text()` on its own `/metrics`.
+`start_metrics_server(port, addr)`; the router serves `metrics_text()` on its own `/metrics`;
+both in the text format (vLLM's names, in shared/telemetry/vllm_metrics.py, keep their ':').
 Label values: pipeline = p-md | p-rld-md | rld-only; path = wan | local;
 mode = one-shot | catch-up; role = rld | md. Labels taken from messages stay bounded: an abort
 reason is an AbortReason value (else "other"), and a forgotten peer's series is removed
@@ -10,8 +11,10 @@ reason is an AbortReason value (else "other"), and a forgotten peer's series is 
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,7 +23,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
 )
 
 from shared.bus.messages import AbortReason
@@ -113,11 +115,34 @@ _servers: dict[int, object] = {}
 _lock = threading.Lock()
 
 
+class _TextExposition(BaseHTTPRequestHandler):
+    """GET (any path): the registry in the text format, whatever the Accept header asks for.
+    prometheus-client answers a scraper asking for OpenMetrics (Prometheus does) with every
+    ':' of a sample's name made '_', which would turn vLLM's names (vllm:...) into others."""
+
+    def do_GET(self) -> None:
+        body, content_type = metrics_text()
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+        pass  # a scrape every few seconds is not worth a log line
+
+
 def start_metrics_server(port: int, addr: str = "127.0.0.1") -> None:
-    """Serve the default registry on http://addr:port/metrics (idempotent per port)."""
+    """Serve the default registry on http://addr:port/metrics from a daemon thread
+    (idempotent per port)."""
     with _lock:
-        if port not in _servers:
-            _servers[port] = start_http_server(port, addr=addr)
+        if port in _servers:
+            return
+        family, *_ = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsServer", (ThreadingHTTPServer,), {"address_family": family})
+        server = server_class((addr, port), _TextExposition)
+        threading.Thread(target=server.serve_forever, name=f"metrics-{port}", daemon=True).start()
+        _servers[port] = server
 
 
 def metrics_text() -> tuple[bytes, str]:

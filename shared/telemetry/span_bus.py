@@ -66,17 +66,25 @@ def answer(
     return bounded(load_trace(directory, tid), max_bytes) if tid else ([], False)
 
 
+class TraceAnswers:
+    """Answers `pdd.traces.<datacenter>.get` from this host's span store (read off the event loop)."""
+
+    def __init__(self, role: Role, instance: str, datacenter: str, directory: Path | None = None) -> None:
+        self.role, self.instance, self.datacenter = role, instance, datacenter
+        self.store = directory or default_trace_dir()
+
+    async def on_query(self, query: TraceQuery, raw) -> None:
+        spans, truncated = await asyncio.to_thread(answer, self.store, query)
+        reply = TraceSpans(self.datacenter, self.role, self.instance, spans, truncated, time.time_ns())
+        await respond(raw, reply)
+
+
 async def serve_traces(
     life, nc, role: Role, instance: str, datacenter: str, directory: Path | None = None
 ) -> None:
-    """Answer `pdd.traces.<datacenter>.get` from this host's span store (read off the event loop)."""
-    store = directory or default_trace_dir()
-
-    async def on_query(query: TraceQuery, raw) -> None:
-        spans, truncated = await asyncio.to_thread(answer, store, query)
-        await respond(raw, TraceSpans(datacenter, role, instance, spans, truncated, time.time_ns()))
-
-    await life.subscribe(nc, subjects.traces_get(datacenter), TraceQuery, on_query)
+    """Answer a DC's trace queries outside an engine service (whose table routes them)."""
+    answers = TraceAnswers(role, instance, datacenter, directory)
+    await life.subscribe(nc, subjects.traces_get(datacenter), TraceQuery, answers.on_query)
 
 
 async def ask(

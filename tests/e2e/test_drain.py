@@ -174,6 +174,7 @@ async def _md_process(nats_server, nats_security, tmp_path) -> tuple[asyncio.sub
             "PDD_MD_NATS_URL": nats_server.url,
             "PDD_MD_INSTANCE": "0",
             "PDD_MD_BULK_ADDRESS": "tcp://127.0.0.1:0",
+            "PDD_MODEL__PRESET": "tiny",  # a fast start: its 30 s wait for a heartbeat is not a model load
             "PDD_MD_ENGINE__KV_MEMORY_MB": "1",
             "PDD_TRACE_DIR": str(tmp_path),
         }

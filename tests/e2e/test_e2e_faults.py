@@ -24,6 +24,7 @@ from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
 from tests.e2e.test_e2e_pipelines import ref_tokens
 from tests.e2e.test_e2e_shared_in_flight import until_md_holds
+from tests.polling import wait_until
 from tests.prometheus_samples import wait_until_drained
 
 PRESET = "small"  # decodes slowly enough on a CPU that a fault lands mid-stream
@@ -32,11 +33,7 @@ MAX_TOKENS = 160
 
 def _pid_of(system: RunningSystem, name: str, timeout_s: float = 60.0) -> int:
     """The pid of one of the system's processes (from `pdd up`'s pid files), once it runs."""
-    deadline = time.monotonic() + timeout_s
-    while (pid := read_pid(system.workdir, name)) is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert pid is not None, f"{name} is not running"
-    return pid
+    return wait_until(lambda: read_pid(system.workdir, name), timeout_s, 0.2, f"{name} running")
 
 
 def kill(system: RunningSystem, name: str) -> Callable[[], None]:
@@ -113,38 +110,41 @@ def settled(system: RunningSystem, timeout_s: float = 20.0) -> dict:
     """Wait until every instance reports no request held and no KV block in use, and no
     service holds an entry in a per-request map (pdd_open_entries); the instances' view."""
     deadline = time.monotonic() + timeout_s
-    view: dict = {}
-    while time.monotonic() < deadline:
+    seen: dict = {}
+
+    def quiet() -> dict | None:
         try:
-            view = system.instances()
+            seen["view"] = view = system.instances()
         except httpx.HTTPError:  # the router is restarting
-            view = {}
+            return None
         roles = {k.split("/")[0] for k in view}
         busy = [k for k, v in view.items() if v["held"] or v["used_blocks"]]
-        if not busy and {"prefill", "relay", "main_decode"} <= roles:
-            left = wait_until_drained(system, max(deadline - time.monotonic(), 1.0))
-            assert not left, f"per-request maps not empty: {left}"
-            return view
-        time.sleep(0.5)
-    raise AssertionError(f"instances still hold requests or blocks after {timeout_s}s: {view}")
+        return view if not busy and {"prefill", "relay", "main_decode"} <= roles else None
+
+    what = lambda: f"instances holding no request and no block: {seen.get('view')}"  # noqa: E731
+    view = wait_until(quiet, timeout_s, 0.5, what)
+    left = wait_until_drained(system, max(deadline - time.monotonic(), 1.0))
+    assert not left, f"per-request maps not empty: {left}"
+    return view
 
 
 def serves_again(system: RunningSystem, timeout_s: float = 30.0) -> None:
-    deadline, last = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
+    last = {"error": ""}
+
+    def served() -> bool:
         try:
             r = httpx.post(
                 f"{system.router_url}/v1/completions",
                 timeout=60,
                 json={"prompt": "back again", "max_tokens": 4, "pdd": {"pipeline": "p-md"}},
             )
-            if r.status_code == 200:
-                return
-            last = r.text
         except httpx.HTTPError as e:  # the router is restarting
-            last = str(e)
-        time.sleep(0.5)
-    raise AssertionError(f"the system did not serve again within {timeout_s}s: {last}")
+            last["error"] = str(e)
+            return False
+        last["error"] = r.text
+        return r.status_code == 200
+
+    wait_until(served, timeout_s, 0.5, lambda: f"the system serving again (last: {last['error']})")
 
 
 def reference(system: RunningSystem, payload: dict) -> list[int]:
@@ -157,7 +157,7 @@ def freeze(pid: int, seconds: float) -> Callable[[], None]:
     def run() -> None:
         os.kill(pid, signal.SIGSTOP)
         try:
-            time.sleep(seconds)
+            time.sleep(seconds)  # the fault itself: the process stays frozen this long
         finally:
             os.kill(pid, signal.SIGCONT)
 
@@ -174,6 +174,23 @@ def test_main_decode_frozen_for_5s_mid_stream_moves_the_stream_by_token_ids(syst
     serves_again(system)
 
 
+def test_a_moved_stream_keeps_its_penalties_and_bias(system):
+    """The instance that takes the stream over processes its logits from the token history."""
+    payload = body("p-md", salt=9) | {
+        "repetition_penalty": 1.4,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.5,
+        "logit_bias": {"65": 4.0},
+        "min_tokens": 20,
+    }
+    want = reference(system, payload)
+    assert want != reference(system, body("p-md", salt=9))  # the fields matter
+    got = stream(system, payload, at_token=10, fault=freeze(_pid_of(system, "main_decode"), 5.0))
+    assert got.error is None and got.done
+    assert got.tokens == want
+    settled(system)
+
+
 def test_a_5s_gateway_cut_fails_no_stream(system):
     payload = body("p-md", salt=2)
     want = reference(system, payload)
@@ -181,7 +198,7 @@ def test_a_5s_gateway_cut_fails_no_stream(system):
     def cut() -> None:
         for link in ("gw-ab", "gw-ba"):
             system.wan(link, cut=True, cut_mode="drop")
-        time.sleep(5.0)
+        time.sleep(5.0)  # the fault itself: the gateway stays cut this long
         for link in ("gw-ab", "gw-ba"):
             system.wan(link, cut=False)
 

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from services.router.api.http_settings import HttpSettings
 from services.router.main import build_app
 from shared.config import RouterSettings
 from shared.security.credentials import require_credentials
+from tests.polling import until, wait_until
 from tests.prometheus_samples import PER_INSTANCE, moved, open_entries, scrape, wait_until_drained
 
 DRAIN_S = 30
@@ -64,10 +64,8 @@ def _send_and_leave(system: RunningSystem, path: str, body: dict) -> None:
 
 def _wait_routed(router: str, before: dict) -> None:
     """Until the router has opened the stream (it counts each routed request's hit rate)."""
-    deadline = time.monotonic() + DRAIN_S
-    while moved(before, scrape(router), "pdd_prefix_hit_rate_count") < 1:
-        assert time.monotonic() < deadline, "the request never reached the router"
-        time.sleep(0.1)
+    routed = lambda: moved(before, scrape(router), "pdd_prefix_hit_rate_count") >= 1  # noqa: E731
+    wait_until(routed, DRAIN_S, 0.1, "the request reaching the router")
 
 
 @pytest.mark.parametrize(
@@ -158,12 +156,21 @@ async def test_a_stream_whose_client_is_gone_when_the_response_starts_is_freed(
 
     async with app.router.lifespan_context(app):
         core = app.state.core
-        async with asyncio.timeout(DRAIN_S):  # until every instance's load report is in
-            while min(core.ready().values()) == 0:  # noqa: ASYNC110 (no event says so)
-                await asyncio.sleep(0.1)
+        await until(lambda: min(core.ready().values()), DRAIN_S, 0.1, "every instance's load report")
         await app(_http_scope(path, payload), receive, send)
-        assert sent == ["http.response.start"]  # cancelled before the first chunk
+        # Cancelled at its start: Starlette 1.x may send the first chunk before it hears the
+        # disconnect, never the stream's end.
+        assert sent[0] == "http.response.start" and len(sent) <= 2
         assert core.streams == {}
         assert await asyncio.to_thread(wait_until_drained, system, DRAIN_S) == {}  # the loop sends the abort
-    produced = moved(before_md, scrape(md), "pdd_output_tokens_total", role="main_decode")
+    after_md = scrape(md)
+
+    def md_tokens(samples) -> float:  # MD's output tokens, whatever other labels they carry (none yet: 0)
+        return sum(
+            v
+            for (n, ls), v in samples.items()
+            if n == "pdd_output_tokens_total" and ("role", "main_decode") in ls
+        )
+
+    produced = md_tokens(after_md) - md_tokens(before_md)
     assert produced < LONG - 1  # MD was told to stop before its last token

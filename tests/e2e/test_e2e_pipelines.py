@@ -5,6 +5,7 @@ exactly the single-process engine's tokens."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import time
@@ -16,18 +17,26 @@ from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine, SamplingParams
 from shared.model.describe import describe_model
+from tests.polling import wait_until
 
-MD_READY_TIMEOUT_S = 3.5
+MD_READY_TIMEOUT_S = 5.0
 # The `small` preset: its KV (16 KB/token) takes long enough to cross a capped link that the
 # relay really runs ahead of MD (the `tiny` model decodes thousands of tokens a second).
 PRESET = "small"
 SLOW_MBPS = 80.0  # 600 prompt tokens ≈ 9.8 MB ≈ 1 s on the wire, well under MD_READY_TIMEOUT_S
+# The relay is paced (the PDD_RELAY_MIN_STEP_S test knob, docs/testing.md): N relayed tokens
+# take at least N * RELAY_STEP_S on any host, so whether the relay is still decoding when MD
+# takes over (or when MD's deadline passes) is set by the test, not by this host's speed.
+# MD, unpaced, decodes what is left once it has taken over.
+RELAY_STEP_S = 0.04
+RELAYED_TOKENS = 120  # >= 4.8 s on the paced relay: MD takes over (its KV crosses in ~1 s)
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
     env = {
         "PDD_RELAY_MD_READY_TIMEOUT_S": str(MD_READY_TIMEOUT_S),
+        "PDD_RELAY_MIN_STEP_S": str(RELAY_STEP_S),
         "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
     }
     sysm = start_system(
@@ -63,14 +72,20 @@ def complete(system: RunningSystem, prompt: list[int], **body) -> httpx.Response
 
 
 def wait_idle(system: RunningSystem, timeout: float = 20.0) -> dict:
-    """Until every service reports zero referenced KV blocks and no running request."""
-    deadline = time.monotonic() + timeout
-    while True:
-        inst = system.instances()
-        busy = {k: v for k, v in inst.items() if v["used_blocks"] or v["running"] or v["waiting"]}
-        if not busy or time.monotonic() > deadline:
-            return busy
-        time.sleep(0.3)
+    """Until every service reports zero referenced KV blocks and no running request; the
+    instances still busy at the deadline ({} once idle)."""
+    busy: dict = {}
+
+    def idle() -> bool:
+        busy.clear()
+        busy.update(
+            {k: v for k, v in system.instances().items() if v["used_blocks"] or v["running"] or v["waiting"]}
+        )
+        return not busy
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(idle, timeout, 0.3)
+    return busy
 
 
 def test_p_md_matches_single_engine(system, reference):
@@ -86,12 +101,13 @@ def test_p_md_matches_single_engine(system, reference):
 
 
 def relayed(system, prompt: list[int], catchup_threshold: int):
-    """A P→RLD→MD completion of 250 tokens over a slow bulk link: the relay decodes a while."""
+    """A P→RLD→MD completion of RELAYED_TOKENS over a slow bulk link: the relay decodes while
+    the KV crosses (≈ 1 s), and cannot end the request first."""
     with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
         r = complete(
             system,
             prompt,
-            max_tokens=250,
+            max_tokens=RELAYED_TOKENS,
             ignore_eos=True,
             pdd={"pipeline": "p-rld-md", "catchup_threshold": catchup_threshold},
         )
@@ -109,7 +125,7 @@ def test_relay_one_shot_matches(system, reference):
     assert stats["handoff_batches"] == 1
     assert stats["instances"] == {"prefill": "0", "relay": "0", "main_decode": "0"}
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(
-        reference, prompt, max_tokens=250, ignore_eos=True
+        reference, prompt, max_tokens=RELAYED_TOKENS, ignore_eos=True
     )
 
 
@@ -121,24 +137,27 @@ def test_relay_catch_up_several_batches_matches(system, reference):
     assert stats["pipeline"] == "p-rld-md"
     assert stats["handoff_batches"] >= 2
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(
-        reference, prompt, max_tokens=250, ignore_eos=True
+        reference, prompt, max_tokens=RELAYED_TOKENS, ignore_eos=True
     )
 
 
 def test_anomalous_short_output_finishes_on_relay_and_md_drops(system, reference):
+    # The bulk link is cut, so MD cannot get ready before the relay ends the 6 tokens (on a
+    # capped link that would be a race); the relay ends them long before MD's deadline.
     prompt = prompt_of(600, salt=4)
-    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
+    with system.shaped("bulk", cut=True):
         r = complete(system, prompt, max_tokens=6, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
     assert r.status_code == 200, r.text
     assert r.json()["pdd"]["pipeline"] == "rld-only"
     assert r.json()["choices"][0]["token_ids"] == ref_tokens(reference, prompt, max_tokens=6, ignore_eos=True)
+    assert f"request {r.headers['x-request-id']}: MD not ready" not in system.log("relay")  # not the fallback
     assert wait_idle(system) == {}
 
 
-# Enough tokens that the relay is still decoding when its MD deadline fires: the request takes
-# ~10 s here against the deadline's 3.5 (with 600 the relay could finish first, as a short
-# output, and the fallback the test looks for never ran).
-CUT_TOKENS = 1400
+# The relay must still be decoding when MD's deadline fires: CUT_TOKENS paced steps take at
+# least 10 s, twice the deadline, however fast the host.
+CUT_TOKENS = 250
+assert CUT_TOKENS * RELAY_STEP_S >= 2 * MD_READY_TIMEOUT_S
 
 
 def assert_wan_cut_falls_back_to_relay(system: RunningSystem, reference: LLMEngine, salt: int) -> None:
@@ -163,7 +182,7 @@ def test_wan_cut_falls_back_to_relay(system, reference):
 @pytest.mark.parametrize("pipeline", ["p-md", "p-rld-md"])
 def test_seeded_sampling_is_identical_across_pipelines(system, reference, pipeline):
     prompt = prompt_of(600, salt=6)
-    params = dict(max_tokens=250, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    params = dict(max_tokens=RELAYED_TOKENS, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     bandwidth = SLOW_MBPS if pipeline == "p-rld-md" else 1000.0  # the relay must run ahead
     with system.shaped("bulk", bandwidth_mbps=bandwidth):
         r = complete(system, prompt, **params, pdd={"pipeline": pipeline})
@@ -316,13 +335,15 @@ def test_bulk_link_dropped_mid_transfer_is_resent_unseen_by_the_client(system, r
     ):
         start = httpx.get(links, timeout=10).json()["bulk"]["bytes_up"]
         reply = pool.submit(complete, system, prompt, **params, pdd={"pipeline": "p-md"})
-        deadline = time.monotonic() + 30
-        while httpx.get(links, timeout=10).json()["bulk"]["bytes_up"] - start < 1 << 20:
-            assert time.monotonic() < deadline and not reply.done(), "the transfer never started"
-            time.sleep(0.05)
+
+        def underway() -> bool:  # a MiB crossed, and the request still waits for the rest
+            assert not reply.done(), "the request ended before its transfer was seen"
+            return httpx.get(links, timeout=10).json()["bulk"]["bytes_up"] - start >= 1 << 20
+
+        wait_until(underway, 30, what="the transfer under way")
         try:
             system.wan("bulk", cut=True, cut_mode="drop")  # resets the transfer's connection
-            time.sleep(1.0)
+            time.sleep(1.0)  # the fault itself: the link stays down this long
         finally:
             system.wan("bulk", cut=False)
         r = reply.result(timeout=120)
@@ -373,25 +394,39 @@ MODEL = describe_model(ModelSettings(preset=PRESET)).model_id
 
 
 @pytest.mark.parametrize(
-    "salt, pipeline, expect, catchup, bandwidth, kw",
+    "salt, pipeline, expect, catchup, link, kw",
     [
-        (60, "p-md", "p-md", 10_000, 1000.0, dict(max_tokens=16, logprobs=5, echo=True)),
+        (60, "p-md", "p-md", 10_000, dict(bandwidth_mbps=1000.0), dict(max_tokens=16, logprobs=5, echo=True)),
         # The relay decodes while the prompt's KV crosses (200 tokens ≈ 3.3 MB: ≈ 0.3 s at 80 Mbit/s)
-        # and must not finish first: it decodes well under 120 tokens in that time.
-        (61, "p-rld-md", "p-rld-md", 10_000, SLOW_MBPS, dict(max_tokens=120, logprobs=3)),  # one-shot
-        (62, "p-rld-md", "p-rld-md", 1, SLOW_MBPS, dict(max_tokens=120, logprobs=2, echo=True)),  # catch-up
+        # and cannot finish first: 120 paced steps take at least 4.8 s.
+        (
+            61,
+            "p-rld-md",
+            "p-rld-md",
+            10_000,
+            dict(bandwidth_mbps=SLOW_MBPS),
+            dict(max_tokens=120, logprobs=3),
+        ),
+        (
+            62,
+            "p-rld-md",
+            "p-rld-md",
+            1,
+            dict(bandwidth_mbps=SLOW_MBPS),
+            dict(max_tokens=120, logprobs=2, echo=True),
+        ),
         (
             63,
             "p-rld-md",
-            "rld-only",
+            "rld-only",  # the link is cut: the relay ends the 5 tokens before MD can get ready
             10_000,
-            SLOW_MBPS / 3,
+            dict(cut=True),
             dict(max_tokens=5, logprobs=4, stream=True, stream_options={"include_usage": True}),
         ),
     ],
 )
 def test_openai_client_logprobs_match_single_engine(
-    system, reference, salt, pipeline, expect, catchup, bandwidth, kw
+    system, reference, salt, pipeline, expect, catchup, link, kw
 ):
     import openai
 
@@ -399,7 +434,7 @@ def test_openai_client_logprobs_match_single_engine(
 
     client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key="none", max_retries=0, timeout=60)
     prompt = prompt_of(200, salt=salt)
-    with system.shaped("bulk", bandwidth_mbps=bandwidth):
+    with system.shaped("bulk", **link):
         choice, pdd = openai_completion(client, prompt, pipeline, catchup=catchup, **kw)
     assert pdd["pipeline"] == expect
     if expect == "p-rld-md":
@@ -471,3 +506,122 @@ def test_openai_client_chat_stream_logprobs(system):
         tops = [t.logprob for t in e.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= tops[0] <= 0
         assert e.bytes == list(e.token.encode())
+
+
+# vLLM's sampling fields together: each is history-dependent (penalties over the prompt and the
+# output) or position-dependent (min_tokens), so an instance that takes a request over by its
+# token IDs must process its logits as the single engine did.
+PROCESSED = dict(
+    repetition_penalty=1.3,
+    frequency_penalty=0.4,
+    presence_penalty=0.3,
+    min_p=0.05,
+    top_k=-1,
+    min_tokens=30,
+)
+
+
+@pytest.mark.parametrize(
+    "salt, pipeline, catchup, bandwidth, sampled",
+    [
+        (70, "p-md", 10_000, 1000.0, False),
+        (71, "p-rld-md", 10_000, SLOW_MBPS, False),  # one-shot
+        (72, "p-rld-md", 1, SLOW_MBPS, True),  # catch-up, seeded
+        (73, "p-rld-md", 10_000, SLOW_MBPS, True),  # one-shot, seeded
+    ],
+)
+def test_penalties_bias_and_min_p_are_exact_across_handoffs(
+    system, reference, salt, pipeline, catchup, bandwidth, sampled
+):
+    prompt = prompt_of(200, salt=salt)
+    params = dict(PROCESSED, max_tokens=120, ignore_eos=True)
+    params |= dict(temperature=0.8, seed=99) if sampled else dict(temperature=0)
+    want = ref_tokens(reference, prompt, **params, logit_bias={prompt[5]: 3.0, 17: -50.0})
+    with system.shaped("bulk", bandwidth_mbps=bandwidth):
+        r = complete(
+            system,
+            prompt,
+            **params,
+            logit_bias={str(prompt[5]): 3.0, "17": -50.0},
+            pdd={"pipeline": pipeline, "catchup_threshold": catchup},
+        )
+    assert r.status_code == 200, r.text
+    pdd = r.json()["pdd"]
+    assert pdd["pipeline"] == pipeline
+    if pipeline == "p-rld-md":
+        assert pdd["rld_tokens"] > 0 and pdd["handoff_mode"] == ("catch-up" if catchup == 1 else "one-shot")
+    assert r.json()["choices"][0]["token_ids"] == want
+    assert want != ref_tokens(
+        reference,
+        prompt,
+        max_tokens=120,
+        ignore_eos=True,
+        **(dict(temperature=0.8, seed=99) if sampled else {}),
+    )  # the fields changed the output
+
+
+def test_min_tokens_and_stop_token_ids_across_a_handoff(system, reference):
+    prompt = prompt_of(200, salt=74)
+    plain = ref_tokens(reference, prompt, max_tokens=120, ignore_eos=True)
+    stop = plain[3]  # a token the output has early: min_tokens keeps it off until 40 tokens
+    params = dict(max_tokens=120, stop_token_ids=[stop], min_tokens=40)
+    want = ref_tokens(reference, prompt, **params)
+    assert len(want) > 40 and stop not in want[:40]
+    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS):
+        r = complete(system, prompt, **params, pdd={"pipeline": "p-rld-md"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want and choice["finish_reason"] == (
+        "stop" if want[-1] == stop else "length"
+    )
+
+
+# An output long enough (about 150 tokens of the byte tokenizer) that the handoff lands inside it.
+NUMBERS = {
+    "type": "object",
+    "properties": {
+        "numbers": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": 40,
+            "maxItems": 40,
+        }
+    },
+    "required": ["numbers"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "salt, pipeline, catchup, bandwidth",
+    [
+        (80, "p-md", 10_000, 1000.0),
+        (81, "p-rld-md", 10_000, SLOW_MBPS),  # one-shot
+        (82, "p-rld-md", 1, SLOW_MBPS),  # catch-up
+    ],
+)
+def test_structured_output_valid_and_exact_when_the_grammar_crosses_a_handoff(
+    system, reference, salt, pipeline, catchup, bandwidth
+):
+    import jsonschema_rs
+
+    prompt = prompt_of(600, salt=salt)
+    constraint = {"json": NUMBERS, "disable_any_whitespace": True}
+    structured = {"kind": "json", "spec": NUMBERS, "disable_any_whitespace": True}
+    want = ref_tokens(reference, prompt, max_tokens=400, structured=structured)
+    with system.shaped("bulk", bandwidth_mbps=bandwidth):
+        r = complete(
+            system,
+            prompt,
+            max_tokens=400,
+            structured_outputs=constraint,
+            pdd={"pipeline": pipeline, "catchup_threshold": catchup},
+        )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    if pipeline == "p-rld-md":  # the relay's matcher state was rebuilt on MD from its tokens
+        assert body["pdd"]["pipeline"] == "p-rld-md" and body["pdd"]["rld_tokens"] > 0
+        assert body["pdd"]["md_tokens"] > 0
+    choice = body["choices"][0]
+    assert choice["token_ids"] == want and choice["finish_reason"] == "stop"
+    jsonschema_rs.validate(NUMBERS, json.loads(choice["text"]))

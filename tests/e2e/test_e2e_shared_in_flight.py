@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,10 +15,16 @@ from pdd.system import RunningSystem, start_system
 from shared.config import EngineSettings, ModelSettings
 from shared.engine import LLMEngine
 from tests.e2e.test_e2e_pipelines import complete, prompt_of, ref_tokens, wait_idle
+from tests.polling import wait_until
 from tests.prometheus_samples import moved, scrape, wait_until_drained
 
 PRESET = "small"
 SLOW_MBPS = 24.0  # the shared prefix's KV (6 MB) takes ~2 s on the wire
+# The relay is paced (the PDD_RELAY_MIN_STEP_S test knob, docs/testing.md): a request of
+# RELAYED_TOKENS lasts at least RELAYED_TOKENS * RELAY_STEP_S = 2.4 s on the relay, on any host.
+RELAY_STEP_S = 0.2
+RELAYED_TOKENS = 12
+CRAWL_MBPS = 4.0  # the shared prefix's KV takes ~12 s on the wire: the paced relay ends first
 BASE_BLOCKS = 24  # 384 tokens: the shared prefix
 SUFFIX_BLOCKS = 4  # 64 tokens of the second request's own
 SHARED = "pdd_kv_blocks_shared_in_flight_total"
@@ -28,7 +33,11 @@ PER_BLOCK = 16 * 16384  # the small preset's KV bytes per 16-token block
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
-    env = {"PDD_RELAY_MD_READY_TIMEOUT_S": "30", "PDD_ROUTER_TOKEN_TIMEOUT_S": "30"}
+    env = {
+        "PDD_RELAY_MD_READY_TIMEOUT_S": "30",
+        "PDD_RELAY_MIN_STEP_S": str(RELAY_STEP_S),
+        "PDD_ROUTER_TOKEN_TIMEOUT_S": "30",
+    }
     sysm = start_system(
         tmp_path_factory.mktemp("pdd-shared"), env, delay_ms=5, bandwidth_mbps=1000, model_preset=PRESET
     )
@@ -58,16 +67,15 @@ def md_open_entries(system: RunningSystem, name: str) -> float:
 
 def until_md_holds(system: RunningSystem, name: str, timeout_s: float = 10.0) -> None:
     """Until MD's map `name` (in_flight_blocks, in_flight_waiting) holds an entry."""
-    deadline = time.monotonic() + timeout_s
-    while md_open_entries(system, name) == 0:
-        assert time.monotonic() < deadline, f"main decode's {name} stayed empty for {timeout_s} s"
-        time.sleep(0.02)
+    wait_until(lambda: md_open_entries(system, name), timeout_s, 0.02, f"an entry in main decode's {name}")
 
 
-def second_while_first_in_flight(system, first, longer: list[int]) -> tuple[httpx.Response, object]:
+def second_while_first_in_flight(
+    system, first, longer: list[int], mbps: float = SLOW_MBPS
+) -> tuple[httpx.Response, object]:
     """Send the second request once MD expects the first's blocks (it was prepared), over
     the slow bulk link; the second's response and first()'s result."""
-    with system.shaped("bulk", bandwidth_mbps=SLOW_MBPS), concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with system.shaped("bulk", bandwidth_mbps=mbps), concurrent.futures.ThreadPoolExecutor(2) as pool:
         a = pool.submit(first)
         until_md_holds(system, "in_flight_blocks")
         b = pool.submit(complete, system, longer, max_tokens=8, ignore_eos=True, pdd={"pipeline": "p-md"})
@@ -129,12 +137,14 @@ def test_the_second_finishes_exactly_when_the_relay_finished_the_first(system, r
     base, longer = pair(salt=45)
     before = md_samples(system)
 
-    # Short: the relay finishes it long before MD's copy lands (~2 s), yet not before the
-    # second is prepared at MD (3 tokens raced the second's prepare on a loaded 2-core host).
+    # Short and paced: the relay decodes it for at least 2.4 s, longer than the second takes to
+    # be prepared at MD, and ends it long before MD's copy lands (~12 s at CRAWL_MBPS).
     def first() -> httpx.Response:
-        return complete(system, base, max_tokens=12, ignore_eos=True, pdd={"pipeline": "p-rld-md"})
+        return complete(
+            system, base, max_tokens=RELAYED_TOKENS, ignore_eos=True, pdd={"pipeline": "p-rld-md"}
+        )
 
-    b, a = second_while_first_in_flight(system, first, longer)
+    b, a = second_while_first_in_flight(system, first, longer, mbps=CRAWL_MBPS)
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
     seen = (a.json()["pdd"], b.json()["pdd"])
     assert a.json()["pdd"]["md_tokens"] == 0, seen

@@ -4,6 +4,7 @@ child with it. Children are found through the pid files `pdd up` writes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from pdd.supervisor import read_pid
 from pdd.system import RunningSystem, start_system
+from tests.polling import wait_until
 
 CHILDREN = ("wan", "nats-a", "nats-b", "prefill", "relay", "main_decode", "router")
 BACK_WITHIN_S = 20
@@ -44,17 +46,20 @@ def _complete(system: RunningSystem, pipeline: str) -> httpx.Response:
 
 
 def _tokens_once_back(system: RunningSystem, pipeline: str) -> list[int]:
-    deadline = time.monotonic() + BACK_WITHIN_S
-    while True:
+    last = {"error": ""}
+
+    def tokens() -> list[int] | None:
         try:
             r = _complete(system, pipeline)
-            if r.status_code == 200:
-                return r.json()["choices"][0]["token_ids"]
-            last = f"{r.status_code} {r.text}"
         except httpx.HTTPError as e:
-            last = repr(e)
-        assert time.monotonic() < deadline, f"{pipeline} not served {BACK_WITHIN_S}s after the kill: {last}"
-        time.sleep(0.5)
+            last["error"] = repr(e)
+            return None
+        last["error"] = f"{r.status_code} {r.text}"
+        return r.json()["choices"][0]["token_ids"] if r.status_code == 200 else None
+
+    return wait_until(
+        tokens, BACK_WITHIN_S, 0.5, lambda: f"{pipeline} served after the kill ({last['error']})"
+    )
 
 
 @pytest.mark.parametrize(
@@ -77,12 +82,15 @@ def test_killed_service_is_restarted_and_serves_the_same(
 def _wait_restarted(system: RunningSystem, service: str, old: int) -> None:
     """Until the service runs under a new pid and (an engine service) heartbeats to the router again."""
     deadline = time.monotonic() + BACK_WITHIN_S
-    while read_pid(system.workdir, service) in (None, old):
-        assert time.monotonic() < deadline, f"{service} not restarted within {BACK_WITHIN_S}s"
-        time.sleep(0.2)
-    while service in ("main_decode", "relay") and not any(k.startswith(service) for k in _instances(system)):
-        assert time.monotonic() < deadline, f"{service} not heartbeating within {BACK_WITHIN_S}s"
-        time.sleep(0.2)
+    wait_until(
+        lambda: read_pid(system.workdir, service) not in (None, old),
+        BACK_WITHIN_S,
+        0.2,
+        f"{service} restarted",
+    )
+    if service in ("main_decode", "relay"):
+        heartbeats = lambda: any(k.startswith(service) for k in _instances(system))  # noqa: E731
+        wait_until(heartbeats, deadline - time.monotonic(), 0.2, f"{service} heartbeating")
 
 
 def _instances(system: RunningSystem) -> dict:
@@ -97,7 +105,6 @@ def test_killing_pdd_up_takes_every_child_with_it(system: RunningSystem) -> None
     assert all(pids.values()), pids
     os.kill(system.proc.pid, signal.SIGKILL)
     system.proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while not all(_gone(pid) for pid in pids.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: all(_gone(pid) for pid in pids.values()), 15, 0.1)
     assert [name for name, pid in pids.items() if not _gone(pid)] == []

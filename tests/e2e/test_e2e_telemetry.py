@@ -1,28 +1,40 @@
-"""One P→RLD→MD request is one trace across both datacenters; metrics after traffic; the
-Grafana dashboard's queries name what the system exports; `pdd top` against it."""
+"""One P→RLD→MD request is one trace across both datacenters; metrics after traffic; a real
+Prometheus scraping every service, with the shipped config and rules, answering every query of
+the shipped Grafana dashboard; `pdd top` against it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from pdd.system import RunningSystem, start_system
-from tests.prometheus_samples import Samples, moved, scrape
-from tests.promql import Selector, dashboard_exprs, selectors
+from tests.polling import wait_until
+from tests.prometheus_samples import moved, scrape
+from tests.prometheus_server import (
+    MISSING,
+    PROMETHEUS,
+    as_promql,
+    dashboard_exprs,
+    running_prometheus,
+    scrape_config,
+)
+
+RELAY_STEP_S = 0.025  # each relay step at least this long: 48 relayed tokens take >= 1.2 s
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> RunningSystem:
     sysm = start_system(
         tmp_path_factory.mktemp("pdd-tel"),
-        {"PDD_RELAY_CATCHUP_THRESHOLD": "1"},
+        # The relay paced (a test knob, docs/testing.md): MD takes over before it ends a request.
+        {"PDD_RELAY_CATCHUP_THRESHOLD": "1", "PDD_RELAY_MIN_STEP_S": str(RELAY_STEP_S)},
         delay_ms=5,
         model_preset="small",
     )
@@ -31,25 +43,29 @@ def system(tmp_path_factory) -> RunningSystem:
 
 
 def _trace(system: RunningSystem, rid: str, want: set[str], timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    """The request's trace once it holds every span in `want` (as it is at the deadline)."""
+    last: dict = {}
+
+    def complete() -> bool:
         r = httpx.get(f"{system.router_url}/v1/traces/{rid}", timeout=10)
-        names = {s["name"] for s in r.json().get("spans", [])} if r.status_code == 200 else set()
-        if want <= names or time.monotonic() > deadline:
-            return r.json()
-        time.sleep(0.3)
+        last["body"] = r.json()
+        return r.status_code == 200 and want <= {s["name"] for s in last["body"].get("spans", [])}
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(complete, timeout, 0.3)
+    return last["body"]
 
 
 def test_relay_request_is_one_trace_across_both_datacenters(system):
     prompt = [(i * 11 + 5) % 250 for i in range(600)]
-    # 600 tokens of KV (9.6 MB) cross in ~0.4 s; the relay's 400 tokens take longer, so MD takes over.
+    # 600 tokens of KV (9.6 MB) cross in ~0.4 s; the relay's 120 paced tokens take >= 3 s, so MD takes over.
     with system.shaped("bulk", bandwidth_mbps=200.0):
         r = httpx.post(
             f"{system.router_url}/v1/completions",
             timeout=120,
             json={
                 "prompt": prompt,
-                "max_tokens": 400,
+                "max_tokens": 120,
                 "temperature": 0,
                 "ignore_eos": True,
                 "pdd": {"pipeline": "p-rld-md"},
@@ -163,71 +179,145 @@ def test_metrics_after_traffic(system):
         == summary["md_tokens"]
         == 11
     )
+    # vLLM's names for the same request, on the router, labelled with the served model
+    model = httpx.get(f"{system.router_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    vllm = {"model_name": model, "engine": "0"}
+    assert router_moved("vllm:generation_tokens_total", **vllm) == 12
+    assert router_moved("vllm:request_success_total", **vllm, finished_reason="length") == 1
+    assert router_moved("vllm:request_success_total", **vllm, finished_reason="stop") == 0
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert router_moved(f"vllm:{name}_seconds_count", **vllm) == 1, name
+    # one gap per delivery after the first: every token chunk the stream sent after the first
+    assert router_moved("vllm:inter_token_latency_seconds_count", **vllm) == len(chunks) - 1
     inst = httpx.get(f"{system.router_url}/v1/instances", timeout=10).json()
     assert set(inst) == {"prefill/0", "relay/0", "main_decode/0"}
 
 
-TARGET_LABELS = frozenset({"job"})  # Prometheus adds them at scrape time: not in /metrics
+ENGINE_JOBS = {"prefill", "relay", "main_decode"}
+# The series the example Grafana dashboard vLLM ships queries (examples/online_serving/
+# prometheus_grafana/grafana.json in vLLM's repository), by name.
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
 
 
-def _unexported(scrapes: list[Samples], wanted: list[Selector]) -> list[Selector]:
-    """The selectors no scraped sample matches (by name, and each label="value" matcher)."""
-    have = {(name, frozenset(labels)) for samples in scrapes for name, labels in samples}
-
-    def found(s: Selector) -> bool:
-        equal = {(k, v) for k, v in s.equal.items() if k not in TARGET_LABELS}
-        return any(name == s.name and equal <= labels for name, labels in have)
-
-    return [s for s in wanted if not found(s)]
+def _jobs(result: list[dict]) -> set[str]:
+    return {series["metric"]["job"] for series in result}
 
 
-def test_dashboard_queries_name_what_the_system_exports(system):
-    # Both pipelines with a handoff, and the anomalous-traffic filter (the relay ends the request
-    # before MD has the KV: the WAN transfer is aborted), so the labelled series exist.
-    _, summary = _stream(
-        system,
-        {
-            "prompt": "dashboards for two datacenters",
-            "max_tokens": 12,
-            "temperature": 0,
-            "ignore_eos": True,
-            "pdd": {"pipeline": "p-md"},
-        },
-    )
-    assert summary["pipeline"] == "p-md"
-    prompt = [(i * 13 + 7) % 250 for i in range(300)]
-    _, summary = _stream(
-        system,
-        {
-            "prompt": prompt,
-            "max_tokens": 48,
-            "temperature": 0,
-            "ignore_eos": True,
-            "pdd": {"pipeline": "p-rld-md"},
-        },
-    )
-    assert summary["pipeline"] == "p-rld-md" and summary["handoff_mode"], summary
-    with system.shaped("bulk", bandwidth_mbps=1.0):
+@pytest.mark.skipif(PROMETHEUS is None, reason=MISSING)
+def test_prometheus_scrapes_every_service_and_every_dashboard_query_has_data(system, tmp_path):
+    api_key = system.opts.api_keys[0] if system.opts.api_keys else None
+    config = scrape_config(system.metrics_urls(), api_key)
+    with running_prometheus(config, tmp_path / "prometheus") as prom:
+        # Both pipelines with a handoff, and the anomalous-traffic filter (the relay ends the
+        # request before MD has the KV: the WAN transfer is aborted), so the labelled series exist.
         _, summary = _stream(
             system,
             {
-                "prompt": prompt[:200] + [1] * 400,
-                "max_tokens": 3,
+                "prompt": "dashboards for two datacenters",
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+                "pdd": {"pipeline": "p-md"},
+            },
+        )
+        assert summary["pipeline"] == "p-md"
+        prompt = [(i * 13 + 7) % 250 for i in range(300)]
+        _, summary = _stream(
+            system,
+            {
+                "prompt": prompt,
+                "max_tokens": 48,
                 "temperature": 0,
                 "ignore_eos": True,
                 "pdd": {"pipeline": "p-rld-md"},
             },
         )
-    assert summary["pipeline"] == "rld-only", summary
+        assert summary["pipeline"] == "p-rld-md" and summary["handoff_mode"], summary
+        with system.shaped("bulk", bandwidth_mbps=1.0):
+            _, summary = _stream(
+                system,
+                {
+                    "prompt": prompt[:200] + [1] * 400,
+                    "max_tokens": 3,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "pdd": {"pipeline": "p-rld-md"},
+                },
+            )
+        assert summary["pipeline"] == "rld-only", summary
 
-    wanted = [s for _, expr in dashboard_exprs() for s in selectors(expr)]
-    deadline = time.monotonic() + 20  # counters of other processes land a moment after the response
-    while True:
-        missing = _unexported([scrape(url) for url in system.metrics_urls().values()], wanted)
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert not missing, f"dashboard queries name series no service exports: {missing}"
+        # Scraped: Prometheus holds the router's own count of generated tokens after the traffic.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        router = scrape(system.metrics_urls()["router"], headers)
+        generated = sum(v for (name, _), v in router.items() if name == "vllm:generation_tokens_total")
+        assert generated >= 12 + 48 + 3
+        wait_until(
+            lambda: prom.value("sum(vllm:generation_tokens_total)") == generated,
+            30,
+            0.5,
+            what=lambda: (
+                f"prometheus: {prom.value('sum(vllm:generation_tokens_total)')} tokens, router {generated}"
+            ),
+        )
+        targets = prom.get("/api/v1/targets")["activeTargets"]
+        assert {t["labels"]["job"] for t in targets} == ENGINE_JOBS | {"router"}
+        assert all(t["health"] == "up" for t in targets), targets
+
+        # vLLM's names: scheduler and cache figures on every engine service, request figures
+        # on the router, each with the served model's name.
+        model = httpx.get(f"{system.router_url}/v1/models", headers=headers, timeout=10).json()["data"][0][
+            "id"
+        ]
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert _jobs(prom.query(f'{name}{{model_name="{model}"}}')) == ENGINE_JOBS, name
+        assert _jobs(prom.query("vllm:prefix_cache_queries_total")) == ENGINE_JOBS
+        for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count"):
+            assert _jobs(prom.query(f'{name}{{model_name="{model}"}}')) == {"router"}, name
+        assert prom.value('sum(vllm:request_success_total{finished_reason="length"})') >= 3
+        # vLLM's own example Grafana dashboard: its model_name variable lists the served model,
+        # and every series it queries has data for it.
+        named = prom.get("/api/v1/label/model_name/values", **{"match[]": '{__name__=~"vllm:.*"}'})
+        assert named == [model]
+        no_data = [n for n in VLLM_DASHBOARD_SERIES if not prom.query(f'{n}{{model_name="{model}"}}')]
+        assert not no_data, f"series vLLM's dashboard queries, without data: {no_data}"
+
+        # Every query of the shipped dashboard, as Grafana would send it, has data; and every
+        # recording rule has evaluated to data without an error.
+        empty: list = []
+
+        def every_query_has_data() -> bool:
+            empty[:] = [(t, e) for t, e in dashboard_exprs() if not prom.query(as_promql(e))]
+            groups = prom.get("/api/v1/rules")["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            empty.extend(r["name"] for r in rules if r["health"] != "ok")
+            empty.extend(r["name"] for r in rules if r["type"] == "recording" and not prom.query(r["name"]))
+            return bool(rules) and not empty
+
+        with contextlib.suppress(TimeoutError):
+            wait_until(every_query_has_data, 30, 1.0)
+        assert not empty, f"no data (or a failing rule) through Prometheus: {empty}"
 
 
 def test_pdd_top_once_shows_every_instance_and_the_request_rate(system):

@@ -5,7 +5,6 @@ nats-b), a gatewayed NATS pair with the permission table enforced."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import httpx
 from pdd.launch import _credentials_env
 from shared.config import ENV_PREFIX
 from shared.ports import free_port
+from tests.polling import until_async
 
 WAIT_S = 60
 
@@ -30,6 +30,7 @@ def _start(name: str, nats_url: str, dc: str, trace_dir: Path, creds_dir: Path, 
             f"{p}NATS_URL": nats_url,
             f"{p}INSTANCE": "0",
             f"{p}DATACENTER": dc,
+            "PDD_MODEL__PRESET": "tiny",  # spans are the subject here, not the text: a fast start
             "PDD_ENGINE__KV_MEMORY_MB": "8",
             "PDD_TRACE_DIR": str(trace_dir),
             **{p + k.upper(): v for k, v in extra.items()},
@@ -46,10 +47,8 @@ def _spans_of(directory: Path) -> list[dict]:
 
 
 async def _poll(fn, timeout: float = WAIT_S):
-    async with asyncio.timeout(timeout):
-        while not (got := await fn()):  # noqa: ASYNC110 (another process's HTTP answer)
-            await asyncio.sleep(0.2)
-        return got
+    """Until another process's HTTP answer is what `fn` wants."""
+    return await until_async(fn, timeout, 0.2)
 
 
 async def test_router_shows_both_datacenters_from_separate_span_stores(nats_pair, nats_security, tmp_path):

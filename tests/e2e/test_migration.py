@@ -11,7 +11,7 @@ import pytest
 
 from services.main_decode.service import MainDecodeService
 from services.relay.service import RelayService
-from services.router.api.errors import APIError
+from services.router.core.errors import APIError
 from services.router.service import RouterCore
 from shared.bus import subjects
 from shared.bus.codec import encode
@@ -31,6 +31,7 @@ from shared.bus.messages import (
 from shared.config import MainDecodeSettings, RelaySettings, RouterSettings
 from shared.engine import SamplingParams
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
+from tests.polling import until, until_async
 
 PROMPT = [(i * 5 + 3) % 250 for i in range(40)]
 N = 24
@@ -123,10 +124,12 @@ async def test_a_backend_drops_the_requests_of_a_router_that_stops_heartbeating(
         for rid, router in (("kept", "alive"), ("dropped", "gone")):  # both wait for KV that never comes
             msg = PrepareRequest(rid, PROMPT, greedy(8), hashes, Pipeline.P_MD, router=router)
             assert (await request(nc, subjects.md_prepare("0"), msg, PrepareReply, timeout=10)).ok
-        async with asyncio.timeout(15):
-            while "dropped" in md.jobs:  # "gone" never heartbeats: dropped ~1.5 s after MD started
-                await publish(nc, subjects.load("router", "alive"), LoadReport(Role.ROUTER, "alive"))
-                await asyncio.sleep(0.25)
+
+        async def dropped() -> bool:  # "gone" never heartbeats: dropped ~1.5 s after MD started
+            await publish(nc, subjects.load("router", "alive"), LoadReport(Role.ROUTER, "alive"))
+            return "dropped" not in md.jobs
+
+        await until_async(dropped, 15, 0.25)
         assert list(md.jobs) == ["kept"]
     finally:
         await md.stop()
@@ -162,16 +165,14 @@ async def test_an_abort_that_overtakes_its_admission_still_wins(nats_server, nat
         hashes = md.engine.block_hashes(PROMPT)
         await publish(nc, subjects.abort("early", "router"), Abort("early", AbortReason.DISPATCH_FAILED))
         await flushed(nc)
-        async with asyncio.timeout(10):
-            while not md.was_aborted("early"):  # noqa: ASYNC110 - the abort arrives through NATS
-                await asyncio.sleep(0.05)
+        await until(lambda: md.was_aborted("early"), 10, 0.05)  # the abort arrives through NATS
         msg = PrepareRequest("early", PROMPT, greedy(8), hashes, Pipeline.P_MD, router="r")
         reply = await request(nc, subjects.md_prepare("0"), msg, PrepareReply, timeout=10)
         assert reply.ok and reply.missing == [] and md.jobs == {}  # it takes no part
 
         async def prepare_overtaken(m, raw) -> None:  # the abort lands while the prepare runs
             md.aborted[m.rid] = (0.0, Abort(m.rid, AbortReason.DISPATCH_FAILED), Role.ROUTER)
-            await md._prepare(m, raw)
+            await md.prepare(m, raw)
 
         msg = PrepareRequest("overtaken", PROMPT, greedy(8), hashes, Pipeline.P_MD, router="r")
         got: asyncio.Queue = asyncio.Queue()

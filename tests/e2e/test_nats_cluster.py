@@ -32,7 +32,7 @@ def _block(text: str, name: str, indent: str = "") -> str:
     return "\n".join(lines[start + 1 : lines.index(f"{indent}}}", start)])
 
 
-# What a lone server rendered before clusters existed: it must not change by a byte.
+# What a lone server renders (its certificate not readable here: the gateway checks the CA only).
 LONE_SERVER = """\
 server_name: "nats-a"
 listen: "127.0.0.1:4222"
@@ -42,13 +42,13 @@ tls {
   cert_file: "/s/nats-a.pem"
   key_file: "/s/nats-a.key"
   ca_file: "/s/ca.pem"
-  verify: true
+  verify_and_map: true
   timeout: 5
 }
 authorization {
   users = [
-    {user: "router", password: "pw1", permissions: {publish: {allow: ["a.b"]}, subscribe: {allow: ["c.*"]}, allow_responses: true}}
-    {user: "test", password: "pw2"}
+    {user: "CN=router,OU=dc-a,O=pdd", permissions: {publish: {allow: ["a.b"]}, subscribe: {allow: ["c.*"]}, allow_responses: true}}
+    {user: "CN=test,O=pdd"}
   ]
 }
 gateway {
@@ -69,7 +69,8 @@ gateway {
 
 def test_a_lone_server_renders_as_before(nats_security: NatsSecurity) -> None:
     ident = Identity(Path("/s/ca.pem"), Path("/s/nats-a.pem"), Path("/s/nats-a.key"))
-    users = [NatsUser("router", "pw1", Permissions(("a.b",), ("c.*",), True)), NatsUser("test", "pw2", None)]
+    router = NatsUser("CN=router,OU=dc-a,O=pdd", Permissions(("a.b",), ("c.*",), True))
+    users = [router, NatsUser("CN=test,O=pdd", None)]
     conf = NatsConfig(
         "nats-a",
         "127.0.0.1:4222",
@@ -102,7 +103,9 @@ def test_a_clustered_node_routes_over_mutual_tls_and_gateways_as_its_cluster(
     assert cluster.startswith(f'  name: "nats-a"\n  listen: "127.0.0.1:{node.cluster_port}"\n')
     assert f"  routes: {json.dumps(routes)}" in cluster.splitlines()
     tls = _block(cluster, "tls", "  ")  # routes: the node's own certificate, peers must present one
-    assert f'cert_file: "{nats_security.creds.identity("nats-a").cert}"' in tls and "verify: true" in tls
+    assert f'cert_file: "{nats_security.creds.identity("nats-a").cert}"' in tls
+    assert "verify_and_map: true" in tls  # and only dc-a's NATS servers' certificates are let in
+    assert '  authorization { user: "CN=nats,OU=dc-a,O=pdd" }' in cluster.splitlines()
     gateway = _block(text, "gateway")
     assert gateway.startswith('  name: "nats-a"\n')  # the gateway name is the cluster's, not the node's
     assert f'  gateways: [{{name: "nats-b", urls: {json.dumps(remote)}}}]' in gateway.splitlines()
@@ -148,12 +151,7 @@ async def test_a_node_refuses_a_route_from_a_node_with_a_foreign_certificate(
 
 
 async def _connect_any(sec: NatsSecurity, nodes: list[NatsServer], name: str) -> Client:
-    creds = {
-        "user": TEST_USER,
-        "password": sec.password(TEST_USER),
-        "tls": client_context(sec.creds.identity(TEST_USER)),
-    }
-    return await connect([n.url for n in nodes], name, **creds)
+    return await connect([n.url for n in nodes], name, tls=client_context(sec.creds.identity(TEST_USER)))
 
 
 def _node_of(nc: Client, nodes: list[NatsServer]) -> NatsServer:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from pdd.system import RunningSystem, start_system
-from shared.kv.rdma_engine import unavailable
+from shared.kv.rdma.engine import unavailable
 from tests.e2e.test_e2e_pipelines import (
     MD_READY_TIMEOUT_S,
     PRESET,
+    RELAY_STEP_S,
     assert_wan_cut_falls_back_to_relay,
     complete,
     prompt_of,
@@ -33,6 +34,7 @@ def system(tmp_path_factory) -> RunningSystem:
         "PDD_RDMA__HOST": "127.0.0.1",
         "PDD_RDMA__QUARANTINE_S": "1",
         "PDD_RELAY_MD_READY_TIMEOUT_S": str(MD_READY_TIMEOUT_S),
+        "PDD_RELAY_MIN_STEP_S": str(RELAY_STEP_S),  # the relay outlasts MD's deadline on any host
         "PDD_ROUTER_TOKEN_TIMEOUT_S": "20",
     }
     sysm = start_system(

@@ -6,6 +6,7 @@ exactly as before afterwards."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from pdd.system import RunningSystem, start_system
 
 CASES = 600
 MAX_TOKENS = 48  # per generated completion: the fuzz run stays short
+MAX_N = 2  # choices per generated request, likewise
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +37,18 @@ def greedy_tokens(system: RunningSystem) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def fuzzable(schema: dict) -> dict:
-    """The router's schema with max_tokens bounded (a copy: the router's own is unchanged)."""
+def fuzzable(schema: dict, served: str) -> dict:
+    """The router's schema with max_tokens and n bounded and `model` the served name (another name is
+    a 404, checked elsewhere; random names would keep most cases from serving). A copy: the
+    router's own is unchanged."""
     schema = copy.deepcopy(schema)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
+        schema["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": [served]}
         max_tokens = schema["components"]["schemas"][name]["properties"]["max_tokens"]
         for option in max_tokens["anyOf"]:
             if option.get("type") == "integer":
                 option["maximum"] = MAX_TOKENS
+        schema["components"]["schemas"][name]["properties"]["n"]["maximum"] = MAX_N
     return schema
 
 
@@ -57,7 +63,8 @@ def has_error_shape(response: requests.Response) -> bool:
 def test_generated_requests_never_get_a_5xx(system):
     before = greedy_tokens(system)
     published = httpx.get(f"{system.router_url}/openapi.json", timeout=10).json()
-    schema = schemathesis.openapi.from_dict(fuzzable(published))
+    served = httpx.get(f"{system.router_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    schema = schemathesis.openapi.from_dict(fuzzable(published, served))
     cases = st.one_of(
         schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE)
     )
@@ -69,6 +76,7 @@ def test_generated_requests_never_get_a_5xx(system):
         max_examples=CASES,
         deadline=None,
         database=None,
+        derandomize=True,  # the same cases every run: the serving share below is a measured figure
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
@@ -84,5 +92,9 @@ def test_generated_requests_never_get_a_5xx(system):
     run()
     assert len(statuses) >= 500
     assert bad == []
-    assert sum(s == 200 for s in statuses) >= 50  # the fuzzing reached real serving, not only errors
+    # The fuzzing reached real serving, not only errors: 37 to 48 of the 600 fixed cases were
+    # served in runs so far (many positive cases are 400s by rules the schema cannot say: content
+    # null only on an assistant message with tool_calls, tool_choice only with tools, best_of
+    # equal to n). The floor is half that: this asserts reach, not a figure.
+    assert sum(s == 200 for s in statuses) >= 24, Counter(statuses)
     assert greedy_tokens(system) == before

@@ -242,18 +242,16 @@ def test_bad_input_is_a_400_not_a_500(system, path, payload, message):
 
 
 UNSUPPORTED = [
-    ("best_of", 2),
-    ("n", 2),
-    ("n", True),
-    ("logit_bias", {"5": 10}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1),
+    ("best_of", 3),  # (n is 1)
     ("suffix", "tail"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
+    ("use_beam_search", True),
+    ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False),
+    ("chat_template", "{{ messages }}"),
+    ("no_such_field", 1),
     ("functions", [{"name": "f"}]),
     ("function_call", {"name": "f"}),
-    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "structural_tag"}),
 ]
 
 
@@ -267,6 +265,15 @@ def test_an_unimplemented_openai_field_is_a_400_naming_it(system, path, field, v
     assert err["param"] == field and err["code"] == "unsupported_parameter" and f"'{field}'" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required")],
+)
+def test_tools_are_chats_only(system, field, value):
+    err = assert_error(post(system, "/v1/completions", {"prompt": "hi", "max_tokens": 3, field: value}), 400)
+    assert err["param"] == field and err["code"] == "unsupported_parameter"
+
+
 def test_unimplemented_fields_at_their_neutral_values_are_fine(system):
     neutral = {
         "logprobs": None,
@@ -277,6 +284,13 @@ def test_unimplemented_fields_at_their_neutral_values_are_fine(system):
         "logit_bias": {},
         "presence_penalty": 0,
         "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0,
+        "min_tokens": 0,
+        "top_k": -1,
+        "stop_token_ids": [],
+        "skip_special_tokens": True,
+        "user": "someone",
         "suffix": None,
         "tools": [],
         "tool_choice": "none",
@@ -340,3 +354,116 @@ def test_real_responses_match_the_declared_models(system):
     r = post(system, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
     ChatCompletionResponse.model_validate(r.json())
+
+
+# ---- n > 1 and tools (the system serves the tiny random-weights preset) ----------------------
+def stream_events(system: RunningSystem, path: str, body: dict) -> list[dict]:
+    with httpx.stream(
+        "POST", f"{system.router_url}{path}", json={**body, "stream": True}, headers=AUTH, timeout=60
+    ) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("error" not in e for e in events), events
+    return events
+
+
+def test_n_choices_are_the_requests_with_seed_plus_i(system):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True, "seed": 1234}
+    r = post(system, "/v1/completions", {**body, "n": 2})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    alone = [post(system, "/v1/completions", {**body, "seed": 1234 + i}).json()["choices"][0] for i in (0, 1)]
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in alone]
+    assert alone[0]["token_ids"] != alone[1]["token_ids"]  # (the seeds differ: so do the samples)
+    assert got["usage"] == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": 16,
+        "total_tokens": len(PROMPT) + 16,
+    }
+    assert len(got["pdd"]["choices"]) == 2
+    CompletionResponse.model_validate(got)
+
+
+def test_greedy_n_streams_identical_choices_by_index(system):
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    whole = post(system, "/v1/chat/completions", {**body, "n": 2}).json()
+    texts = [c["message"]["content"] for c in whole["choices"]]
+    assert texts[0] == texts[1] and len(texts) == 2
+    events = stream_events(system, "/v1/chat/completions", {**body, "n": 2, "best_of": 2})
+    streamed = ["", ""]
+    for e in events:
+        for c in e["choices"]:
+            streamed[c["index"]] += c["delta"].get("content") or ""
+    assert streamed == texts
+    assert events[-1]["usage"]["completion_tokens"] == 12
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_required_tool_choice_returns_a_valid_call_whole_and_streamed(system):
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    r = post(system, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and call["type"] == "function"
+    assert set(args) == {"city", "unit"} and args["city"] in ("Paris", "Oslo") and args["unit"] in ("c", "f")
+    ChatCompletionResponse.model_validate(r.json())
+    # The same request streamed, read by OpenAI's own client and its stream accumulator: the
+    # call's deltas (a first with id, type and name, then argument fragments) make the same call.
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    client = openai.OpenAI(base_url=f"{system.router_url}/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    state, fields = ChatCompletionStreamState(), {k: v for k, v in body.items() if k != "seed"}
+    for chunk in client.chat.completions.create(model=None, stream=True, seed=7, **fields):
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion().choices[0]
+    (streamed_call,) = streamed.message.tool_calls
+    assert streamed.finish_reason == "tool_calls" and streamed_call.function.name == "get_weather"
+    assert json.loads(streamed_call.function.arguments) == args and streamed_call.id.startswith(
+        "chatcmpl-tool-"
+    )
+
+
+def test_n_children_after_the_first_reuse_its_prompt_kv(system):
+    prompt = [(7 * k) % 250 + 3 for k in range(96)]  # six full blocks
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True, "n": 3}
+    r = post(system, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    first, *others = r.json()["pdd"]["choices"]
+    assert first["wan_bytes"] > 0 and len(others) == 2
+    for child in others:  # routed as hits on the first child's MD: nothing more crosses the WAN
+        assert child["prefix_hit_rate"] == 1.0 and child["pipeline"] == "p-md"
+        assert (
+            child["wan_bytes"] == 0 and child["instances"]["main_decode"] == first["instances"]["main_decode"]
+        )

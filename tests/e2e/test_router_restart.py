@@ -20,6 +20,7 @@ import pytest
 
 from pdd.system import RunningSystem, start_system
 from tests.e2e.test_e2e_faults import PRESET, _pid_of
+from tests.polling import wait_until
 
 MAX_TOKENS = 80
 
@@ -71,13 +72,6 @@ def stream(url: str, payload: dict, headers: dict | None = None, on_tokens=None)
     return out
 
 
-def until(cond, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -114,7 +108,7 @@ def test_a_stream_cut_by_a_router_kill_resumes_on_the_other_router(system):
     # the backends noticed that router's silence.
     for name in ("prefill", "relay", "main_decode"):
         assert "stopped heartbeating" not in system.log(name), name
-    until(
+    wait_until(
         lambda: not any(v["held"] for v in httpx.get(f"{other}/v1/instances", timeout=5).json().values()), 20
     )
     bad = httpx.post(f"{other}/v1/completions", json=payload, headers={"Last-Event-ID": "x:1"}, timeout=30)
@@ -123,7 +117,7 @@ def test_a_stream_cut_by_a_router_kill_resumes_on_the_other_router(system):
 
 def test_a_router_told_to_stop_finishes_every_stream_and_exits_zero(system):
     url, other = system.router_urls[1], system.router_urls[0]
-    until(lambda: healthy(url), 60)  # router-1, restarted after the kill above
+    wait_until(lambda: healthy(url), 60)  # router-1, restarted after the kill above
     long = 3 * MAX_TOKENS // 2  # still streaming while the test looks at the drain
     payloads = [body(10 + i, temperature=0, max_tokens=long) for i in range(3)]
     started = threading.Barrier(len(payloads) + 1, timeout=60)
@@ -145,7 +139,7 @@ def test_a_router_told_to_stop_finishes_every_stream_and_exits_zero(system):
         started.wait()  # every stream on router-1 is under way
         t0 = time.monotonic()
         os.kill(pid, signal.SIGTERM)
-        until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10)
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10)
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "draining"
         refused = httpx.post(f"{url}/v1/completions", json={**payloads[0], "stream": False}, timeout=10)
@@ -159,9 +153,9 @@ def test_a_router_told_to_stop_finishes_every_stream_and_exits_zero(system):
         assert g.tokens == w.tokens and g.text == w.text
     in_flight = re.search(r"router draining \(SIGTERM\): (\d+) requests in flight", system.log("router-1"))
     assert in_flight and int(in_flight[1]) > 0  # the drain had streams to finish
-    until(lambda: system.pid("router-1") is None, 30)  # it exited, with 0: not restarted
+    wait_until(lambda: system.pid("router-1") is None, 30)  # it exited, with 0: not restarted
     # The supervisor drops the pid file, reaps the child, then logs it: wait for the line.
-    until(
+    wait_until(
         lambda: "router-1 stopped cleanly; not restarted" in (system.workdir / "pdd-up.log").read_text(), 10
     )
     assert time.monotonic() - t0 < 30

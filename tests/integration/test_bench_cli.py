@@ -21,7 +21,19 @@ from pdd.benchkit import progress as bars
 from pdd.benchkit.catalog import benches
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ("bandwidth", "chaos", "e2e", "engine", "handoff", "peer", "scale", "sim", "transport")
+BENCHES = (
+    "bandwidth",
+    "chaos",
+    "e2e",
+    "engine",
+    "handoff",
+    "peer",
+    "scale",
+    "sim",
+    "structured",
+    "transport",
+    "vllm_sampling",
+)
 HELPERS = ("bootstrap", "catalog", "client", "progress", "report")
 COLUMNS = "100"  # argparse wraps help to the terminal width: the same for both sides
 

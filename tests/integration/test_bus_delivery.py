@@ -55,7 +55,7 @@ async def test_an_acked_message_is_sent_once(nats_server: NatsServer, nats_secur
     try:
         got = await _receiver(rx, "pdd.test.once")
         assert await deliver(tx, "pdd.test.once", Note(2)) is True
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # an absence: a second copy would have come by now
         assert got.qsize() == 1
     finally:
         await tx.drain()
@@ -71,7 +71,7 @@ async def test_delivery_survives_a_server_restart(nats_security: NatsSecurity) -
         got = await _receiver(rx, "pdd.test.restart")
         await server.stop()
         sent = asyncio.create_task(deliver(tx, "pdd.test.restart", Note(3)))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the stimulus: copies sent while no server runs are lost
         server = nats_security.server("delivery", port=server.port)  # same address, new process
         await server.start()
         assert await asyncio.wait_for(sent, 10) is True

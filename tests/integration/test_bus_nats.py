@@ -26,6 +26,7 @@ from shared.bus import (
     subscribe,
 )
 from tests.fixtures_nats import NatsSecurity
+from tests.polling import until, until_async
 
 
 @dataclass
@@ -173,12 +174,13 @@ async def test_micro_service_discovery(nats_server: NatsServer, nats_security: N
 
 async def _request_when_interest_arrives(nc, subject: str, msg: Message, timeout: float) -> Pong:
     # Subscription interest crosses a gateway asynchronously: retry until it has.
-    async with asyncio.timeout(timeout):
-        while True:
-            try:
-                return await request(nc, subject, msg, Pong, timeout=0.5)
-            except Exception:
-                await asyncio.sleep(0.05)
+    async def answered() -> Pong | None:
+        try:
+            return await request(nc, subject, msg, Pong, timeout=0.5)
+        except Exception:
+            return None
+
+    return await until_async(answered, timeout, 0.05, f"an answer on {subject} across the gateway")
 
 
 async def test_round_trip_across_the_gateway(
@@ -190,10 +192,12 @@ async def test_round_trip_across_the_gateway(
         await _serve_pongs(nc_b, "pdd.test.xdc")
         assert await _request_when_interest_arrives(nc_a, "pdd.test.xdc", Ping(41), 10) == Pong(42, 0)
         q = await _collect(nc_a, "pdd.test.back", Ping)  # and B -> A, plain publish
-        async with asyncio.timeout(10):
-            while q.empty():
-                await publish(nc_b, "pdd.test.back", Ping(7))
-                await asyncio.sleep(0.05)
+
+        async def arrived() -> bool:  # each try publishes again: interest crosses asynchronously
+            await publish(nc_b, "pdd.test.back", Ping(7))
+            return not q.empty()
+
+        await until_async(arrived, 10, 0.05)
         assert (await q.get())[0] == Ping(7)
     finally:
         await nc_a.drain()
@@ -236,11 +240,7 @@ async def test_client_reconnects_and_resubscribes_after_a_server_restart(nats_se
         await server.stop()
         server = nats_security.server("restart", port=server.port)  # same address, new process
         await server.start()
-        async with asyncio.timeout(10):
-            while True:  # the client's own reconnect loop (backoff) brings it back
-                if nc.is_connected:
-                    break
-                await asyncio.sleep(0.05)
+        await until(lambda: nc.is_connected, 10, 0.05)  # the client's own reconnect loop (backoff)
         await publish(nc, "pdd.test.again", Ping(3))
         assert (await asyncio.wait_for(q.get(), 5))[0] == Ping(3)
         assert nc.stats["reconnects"] >= 1

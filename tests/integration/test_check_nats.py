@@ -65,17 +65,14 @@ def _with_identity(creds: Credentials, name: str, uri: str) -> None:
 
 
 def _bundle(out: Path, creds: Credentials, dc: str, services: list[str], nats_url: str) -> Path:
-    """A DC's bundle: ca.pem, <svc>.pem/.key/.nats-password/.env (relative paths), bundle.json."""
+    """A DC's bundle: ca.pem, <svc>.pem/.key/.env (relative paths), bundle.json."""
     out.mkdir(mode=0o700)
     shutil.copy(creds.identity("router").ca, out / "ca.pem")
     for svc in services:
         ident, p = creds.identity(svc), ENV_PREFIX[svc]
         shutil.copy(ident.cert, out / f"{svc}.pem")
         shutil.copy(ident.key, out / f"{svc}.key")
-        shutil.copy(creds.password_file(svc), out / f"{svc}.nats-password")
         env = {
-            f"{p}NATS_USER": svc,
-            f"{p}NATS_PASSWORD_FILE": f"{svc}.nats-password",
             f"{p}TLS_CA": "ca.pem",
             f"{p}TLS_CERT": f"{svc}.pem",
             f"{p}TLS_KEY": f"{svc}.key",

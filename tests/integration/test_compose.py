@@ -32,6 +32,7 @@ from pdd.launch import (
     SERVICES,
     UpOptions,
     certs_spec,
+    datacenter,
     nats_specs,
     service_specs,
 )
@@ -60,7 +61,9 @@ def compose() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def specs() -> dict[str, Any]:
-    return {s.name: s for s in [*service_specs(UpOptions(), COMPOSE_HOSTS), certs_spec()]}
+    # compose serves the `tiny` preset unless PDD_MODEL_PRESET says otherwise
+    opts = UpOptions(model_preset="tiny")
+    return {s.name: s for s in [*service_specs(opts, COMPOSE_HOSTS), certs_spec()]}
 
 
 def test_services_present(compose: dict[str, Any]) -> None:
@@ -94,7 +97,7 @@ def test_credentials_come_from_the_certs_volume(compose: dict[str, Any], specs: 
         paths = [
             v for k, v in specs[name].env.items() if k.endswith(("_FILE", "_TLS_CA", "_TLS_CERT", "_TLS_KEY"))
         ]
-        assert len(paths) >= 4 and all(p.startswith(f"{COMPOSE_HOSTS.secrets_dir}/") for p in paths), name
+        assert len(paths) >= 3 and all(p.startswith(f"{COMPOSE_HOSTS.secrets_dir}/") for p in paths), name
         assert not any(k.endswith(("_NATS_PASSWORD", "_SECRET")) for k in specs[name].env)  # no secret values
     assert "wan" not in {n for n, s in services.items() if COMPOSE_WORKDIR in _mounts(s)}  # it never decrypts
 
@@ -179,6 +182,10 @@ def test_monitoring_profile(compose: dict[str, Any]) -> None:
         _bind_mounts(prometheus)["/etc/prometheus/prometheus.yml"]
         == ROOT / "deploy/prometheus/prometheus.yml"
     )
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert config["rule_files"]  # each mounted beside the config, which names it relative to itself
+    for name in config["rule_files"]:
+        assert _bind_mounts(prometheus)[f"/etc/prometheus/{name}"] == ROOT / "deploy/prometheus" / name
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert (
@@ -297,9 +304,11 @@ def test_nats_runs_the_config_the_certs_service_writes(compose: dict[str, Any], 
                 url.startswith(f"nats://{COMPOSE_HOSTS.wan}:")
                 and f'{{name: "{name}", urls: ["{url}"]}}' in gateway
             )
-        assert conf.count("verify: true") == 2  # clients and the gateway: mutual TLS
+        # clients and the gateway: mutual TLS, each certificate mapped to its user
+        assert conf.count("verify_and_map: true") == 2 and "verify: true" not in conf
         assert f'ca_file: "{tmp_path}/secrets/ca.pem"' in gateway
-        assert all(f'{{user: "{s}", password: ' in conf for s in SERVICES) and "no_auth_user" not in conf
+        users = [f'{{user: "CN={s},OU={datacenter(s)},O=pdd", permissions: ' for s in SERVICES]
+        assert all(u in conf for u in users) and "password" not in conf and "no_auth_user" not in conf
 
 
 # ---- the image compose builds: Dockerfile instructions, parsed ------------------------------------

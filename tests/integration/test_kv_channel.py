@@ -367,7 +367,7 @@ async def test_receiver_vanishing_fails_pending_calls_within_timeout() -> None:
 
     async def never_done(rid: str, payload: bytes) -> None:
         in_done.set()
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # the stimulus: a receiver that never answers
 
     sink.on_done = never_done
     try:
@@ -402,7 +402,7 @@ async def test_finish_times_out_when_the_receiver_hangs(kv_pair) -> None:
     sink, _, client = kv_pair
 
     async def slow_done(rid: str, payload: bytes) -> None:
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # the stimulus: a receiver that hangs
 
     sink.on_done = slow_done
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kv import KVClientPool, KVTransfer, KVTransferError, open_kv_client, start_kv_server
+from shared.kv import KVClientPool, KVTransferError, TcpSender, open_kv_client, start_kv_server
 from shared.kv.codec import Encoded, encode, round_trip
 from shared.kv.frame import pack
 
@@ -25,7 +25,7 @@ async def receiver():
 
 
 async def _send(pool: KVClientPool, address: str, rid: str, src: torch.Tensor, codec: str) -> int:
-    transfer = KVTransfer(pool, address, rid, codec=codec)
+    transfer = TcpSender(pool, address, rid, codec=codec)
     try:
         sent = 0
         for lo, hi in ((0, 8), (8, 24)):

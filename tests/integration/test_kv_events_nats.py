@@ -6,8 +6,6 @@ feed a router by the same protocol."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from services.main_decode.service import MainDecodeService
@@ -29,6 +27,7 @@ from shared.bus.messages import (
 )
 from shared.config import MainDecodeSettings, PrefillSettings, RouterSettings
 from tests.engine_util import greedy, make_engine
+from tests.polling import until, until_async
 
 SYNC_WITHIN_S = 5.0  # a broken feed is whole again within this (one snapshot round trip)
 WAIT_S = 30  # bound on the test's own slower waits
@@ -47,12 +46,9 @@ async def _router(nats_server, nats_security):
 
 
 async def _until(index: PrefixIndex, instance: str, want: set[int], within: float) -> None:
-    try:
-        async with asyncio.timeout(within):
-            while index.blocks(instance) != want:  # noqa: ASYNC110 - fed through NATS
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"index {set(index.blocks(instance))} != {want} after {within} s") from None
+    """Until the index (fed through NATS) holds exactly `want` for the instance."""
+    what = lambda: f"index {set(index.blocks(instance))} == {want}"  # noqa: E731
+    await until(lambda: index.blocks(instance) == want, within, what=what)
 
 
 class FakeInstance:
@@ -147,11 +143,10 @@ async def test_real_main_decode_and_prefill_keep_the_router_exact(nats_server, n
     await md.start()
     await prefill.start()
     try:
-        async with asyncio.timeout(WAIT_S):  # idle instances tick: the router meets them anyway
-            while [_synced_epoch(core, s.role) for s in (md, prefill)] != [  # noqa: ASYNC110
-                s.cache_events.epoch for s in (md, prefill)
-            ]:
-                await asyncio.sleep(0.05)
+        synced = lambda: all(_synced_epoch(core, s.role) == s.cache_events.epoch for s in (md, prefill))  # noqa: E731
+        await until(
+            synced, WAIT_S, 0.05, "the router synced with both"
+        )  # idle instances tick: it meets them anyway
         resume = ResumeRequest("r1", PROMPT, [], greedy(8))
         assert (
             await request(router_nc, subjects.resume("main_decode", "0"), resume, ResumeReply, timeout=WAIT_S)
@@ -160,9 +155,11 @@ async def test_real_main_decode_and_prefill_keep_the_router_exact(nats_server, n
         assert (
             await request(router_nc, subjects.prefill_submit_to("0"), submit, SubmitReply, timeout=WAIT_S)
         ).ok
-        async with asyncio.timeout(WAIT_S):
-            while len(await _cached(md)) < 4 or len(await _cached(prefill)) < 2:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+
+        async def cached() -> bool:
+            return len(await _cached(md)) >= 4 and len(await _cached(prefill)) >= 2
+
+        await until_async(cached, WAIT_S, 0.05)
         await _until(core.index, "0", await _cached(md), WAIT_S)
         await _until(core.prefill_index, "0", await _cached(prefill), WAIT_S)
         assert core.index.blocks("0") != core.prefill_index.blocks("0")

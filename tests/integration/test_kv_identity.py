@@ -5,6 +5,10 @@ that passes for a DC A service. The local unix:// path keeps a key only dc-a hol
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import ssl as ssl_module
 from pathlib import Path
 
 import pytest
@@ -89,17 +93,116 @@ async def test_another_roles_certificate_posing_as_main_decode_gets_no_kv(bundle
 async def test_another_roles_certificate_posing_as_prefill_is_refused_by_main_decode(
     bundles, dc, name, caplog
 ) -> None:
-    server, sink = await md_receiver(bundles)
+    """Refused right after the TLS handshake, before the receiver sends anything (no banner, no
+    key share): the sender only sees the connection close; MD's log says why, as a warning."""
+    refused: list = []
+    sink = MemorySink()
+    ssl = server_context(ident(bundles, "dc-b", "main_decode"))
+    server = await start_kv_server(
+        "tcp://127.0.0.1:0", None, sink, ssl=ssl, peer_roles=KV_SENDERS,
+        on_refused=lambda peer, e: refused.append(e),
+    )  # fmt: skip
     tls = client_context(ident(bundles, dc, name), check_hostname=False)
-    try:  # even a sender that takes the receiver's word on the method gets a clear refusal
-        with pytest.raises(
-            KVTransferError, match=rf"refused: peer identity spiffe://pdd/{dc}/\S+ is not prefill"
-        ):
-            client = await open_kv_client(server.address, None, ssl=tls, timeout=5)
-            await client.send_blocks("r1", [1], blocks(1))
-            await client.finish("r1", timeout=5)
-        await until(lambda: server.in_flight == {})  # dropped once told why
-        assert "is not prefill" in caplog.text and untouched(sink)
+    try:
+        with caplog.at_level(logging.INFO, logger="shared.kv"):
+            with pytest.raises(KVTransferError, match="closed the connection after the TLS handshake"):
+                client = await open_kv_client(server.address, None, ssl=tls, timeout=5)
+                await client.send_blocks("r1", [1], blocks(1))
+                await client.finish("r1", timeout=5)
+            await until(lambda: bool(refused))
+        (e,) = refused  # the service hears of it (and tells the router)
+        assert e.identity.startswith(f"spiffe://pdd/{dc}/") and e.reason.endswith("is not prefill")
+        (rec,) = [r for r in caplog.records if "is not prefill" in r.getMessage()]
+        assert rec.levelno == logging.WARNING and untouched(sink) and server.in_flight == {}
+    finally:
+        await server.close()
+
+
+async def _raw_tls(address: str, ctx: ssl_module.SSLContext, *, hang_up: bool) -> bytes:
+    """A bare TLS client (as `openssl s_client` with a certificate is): all the server sends
+    it within 2 s of the handshake, or nothing at all when it hangs up at once (a probe)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=ctx, server_hostname=host)
+    got = b""
+    if not hang_up:
+        with contextlib.suppress(TimeoutError, ConnectionError, ssl_module.SSLError):
+            async with asyncio.timeout(2):
+                while chunk := await reader.read(1 << 16):
+                    got += chunk
+    writer.close()
+    with contextlib.suppress(ConnectionError, ssl_module.SSLError):
+        await writer.wait_closed()
+    return got
+
+
+async def test_a_bare_tls_client_of_another_role_hears_nothing(bundles, caplog) -> None:
+    server, sink = await md_receiver(bundles)
+    relay = client_context(ident(bundles, "dc-a", "relay"), check_hostname=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="shared.kv"):
+            assert await _raw_tls(server.address, relay, hang_up=False) == b""  # no banner, no share
+            await until(lambda: "is not prefill" in caplog.text)
+        assert untouched(sink)
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("name", ["prefill", "router"])
+async def test_a_probe_that_hangs_up_after_the_handshake_is_no_warning(bundles, caplog, name) -> None:
+    """`pdd check` from DC A: a TLS handshake with prefill's certificate (or another DC A
+    role's), then it hangs up. MD's log notes it at info, not as an attack."""
+    server, sink = await md_receiver(bundles)
+    ctx = client_context(ident(bundles, "dc-a", name), check_hostname=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="shared.kv"):
+            await _raw_tls(server.address, ctx, hang_up=True)
+            await until(lambda: "refused" in caplog.text or "gone" in caplog.text or "probe" in caplog.text)
+            await asyncio.sleep(0.2)
+        kv = [r for r in caplog.records if r.name.startswith("shared.kv")]
+        assert kv and all(r.levelno <= logging.INFO for r in kv), [(r.levelname, r.getMessage()) for r in kv]
+        assert untouched(sink)
+    finally:
+        await server.close()
+
+
+async def test_a_certificate_of_another_ca_or_expired_is_refused_by_name(bundles, tmp_path, caplog) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from shared.security import Pki
+
+    foreign = Pki(tmp_path / "foreign")
+    foreign.ensure(["prefill"], ["127.0.0.1"])  # a prefill identity from another CA
+    a = bundles["dc-a"]
+    # An expired prefill certificate from our CA: reissued with a validity in the past.
+    w = bundles["dc-a"].parent / "w" / "secrets"
+    pki = Pki(w)
+    signer, signer_key = pki.signer()
+    leaf = x509.load_pem_x509_certificate((a / "prefill.pem").read_bytes())
+    now = datetime.now(UTC)
+    old = (
+        x509.CertificateBuilder(signer.subject, leaf.subject, leaf.public_key(), x509.random_serial_number(),
+                                now - timedelta(days=10), now - timedelta(days=1), list(leaf.extensions))
+        .sign(signer_key, hashes.SHA256())
+    )  # fmt: skip
+    (tmp_path / "expired.pem").write_bytes(old.public_bytes(serialization.Encoding.PEM))
+    expired = Identity(a / "ca.pem", tmp_path / "expired.pem", a / "prefill.key")
+    server, sink = await md_receiver(bundles)
+    try:
+        with caplog.at_level(logging.INFO, logger="shared.kv"):
+            for ident_, why in (
+                (foreign.identity("prefill"), "unknown CA"),
+                (expired, "expired certificate"),
+            ):
+                ctx = client_context(Identity(a / "ca.pem", ident_.cert, ident_.key), check_hostname=False)
+                with pytest.raises(KVTransferError):
+                    await open_kv_client(server.address, None, ssl=ctx, timeout=5)
+                await until(lambda why=why: why in caplog.text)
+                (rec,) = [r for r in caplog.records if why in r.getMessage()]
+                assert rec.levelno == logging.WARNING
+        assert untouched(sink)
     finally:
         await server.close()
 
@@ -212,7 +315,7 @@ async def test_a_ca_rotation_overlaps_so_old_and_new_leaves_meet(tmp_path) -> No
         await server.close()
 
 
-async def test_an_instance_identity_is_its_role(bundles, tmp_path) -> None:
+async def test_an_instance_identity_is_its_role(bundles, tmp_path, caplog) -> None:
     """`pdd certs add-instance`: spiffe://pdd/dc-a/prefill/p-2 sends like prefill; a relay
     instance's certificate is still no prefill."""
     from pdd.certs import add_instance
@@ -233,8 +336,11 @@ async def test_an_instance_identity_is_its_role(bundles, tmp_path) -> None:
         tls = client_context(
             Identity(tmp_path / "ca.pem", tmp_path / "relay-r-2.pem", tmp_path / "relay-r-2.key"), False
         )
-        with pytest.raises(KVTransferError, match="spiffe://pdd/dc-a/relay/r-2 is not prefill"):
-            await open_kv_client(server.address, None, ssl=tls, peer_roles=MD_ONLY, timeout=5)
+        with caplog.at_level(logging.WARNING, logger="shared.kv"):
+            with pytest.raises(KVTransferError, match="closed the connection after the TLS handshake"):
+                await open_kv_client(server.address, None, ssl=tls, peer_roles=MD_ONLY, timeout=5)
+            await until(lambda: "spiffe://pdd/dc-a/relay/r-2 is not prefill" in caplog.text)
+        assert list(sink.done) == ["r1"]
     finally:
         await server.close()
 

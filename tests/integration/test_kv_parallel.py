@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from shared.kv import KVClientPool, KVTransfer, KVTransferError, open_kv_client, start_kv_server
+from shared.kv import KVClientPool, KVTransferError, TcpSender, open_kv_client, start_kv_server
 from shared.kv.transfer import split_layers
 from shared.ports import free_port
 from shared.wan import WanLink
@@ -49,7 +49,7 @@ def _released(server) -> bool:
 async def test_large_groups_over_several_connections_arrive_intact_and_in_order(split_pair) -> None:
     sink, server, pool = split_pair
     src = blocks(48, seed=3)
-    transfer = KVTransfer(pool, server.address, "r")
+    transfer = TcpSender(pool, server.address, "r")
     try:
         for lo, hi in ((0, 16), (16, 17), (17, 48)):
             await transfer.send_blocks(list(range(lo, hi)), src[:, :, lo:hi])
@@ -76,7 +76,7 @@ async def test_corrupted_piece_is_detected_and_nothing_delivered(split_pair) -> 
         await real_send(*bufs, **kw)
 
     lane._stream.send = corrupting_send
-    transfer = KVTransfer(pool, server.address, "bad")
+    transfer = TcpSender(pool, server.address, "bad")
     try:
         await transfer.send_blocks(list(range(8)), blocks(8))
         with pytest.raises(KVTransferError, match="checksum mismatch in a piece"):
@@ -91,7 +91,7 @@ async def test_corrupted_piece_is_detected_and_nothing_delivered(split_pair) -> 
 async def test_abort_mid_transfer_across_connections_frees_both_sides(split_pair) -> None:
     sink, server, pool = split_pair
     src = blocks(200)
-    transfer = KVTransfer(pool, server.address, "a")
+    transfer = TcpSender(pool, server.address, "a")
 
     async def producer() -> None:
         for i in range(0, 200, 4):
@@ -109,7 +109,7 @@ async def test_abort_mid_transfer_across_connections_frees_both_sides(split_pair
     assert sink.aborts[0][0] == "a" and "a" not in sink.held and "a" not in sink.done
     await until(lambda: all(not rids for rids in server.in_flight.values()) and _released(server))
     # The pool's connections are still good for the next request.
-    again = KVTransfer(pool, server.address, "b")
+    again = TcpSender(pool, server.address, "b")
     await again.send_blocks(list(range(8)), src[:, :, :8])
     await again.finish()
     again.close()
@@ -128,7 +128,7 @@ async def test_dropped_lane_is_retried_on_a_fresh_one(split_pair) -> None:
 
     lane._stream.send = dropping_send
     src = blocks(16, seed=5)
-    transfer = KVTransfer(pool, server.address, "r")
+    transfer = TcpSender(pool, server.address, "r")
     try:
         await transfer.send_blocks(list(range(16)), src)
         await transfer.finish()
@@ -166,7 +166,7 @@ async def test_link_cut_under_split_groups_resends_them_whole() -> None:
     await link.start()
     pool = KVClientPool(SECRET, parallel=PARALLEL, parallel_min_bytes=0)
     kv = blocks(8 * GROUP, seed=1)
-    transfer = KVTransfer(pool, f"tcp://{link.listen}", "r")
+    transfer = TcpSender(pool, f"tcp://{link.listen}", "r")
     try:
         for g in range(8):
             lo = g * GROUP

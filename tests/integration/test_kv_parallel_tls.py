@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from shared.kv import KVClientPool, KVTransfer, open_kv_client, start_kv_server
+from shared.kv import KVClientPool, TcpSender, open_kv_client, start_kv_server
 from shared.security import Pki, client_context, server_context
 from tests.polling import until
 
@@ -43,7 +43,7 @@ async def test_a_split_group_over_tls_arrives_intact_and_in_order(pki, tls_serve
         SECRET, ssl=client_context(pki.identity("prefill")), parallel=PARALLEL, parallel_min_bytes=0
     )
     src = blocks(40, seed=5)
-    transfer = KVTransfer(pool, server.address, "r")
+    transfer = TcpSender(pool, server.address, "r")
     try:
         for lo, hi in ((0, 24), (24, 40)):
             await transfer.send_blocks(list(range(lo, hi)), src[:, :, lo:hi])

@@ -13,10 +13,10 @@ import torch
 import shared.kv.server as kv_server
 from shared.kv import (
     KVClientPool,
-    KVTransfer,
     KVTransferError,
     LinkEstimator,
     RetryPolicy,
+    TcpSender,
     open_kv_client,
     start_kv_server,
 )
@@ -75,7 +75,7 @@ def test_retry_delays_double_up_to_a_cap_within_attempts_and_deadline() -> None:
 async def test_reset_mid_transfer_resends_on_a_fresh_connection(wan_kv) -> None:
     sink, server, link, pool, address = wan_kv
     kv = blocks(8 * GROUP, seed=1)
-    transfer = KVTransfer(pool, address, "r")
+    transfer = TcpSender(pool, address, "r")
     try:
         for g in range(8):
             lo = g * GROUP
@@ -98,7 +98,7 @@ async def test_reset_mid_transfer_resends_on_a_fresh_connection(wan_kv) -> None:
 async def test_receiver_that_never_comes_back(wan_kv) -> None:
     sink, server, link, pool, address = wan_kv
     policy = RetryPolicy(attempts=3, backoff_s=0.1, max_backoff_s=0.2, deadline_s=0.6)
-    transfer = KVTransfer(pool, address, "gone", policy=policy)
+    transfer = TcpSender(pool, address, "gone", policy=policy)
     try:
         await transfer.send_blocks(list(range(GROUP)), blocks(GROUP))
         await until(lambda: sink.imports, timeout=10)
@@ -120,7 +120,7 @@ async def test_rejection_is_not_retried_and_no_rid_is_kept() -> None:
     sink = MemorySink(reject_at=0)
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)
     pool = KVClientPool(SECRET)
-    transfer = KVTransfer(pool, server.address, "no")
+    transfer = TcpSender(pool, server.address, "no")
     try:
         await transfer.send_blocks([1], blocks(1))
         client = transfer.client
@@ -144,7 +144,7 @@ async def test_a_sink_callback_that_hangs_is_bounded(monkeypatch, callback) -> N
     sink = MemorySink()
 
     async def hang(*args) -> None:
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # the stimulus: a callback that hangs
 
     setattr(sink, callback, hang)
     server = await start_kv_server("tcp://127.0.0.1:0", SECRET, sink)

@@ -12,17 +12,17 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from services.prefill.kv_stream import kv_senders
 from shared.bus import subjects
 from shared.bus.connection import flushed, respond, subscribe
 from shared.bus.messages import RdmaOffer, RdmaSlots, RdmaVerdict, RdmaWritten
 from shared.config import PrefillSettings
-from shared.kv import KVClientPool, KVTransfer, start_kv_server
-from shared.kv.rdma_engine import RdmaError
-from shared.kv.rdma_layout import region_of
-from shared.kv.rdma_link import RdmaPeers
-from shared.kv.rdma_sender import RdmaSender
-from shared.kv.rdma_writer import RdmaWriter
-from shared.kv.sender import KVSenders
+from shared.kv import KVClientPool, TcpSender, start_kv_server
+from shared.kv.rdma.engine import RdmaError
+from shared.kv.rdma.layout import region_of
+from shared.kv.rdma.link import RdmaPeers
+from shared.kv.rdma.sender import RdmaSender
+from shared.kv.rdma.writer import RdmaWriter
 
 from .test_kv_channel import SECRET, MemorySink, blocks
 
@@ -124,7 +124,7 @@ async def test_the_rdma_sender_writes_what_md_gave_slots_for_and_sends_the_rest_
     md.corrupt = {103}  # written, but fails MD's checksum: comes again over TCP
     engine = LoopbackEngine()
     peers = RdmaPeers(md.nc, RdmaWriter(engine, 1 << 20), WAIT_S)
-    sender = RdmaSender(peers, KVTransfer(md.pool, md.address, "r1"), hashes)
+    sender = RdmaSender(peers, TcpSender(md.pool, md.address, "r1"), hashes)
     sent, again = await ship(sender, hashes, kv)
 
     assert md.offers[0].hashes == hashes
@@ -145,7 +145,7 @@ async def test_a_failed_write_sends_that_group_and_every_later_one_over_tcp(md) 
     md.slotted = hashes[:]
     before = fallbacks("write")
     peers = RdmaPeers(md.nc, RdmaWriter(LoopbackEngine(fail=True), 1 << 20), WAIT_S)
-    sender = RdmaSender(peers, KVTransfer(md.pool, md.address, "r2"), hashes)
+    sender = RdmaSender(peers, TcpSender(md.pool, md.address, "r2"), hashes)
     _, again = await ship(sender, hashes, kv)
     assert sorted(over_tcp(md, "r2")) == hashes and sender.rdma_bytes == 0 and again == 0
     assert fallbacks("write") == before + 1
@@ -153,21 +153,21 @@ async def test_a_failed_write_sends_that_group_and_every_later_one_over_tcp(md) 
 
 async def test_without_the_rdma_engine_everything_goes_over_tcp(md) -> None:
     hashes, kv = list(range(300, 300 + N)), blocks(N, seed=5)
-    sender = RdmaSender(RdmaPeers(md.nc, None, WAIT_S), KVTransfer(md.pool, md.address, "r3"), hashes)
+    sender = RdmaSender(RdmaPeers(md.nc, None, WAIT_S), TcpSender(md.pool, md.address, "r3"), hashes)
     await ship(sender, hashes, kv)
     assert sorted(over_tcp(md, "r3")) == hashes and md.offers == [] and sender.rdma_bytes == 0
 
 
 async def test_the_factory_picks_the_rdma_sender_only_toward_a_main_decoder_when_on(md) -> None:
-    tcp = KVSenders(PrefillSettings(secret=SECRET, kv_transport="tcp"), md.nc, md.pool)
-    rdma = KVSenders(PrefillSettings(secret=SECRET, kv_transport="rdma"), md.nc, md.pool)
+    tcp = kv_senders(PrefillSettings(secret=SECRET, kv_transport="tcp"), md.nc, md.pool)
+    rdma = kv_senders(PrefillSettings(secret=SECRET, kv_transport="rdma"), md.nc, md.pool)
     opened = [
         tcp.open(md.address, "a", [1]),
         rdma.open(md.address, "b"),  # the relay: no pool to write into
         rdma.open(md.address, "c", [1]),
     ]
     try:
-        assert [type(s) for s in opened] == [KVTransfer, KVTransfer, RdmaSender]
+        assert [type(s) for s in opened] == [TcpSender, TcpSender, RdmaSender]
     finally:
         for s in opened:
             s.close()

@@ -4,8 +4,6 @@ tiny engine; the handler and the drain are called directly so the order is exact
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 from prometheus_client import REGISTRY
 
@@ -15,6 +13,7 @@ from shared.bus.connection import request
 from shared.bus.messages import HandoffBatch, HandoffMode, Pipeline, PrepareReply, PrepareRequest
 from shared.config import EngineSettings, MainDecodeSettings
 from tests.engine_util import greedy, make_engine
+from tests.polling import until_async
 
 
 def _batch(seq: int, start: int, tokens: list[int]) -> HandoffBatch:
@@ -46,18 +45,18 @@ async def test_a_redelivered_handoff_batch_is_dropped_and_the_first_copy_applied
         job = md.jobs["r"]
         await md.prompt_kv.on_done("r", b"")  # prompt KV complete: READY for batches
 
-        await md._on_handoff(_batch(0, 0, [5]), None)
+        await md.on_handoff(_batch(0, 0, [5]), None)
         await md._drain_handoffs(job)
         assert (job.next_seq, job.next_index) == (1, 1)
 
-        await md._on_handoff(_batch(0, 0, [5]), None)  # seq 0 again, after it was applied
+        await md.on_handoff(_batch(0, 0, [5]), None)  # seq 0 again, after it was applied
         assert 0 not in job.batches and _dropped("stale") == stale + 1
 
-        await md._on_handoff(_batch(2, 2, [7]), None)  # ahead of seq 1: held
-        await md._on_handoff(_batch(2, 2, [8, 9]), None)  # seq 2 again while held
+        await md.on_handoff(_batch(2, 2, [7]), None)  # ahead of seq 1: held
+        await md.on_handoff(_batch(2, 2, [8, 9]), None)  # seq 2 again while held
         assert job.batches[2][0].tokens == [7] and _dropped("duplicate") == duplicate + 1
 
-        await md._on_handoff(_batch(1, 1, [6]), None)
+        await md.on_handoff(_batch(1, 1, [6]), None)
         await md._drain_handoffs(job)  # applies 1, then the held first copy of 2
         assert (job.next_seq, job.next_index, job.batches) == (3, 3, {})
         assert "r" in md.jobs  # nothing failed the request
@@ -99,9 +98,13 @@ async def test_a_request_waiting_on_a_carrier_that_sends_nothing_computes_those_
         assert job.state.state.name == "RECEIVING"  # waits for the first's blocks
         await md._expire()
         assert job.state.state.name == "RECEIVING"  # not yet: the carrier is young
-        await asyncio.sleep(0.4)
-        await md._expire()
-        assert job.state.state.name == "READY" and job.computed_blocks == 2
+
+        async def computed() -> bool:  # once the carrier landed nothing for shared_kv_stall_s
+            await md._expire()
+            return job.state.state.name == "READY"
+
+        await until_async(computed, 10, 0.05)
+        assert job.computed_blocks == 2
         assert md.prompt_kv.in_flight.waiting("b") == set()
     finally:
         await md.stop()

@@ -18,7 +18,7 @@ from shared.bus.connection import flushed, publish, request, subscribe
 from shared.bus.messages import (
     Abort,
     AbortReason,
-    MDTarget,
+    MainDecodeTarget,
     Pipeline,
     PrefillSubmit,
     PrepareReply,
@@ -33,7 +33,7 @@ from shared.bus.messages import (
 from shared.bus.subjects import Req
 from shared.config import MainDecodeSettings, PrefillSettings, RdmaSettings
 from shared.kv.checksum import DEFAULT_ALGO
-from shared.kv.rdma_engine import unavailable
+from shared.kv.rdma.engine import unavailable
 from tests.engine_util import greedy, make_engine, run_all, tokens_of
 from tests.polling import until
 
@@ -100,7 +100,7 @@ async def run_request(md: MainDecodeService, nc, rid: str) -> list[int]:
     assert ready.ok and ready.missing, ready
     submit = PrefillSubmit(rid, PROMPT, greedy(MAX_TOKENS), Pipeline.P_MD)
     assert (await request(nc, subjects.prefill_submit_to("0"), submit, SubmitReply, timeout=WAIT_S)).ok
-    target = MDTarget(rid, ready.bulk_address, ready.missing, "0")
+    target = MainDecodeTarget(rid, ready.bulk_address, ready.missing, "0")
     await publish(nc, subjects.to_instance("prefill", "0", Req.MD_TARGET), target)
     tokens: dict[int, int] = {}
     async with asyncio.timeout(WAIT_S):
@@ -209,9 +209,7 @@ async def test_slots_of_an_aborted_request_stay_out_of_use_until_written(service
     assert got.ok and len(got.slots) == len(hashes)
     # The anomalous-traffic filter: the relay ended the request first.
     await publish(nc, subjects.abort("s2", "relay"), Abort("s2", AbortReason.RELAY_FINISHED))
-    async with asyncio.timeout(WAIT_S):
-        while "s2" in md.jobs:  # noqa: ASYNC110 - the drop has no event to wait on
-            await asyncio.sleep(0.05)
+    await until(lambda: "s2" not in md.jobs, WAIT_S, 0.05)  # the drop has no event to wait on
     # A one-sided write may still be on its way: the slots stay held, nothing else is.
     assert md.engine.pool.num_free == md.engine.pool.num_blocks - len(hashes)
     assert not (await written(nc, md, "s2", hashes, [0] * len(hashes))).ok  # the request ended...

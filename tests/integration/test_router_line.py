@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.router.api.app import _api_error
-from services.router.api.errors import APIError
+from services.router.core.errors import APIError
 from services.router.service import RouterCore
 from shared.bus.messages import LoadReport, Pipeline, Role
 from shared.config import RouterSettings
@@ -63,7 +63,7 @@ async def test_a_held_request_goes_when_the_relay_frees_and_is_refused_past_the_
 
         start = time.monotonic()
         opened = asyncio.create_task(core.open(PROMPT, SamplingParams(max_tokens=4)))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # an absence: watched a while, the request stays held
         assert not opened.done() and core.dispatcher.held == 1
         report(Role.RELAY, "r0", running=0)  # room
         stream = await asyncio.wait_for(opened, 1.0)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 from nats.aio.msg import Msg
 
@@ -72,32 +73,73 @@ async def _refused(sec: NatsSecurity, server: NatsServer, **kw) -> str:
     return " | ".join(repr(e) for e in [*errors, caught.value])
 
 
-async def test_anonymous_client_is_refused(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
-    cert = client_context(nats_security.creds.identity("prefill"))  # a valid certificate, no user
+async def test_a_certificate_no_user_is_named_for_is_refused(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
+    pki = nats_security.creds.pki
+    pki.ensure(["stranger"], [])  # signed by the CA, but of no role: no user maps to it
+    cert = client_context(pki.identity("stranger"))
     assert "Authorization Violation" in await _refused(nats_security, nats_server, tls=cert)
-    wrong = await _refused(nats_security, nats_server, tls=cert, user="prefill", password="guess")
-    assert "Authorization Violation" in wrong
+    # a user name and password claim nothing: the certificate alone says who connects
+    claim = await _refused(nats_security, nats_server, tls=cert, user="main_decode", password="guess")
+    assert "Authorization Violation" in claim
+
+
+async def test_a_relay_certificate_cannot_act_as_main_decode(
+    nats_server: NatsServer, nats_security: NatsSecurity
+) -> None:
+    """The relay's certificate is the relay on the bus, whatever it claims: with main_decode's
+    user and a password it is refused; without, it may not hear MD's prepares nor send MD's
+    kv_ready (the first link a forged MD touches)."""
+    relay_cert = client_context(nats_security.creds.identity("relay"))
+    claim = await _refused(nats_security, nats_server, tls=relay_cert, user="main_decode", password="x")
+    assert "Authorization Violation" in claim
+    errors: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+
+    router = await nats_security.connect(nats_server, "router", user="router")
+    forged = await connect(nats_server.url, "md-forged", tls=relay_cert, error_cb=on_error)
+    heard: list[str] = []
+
+    async def seen(msg: Msg) -> None:
+        heard.append(msg.subject)
+
+    try:
+        await forged.subscribe(subjects.md_prepare("md-forged"), cb=seen)
+        await forged.publish(subjects.to_instance("relay", "0", Req.KV_READY), b"x")
+        await flushed(forged)
+        await router.publish(subjects.md_prepare("md-forged"), b"x")
+        await flushed(router)
+        await asyncio.sleep(0.3)
+        assert heard == []
+        violations = [str(e).lower() for e in errors if "permissions violation" in str(e).lower()]
+        assert any("subscription" in v and "prepare" in v for v in violations), errors
+        assert any("publish" in v and "kv_ready" in v for v in violations), errors
+    finally:
+        await forged.close()
+        await router.close()
 
 
 async def test_client_without_a_certificate_is_refused(
     nats_server: NatsServer, nats_security: NatsSecurity
 ) -> None:
     trusts_ca_only = ssl.create_default_context(cafile=str(nats_security.creds.pki.ca_cert))
-    err = await _refused(
-        nats_security, nats_server, tls=trusts_ca_only, user="test", password=nats_security.test_password
-    )
+    err = await _refused(nats_security, nats_server, tls=trusts_ca_only)
     # The server's alert, or (when it hangs up before the client reads the alert) a broken pipe.
     assert any(why in err for why in ("CERTIFICATE_REQUIRED", "Broken pipe", "Connection reset")), err
 
 
 async def test_plaintext_client_is_refused(nats_server: NatsServer, nats_security: NatsSecurity) -> None:
     # The server's INFO line is plain (NATS upgrades after it); a client that then speaks
-    # plaintext, even with the right password, gets no PONG and loses the connection.
+    # plaintext (so without a certificate, whatever user it names) gets no PONG and loses the
+    # connection.
     reader, writer = await asyncio.open_connection(nats_server.host, nats_server.port)
     try:
         info = json.loads((await reader.readline()).removeprefix(b"INFO "))
         assert info["tls_required"] and info["auth_required"]
-        hello = {"user": "test", "pass": nats_security.test_password, "verbose": False, "pedantic": False}
+        hello = {"user": "CN=test,O=pdd", "verbose": False, "pedantic": False}
         writer.write(f"CONNECT {json.dumps(hello)}\r\nPING\r\n".encode())
         await writer.drain()
         rest = await asyncio.wait_for(reader.read(), 30)  # until the server closes
@@ -286,6 +328,52 @@ async def test_the_gateway_runs_tls_and_carries_no_plaintext(
         await router.close()
 
 
+# ---- servers: routes and the gateway take only NATS servers' certificates -------------------------
+
+
+async def test_a_relay_certificate_cannot_join_as_a_gateway_or_a_route(nats_security: NatsSecurity) -> None:
+    """A nats-server run with DC A's relay certificate dials nats-a's gateway (as dc-b) and its
+    route port (as a node of its cluster): both refused, while nats-b's own certificate joins."""
+    gw_a, route_a = free_port(), free_port()
+    a = nats_security.server("nats-a-0", cluster="nats-a", cluster_port=route_a, gateway_port=gw_a)
+    relay = nats_security.creds.identity("relay")
+    rogue_gw = NatsServer(
+        "dc-b",
+        tls=relay,
+        users=nats_security.users(),
+        gateway_port=free_port(),
+        gateways={"nats-a": f"nats://127.0.0.1:{gw_a}"},
+    )
+    rogue_node = NatsServer(
+        "nats-a-9",
+        tls=relay,
+        users=nats_security.users(),
+        cluster="nats-a",
+        routes=[f"nats-route://127.0.0.1:{route_a}"],
+    )
+    good = nats_security.server(
+        "dc-b", "nats-b", gateway_port=free_port(), gateways={"nats-a": f"nats://127.0.0.1:{gw_a}"}
+    )
+    await a.start()
+    try:
+        for s in (rogue_gw, rogue_node):
+            await s.start()
+        await asyncio.sleep(2)  # several tries each
+        for s in (rogue_gw, rogue_node):
+            assert "Authorization Violation" in s.log_path.read_text(), s.name
+        await rogue_gw.stop()
+        await good.start()
+        await good.wait_gateways(15)  # the same dial with nats-b's certificate is let in
+        async with httpx.AsyncClient() as http:
+            routez = (await http.get(f"{a.monitor_url}/routez")).json()
+            gatewayz = (await http.get(f"{a.monitor_url}/gatewayz")).json()
+        assert not routez.get("routes")
+        assert set(gatewayz.get("inbound_gateways") or {}) == {"dc-b"}  # the good one's only
+    finally:
+        for s in (good, rogue_gw, rogue_node, a):
+            await s.stop()
+
+
 # ---- a service without credentials ---------------------------------------------------------------
 
 
@@ -293,7 +381,7 @@ async def test_the_gateway_runs_tls_and_carries_no_plaintext(
 @pytest.mark.parametrize(("service", "prefix"), [("prefill", "PDD_PREFILL_"), ("router", "PDD_ROUTER_")])
 def test_a_service_without_credentials_exits_at_once(service: str, prefix: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_")}
-    env[f"{prefix}NATS_USER"] = service
+    env[f"{prefix}NATS_URL"] = "tls://127.0.0.1:4222"
     proc = subprocess.run(
         [sys.executable, "-m", f"services.{service}"],
         env=env,
@@ -304,5 +392,5 @@ def test_a_service_without_credentials_exits_at_once(service: str, prefix: str, 
     )
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith(f"{service}: missing setting {prefix}NATS_PASSWORD[_FILE], {prefix}TLS_CA"), line
-    assert f"{prefix}NATS_USER" not in line and (f"{prefix}SECRET" in line) == (service != "router")
+    assert line.startswith(f"{service}: missing setting {prefix}TLS_CA, {prefix}TLS_CERT"), line
+    assert "NATS" not in line and (f"{prefix}SECRET" in line) == (service != "router")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pdd.cli import main as pdd_main
-from pdd.sim import calibrate
 from pdd.sim import cli as sim_cli
-from pdd.sim.profiles import (
+from pdd.sim.hardware import calibrate
+from pdd.sim.hardware.profiles import (
     BUILTIN_PROFILES,
     FIGURES,
     MODELS_DIR,
@@ -24,7 +24,7 @@ from pdd.sim.profiles import (
     model_spec,
     profile_names,
 )
-from pdd.sim.step_cost import Linear, StepCost, chunk_load, decode_load
+from pdd.sim.hardware.step_cost import Linear, StepCost, chunk_load, decode_load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,15 @@ def test_presets_are_read_from_the_engine_in_fp32():
     assert small.kv_bytes_per_token == 16384  # 8 layers x 4 KV heads x 64 dims x K,V x 4 B
     assert model_spec("small", dtype="bfloat16").kv_bytes_per_token == 8192
     assert {"tiny", "small", "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-32b"} <= set(model_names())
+
+
+def test_the_served_default_model_counts_its_tied_embedding_once():
+    spec = model_spec("default")  # SmolLM2-135M-Instruct, read from the GGUF's metadata
+    assert (spec.layers, spec.hidden, spec.vocab, spec.tied_embeddings) == (30, 576, 49152, True)
+    assert spec.params == 134_479_872  # the model card's 135 M: one 49152 x 576 matrix, not two
+    # ...but its lm_head still computes: one token's FLOPs cover the layers and one vocab projection
+    assert spec.flops_per_token == 2 * spec.params and spec.kv_bytes_per_token == 46080
+    assert "default" in model_names()
 
 
 def test_roofline_decode_step_by_hand():
@@ -222,7 +231,7 @@ def test_pdd_help_does_not_import_torch():
 
 
 def test_the_simulator_knows_every_built_in_preset():
-    from pdd.sim.profiles import PRESET_NAMES
+    from pdd.sim.hardware.profiles import PRESET_NAMES
     from shared.model.presets import PRESETS
 
     assert set(PRESET_NAMES) == set(PRESETS)

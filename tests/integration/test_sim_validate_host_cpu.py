@@ -1,5 +1,5 @@
 """The measured host-CPU model of `pdd sim validate`: the bench's CPU accounts (pdd/benchkit/cpu.py) on
-hand-made snapshots and on real processes, and the step-time factor they give (pdd/sim/host_cpu.py)
+hand-made snapshots and on real processes, and the step-time factor they give (pdd/sim/studies/host_cpu.py)
 on hand-computable cases."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdd.benchkit.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
-from pdd.sim import validate as v
-from pdd.sim.host_cpu import HostCpu, engines_seen_busy, from_account
+from pdd.sim.studies import validate as v
+from pdd.sim.studies.host_cpu import HostCpu, engines_seen_busy, from_account
 from tests.unit.test_sim_validate import AGENTIC, SINGLE, _rows
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from shared.ports import free_port
 from shared.telemetry import metrics
 from shared.telemetry.span_store import SpanRecord
+from shared.telemetry.vllm_metrics import EngineMetrics
 from shared.telemetry.waterfall import render_waterfall, trace_to_json
 from tests.prometheus_samples import moved, scrape
 
@@ -77,3 +79,19 @@ def test_metrics_endpoint_serves_the_recorded_values() -> None:
     assert moved(before, after, "pdd_prefix_hit_rate_bucket", le="0.95") == 0
     assert moved(before, after, "pdd_prefix_hit_rate_bucket", le="0.97") == 1
     assert moved(before, after, "pdd_kv_bytes_total", path="wan") == 4096
+
+
+def test_metrics_endpoint_keeps_vllms_names_for_an_openmetrics_scraper() -> None:
+    """Prometheus asks for OpenMetrics first; the answer is the text format, ':' kept."""
+    port = free_port()
+    metrics.start_metrics_server(port, addr="127.0.0.1")
+    EngineMetrics("m-endpoint", "e0")  # its series exist from the start, at 0
+    accept = (  # what Prometheus 2.42 sends
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+        "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    )
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept}, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    lines = r.text.splitlines()
+    assert 'vllm:num_requests_running{engine="e0",model_name="m-endpoint"} 0.0' in lines
+    assert not any(line.startswith("vllm_") for line in lines)

@@ -7,9 +7,9 @@ import math
 import random
 
 from pdd.launch import UpOptions, service_spec
-from pdd.sim.events import EventLoop
-from pdd.sim.link import Link
-from pdd.sim.validate import wan_link
+from pdd.sim.fleet.events import EventLoop
+from pdd.sim.fleet.link import Link
+from pdd.sim.studies.validate import wan_link
 from services.router.routing.policy import LinkView, RouteContext, md_options, md_weights
 from services.router.routing.prefix_index import PrefixIndex
 from shared.config import UNCAPPED_BANDWIDTH_BPS, RouterSettings

@@ -1,4 +1,4 @@
-"""bench/bootstrap.py: percentile-bootstrap intervals of a ratio, on hand-checkable samples."""
+"""pdd/benchkit/bootstrap.py: percentile-bootstrap intervals of a ratio, on hand-checkable samples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from bench.bootstrap import Interval, fmt, mean, percentile, ratio_interval, ratio_of_sums, resolves, verdict
+from pdd.benchkit.bootstrap import (
+    Interval,
+    fmt,
+    mean,
+    percentile,
+    ratio_interval,
+    ratio_of_sums,
+    resolves,
+    verdict,
+)
 
 
 def test_constant_samples_give_a_zero_width_interval_at_the_point():

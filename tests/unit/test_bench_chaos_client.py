@@ -12,17 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.chaos import (
-    PIPELINES,
-    Routers,
-    Stream,
-    Window,
-    _score,
-    _targets,
-    pipeline_of,
-    router_of,
-    stream_request,
-)
+from bench.chaos import Window, _score, pipeline_of, router_of
+from bench.chaos_client import PIPELINES, Routers, Stream, stream_request
+from bench.chaos_report import targets_of
 
 N = 6  # tokens of every made-up stream: 0, 1, ..., N-1
 
@@ -144,8 +136,8 @@ def test_targets_count_affected_resumed_and_broken_streams() -> None:
     row = rows["kill-router"]
     assert (row["affected"], row["affected_completed"], row["resumed_equal"]) == (3, 2, 2)
     assert (row["broken_connections"], row["failed_clear"], row["missing_or_repeated"]) == (3, 1, 0)
-    targets = {t["what"].split(" (")[0]: t for t in _targets(rows)}
+    targets = {t["what"].split(" (")[0]: t for t in targets_of(rows)}
     assert targets["router SIGKILL"]["met"] is False  # 2 of 3 < 95%
     assert targets["router SIGKILL"]["value"] == {"broken": 3, "resumed": 2}
     assert targets["router SIGTERM"]["met"] is None  # not run
-    assert all("met" in t for t in _targets(rows))
+    assert all("met" in t for t in targets_of(rows))

@@ -9,15 +9,9 @@ import random
 
 import pytest
 
-from bench.e2e import (
-    AGENTIC_RATIOS,
-    SINGLE_RATIO_KEYS,
-    _agentic_ratios,
-    _agentic_targets,
-    _single_ratios,
-    _single_targets,
-    parse_args,
-)
+from bench.e2e import parse_args
+from bench.e2e_agentic_report import AGENTIC_RATIOS, agentic_ratios, agentic_targets
+from bench.e2e_single import SINGLE_RATIO_KEYS, single_ratios, single_targets
 from pdd.benchkit.report import print_targets
 
 SLOWER = {"same-dc": 1.0, "naive": 2.0, "pdd": 1.5}  # each request's latency x this, by deployment
@@ -56,7 +50,7 @@ def test_agentic_ratios_carry_intervals_paired_by_step():
     args = parse_args([])
     rows = agentic_rows()
     busy = dict.fromkeys(SLOWER, 100.0)
-    ratios = json.loads(json.dumps(_agentic_ratios(args, rows, busy, list(SLOWER))))
+    ratios = json.loads(json.dumps(agentic_ratios(args, rows, busy, list(SLOWER))))
     assert set(ratios) == {"naive/same-dc", "pdd/same-dc", "pdd/naive"}
     for name, rs in ratios.items():
         assert set(rs) == {*AGENTIC_RATIOS, "sla_goodput"}
@@ -67,7 +61,7 @@ def test_agentic_ratios_carry_intervals_paired_by_step():
         for k in AGENTIC_RATIOS:  # paired, every pair keeps its ratio: zero width
             assert rs[k]["lo"] == pytest.approx(SLOWER[x] / SLOWER[y])
             assert rs[k]["hi"] == pytest.approx(SLOWER[x] / SLOWER[y])
-    targets = {t["what"]: t for t in _agentic_targets(ratios)}
+    targets = {t["what"]: t for t in agentic_targets(ratios)}
     t = targets["PDD vs naive cross-DC: p99 time to 2nd token at most naive's"]
     # The interval meets the goal, but 36 requests do not resolve a p99.
     assert (t["verdict"], t["met"], t["value"]) == ("likely", False, "×0.75 [0.75–0.75]")
@@ -79,12 +73,12 @@ def test_agentic_goodput_ratio_resamples_requests_and_scales_to_busy_time():
     args = parse_args(["--sla-ttft-s", "0.5"])
     rows = agentic_rows()
     busy = {"same-dc": 100.0, "naive": 100.0, "pdd": 50.0}
-    r = _agentic_ratios(args, rows, busy, ["naive", "pdd"])["pdd/naive"]["sla_goodput"]
+    r = agentic_ratios(args, rows, busy, ["naive", "pdd"])["pdd/naive"]["sla_goodput"]
     met = {d: sum(x["ttft"] <= 0.5 for x in rows if x["deployment"] == d) for d in ("naive", "pdd")}
     assert 0 < met["naive"] < met["pdd"] < 36
     assert r["ratio"] == pytest.approx((met["pdd"] / 50.0) / (met["naive"] / 100.0))  # as the table's
     assert r["lo"] < r["ratio"] < r["hi"]  # which requests meet the SLA varies with the resample
-    r = _agentic_ratios(parse_args(["--sla-ttft-s", "100"]), rows, busy, ["naive", "pdd"])["pdd/naive"]
+    r = agentic_ratios(parse_args(["--sla-ttft-s", "100"]), rows, busy, ["naive", "pdd"])["pdd/naive"]
     # Every request meets the SLA everywhere: what is left is the requests' time (x1.5 vs x2 of
     # the step's), which the resample moves alike on both sides, scaled to the measured x2.
     assert r["sla_goodput"]["ratio"] == pytest.approx(2.0)
@@ -95,7 +89,7 @@ def test_a_failed_request_drops_its_pair():
     rows = agentic_rows()
     failed = next(r for r in rows if r["deployment"] == "pdd")
     failed["ok"] = False
-    ratios = _agentic_ratios(parse_args([]), rows, dict.fromkeys(SLOWER, 100.0), list(SLOWER))
+    ratios = agentic_ratios(parse_args([]), rows, dict.fromkeys(SLOWER, 100.0), list(SLOWER))
     assert ratios["pdd/naive"]["tt2t_p99"]["n"] == 35
     assert ratios["pdd/naive"]["sla_goodput"]["n"] == 36  # a failed request counts: it misses the SLA
     assert ratios["naive/same-dc"]["tt2t_p99"]["n"] == 36
@@ -115,7 +109,7 @@ def test_agentic_targets_say_likely_when_the_interval_crosses_the_goal_or_n_is_s
             "sla_goodput": worse,
         }
     }
-    verdicts = [(t["verdict"], t["met"]) for t in _agentic_targets(ratios)]
+    verdicts = [(t["verdict"], t["met"]) for t in agentic_targets(ratios)]
     assert verdicts == [("likely", False), ("met", True), ("MISSED", False), ("likely", False), ("met", True)]
 
 
@@ -141,7 +135,7 @@ def single_rows(rounds: int = 3) -> list[dict]:
 
 def test_single_ratios_pair_variants_by_round():
     rows = single_rows()
-    ratios = json.loads(json.dumps(_single_ratios(rows, ["no-wan", "p-md", "p-rld-md"])))
+    ratios = json.loads(json.dumps(single_ratios(rows, ["no-wan", "p-md", "p-rld-md"])))
     assert set(ratios) == {"p-md/no-wan", "p-rld-md/no-wan", "p-rld-md/p-md"}
     for rs in ratios.values():
         assert set(rs) == set(SINGLE_RATIO_KEYS)
@@ -154,11 +148,11 @@ def test_single_ratios_pair_variants_by_round():
         v: {"n_tokens": 1000, "rld_share": 0.09, "rld_tokens": 90, "tt2t": 3.0, "max_gap": 1.5}
         for v in ("no-wan", "p-md", "p-rld-md")
     }
-    targets = {t["what"]: t for t in _single_targets(summary, ratios, 2.7)}
+    targets = {t["what"]: t for t in single_targets(summary, ratios, 2.7)}
     assert targets["p-rld-md TTFT within 1.5x of no-WAN"]["verdict"] == "likely"  # 3 rounds: a median of 3
     assert targets["P→MD TTFT (P streams the 1st token itself)"]["value"] == "×2.00 [2.00–2.00] of no-WAN"
-    ratios = _single_ratios(single_rows(rounds=10), ["no-wan", "p-md", "p-rld-md"])
-    targets = {t["what"]: t for t in _single_targets(summary, ratios, 2.7)}
+    ratios = single_ratios(single_rows(rounds=10), ["no-wan", "p-md", "p-rld-md"])
+    targets = {t["what"]: t for t in single_targets(summary, ratios, 2.7)}
     assert targets["p-rld-md TTFT within 1.5x of no-WAN"]["verdict"] == "met"
 
 

@@ -10,8 +10,10 @@ import pytest
 
 from bench.bandwidth import hit_mix
 from bench.client import Timed
-from bench.e2e import BLOCK, Session, build_prompt, make_plans, parse_args
-from pdd.sim.agentic import AgenticParams
+from bench.e2e import parse_args
+from bench.e2e_agentic import Session, build_prompt
+from bench.e2e_common import BLOCK
+from pdd.sim.workloads.agentic import AgenticParams, make_plans
 
 
 def simulated_hits(argv: list[str]) -> tuple[list[float], dict[str, int]]:

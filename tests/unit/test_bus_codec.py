@@ -243,3 +243,11 @@ def test_ids_that_would_change_the_subject_are_refused(bad: str) -> None:
     ):
         with pytest.raises(ValueError):
             make()
+
+
+def test_a_finished_request_is_released_not_aborted_in_its_trace() -> None:
+    from shared.bus.messages import AbortReason
+
+    released = {r for r in AbortReason if r.span_name == "release"}
+    assert released == {AbortReason.FINISHED, AbortReason.FINISHED_AT_PREFILL, AbortReason.RELAY_FINISHED}
+    assert AbortReason.CLIENT_GONE.span_name == AbortReason.MIGRATED.span_name == "abort"

@@ -47,7 +47,7 @@ def test_bundle_holds_exactly_its_dc_and_never_the_ca_key(made) -> None:
     for dc, nats, other in (("dc-a", "nats-a", "dc-b"), ("dc-b", "nats-b", "dc-a")):
         b, services = made[dc], DC_SERVICES[dc]
         expect = {"ca.pem", "bundle.json", *(f"{nats}.{x}" for x in ("pem", "key", "conf"))}
-        expect |= {f"{s}.{x}" for s in services for x in ("pem", "key", "nats-password", "env")}
+        expect |= {f"{s}.{x}" for s in services for x in ("pem", "key", "env")}
         expect |= {"kv-local-secret"} if dc == "dc-a" else set()
         assert set(snapshot(b)) == expect
         for name, data in snapshot(b).items():  # no private key but each leaf's own
@@ -63,9 +63,11 @@ def test_bundle_holds_exactly_its_dc_and_never_the_ca_key(made) -> None:
             assert peer_identity(cert(b / f"{s}.pem")) == (dc, s, None)
         assert peer_identity(cert(b / f"{nats}.pem")) == (dc, "nats", nats)
         conf = (b / f"{nats}.conf").read_text()
-        for s in DC_SERVICES[other]:  # the other DC's users and their passwords are absent
-            assert f'user: "{s}"' not in conf and (made["w"] / f"{s}.nats-password").read_text() not in conf
-        assert all(f'user: "{s}"' in conf for s in services)
+        for s in DC_SERVICES[other]:  # the other DC's users are absent
+            assert f'user: "CN={s},OU={other},O=pdd"' not in conf
+        # each user is a certificate's subject, with no password that could stand in for it
+        assert all(f'{{user: "CN={s},OU={dc},O=pdd", permissions: ' in conf for s in services)
+        assert "password" not in conf and "verify_and_map: true" in conf
 
 
 def test_env_files_name_the_bundles_files_relatively(made) -> None:
@@ -74,8 +76,6 @@ def test_env_files_name_the_bundles_files_relatively(made) -> None:
     )
     assert env == {
         "PDD_PREFILL_DATACENTER": "dc-a",
-        "PDD_PREFILL_NATS_USER": "prefill",
-        "PDD_PREFILL_NATS_PASSWORD_FILE": "prefill.nats-password",
         "PDD_PREFILL_TLS_CA": "ca.pem",
         "PDD_PREFILL_TLS_CERT": "prefill.pem",
         "PDD_PREFILL_TLS_KEY": "prefill.key",
@@ -158,6 +158,6 @@ def test_each_env_file_gives_its_service_what_it_requires(made, monkeypatch) -> 
             for key, value in parse_env_file(made[dc] / f"{service}.env").items():
                 monkeypatch.setenv(key, value)
             settings = require_credentials(kinds[service](), service, ENV_PREFIX[service])
-            assert settings.datacenter == dc and settings.nats_password
+            assert settings.datacenter == dc
             assert settings.tls_cert == str(made[dc] / f"{service}.pem")
             assert (settings.secret is not None) == (service in ("prefill", "relay"))

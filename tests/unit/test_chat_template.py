@@ -12,8 +12,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from services.router.api.errors import APIError
 from services.router.api.openai_request import chat_prompt, parse_request
+from services.router.api.tool_request import default_parser
+from services.router.core.errors import APIError
 from shared.config import ModelSettings
 from shared.model.chat_template import ChatTemplate
 from shared.model.describe import describe_model
@@ -432,3 +433,43 @@ def test_without_a_template_chat_keeps_the_plain_layout(tmp_path):
     preset = describe_model(ModelSettings(preset="tiny")).tokenizer
     assert preset.chat_template is None
     assert parse_chat(preset, {"messages": messages}).prompt_ids == list(layout.encode())
+
+
+# Qwen2.5's way with tools: the tools listed, an assistant's calls as <tool_call> JSON, the results.
+TOOL_TURNS = """{%- for t in tools %}T {{ t.function.name }} {{ t.function.parameters | tojson }}
+{% endfor %}
+{%- for m in messages %}<{{ m.role }}>{{ m.content }}
+{%- for c in m.tool_calls or [] %}<tool_call>{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}</tool_call>{% endfor %}
+{% endfor %}"""
+
+
+def test_a_chat_requests_tools_and_tool_turns_reach_the_template(tmp_path):
+    """`tools` and the history's calls and results render as transformers renders them with
+    the same tools and the calls' arguments as objects (vLLM's hand-over); the template's
+    `<tool_call>` makes hermes the default parser."""
+    path = write_checkpoint(tmp_path, QWEN_TOKENS, None, "<|im_end|>", chat_template=TOOL_TURNS)
+    tokenizer = load_tokenizer(path, eos_token_id=0, with_chat_template=True)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+    }
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "call_1"},
+        ],
+        "tools": TOOLS,
+    }
+    as_objects = {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    expected = [
+        body["messages"][0],
+        {"role": "assistant", "content": "", "tool_calls": [as_objects]},
+        body["messages"][2],
+    ]
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    text = ref.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "T weather" in text and '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}' in text
+    assert parse_chat(tokenizer, body).prompt_ids == ref.encode(text, add_special_tokens=False)
+    assert default_parser(tokenizer.chat_template.source) == "hermes"

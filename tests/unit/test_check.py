@@ -17,13 +17,13 @@ from pdd.check import (
     gatewayz_verdict,
     heard_verdict,
     local_only,
-    may,
     names_host,
     own_cert_verdict,
     parse_identity,
     peer_cert_verdict,
     service_of,
 )
+from shared.bus.permissions import allows
 from shared.env_file import parse_env_file
 
 NOW = dt.datetime(2026, 12, 2, tzinfo=dt.UTC)
@@ -51,7 +51,9 @@ def test_own_cert():
     assert verdict(before=NOW + DAY).status == FAIL  # not yet valid: a clock off
     assert verdict(uris=[]).status == FAIL  # no identity: peers refuse it
     assert verdict(role="prefill").status == FAIL  # another role's certificate
+    assert verdict(role="prefill").reason.startswith("wrong role (router, expected prefill)")
     assert verdict(dc="dc-b").status == FAIL  # another DC's
+    assert verdict(dc="dc-b").reason.startswith("wrong datacenter (dc-a, expected dc-b)")
 
 
 def test_server_names_the_host_it_is_dialed_at():
@@ -63,6 +65,14 @@ def test_server_names_the_host_it_is_dialed_at():
     assert wrong_host.status == FAIL and "not 10.200.0.1" in wrong_host.reason
     assert peer_cert_verdict("c", "nats-a", ["nats-a"], [], ROUTER, "nats").status == FAIL  # not a server's
     assert peer_cert_verdict("c", "nats-a", ["nats-a"], [], [], "nats").status == FAIL
+
+
+def test_a_peer_of_another_role_is_that_fault_whatever_hosts_it_names():
+    relay = ["spiffe://pdd/dc-a/relay"]
+    # DC A's relay certificate at MD's address names DC A's hosts, not MD's: the role is the fault
+    v = peer_cert_verdict("md bulk", "10.200.0.2", ["relay"], ["10.200.0.1"], relay, "main_decode")
+    assert v.status == FAIL and v.reason.startswith("wrong role (relay, expected main_decode)")
+    assert "add-host" not in v.reason
 
 
 def test_gateway_verdicts():
@@ -107,16 +117,16 @@ def test_exit_code_is_one_on_any_fail_only():
 
 
 def test_permission_patterns_cover_subjects():
-    assert may(["pdd.load.*.*"], "pdd.load.main_decode.*")
-    assert may(["pdd.load.router.*"], "pdd.load.router.*")
-    assert not may(["pdd.load.router.*"], "pdd.load.main_decode.*")
-    assert may(["_INBOX.>"], "_INBOX.abc.def") and not may(["pdd.traces.*.get"], "pdd.traces.dc-b")
+    assert allows(["pdd.load.*.*"], "pdd.load.main_decode.*")
+    assert allows(["pdd.load.router.*"], "pdd.load.router.*")
+    assert not allows(["pdd.load.router.*"], "pdd.load.main_decode.*")
+    assert allows(["_INBOX.>"], "_INBOX.abc.def") and not allows(["pdd.traces.*.get"], "pdd.traces.dc-b")
 
 
 def test_env_file_relative_paths_and_the_service_it_names(tmp_path: Path):
     f = tmp_path / "router.env"
     f.write_text(
-        "# dc-a router\n\nPDD_ROUTER_NATS_USER=router\nPDD_ROUTER_TLS_CERT='router.pem'\n"
+        "# dc-a router\n\nPDD_ROUTER_TLS_CERT='router.pem'\n"
         'PDD_ROUTER_NATS_URL="tls://10.200.0.1:4222"\nPDD_ROUTER_TLS_CA=/abs/ca.pem\n'
     )
     env = parse_env_file(f)

@@ -13,12 +13,10 @@ from shared.telemetry import tracing
 
 
 def test_up_flags_map_to_up_options() -> None:
-    args, extra = cli.parse_args(
-        ["up", "--port", "9000", "--delay-ms", "40", "--model-path", "/m", "--smoke"]
-    )
+    args, extra = cli.parse_args(["up", "--port", "9000", "--delay-ms", "40", "--model", "/m", "--smoke"])
     opts = cli.up_options(args)
     assert extra == [] and args.smoke
-    assert (opts.router_port, opts.delay_ms, opts.model_path) == (9000, 40.0, "/m")
+    assert (opts.router_port, opts.delay_ms, opts.model) == (9000, 40.0, "/m")
     assert cli.up_options(cli.parse_args(["up"])[0]) == UpOptions()
     assert isinstance(cli.up_options(cli.parse_args(["up", "--workdir", "/x"])[0]).workdir, Path)
 
@@ -117,10 +115,11 @@ def test_certs_command(tmp_path: Path, capsys) -> None:
     creds = Credentials(tmp_path / "secrets")
     assert cli.main(["certs", "--workdir", str(tmp_path), "--host", "pdd.example"]) == 0
     assert str(creds.dir) in capsys.readouterr().out
-    cert, password = creds.identity("router").cert.read_bytes(), creds.password("router")
+    cert, key = creds.identity("router").cert.read_bytes(), creds.secret_file.read_bytes()
+    assert not list(creds.dir.glob("*.nats-password"))  # the certificate is the NATS credential
     assert "pdd.example" in json.loads((creds.dir / "hosts.json").read_text())
     assert not (creds.dir / "nats-a.conf").exists()  # only with --compose
     assert cli.main(["certs", "--workdir", str(tmp_path), "--keep", "--host", "pdd.example"]) == 0
-    assert (creds.identity("router").cert.read_bytes(), creds.password("router")) == (cert, password)
+    assert (creds.identity("router").cert.read_bytes(), creds.secret_file.read_bytes()) == (cert, key)
     assert cli.main(["certs", "--workdir", str(tmp_path)]) == 0  # regenerates everything
-    assert creds.identity("router").cert.read_bytes() != cert and creds.password("router") != password
+    assert creds.identity("router").cert.read_bytes() != cert and creds.secret_file.read_bytes() != key

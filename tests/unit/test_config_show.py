@@ -51,7 +51,7 @@ def test_variables_defaults_and_current_values(monkeypatch: pytest.MonkeyPatch) 
     )
     preset = got["model.preset"]
     assert preset.env == ("PDD_MD_MODEL__PRESET", "PDD_MODEL__PRESET")
-    assert (preset.default, preset.current, preset.source) == ("tiny", "small", "PDD_MD_MODEL__PRESET")
+    assert (preset.default, preset.current, preset.source) == ("-", "small", "PDD_MD_MODEL__PRESET")
     assert got["bulk_address"].env == ("PDD_MD_BULK_ADDRESS",)  # MD's own field: no PDD_ name
     assert got["datacenter"].default == "dc-b"  # MD's own default over the common one
     adv = got["advertise_address"]
@@ -64,28 +64,28 @@ def test_variables_defaults_and_current_values(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_secrets_are_masked_and_their_files_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDD_ROUTER_NATS_PASSWORD", "hunter2")
+    monkeypatch.setenv("PDD_ROUTER_SECRET", "hunter2")
     monkeypatch.setenv("PDD_SECRET", "kv-secret")
     monkeypatch.setenv("PDD_API_KEY", "sk-live")
-    monkeypatch.setenv("PDD_ROUTER_NATS_PASSWORD_FILE", "/run/pw")
+    monkeypatch.setenv("PDD_ROUTER_SECRET_FILE", "/run/pw")
     got = by_name("router")
-    assert got["nats_password"].current == MASK and got["secret"].current == MASK
+    assert got["secret"].current == MASK
     assert got["http.api_keys"].current == MASK and got["http.api_keys"].env == (
         "PDD_ROUTER_API_KEYS",
         "PDD_API_KEY",
     )
-    assert got["nats_password_file"].current == "/run/pw"
+    assert got["secret_file"].current == "/run/pw"
     text = "\n".join(map(str, got.values()))
     assert "hunter2" not in text and "kv-secret" not in text and "sk-live" not in text
 
 
 def test_the_command_reads_env_files_and_names_them(tmp_path: Path, capsys) -> None:
     env = tmp_path / "router.env"
-    env.write_text("PDD_ROUTER_PORT=8100\nPDD_ROUTER_TLS_CA=ca.pem\nPDD_ROUTER_NATS_PASSWORD=hunter2\n")
+    env.write_text("PDD_ROUTER_PORT=8100\nPDD_ROUTER_TLS_CA=ca.pem\nPDD_ROUTER_SECRET=hunter2\n")
     try:
         assert cli.main(["config", "show", "router", "--env-file", str(env)]) == 0
     finally:
-        for key in ("PDD_ROUTER_PORT", "PDD_ROUTER_TLS_CA", "PDD_ROUTER_NATS_PASSWORD"):
+        for key in ("PDD_ROUTER_PORT", "PDD_ROUTER_TLS_CA", "PDD_ROUTER_SECRET"):
             os.environ.pop(key, None)
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("port "))
@@ -104,3 +104,13 @@ def test_serve_help_points_to_config_show(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     assert "pdd config show SERVICE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("service", ["prefill", "main_decode", "router"])
+def test_the_span_store_is_listed_with_where_it_is_set(service: str, monkeypatch) -> None:
+    monkeypatch.delenv("PDD_TRACE_DIR", raising=False)
+    assert by_name(service)["trace.dir"].current.startswith("(.pdd/traces")
+    monkeypatch.setenv("PDD_TRACE_DIR", "/var/lib/pdd/traces-dc-b")
+    row = by_name(service)["trace.dir"]
+    assert row.env == ("PDD_TRACE_DIR",) and row.current == "/var/lib/pdd/traces-dc-b"
+    assert row.source == "PDD_TRACE_DIR"

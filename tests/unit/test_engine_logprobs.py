@@ -25,8 +25,8 @@ def test_logprobs_of_gives_the_chosen_token_and_the_best_first():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
     lps = logprobs_of(logits, [0, 3], top_k=2)
     ref = torch.log_softmax(logits, dim=-1)
-    assert lps[0] == TokenLogprobs(ref[0, 0].item(), [1, 2], [ref[0, 1].item(), ref[0, 2].item()])
-    assert lps[1].logprob == ref[1, 3].item() and lps[1].top_ids == [2, 3]
+    assert lps[0] == TokenLogprobs(ref[0, 0].item(), [1, 2], [ref[0, 1].item(), ref[0, 2].item()], rank=3)
+    assert lps[1].logprob == ref[1, 3].item() and lps[1].top_ids == [2, 3] and lps[1].rank == 2
     assert logprobs_of(logits, [1, 2], top_k=0)[0].top_ids == []  # logprobs=0: the chosen token only
 
 

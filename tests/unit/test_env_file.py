@@ -48,7 +48,7 @@ def test_relative_paths_of_file_keys_are_taken_from_the_files_directory(tmp_path
         "PDD_MD_TLS_CA=ca.pem\n"
         "PDD_MD_TLS_CERT=./main_decode.pem\n"
         "PDD_MD_TLS_KEY=/abs/main_decode.key\n"
-        "PDD_MD_NATS_PASSWORD_FILE=main_decode.nats-password\n"
+        "PDD_MD_SECRET_FILE=kv-local-secret\n"
         "PDD_MD_BULK_ADDRESS=tcp://0.0.0.0:7400\n"  # not a path key: as is
         "PDD_ROUTER_API_KEYS=k1\n",  # _KEYS is not _KEY
     )
@@ -57,7 +57,7 @@ def test_relative_paths_of_file_keys_are_taken_from_the_files_directory(tmp_path
     assert got["PDD_MD_TLS_CA"] == str(bundle / "ca.pem")
     assert Path(got["PDD_MD_TLS_CERT"]) == bundle / "main_decode.pem"
     assert got["PDD_MD_TLS_KEY"] == "/abs/main_decode.key"
-    assert got["PDD_MD_NATS_PASSWORD_FILE"] == str(bundle / "main_decode.nats-password")
+    assert got["PDD_MD_SECRET_FILE"] == str(bundle / "kv-local-secret")
     assert got["PDD_MD_BULK_ADDRESS"] == "tcp://0.0.0.0:7400"
     assert got["PDD_ROUTER_API_KEYS"] == "k1"
 

@@ -49,7 +49,7 @@ def test_a_decoder_gives_way_at_most_max_s_in_a_row(tmp_path) -> None:
     prefill, way = PrefillBacklog(tmp_path, "0"), GiveWay(tmp_path, max_s=0.2)
     prefill.publish(4096)
     assert way.should_wait()
-    time.sleep(0.3)
+    time.sleep(0.3)  # the stimulus: max_s passes while the backlog stays
     prefill.publish(4096)
     assert not way.should_wait()  # it steps now, until the backlog is gone
     prefill.publish(0)
@@ -64,7 +64,7 @@ def test_a_record_not_renewed_is_ignored(tmp_path, monkeypatch: pytest.MonkeyPat
     prefill, way = PrefillBacklog(tmp_path, "0"), GiveWay(tmp_path, max_s=10)
     prefill.publish(4096)
     assert way.backlog() == 4096
-    time.sleep(0.3)
+    time.sleep(0.3)  # the stimulus: the record goes unrenewed past STALE_S
     assert way.backlog() == 0 and not way.should_wait()
 
 

@@ -10,10 +10,12 @@ import random
 import pytest
 
 from services.main_decode.prepare_admission import KVAdmissionQueue, KVBusy
+from shared.config import EngineSettings
 from shared.engine import EngineError, Mode
+from shared.engine.kv_admission import Verdict, admission_verdict, request_blocks
 from shared.engine.kv_memory import host_available_bytes, kv_pool_bytes
-from shared.engine.request_admission import Verdict, admission_verdict, request_blocks
 from tests.engine_util import greedy, make_engine, random_prompt, run_all, tokens_of
+from tests.polling import until
 
 BLOCK_MB = 16 * 512 / 2**20  # one block of the tiny model: 16 tokens x 512 bytes
 
@@ -52,9 +54,19 @@ def test_pool_size_explicit_or_fraction_of_available(tmp_path):
     assert host_available_bytes(str(meminfo)) == 12000000 * 1024
 
 
-def test_engine_pool_from_fraction():
-    engine = make_engine(kv_memory_mb=None, kv_memory_fraction=1e-5)
-    assert engine.pool.num_blocks == int(host_available_bytes() * 1e-5) // (16 * 512)
+def test_engine_pool_from_fraction(monkeypatch):
+    # (what the host has available moves while other processes run: a fixed figure here)
+    monkeypatch.setattr("shared.engine.engine.available_bytes", lambda device: 1000 * 16 * 512)
+    engine = make_engine(kv_memory_mb=None, kv_memory_fraction=0.01)
+    assert engine.pool.num_blocks == 10
+
+
+def test_engine_pool_sized_as_vllm_sizes_its_cpu_pool():
+    """No size given: kv_cache_space_gib (vLLM's VLLM_CPU_KVCACHE_SPACE), 4 GiB by default."""
+    assert kv_pool_bytes(None, None, lambda: 1 / 0, lambda: 123) == 123
+    engine = make_engine(kv_memory_mb=None, kv_cache_space_gib=1 / 1024)  # 1 MiB
+    assert engine.pool.num_blocks == 2**20 // (16 * 512)
+    assert EngineSettings().kv_cache_space_gib == 4.0 and EngineSettings().gpu_memory_utilization == 0.9
 
 
 # ---- reservations in the engine ---------------------------------------------------------------
@@ -143,11 +155,10 @@ async def test_waiters_are_admitted_in_arrival_order():
     queue = KVAdmissionQueue(max_waiting=8, max_wait_s=30, freed=pool.freed)
     assert await _admit(queue, pool, "a") == "a"
     waiters = [asyncio.create_task(_admit(queue, pool, rid)) for rid in "bcd"]
-    await asyncio.sleep(0.01)
-    assert list(queue.waiting) == ["b", "c", "d"]
-    for _ in range(3):
+    await until(lambda: list(queue.waiting) == ["b", "c", "d"], 5)
+    for admitted in range(2, 5):
         pool.give(1)
-        await asyncio.sleep(0.01)
+        await until(lambda n=admitted: len(pool.order) == n, 5)
     assert await asyncio.gather(*waiters) == ["b", "c", "d"] and pool.order == ["a", "b", "c", "d"]
 
 
@@ -155,10 +166,10 @@ async def test_small_request_does_not_pass_a_large_one_waiting():
     pool = Pool(free=0)
     queue = KVAdmissionQueue(max_waiting=8, max_wait_s=30, freed=pool.freed)
     large = asyncio.create_task(_admit(queue, pool, "large", need=2))
-    await asyncio.sleep(0.01)
+    await until(lambda: list(queue.waiting) == ["large"], 5)
     small = asyncio.create_task(_admit(queue, pool, "small", need=1))
     pool.give(1)
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # an absence: watched a while, the small one does not pass
     assert pool.order == [] and list(queue.waiting) == ["large", "small"]
     pool.give(2)
     assert await asyncio.wait_for(asyncio.gather(large, small), 5) == ["large", "small"]
@@ -168,7 +179,7 @@ async def test_full_queue_and_long_wait_answer_busy():
     pool = Pool(free=0)
     queue = KVAdmissionQueue(max_waiting=1, max_wait_s=0.05, freed=pool.freed)
     waiter = asyncio.create_task(_admit(queue, pool, "a"))
-    await asyncio.sleep(0.01)
+    await until(lambda: list(queue.waiting) == ["a"], 5)
     with pytest.raises(KVBusy, match="already wait"):
         await _admit(queue, pool, "b")
     with pytest.raises(KVBusy, match="within"):
@@ -180,7 +191,7 @@ async def test_cancelled_waiter_leaves_the_queue():
     pool = Pool(free=0)
     queue = KVAdmissionQueue(max_waiting=4, max_wait_s=30, freed=pool.freed)
     waiter = asyncio.create_task(_admit(queue, pool, "a"))
-    await asyncio.sleep(0.01)
+    await until(lambda: list(queue.waiting) == ["a"], 5)
     queue.cancel("a")
     assert await asyncio.wait_for(waiter, 5) is None
     assert not queue.waiting and pool.order == []

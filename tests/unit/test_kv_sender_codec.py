@@ -6,32 +6,33 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from services.prefill.kv_stream import kv_senders
 from shared.config import PrefillSettings
 from shared.kv.pool import KVClientPool
-from shared.kv.rdma_sender import RdmaSender
+from shared.kv.rdma.sender import RdmaSender
 from shared.kv.sender import KVSenders
-from shared.kv.transfer import KVTransfer
+from shared.kv.transfer import TcpSender
 
 
 def _senders(**settings) -> KVSenders:
-    return KVSenders(PrefillSettings(secret="s", instance="0", **settings), None, KVClientPool("s"))
+    return kv_senders(PrefillSettings(secret="s", instance="0", **settings), None, KVClientPool("s"))
 
 
 async def test_exact_is_the_default_and_changes_nothing() -> None:
     senders = _senders(kv_transport="rdma")
-    assert senders.settings.wan_kv_codec == "exact"
+    assert senders.wan_codec == "exact"
     rdma = senders.open("tcp://md:1", "r", [1, 2])
     assert isinstance(rdma, RdmaSender)
     rdma.close()  # (its offer to MD had started)
     relay = senders.open("unix:///tmp/relay.sock", "r", None)
-    assert isinstance(relay, KVTransfer) and relay.codec == "exact"
+    assert isinstance(relay, TcpSender) and relay.codec == "exact"
 
 
 @pytest.mark.parametrize("transport", ["tcp", "rdma"])
 def test_a_lossy_codec_is_the_wan_links_only_and_takes_tcp(transport: str) -> None:
     senders = _senders(kv_transport=transport, wan_kv_codec="int8")
     wan = senders.open("tcp://md:1", "r", [1, 2])
-    assert isinstance(wan, KVTransfer) and wan.codec == "int8"
+    assert isinstance(wan, TcpSender) and wan.codec == "int8"
     assert senders.open("unix:///tmp/relay.sock", "r", None).codec == "exact"
 
 

@@ -38,7 +38,16 @@ SCALED = dict(prefill=3, relay=2, md=3, routers=2, nats_cluster=3)
 @pytest.mark.parametrize("hosts", [None, COMPOSE_HOSTS], ids=["local", "compose"])
 @pytest.mark.parametrize("counts", [{}, SCALED], ids=["single", "scaled"])
 def test_env_is_read_by_settings(hosts, counts, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = UpOptions(model_path="/models/qwen", **counts)
+    opts = UpOptions(
+        model="/models/qwen",
+        served_model_name="qwen",
+        max_model_len=2048,
+        dtype="bfloat16",
+        tool_call_parser="llama3_json",
+        **counts,
+    )
+    routers = [s for s in service_specs(opts, hosts) if s.service == "router"]
+    assert all(s.env["PDD_ROUTER_TOOL_CALL_PARSER"] == "llama3_json" for s in routers)
     for spec in service_specs(opts, hosts)[1:]:
         prefix = ENV_PREFIX[spec.service]
         for key, value in spec.env.items():
@@ -241,6 +250,8 @@ def test_counts_are_validated_and_ports_that_collide_refused() -> None:
     with pytest.raises(ValueError, match=r"ports used twice: \[4224\]"):
         UpOptions(nats_cluster=2, nats_b_port=4224)  # node 1 of dc-a is on 4224 already
     UpOptions(nats_b_port=4224)  # one node each: no clash
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, llama3_json"):
+        UpOptions(tool_call_parser="mistral")
 
 
 def test_every_instance_has_its_own_name_id_ports_and_socket() -> None:
@@ -320,12 +331,12 @@ def test_each_service_gets_its_own_credentials_as_paths(hosts) -> None:
     for spec in service_specs(UpOptions(**SCALED), hosts)[1:]:
         p, name = ENV_PREFIX[spec.service], spec.service
         env = spec.env
-        assert env[f"{p}NATS_URL"].startswith("tls://") and env[f"{p}NATS_USER"] == name
+        assert env[f"{p}NATS_URL"].startswith("tls://")
+        assert not any("NATS_USER" in k or "NATS_PASSWORD" in k for k in env)  # the certificate is the user
         assert env[f"{p}TLS_CERT"].endswith(f"/{name}.pem") and env[f"{p}TLS_KEY"].endswith(f"/{name}.key")
-        assert env[f"{p}NATS_PASSWORD_FILE"].endswith(f"/{name}.nats-password")
         # only the ends of the local KV path hold its key (dc-a); MD goes by its certificate
         assert (f"{p}SECRET_FILE" in env) == (name in ("prefill", "relay"))
-        assert not {f"{p}NATS_PASSWORD", f"{p}SECRET"} & set(env)  # values never ride in the environment
+        assert f"{p}SECRET" not in env  # values never ride in the environment
 
 
 def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,13 +347,13 @@ def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pyt
     creds = ensure_credentials(opts)
     assert oct(creds.dir.stat().st_mode & 0o777) == "0o700"
     assert all(f.stat().st_mode & 0o077 == 0 for f in creds.dir.iterdir())
-    first = creds.password("relay"), creds.secret_file.read_text()
-    assert ensure_credentials(opts).password("relay") == first[0]  # the next start reuses them
+    first = creds.identity("relay").cert.read_bytes(), creds.secret_file.read_text()
+    again = ensure_credentials(opts)  # the next start reuses them
+    assert (again.identity("relay").cert.read_bytes(), again.secret_file.read_text()) == first
     for spec in service_specs(opts)[1:]:
         for key, value in spec.env.items():
             monkeypatch.setenv(key, value)
         settings = require_credentials(SETTINGS[spec.service](), spec.service, ENV_PREFIX[spec.service])
-        assert settings.nats_password == creds.password(spec.service)
         assert settings.secret == (first[1] if spec.service in ("prefill", "relay") else None)
     from cryptography import x509
 
@@ -351,4 +362,7 @@ def test_up_creates_the_credentials_the_services_read(tmp_path, monkeypatch: pyt
     assert {"10.1.2.3", "127.0.0.1"} <= {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
     assert {"wan", "nats-a", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
     renewed = ensure_credentials(opts, renew=True)
-    assert renewed.password("relay") != first[0] and renewed.secret_file.read_text() != first[1]
+    assert (
+        renewed.identity("relay").cert.read_bytes() != first[0]
+        and renewed.secret_file.read_text() != first[1]
+    )

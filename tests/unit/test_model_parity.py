@@ -23,6 +23,8 @@ COMMON = dict(
     vocab_size=300,
     max_position_embeddings=256,
     initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -37,8 +39,18 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.2)
 
 
+def _tokenizer(path, vocab_size: int) -> None:
+    """A tokenizer.json (one word per id): the loader refuses a checkpoint without one."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0")).save(
+        str(path / "tokenizer.json")
+    )
+
+
 def _check(hf_model, path, ids: list[int]) -> float:
     hf_model.eval()
+    _tokenizer(path, hf_model.config.vocab_size)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].float()
     model, config, _ = load_model(ModelSettings(path=str(path)))
@@ -69,6 +81,40 @@ CASES = {
         transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
     ),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=32)),
+    "yarn": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            **COMMON,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    ),
+    "yarn-mscale": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **COMMON,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 0.9,
+                "mscale_all_dim": 0.7,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+        )
+    ),
+    "dynamic": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **COMMON, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        )
+    ),
+    "mistral-sliding-window": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, sliding_window=48)
+    ),
 }
 
 
@@ -84,9 +130,67 @@ def test_logits_match_transformers(arch, tmp_path):
     assert diff <= TOL, f"{arch}: max |logit diff| {diff:.2e}"
 
 
+def test_context_is_capped_where_serving_stays_exact(tmp_path):
+    """A sliding window caps the context (below it, windowed attention is full attention);
+    dynamic NTK rope is the plain one up to max_position_embeddings; yarn extends the context."""
+    from shared.model.config import config_from_hf, context_limit
+
+    for arch, limit in (("mistral-sliding-window", 48), ("dynamic", 256), ("yarn", 256), ("llama", 256)):
+        d = tmp_path / arch
+        CASES[arch]().config.save_pretrained(d)
+        config = config_from_hf(d)
+        assert context_limit(config, None) == limit, arch
+        assert context_limit(config, 16) == 16
+        with pytest.raises(ValueError, match=f"exceeds .*{limit} tokens"):
+            context_limit(config, limit + 1)
+
+
+def test_sliding_window_logits_match_transformers_up_to_the_window(tmp_path):
+    torch.manual_seed(0)
+    hf = CASES["mistral-sliding-window"]()
+    _randomize(hf, 1)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert _check(hf, tmp_path, ids) <= TOL
+
+
+@pytest.mark.parametrize(
+    "method",
+    [{"quant_method": "awq", "bits": 4}, {"quant_method": "gptq", "bits": 4}, {"quant_method": "fp8"}],
+)
+def test_quantized_checkpoints_are_refused_by_method(tmp_path, method):
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": method}))
+    with pytest.raises(
+        ValueError, match=f"'{method['quant_method']}'-quantized checkpoints are not supported"
+    ):
+        load_model(ModelSettings(path=str(tmp_path)))
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope scaling 'longrope' is not supported"):
+        load_model(ModelSettings(path=str(tmp_path)))
+
+
+def test_checkpoint_without_tokenizer_is_refused_naming_it(tmp_path):
+    from shared.model.describe import describe_model
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
+    for load in (load_model, describe_model):
+        with pytest.raises(ValueError, match=f"{tmp_path}: no tokenizer.json"):
+            load(ModelSettings(path=str(tmp_path)))
+
+
 def test_preset_exports_to_transformers(tmp_path):
     model, config, _ = load_model(ModelSettings(preset="tiny", seed=3))
-    save_hf(model, tmp_path)
+    save_hf(model, tmp_path, byte_tokenizer=True)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     ids = list(range(1, 60))
     with torch.no_grad():
@@ -95,7 +199,8 @@ def test_preset_exports_to_transformers(tmp_path):
     # The exported directory loads back with our loader, under a directory-derived id.
     again, cfg2, tok = load_model(ModelSettings(path=str(tmp_path)))
     assert torch.equal(again.dense_logits(ids), model.dense_logits(ids))
-    assert cfg2.model_id.startswith(tmp_path.name + "-") and isinstance(tok, ByteTokenizer)
+    assert cfg2.model_id.startswith(tmp_path.name + "-")
+    assert tok.encode("héllo ✓", add_special_tokens=False) == ByteTokenizer().encode("héllo ✓")
 
 
 def test_presets_are_deterministic_and_peaky():
@@ -139,7 +244,7 @@ def test_checkpoint_tokenizer_json_is_used(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, eos_token_id=2))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
     hf.save_pretrained(tmp_path)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

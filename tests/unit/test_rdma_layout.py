@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.kv.checksum import checksum
-from shared.kv.rdma_layout import Region, block_checksum, block_runs, region_of, write_runs
+from shared.kv.rdma.layout import Region, block_checksum, block_runs, region_of, write_runs
 
 
 def test_consecutive_slots_make_one_run() -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from services.main_decode.job import MOVES as MD_MOVES
-from services.main_decode.job import DecodeState
+from services.main_decode.job import MainDecodeState
 from services.prefill.job import MOVES as P_MOVES
 from services.prefill.job import PrefillState
 from services.relay.job import MOVES as RLD_MOVES
@@ -18,7 +18,7 @@ from shared.serving.state_machine import IllegalTransition
 TABLES = [
     (P_MOVES, PrefillState.PREFILLING, {PrefillState.RELEASED}),
     (RLD_MOVES, RelayState.RELAYING, {RelayState.DONE}),
-    (MD_MOVES, DecodeState.RECEIVING, {DecodeState.DONE}),
+    (MD_MOVES, MainDecodeState.RECEIVING, {MainDecodeState.DONE}),
     (ROUTER_MOVES, StreamState.DISPATCHING, {StreamState.FINISHED, StreamState.FAILED}),
 ]
 

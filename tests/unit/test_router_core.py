@@ -29,7 +29,7 @@ from shared.bus.messages import (
     HandoffMode,
     LoadReport,
     MainDecodeLost,
-    MDTarget,
+    MainDecodeTarget,
     Outcome,
     Pipeline,
     RelayReport,
@@ -64,7 +64,7 @@ def _opened(life: RequestLife, pipeline: Pipeline = Pipeline.P_RLD_MD, rid: str 
 
 
 def _dispatched(life: RequestLife, stream: RequestStream) -> list:
-    return life.dispatched(stream, "p0", MDTarget(stream.rid, "tcp://md0:1", [7], "md0"))
+    return life.dispatched(stream, "p0", MainDecodeTarget(stream.rid, "tcp://md0:1", [7], "md0"))
 
 
 def _tok(rid: str, source: Role, index: int, tokens: list[int], **kw) -> TokenEvent:
@@ -87,7 +87,8 @@ def test_a_request_lives_from_open_through_the_handoff_to_its_finish() -> None:
     # Dispatched: P learns where MD is; prefill produces until its first token.
     assert _dispatched(life, stream) == [
         Publish(
-            subjects.to_instance("prefill", "p0", Req.MD_TARGET), MDTarget(RID, "tcp://md0:1", [7], "md0")
+            subjects.to_instance("prefill", "p0", Req.MD_TARGET),
+            MainDecodeTarget(RID, "tcp://md0:1", [7], "md0"),
         )
     ]
     assert stream.state.is_in(StreamState.RELAYED) and stream.producer == (Role.PREFILL, "p0")

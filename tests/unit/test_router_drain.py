@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from services.router.api.drain import RETRY_AFTER_S, Drain, DrainGate
+from tests.polling import until
 
 
 async def test_a_drain_waits_for_the_work_in_flight_and_no_longer():
@@ -19,7 +20,7 @@ async def test_a_drain_waits_for_the_work_in_flight_and_no_longer():
     assert not await drain.wait(0.05)  # bounded
     waiting = asyncio.ensure_future(drain.wait(5))
     drain.leave()
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # an absence: one request is still in flight, the wait goes on
     assert not waiting.done()
     drain.leave()
     assert await asyncio.wait_for(waiting, 1) and drain.in_flight == 0
@@ -57,8 +58,7 @@ async def test_draining_new_work_gets_a_503_with_retry_after_and_the_started_one
     app, drain = App(), Drain()
     gate = DrainGate(app, drain)
     started = asyncio.ensure_future(call(gate, "POST", "/v1/completions"))
-    await asyncio.sleep(0.01)
-    assert drain.in_flight == 1
+    await until(lambda: drain.in_flight == 1, 5)
     drain.begin()
     refused = await call(gate, "POST", "/v1/chat/completions")
     assert refused[0]["status"] == 503

@@ -5,8 +5,8 @@ the bound. Pure functions, and the fleet simulator that routes through them."""
 
 import pytest
 
-from pdd.sim.deployment import LinkSpec, RoleSpec, pdd
-from pdd.sim.simulator import SimSettings, simulate
+from pdd.sim.fleet.deployment import LinkSpec, RoleSpec, pdd
+from pdd.sim.fleet.simulator import SimSettings, simulate
 from services.router.routing.policy import (
     InstanceLoad,
     LineWait,

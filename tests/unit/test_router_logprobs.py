@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from services.router.api.errors import APIError
 from services.router.api.logprobs_format import FLOOR, LogprobsFormatter, prompt_entries
 from services.router.api.openai_request import parse_request
 from services.router.api.response_schemas import ChatLogprobs, CompletionLogprobs
 from services.router.api.responses import SSEChunks, output_options
+from services.router.core.errors import APIError
 from services.router.core.merger import TokenMerger
 from services.router.core.request_stream import RequestStream
 from services.router.routing.policy import RouteDecision
@@ -62,7 +62,7 @@ def test_the_requested_counts_reach_the_sampling_params(chat, body, counts):
         (True, {"logprobs": 1}, "logprobs"),  # (1 == True, yet not a boolean)
         (True, {"echo": True}, "echo"),  # a completions field
         (False, {"top_logprobs": 3}, "top_logprobs"),  # a chat field
-        (False, {"logprobs": 2, "n": 2}, "n"),
+        (False, {"logprobs": 2, "n": 17}, "n"),  # over MAX_N
         (False, {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )

@@ -41,6 +41,22 @@ def test_the_md_holding_the_prompt_recomputes_least_and_a_burst_spills_over() ->
 
 def test_an_instance_unheard_for_a_moment_is_not_offered_a_move() -> None:
     fleet = _fleet(quiet_s=0.05)
-    time.sleep(0.1)
+    time.sleep(0.1)  # the stimulus: the instances go unheard past quiet_s
     fleet.registry.update(LoadReport(Role.RELAY, "r0", num_blocks=100, free_blocks=100))
     assert [t[:2] for t in fleet.move_targets(PROMPT, [], 0, set())] == [(Role.RELAY, "r0")]
+
+
+def test_an_instance_set_aside_is_neither_routed_to_nor_offered_a_move() -> None:
+    from services.router.core.set_aside import SetAside
+    from shared.bus.messages import IdentityFault
+
+    fleet = _fleet()
+    hashes = block_hashes(PROMPT, 16, "m")
+    fleet.index.apply("m1", hashes, [])  # m1 would be the best target
+    aside = SetAside()
+    fleet.set_aside = aside.of
+    aside.fault(IdentityFault(Role.MAIN_DECODE, "m1", "wrong role", "p0"), "prefill", "", 0.0)
+    targets = {t[:2] for t in fleet.move_targets(PROMPT, hashes, 10, set())}
+    assert targets == {(Role.MAIN_DECODE, "m0"), (Role.RELAY, "r0")}
+    assert {m.instance for m in fleet.loads(Role.MAIN_DECODE)} == {"m0"}
+    assert fleet.route(PROMPT, None)[1] == "m0"  # new requests go to the other MD

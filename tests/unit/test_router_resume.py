@@ -18,6 +18,7 @@ from services.router.routing.policy import RouteDecision
 from shared.bus.messages import Pipeline
 from shared.engine import SamplingParams
 from shared.model.tokenizer import ByteTokenizer
+from shared.telemetry.vllm_metrics import RequestMetrics
 
 TOK = ByteTokenizer()
 RID = "cmpl-0-1a2b3c4d-0123456789abcdef"
@@ -71,10 +72,11 @@ def test_the_digest_follows_the_prompt_and_the_tokens_not_how_they_were_grouped(
 
 # ---- a stream and its resumption ---------------------------------------------------------
 class FakeCore:
-    model_id = "m"
+    model_id = served_model_name = "m"
 
     def __init__(self, groups: list[list[int]]):
         self.groups = groups
+        self.vllm = RequestMetrics("m", "resume-test")
 
     async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
         for i, g in enumerate(self.groups):

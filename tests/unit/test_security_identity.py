@@ -66,3 +66,30 @@ def _der(path) -> bytes:
     from cryptography.hazmat.primitives.serialization import Encoding
 
     return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(Encoding.DER)
+
+
+def test_a_service_refuses_to_start_under_another_identity(tmp_path, capsys) -> None:
+    from types import SimpleNamespace
+
+    from shared.security.credentials import require_own_identity
+
+    pki = Pki(tmp_path)
+    pki.ensure(["relay", "main_decode", "sender"], ["127.0.0.1"])
+
+    def start(cert: str, role: str, dc: str) -> str:
+        settings = SimpleNamespace(tls_cert=str(pki.identity(cert).cert), datacenter=dc)
+        with pytest.raises(SystemExit) as e:
+            require_own_identity(settings, role, "PDD_MD_")
+        assert e.value.code == 2
+        return capsys.readouterr().err.strip()
+
+    require_own_identity(
+        SimpleNamespace(tls_cert=str(pki.identity("main_decode").cert), datacenter="dc-b"),
+        "main_decode",
+        "PDD_MD_",
+    )
+    err = start("relay", "main_decode", "dc-b")
+    assert err.startswith("main_decode: PDD_MD_TLS_CERT ") and "spiffe://pdd/dc-a/relay" in err
+    assert "wrong role (relay, expected main_decode)" in err and "this is main_decode in dc-b" in err
+    assert "wrong datacenter (dc-b, expected dc-a)" in start("main_decode", "main_decode", "dc-a")
+    assert "0 pdd identities" in start("sender", "main_decode", "dc-b")  # a certificate of no role

@@ -31,7 +31,7 @@ def test_print_config_renders_the_flags(bundles, capsys):
     assert 'listen: "0.0.0.0:4223"' in out and 'listen: "0.0.0.0:7223"' in out
     assert '{name: "nats-a", urls: ["nats://10.0.0.1:7322"]}' in out
     assert 'advertise: "10.0.0.1:7323"' in out
-    assert '"main_decode"' in out and '"prefill"' not in out
+    assert 'user: "CN=main_decode,OU=dc-b,O=pdd"' in out and "prefill" not in out
 
 
 def test_refusals(bundles, capsys):

@@ -5,8 +5,8 @@ step of the FLAT chip takes 10 ms."""
 
 import pytest
 
-from pdd.sim.decoder import DecodeInstance, Seq
-from pdd.sim.events import EventLoop
+from pdd.sim.fleet.decoder import DecodeInstance, Seq
+from pdd.sim.fleet.events import EventLoop
 from tests.sim_util import FLAT
 
 EXACT = 1e-12

@@ -1,6 +1,6 @@
 """The simulator's event loop: time order, then insertion order; cancel; a time limit."""
 
-from pdd.sim.events import EventLoop
+from pdd.sim.fleet.events import EventLoop
 
 
 def test_events_run_by_time_then_insertion():

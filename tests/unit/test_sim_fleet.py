@@ -8,8 +8,8 @@ in progress ends at T + 0.70 (71 tokens then, prefill's first included)."""
 
 import pytest
 
-from pdd.sim.deployment import IN_DC, LinkSpec, RoleSpec, pdd
-from pdd.sim.simulator import SimSettings, simulate
+from pdd.sim.fleet.deployment import IN_DC, LinkSpec, RoleSpec, pdd
+from pdd.sim.fleet.simulator import SimSettings, simulate
 from shared.config import RelaySettings, RouterSettings
 from tests.sim_util import FLAT, TINY, request, workload
 

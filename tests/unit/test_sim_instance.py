@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from pdd.sim.chip import Chip
-from pdd.sim.decoder import DecodeInstance, Seq
-from pdd.sim.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
-from pdd.sim.events import EventLoop
-from pdd.sim.simulator import SimSettings, simulate
-from pdd.sim.step_cost import Linear, StepCost, decode_load
-from pdd.sim.workload import Workload
+from pdd.sim.fleet.decoder import DecodeInstance, Seq
+from pdd.sim.fleet.deployment import IN_DC, LinkSpec, RoleSpec, naive, same_dc
+from pdd.sim.fleet.events import EventLoop
+from pdd.sim.fleet.simulator import SimSettings, simulate
+from pdd.sim.hardware.chip import Chip
+from pdd.sim.hardware.step_cost import Linear, StepCost, decode_load
+from pdd.sim.workloads.workload import Workload
 from tests.sim_util import FLAT, TINY, request, workload
 
 EXACT = 1e-12
@@ -23,26 +23,32 @@ def test_same_dc_single_request():
     result = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), workload(request(0, 0.0, 2, 5)), TINY)
     (r,) = result.records
     kv_ready = 0.01 + IN_DC_S  # one prefill step, then the KV crosses
-    assert r.ttft_s == pytest.approx(0.01, abs=EXACT)
+    assert r.ttft_s == pytest.approx(kv_ready, abs=EXACT)  # D streams P's token once it holds the KV
     assert r.tt2t_s == pytest.approx(kv_ready + 0.01, abs=EXACT)
     assert r.e2e_s == pytest.approx(kv_ready + 4 * 0.01, abs=EXACT)  # tokens 2..5 from D
-    assert r.tpot_s == pytest.approx((r.e2e_s - 0.01) / 4, abs=EXACT)
-    assert r.max_gap_s == pytest.approx(kv_ready + 0.01 - 0.01, abs=EXACT)
+    assert r.tpot_s == pytest.approx(0.01, abs=EXACT)
+    assert r.max_gap_s == pytest.approx(0.01, abs=EXACT)
     assert (r.pipeline, r.md_tokens, r.rld_tokens, r.wan_bytes) == ("p-md", 4, 0, KV)
     assert result.wan_bytes_per_s == []  # nothing crossed DCs
 
 
-def test_p_md_across_a_wan():
+@pytest.mark.parametrize("at_prefill", [False, True])
+def test_p_md_across_a_wan(at_prefill):
     wan = LinkSpec(1000.0, 0.05)
-    result = simulate(naive(RoleSpec(1, FLAT), RoleSpec(1, FLAT), wan), workload(request(0, 0.0, 2, 5)), TINY)
+    fleet = naive(RoleSpec(1, FLAT), RoleSpec(1, FLAT), wan)
+    settings = SimSettings(first_token_at_prefill=at_prefill)
+    result = simulate(fleet, workload(request(0, 0.0, 2, 5)), TINY, settings)
     (r,) = result.records
     # MD's prepare reply is back at 0.10; the 512 B serialise until 0.612 and land at 0.662.
-    # MD's tokens 2..5 at 0.672 .. 0.702 reach the router 0.05 later.
-    assert r.ttft_s == pytest.approx(0.01, abs=EXACT)
+    # MD's tokens 2..5 at 0.672 .. 0.702 reach the router 0.05 later. The first token: P's at
+    # 0.01 straight to the router (pdd's prefill service), or MD's stream of it from 0.662,
+    # at the router at 0.712 (the user's TTFT in PD systems: it holds the WAN crossing).
+    first = 0.01 if at_prefill else 0.712
+    assert r.ttft_s == pytest.approx(first, abs=EXACT)
     assert r.tt2t_s == pytest.approx(0.722, abs=EXACT)
     assert r.e2e_s == pytest.approx(0.752, abs=EXACT)
-    assert r.tpot_s == pytest.approx((0.752 - 0.01) / 4, abs=EXACT)
-    assert r.max_gap_s == pytest.approx(0.712, abs=EXACT)
+    assert r.tpot_s == pytest.approx((0.752 - first) / 4, abs=EXACT)
+    assert r.max_gap_s == pytest.approx(0.722 - first if at_prefill else 0.01, abs=EXACT)
     assert r.wan_bytes == KV and sum(result.wan_bytes_per_s) == pytest.approx(KV)
 
 
@@ -52,7 +58,7 @@ def test_p_md_across_a_wan():
 )
 def test_prefill_chunks_prompts_that_share_its_step_budget(budget, chunk, ttfts):
     reqs = workload(request(0, 0.0, 2, 2), request(1, 0.0, 2, 2))  # 32 tokens each, together
-    settings = SimSettings(max_batched_tokens=budget, prefill_chunk=chunk)
+    settings = SimSettings(max_batched_tokens=budget, prefill_chunk=chunk, first_token_at_prefill=True)
     result = simulate(same_dc(RoleSpec(1, FLAT), RoleSpec(1, FLAT)), reqs, TINY, settings)
     assert [r.ttft_s for r in result.records] == pytest.approx(ttfts, abs=EXACT)
 
@@ -149,7 +155,7 @@ def test_the_simulated_pool_behaves_as_the_engine_pool():
     own pool, and keeps the same LRU order."""
     import random
 
-    from pdd.sim.block_pool import SimBlockPool
+    from pdd.sim.fleet.block_pool import SimBlockPool
     from shared.engine.block_pool import BlockPool
 
     n, rng = 1200, random.Random(3)

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from pdd.sim.events import EventLoop
-from pdd.sim.link import Link, LinkSpec
+from pdd.sim.fleet.events import EventLoop
+from pdd.sim.fleet.link import Link, LinkSpec
 
 
 def _link(jitter: float = 0.0, bins: list[float] | None = None) -> tuple[EventLoop, Link]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdd.sim import run
-from pdd.sim.events import EventLoop
-from pdd.sim.link import Link, LinkSpec, link_codec
+from pdd.sim.fleet.events import EventLoop
+from pdd.sim.fleet.link import Link, LinkSpec, link_codec
+from pdd.sim.studies import run
 from shared.kv.codec import CODEC_BYTES_PER_S, bytes_ratio
 
 from .test_sim_run import TINY

@@ -12,13 +12,15 @@ from dataclasses import replace
 
 import pytest
 
-from pdd.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
-from pdd.sim.simulator import SimSettings, simulate
+from pdd.sim.fleet.deployment import LinkSpec, RoleSpec, pdd, same_dc
+from pdd.sim.fleet.simulator import SimSettings, simulate
 from shared.config import RouterSettings
 from tests.sim_util import FLAT, TINY, request, workload
 
 WAN = LinkSpec(20000.0, 0.0475, 0.01)
-SETTINGS = SimSettings(router=RouterSettings(wan_time_threshold_s=0.09), share_in_flight=False)
+SETTINGS = SimSettings(
+    router=RouterSettings(wan_time_threshold_s=0.09), share_in_flight=False, first_token_at_prefill=True
+)
 REQUESTS = [
     request(i, 0.03 * i, 2 + i % 4, 40 + 17 * (i % 5), first_hash=i % 3 if i % 4 else None) for i in range(16)
 ]

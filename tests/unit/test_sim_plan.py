@@ -1,4 +1,4 @@
-"""The capacity search of `pdd sim plan` (pdd/sim/planner.py) and one small real run.
+"""The capacity search of `pdd sim plan` (pdd/sim/studies/planner.py) and one small real run.
 
 The search is tested with a hand-made evaluator (fleet counts → attainment) in place of the
 simulator: its cheapest passing fleet is known by construction, and a simulation per probe
@@ -8,9 +8,9 @@ real command on a tiny workload."""
 import json
 import math
 
-from pdd.sim import plan, planner
-from pdd.sim.planner import Evaluations, Fleet, Outcome, Search, Shape, cheapest
-from pdd.sim.step_cost import Linear, StepCost
+from pdd.sim.hardware.step_cost import Linear, StepCost
+from pdd.sim.studies import plan, planner
+from pdd.sim.studies.planner import Counts, Evaluations, Outcome, Search, Shape, cheapest
 
 PRICES = {"fast": 3.0, "slow": 2.0, "b": 4.0}
 SPEED = {"fast": 2.0, "slow": 1.0, "b": 1.0}  # work one instance does
@@ -18,11 +18,11 @@ NEED = {"prefill": 6.0, "relay": 1.0, "decode": 10.0}  # work each role must do 
 PDD_SHAPE = Shape("slow", "b", "slow")
 
 
-def cost(f: Fleet) -> float:
+def cost(f: Counts) -> float:
     return sum(f.count(r) * PRICES[f.shape.profile(r)] for r in f.shape.roles)
 
 
-def fake(f: Fleet) -> Outcome:
+def fake(f: Counts) -> Outcome:
     """The SLA (0.9) is met when every role's instances do its work; below that, attainment
     rises with each short role's instances, and each short role points at itself."""
     short = {r: max(0.0, NEED[r] - f.count(r) * SPEED[f.shape.profile(r)]) / NEED[r] for r in f.shape.roles}
@@ -31,9 +31,9 @@ def fake(f: Fleet) -> Outcome:
 
 class Counted:
     def __init__(self):
-        self.calls: list[Fleet] = []
+        self.calls: list[Counts] = []
 
-    def __call__(self, f: Fleet) -> Outcome:
+    def __call__(self, f: Counts) -> Outcome:
         self.calls.append(f)
         return fake(f)
 
@@ -45,19 +45,19 @@ def run(starts, max_instances=100, max_evals=200):
 
 
 def test_finds_the_known_cheapest_fleet():
-    found, _, _ = run([Fleet(PDD_SHAPE, 1, 1, 1)])
+    found, _, _ = run([Counts(PDD_SHAPE, 1, 1, 1)])
     assert (found.prefill, found.relay, found.decode) == (6, 1, 10)
     # a start above the optimum shrinks down to it
-    found, _, _ = run([Fleet(PDD_SHAPE, 20, 30, 4)])
+    found, _, _ = run([Counts(PDD_SHAPE, 20, 30, 4)])
     assert (found.prefill, found.relay, found.decode) == (6, 1, 10)
 
 
 def test_respects_max_instances():
-    found, evals, counted = run([Fleet(PDD_SHAPE, 1, 1, 1)], max_instances=16)
+    found, evals, counted = run([Counts(PDD_SHAPE, 1, 1, 1)], max_instances=16)
     assert found is None  # 17 instances are needed
     assert max(f.instances for f in counted.calls) <= 16
     assert evals.spent > 1  # it did try to grow
-    found, _, _ = run([Fleet(PDD_SHAPE, 1, 1, 1)], max_instances=17)
+    found, _, _ = run([Counts(PDD_SHAPE, 1, 1, 1)], max_instances=17)
     assert found is not None and found.instances == 17
 
 
@@ -65,14 +65,14 @@ def test_prefers_the_cheaper_profile_when_both_meet():
     # fast P: 3 instances at $3 = $9 beat slow P: 6 at $2 = $12; for the relay (one instance
     # either way) slow is cheaper
     shapes = [Shape(p, "b", r) for p in ("fast", "slow") for r in ("fast", "slow")]
-    found, _, _ = run([Fleet(s, 1, 1, 1) for s in shapes])
+    found, _, _ = run([Counts(s, 1, 1, 1) for s in shapes])
     assert found.shape == Shape("fast", "b", "slow")
     assert (found.prefill, found.relay, found.decode) == (3, 1, 10)
 
 
 def test_each_fleet_is_simulated_once_and_the_cap_holds():
     shapes = [Shape(p, "b", r) for p in ("fast", "slow") for r in ("fast", "slow")]
-    _, evals, counted = run([Fleet(s, 1, 1, 1) for s in shapes])
+    _, evals, counted = run([Counts(s, 1, 1, 1) for s in shapes])
     assert len(counted.calls) == len(set(counted.calls)) == evals.spent
     # nothing simulated is implied by an earlier simulation: a fleet no bigger in any role
     # than one that missed (or no smaller than one that met) of its shape
@@ -81,7 +81,7 @@ def test_each_fleet_is_simulated_once_and_the_cap_holds():
             diff = [f.count(r) - g.count(r) for r in f.shape.roles]
             met = fake(g).attainment >= 0.9
             assert g.shape != f.shape or not (met and min(diff) >= 0 or not met and max(diff) <= 0)
-    _, evals, counted = run([Fleet(s, 1, 1, 1) for s in shapes], max_evals=5)
+    _, evals, counted = run([Counts(s, 1, 1, 1) for s in shapes], max_evals=5)
     assert len(counted.calls) == evals.spent == 5
 
 

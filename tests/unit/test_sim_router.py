@@ -3,11 +3,11 @@ instance's figures moved: at every route each must equal the load made afresh.""
 
 import pytest
 
-from pdd.sim.agentic import BENCH, agentic_open_loop
-from pdd.sim.chip import Chip
-from pdd.sim.deployment import LinkSpec, RoleSpec, pdd, same_dc
-from pdd.sim.router import SimRouter
-from pdd.sim.simulator import simulate
+from pdd.sim.fleet.deployment import LinkSpec, RoleSpec, pdd, same_dc
+from pdd.sim.fleet.router import SimRouter
+from pdd.sim.fleet.simulator import simulate
+from pdd.sim.hardware.chip import Chip
+from pdd.sim.workloads.agentic import BENCH, agentic_open_loop
 from services.router.routing.policy import InstanceLoad, load_of
 from shared.bus.messages import Role
 from tests.sim_util import BLOCK, FLAT, TINY

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from pdd.sim import run
-from pdd.sim.profiles import model_spec
-from pdd.sim.specs import (
+from pdd.sim.hardware.profiles import model_spec
+from pdd.sim.studies import run
+from pdd.sim.studies.specs import (
     deployments_from_args,
     settings_from_args,
     sla_from_args,
     workload_from_args,
 )
-from pdd.sim.trace import MOONCAKE_BLOCK
+from pdd.sim.workloads.trace import MOONCAKE_BLOCK
 
-SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "pdd/sim/traces/agentic-sample.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "pdd/sim/workloads/traces/agentic-sample.jsonl"
 # One instance per role under a few seconds of 4096-token prompts that hit half their prefix:
 # a P serves ~10 of them a second, so a goodput search stops after a few short probes.
 TINY = [

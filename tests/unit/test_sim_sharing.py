@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdd.sim.deployment import LinkSpec, RoleSpec, naive
-from pdd.sim.sharing import present_upto, tokens_to_send
-from pdd.sim.simulator import SimSettings, simulate
-from pdd.sim.workload import SimRequest
+from pdd.sim.fleet.deployment import LinkSpec, RoleSpec, naive
+from pdd.sim.fleet.sharing import present_upto, tokens_to_send
+from pdd.sim.fleet.simulator import SimSettings, simulate
+from pdd.sim.workloads.workload import SimRequest
 from shared.engine.in_flight import BlocksInFlight
 from tests.sim_util import BLOCK, FLAT, TINY, workload
 

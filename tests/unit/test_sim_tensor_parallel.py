@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.sim.profiles import chip, load_profile, model_spec
+from pdd.sim.hardware.profiles import chip, load_profile, model_spec
 
 
 def test_moe_counts_active_parameters_for_flops_and_all_of_them_for_memory():

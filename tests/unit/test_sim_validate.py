@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdd.sim import validate as v
-from pdd.sim.deployment import LinkSpec
-from pdd.sim.profiles import chip, model_spec
-from pdd.sim.records import SimResult
-from pdd.sim.step_cost import decode_load
+from pdd.sim.fleet.deployment import LinkSpec
+from pdd.sim.fleet.records import SimResult
+from pdd.sim.hardware.profiles import chip, model_spec
+from pdd.sim.hardware.step_cost import decode_load
+from pdd.sim.studies import validate as v
 
 AGENTIC = {  # what bench/e2e.py records (vars of its arguments), cut to a tiny workload
     "scenario": "agentic",

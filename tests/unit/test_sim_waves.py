@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdd.sim.deployment import RoleSpec, same_dc
-from pdd.sim.simulator import simulate
-from pdd.sim.workload import Workload
+from pdd.sim.fleet.deployment import RoleSpec, same_dc
+from pdd.sim.fleet.simulator import simulate
+from pdd.sim.workloads.workload import Workload
 from tests.sim_util import FLAT, TINY, request
 
 EXACT = 1e-12

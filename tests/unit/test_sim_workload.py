@@ -11,8 +11,10 @@ import random
 import pytest
 
 from bench.client import random_tokens
-from bench.e2e import BLOCK, Session, build_prompt, parse_args
-from pdd.sim.agentic import (
+from bench.e2e import parse_args
+from bench.e2e_agentic import Session, build_prompt
+from bench.e2e_common import BLOCK
+from pdd.sim.workloads.agentic import (
     BENCH,
     PAPER,
     AgenticParams,
@@ -24,8 +26,8 @@ from pdd.sim.agentic import (
     make_plans,
     prefix_hits,
 )
-from pdd.sim.trace import TraceError, read_mooncake, write_mooncake
-from pdd.sim.workload import SimRequest, Workload
+from pdd.sim.workloads.trace import TraceError, read_mooncake, write_mooncake
+from pdd.sim.workloads.workload import SimRequest, Workload
 
 # ---------------------------------------------------------------- the bench's plans, unchanged
 
@@ -298,7 +300,7 @@ def test_malformed_trace_lines_name_the_line(tmp_path, line, message):
 
 
 def test_the_shipped_sample_trace_reads():
-    w = read_mooncake("pdd/sim/traces/agentic-sample.jsonl")
+    w = read_mooncake("pdd/sim/workloads/traces/agentic-sample.jsonl")
     prof = hit_profile(w)
     assert len(w.requests) >= 200 and prof["outlier_share"] is None
     assert 0.75 <= prof["mean"] <= 0.95

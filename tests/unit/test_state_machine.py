@@ -35,3 +35,11 @@ def test_illegal_moves_raise_and_leave_the_state() -> None:
 def test_table_names_must_exist() -> None:
     with pytest.raises(KeyError):
         table_of(Door, OPEN=("AJAR",))
+
+
+def test_finish_moves_to_the_final_state_once() -> None:
+    sm = StateMachine(Door.OPEN, TABLE)
+    assert sm.finish(Door.GONE) and sm.state is Door.GONE
+    assert not sm.finish(Door.GONE)  # a second ending changes nothing
+    with pytest.raises(IllegalTransition):  # an ending the table does not allow still raises
+        StateMachine(Door.GONE, {Door.GONE: frozenset()}).finish(Door.CLOSED)

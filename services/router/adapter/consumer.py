@@ -11,7 +11,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from shared.config import RouterSettings
 
-from ..api.errors import APIError
+from ..core.errors import APIError
 from ..core.request_life import RequestLife
 from ..core.request_stream import Delta, Failure, RequestStream
 from .effects import Effects

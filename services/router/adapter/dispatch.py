@@ -18,7 +18,7 @@ from shared.bus import subjects
 from shared.bus.connection import request
 from shared.bus.messages import (
     AbortReason,
-    MDTarget,
+    MainDecodeTarget,
     Pipeline,
     PrefillSubmit,
     PrepareReply,
@@ -32,9 +32,9 @@ from shared.serving.liveness import HEARTBEAT_S
 from shared.telemetry import metrics
 from shared.telemetry.span_store import REQUEST_ID_ATTR
 
-from ..api.errors import APIError
-from ..api.schemas import PddOptions
+from ..core.errors import APIError
 from ..core.merger import TokenMerger
+from ..core.options import PddOptions
 from ..core.request_life import RequestLife
 from ..core.request_stream import RequestStream, StreamState
 from ..routing.fleet_view import FleetView
@@ -63,7 +63,7 @@ async def ask(
     NATS delivers at most once: while a server restarts or a gateway reconnects, the request
     or its answer can be lost. So a request not answered within `resend_first_s` is sent again
     (backing off to RESEND_MAX_S), and the first answer to any copy is taken: the instance
-    answers a repeat with the first copy's answer (shared/serving/admission_gate.py). "No
+    answers a repeat with the first copy's answer (shared/serving/job_admission.py). "No
     responders" from an instance that is not lost means nobody received that copy (its NATS
     node died and it is subscribing again elsewhere): it is sent again after
     NO_RESPONDERS_RETRY_S. All until the timeout or the loss."""
@@ -219,7 +219,7 @@ class Dispatcher:
 
     async def _dispatch(self, stream: RequestStream, prefill: str, catchup: int | None) -> None:
         """Ask MD (across the WAN) and P at once: prefill starts without waiting a round trip;
-        MD's answer (which blocks it lacks) follows P as an MDTarget. If an instance does not
+        MD's answer (which blocks it lacks) follows P as an MainDecodeTarget. If an instance does not
         answer, the request starts on another one instead (by token IDs)."""
         now = time.monotonic()
         for role, instance in (
@@ -253,7 +253,7 @@ class Dispatcher:
             )
             await self.effects.perform_in_order(self.requests.refused(stream, str(error)))
             raise error
-        target = MDTarget(stream.rid, prep.bulk_address, prep.missing, stream.md_instance)
+        target = MainDecodeTarget(stream.rid, prep.bulk_address, prep.missing, stream.md_instance)
         stream.prefill_epoch = reply.epoch
         await self.effects.perform_in_order(self.requests.dispatched(stream, reply.instance, target))
         # MD keeps the prompt's blocks once they arrive: count them as its own now, as a

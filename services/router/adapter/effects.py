@@ -16,6 +16,7 @@ from shared.bus.delivery import deliver
 from shared.bus.messages import Abort, AbortReason, Role
 from shared.serving.runtime import Lifecycle
 from shared.telemetry.span_store import REQUEST_ID_ATTR
+from shared.telemetry.vllm_metrics import RequestMetrics
 
 from ..core.actions import (
     Action,
@@ -37,8 +38,9 @@ log = logging.getLogger(__name__)
 
 
 class Effects:
-    def __init__(self, nc, tracer, life: Lifecycle, assignments: Assignments) -> None:
+    def __init__(self, nc, tracer, life: Lifecycle, assignments: Assignments, vllm: RequestMetrics) -> None:
         self.nc, self.tracer, self.life, self.assignments = nc, tracer, life, assignments
+        self.vllm = vllm  # the request-level metrics under vLLM's names
         self.inboxes: dict[str, asyncio.Queue[Delta | Failure]] = {}  # by the client's request id
         # Set by the router once its mover exists: (stream, why, cause) -> moved?
         self.migrate: Callable[[RequestStream, str, str], Awaitable[bool]] | None = None
@@ -66,7 +68,7 @@ class Effects:
     def _local(self, action: Action) -> None:
         if isinstance(action, Deliver):
             if isinstance(action.item, Delta):
-                request_metrics.delivered(action.stream, action.item, action.ttft_s)
+                request_metrics.delivered(action.stream, action.item, action.ttft_s, action.gap_s, self.vllm)
             else:
                 log.warning("request %s failed: %s", action.stream.rid, action.item.message)
             if (inbox := self.inboxes.get(action.stream.rid)) is not None:
@@ -112,7 +114,9 @@ class Effects:
         ctx = trace.set_span_in_context(parent) if parent else None
         try:
             with self.tracer.start_as_current_span(
-                "abort", context=ctx, attributes={REQUEST_ID_ATTR: attempt_rid, "reason": reason.value}
+                reason.span_name,
+                context=ctx,
+                attributes={REQUEST_ID_ATTR: attempt_rid, "reason": reason.value},
             ):
                 await publish(
                     self.nc, subjects.abort(attempt_rid, Role.ROUTER.value), Abort(attempt_rid, reason)

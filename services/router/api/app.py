@@ -19,23 +19,27 @@ from shared.telemetry.span_store import default_trace_dir, find_trace_id, load_t
 from shared.telemetry.tracing import extract
 from shared.telemetry.waterfall import trace_to_json
 
+from ..core.errors import APIError, error_body
 from ..service import RouterCore
 from .auth import ApiKeys
 from .body import read_body
 from .detokenizer import Detokenizer
 from .drain import Drain, DrainGate
-from .errors import APIError, error_body
-from .gate import Gate
+from .gate import QUEUED_S, Gate
+from .http_admission import Admission
 from .http_settings import HttpSettings
 from .openai_request import describe, parse_request
 from .openapi import completion_docs, install_openapi
-from .request_admission import Admission
+from .parallel import child_params, open_children
+from .parallel_sse import ParallelSSEResponse
 from .response_schemas import ChatCompletionResponse, CompletionResponse
-from .responses import SSEResponse, complete, output_options, rest_of_ended
+from .responses import SSEResponse, output_options, rest_of_ended
 from .resume import HEADER as LAST_EVENT_ID
 from .resume import EventId, parse_event_id
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tokenize_api import tokenize_api
+from .tool_request import default_parser
+from .whole_response import complete
 
 api = APIRouter()
 STARTED = int(time.time())  # the models' `created`
@@ -51,6 +55,7 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
         core, tokenizer, max_model_len, closer = await core_factory()
         _track_maps(core)
         app.state.core, app.state.tokenizer, app.state.max_model_len = core, tokenizer, max_model_len
+        app.state.tool_parser = tool_parser(core, tokenizer)
         try:
             yield
         finally:
@@ -72,6 +77,12 @@ def create_app(core_factory, http: HttpSettings | None = None) -> FastAPI:
     app.include_router(tokenize_api)
     install_openapi(app)
     return app
+
+
+def tool_parser(core: RouterCore, tokenizer) -> str:
+    """The format of the model's tool calls: --tool-call-parser, else what its chat template teaches."""
+    template = getattr(tokenizer, "chat_template", None)
+    return core.settings.tool_call_parser or default_parser(template.source if template else None)
 
 
 def _track_maps(core: RouterCore) -> None:
@@ -117,11 +128,11 @@ async def models(request: Request) -> dict:
     """In vLLM's shape: its clients read `root` and `max_model_len`."""
     core = _core(request)
     card = {
-        "id": core.model_id,
+        "id": core.served_model_name,
         "object": "model",
         "created": STARTED,
         "owned_by": "pdd",
-        "root": core.settings.model.path or core.model_id,
+        "root": core.settings.model.path or core.served_model_name,
         "parent": None,
         "max_model_len": request.app.state.max_model_len,
     }
@@ -130,8 +141,10 @@ async def models(request: Request) -> dict:
 
 @api.get("/v1/instances")
 async def instances(request: Request) -> dict:
-    """Live instances and their KV block usage, from their load reports."""
-    registry = _core(request).registry
+    """Live instances and their KV block usage, from their load reports; `set_aside`: why an
+    instance gets no work (a peer refused its identity), else null."""
+    core = _core(request)
+    registry, aside = core.registry, core.set_aside.instances
     return {
         f"{role.value}/{r.instance}": {
             "running": r.running,
@@ -142,6 +155,7 @@ async def instances(request: Request) -> dict:
             "address": r.address,
             "held": len(r.held),
             "draining": r.draining,
+            "set_aside": a.reason if (a := aside.get((role, r.instance))) else None,
         }
         for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)
         for r in registry.alive(role)
@@ -197,36 +211,46 @@ async def _serve(request: Request, chat: bool) -> Response:
     parsed = parse_request(
         raw,
         chat,
-        model_id=core.model_id,
+        model_id=core.served_model_name,
         tokenizer=tokenizer,
         max_model_len=request.app.state.max_model_len,
         max_tokens_default=core.settings.max_tokens_default,
+        tool_parser=request.app.state.tool_parser,
     )
     resume = _resume_point(request, parsed) if parsed.body.stream else None
     if resume is not None:
         if resume.phase:  # it had every token and the last chunk: only the end is left
             opts = output_options(parsed, tokenizer)
-            return rest_of_ended(resume, len(parsed.prompt_ids), opts, core.model_id)
+            return rest_of_ended(resume, len(parsed.prompt_ids), opts, core.served_model_name)
         await core.abandon(resume.rid)  # its first run, wherever it is left, is dropped now
+    params = child_params(parsed.params, parsed.n) if parsed.n > 1 else [parsed.params]
     try:
-        stream = await core.open(
-            parsed.prompt_ids, parsed.params, parsed.body.pdd, extract(dict(request.headers))
+        streams = await open_children(
+            core, parsed.prompt_ids, params, parsed.body.pdd, extract(dict(request.headers))
         )
     except APIError:
         metrics.REQUESTS.labels(pipeline="none", outcome="rejected").inc()
         raise
+    queued_s = getattr(request.state, QUEUED_S, 0.0)
+    for stream in streams:
+        stream.queued_s = queued_s
+    core.vllm.admitted(queued_s, len(streams), parsed.params.max_tokens)
     try:
-        headers = {"x-request-id": stream.rid, "x-pdd-pipeline": stream.decision.pipeline.value}
-        if stream.traceparent:
-            headers["traceparent"] = stream.traceparent
-        detok = Detokenizer(tokenizer, parsed.params.stop)
+        first = streams[0]
+        headers = {"x-request-id": first.rid, "x-pdd-pipeline": first.decision.pipeline.value}
+        if first.traceparent:
+            headers["traceparent"] = first.traceparent
+        detoks = [Detokenizer(tokenizer, parsed.params.stop, parsed.params.min_tokens) for _ in streams]
         opts = output_options(parsed, tokenizer)
+        if parsed.body.stream and len(streams) > 1:
+            return ParallelSSEResponse(core, streams, detoks, opts, headers)  # it releases the streams
         if parsed.body.stream:
             ids = _wants_event_ids(request, core.settings.sse_event_ids)
-            return SSEResponse(core, stream, detok, opts, headers, resume, ids)  # it releases the stream
-        return await complete(request, core, stream, detok, opts, headers)  # so does complete
+            return SSEResponse(core, first, detoks[0], opts, headers, resume, ids)  # it releases the stream
+        return await complete(request, core, streams, detoks, opts, headers)  # so does complete
     except BaseException:
-        core.release(stream)  # failed before either took the stream over
+        for stream in streams:
+            core.release(stream)  # failed before either took them over
         raise
 
 
@@ -242,6 +266,12 @@ def _resume_point(request: Request, parsed) -> EventId | None:
     value = request.headers.get(LAST_EVENT_ID)
     if not value:
         return None
+    if parsed.n > 1 or (parsed.tools is not None and parsed.tools.parses):
+        raise APIError(
+            "Last-Event-ID resumes a stream of one choice without tool parsing (n = 1, no tools)",
+            400,
+            "invalid_request_error",
+        )
     try:
         point = parse_event_id(value)
     except ValueError as e:

@@ -8,7 +8,7 @@ import asyncio
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from .errors import APIError
+from ..core.errors import APIError
 
 
 def _bad(message: str, status: int) -> APIError:

@@ -13,9 +13,12 @@ REPLACEMENT = "\ufffd"  # what decode gives for bytes that are not (yet) a whole
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop
+        # A stop string counts only if it ends after the text of the first min_tokens tokens.
+        self.min_tokens = min_tokens
+        self._floor: int | None = 0 if min_tokens == 0 else None  # that text's length, once known
         self.tokens: list[int] = []
         self.emitted = ""  # text already given to the client
         self.stopped = False
@@ -32,8 +35,10 @@ class Detokenizer:
             return ""
         self.tokens.extend(tokens)
         text = self._window()  # the decoded text from _base on
-        for s in self.stop:
-            cut = text.find(s)
+        if self._floor is None and len(self.tokens) > self.min_tokens:
+            self._floor = len(self.tokenizer.decode(self.tokens[: self.min_tokens]))
+        for s in self.stop if self._floor is not None else ():
+            cut = text.find(s, max(0, self._floor - self._base - len(s) + 1))
             if cut >= 0:
                 text = text[:cut]
                 self.stopped = True

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from shared.telemetry import metrics
 
-from .errors import error_body
+from ..core.errors import error_body
 
 RETRY_AFTER_S = 1  # another router takes the request at once
 

@@ -5,16 +5,18 @@ until its last byte is sent."""
 from __future__ import annotations
 
 import math
+import time
 
 from fastapi.responses import JSONResponse
 
 from shared.telemetry import metrics
 
+from ..core.errors import error_body
 from .auth import ApiKeys
-from .errors import error_body
-from .request_admission import Admission, Overloaded
+from .http_admission import Admission, Overloaded
 
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+QUEUED_S = "queued_s"  # request.state: how long an admitted request waited for its slot
 
 
 def _authorization(scope) -> bytes | None:
@@ -43,6 +45,7 @@ class Gate:
             return await _unauthorized(authorization)(scope, receive, send)
         if scope["path"] not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
+        arrived = time.monotonic()
         try:
             await self.admission.acquire()
         except Overloaded as e:
@@ -52,6 +55,7 @@ class Gate:
             )
             retry = str(max(1, math.ceil(self.admission.max_wait_s)))
             return await JSONResponse(body, 429, headers={"Retry-After": retry})(scope, receive, send)
+        scope.setdefault("state", {})[QUEUED_S] = time.monotonic() - arrived  # (request.state)
         try:
             await self.app(scope, receive, send)
         finally:

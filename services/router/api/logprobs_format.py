@@ -68,3 +68,23 @@ def prompt_entries(
     """One per prompt token: the first has none (nothing comes before it)."""
     known: list[TokenLogprobs | None] = [None, *(prompt_logprobs or [])][:num_prompt_tokens]
     return known + [None] * (num_prompt_tokens - len(known))
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprobs | None]) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and its top alternatives."""
+    out: list = []
+    for token, lp in zip(prompt_ids, entries, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(i): {"logprob": _num(v), "rank": n + 1, "decoded_token": tokenizer.decode([i])}
+            for n, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True))
+        }
+        entry.setdefault(
+            str(token),
+            {"logprob": _num(lp.logprob), "rank": lp.rank, "decoded_token": tokenizer.decode([token])},
+        )
+        out.append(entry)
+    return out

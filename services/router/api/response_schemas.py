@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from shared.bus.messages import HandoffMode, Pipeline
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class _Strict(BaseModel):
@@ -44,6 +45,7 @@ class PddSummary(_Strict):
     migrations: int  # times the request moved to another instance by its token IDs (a fault)
     trace_id: str | None
     instances: PddInstances
+    choices: list[PddSummary] | None = None  # n > 1: each choice's (the fields above: the first's)
 
 
 class CompletionLogprobs(_Strict):
@@ -55,12 +57,23 @@ class CompletionLogprobs(_Strict):
     text_offset: list[int]
 
 
+class PromptLogprob(_Strict):
+    logprob: float
+    rank: int  # 1 + how many tokens were more likely
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null (the first) or {token id: its logprob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_Strict):
     index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
     logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
 
 class CompletionResponse(_Strict):
@@ -73,9 +86,21 @@ class CompletionResponse(_Strict):
     pdd: PddSummary
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Strict):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null: only tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(_Strict):
@@ -95,7 +120,7 @@ class ChatLogprobs(_Strict):
 class ChatChoice(_Strict):
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
     logprobs: ChatLogprobs | None
 
 
@@ -107,6 +132,7 @@ class ChatCompletionResponse(_Strict):
     choices: list[ChatChoice]
     usage: Usage
     pdd: PddSummary
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
 
 class ErrorDetail(_Strict):

@@ -3,28 +3,30 @@ with `data: [DONE]`. Both carry the `pdd` summary and usage."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shared.engine.logprobs import TokenLogprobs
 from shared.telemetry import metrics
 
+from ..adapter import request_metrics
+from ..core.errors import APIError
 from ..core.request_stream import Delta, RequestStream
 from ..service import RouterCore
 from .detokenizer import Detokenizer
-from .errors import APIError
 from .logprobs_format import LogprobsFormatter, prompt_entries
 from .openai_request import ParsedRequest
 from .resume import EventId, Progress, Replay
 from .schemas import ChatCompletionRequest
+from .tool_parsers import finish_reason
+from .tool_request import ToolMode
+from .tool_stream import ToolStream
 
 Logprobs = list[TokenLogprobs | None]
 
@@ -37,6 +39,8 @@ class OutputOptions:
     logprobs: bool = False
     echo: str | None = None  # completions with echo: the prompt's text, put before the output
     include_usage: bool = False  # streams: a last chunk with `choices: []` and the usage
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` list in the body
+    tools: ToolMode | None = None  # chat: the tools, and how the output is read for calls
 
 
 def output_options(parsed: ParsedRequest, tokenizer) -> OutputOptions:
@@ -45,19 +49,32 @@ def output_options(parsed: ParsedRequest, tokenizer) -> OutputOptions:
     if not isinstance(body, ChatCompletionRequest) and body.echo:
         echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(parsed.prompt_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return OutputOptions(chat, parsed.params.logprobs is not None, echo, include_usage)
+    asked = body.prompt_logprobs is not None
+    return OutputOptions(chat, parsed.params.logprobs is not None, echo, include_usage, asked, parsed.tools)
 
 
 def echo_logprobs(stream: RequestStream) -> Logprobs:
     return prompt_entries(len(stream.prompt_ids), stream.prompt_logprobs)
 
 
-def count(stream: RequestStream, outcome: str) -> None:
-    metrics.REQUESTS.labels(pipeline=stream.pipeline.value, outcome=outcome).inc()
+def count(core: RouterCore, stream: RequestStream, outcome: str, finished_reason: str) -> None:
+    """One choice ended: pdd's count by outcome, vLLM's by finish reason (stop, length,
+    abort: the client left, error) with its tokens and end-to-end latency."""
+    if outcome != "abort":  # (pdd's count leaves out the requests whose client left)
+        metrics.REQUESTS.labels(pipeline=stream.pipeline.value, outcome=outcome).inc()
+    core.vllm.finished(request_metrics.finished(stream, finished_reason, time.monotonic()))
 
 
 def openai_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
+
+
+def pdd_summary(streams: list[RequestStream]) -> dict:
+    """The first choice's summary; with n > 1, every choice's too (`choices`)."""
+    summary = streams[0].summary()
+    if len(streams) > 1:
+        summary["choices"] = [s.summary() for s in streams]
+    return summary
 
 
 def usage(stream: RequestStream, completion_tokens: int) -> dict:
@@ -69,102 +86,28 @@ def usage(stream: RequestStream, completion_tokens: int) -> dict:
     }
 
 
-async def _collect(core: RouterCore, stream: RequestStream, detok: Detokenizer, lps: Logprobs) -> str | None:
-    """Every token of the request into `detok` (their logprobs into `lps`); the finish reason."""
-    reason = None
-    async with aclosing(core.deltas(stream)) as deltas:
-        async for delta in deltas:
-            detok.add(delta.tokens)
-            lps += delta.logprobs
-            if detok.stopped:
-                return "stop"
-            if delta.finished:
-                reason = delta.finish_reason
-    return reason
-
-
-CANCEL_WAIT_S = 5.0  # for a cancelled collector to run its cleanup
-
-
-async def _until_done_or_gone(request: Request, task: asyncio.Task) -> bool:
-    """Wait for `task`; False (and the task cancelled) if the client disconnected first."""
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            return False
-    return True
-
-
-async def complete(
-    request: Request,
-    core: RouterCore,
-    stream: RequestStream,
-    detok: Detokenizer,
-    opts: OutputOptions,
-    headers: dict,
-) -> Response:
-    lps: Logprobs = []
-    task = asyncio.create_task(_collect(core, stream, detok, lps))
-    try:
-        if not await _until_done_or_gone(request, task):
-            return Response(status_code=499)
-        finish_reason = task.result()
-    except APIError as e:
-        count(stream, "error")
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)  # its deltas() frees the stream...
-        core.release(stream)  # ...unless it never started
-    detok.flush()
-    count(stream, "ok")
-    headers["x-pdd-pipeline"] = stream.pipeline.value
-    choice: dict = {
-        "index": 0,
-        "finish_reason": openai_reason(finish_reason),
-        "logprobs": _body_logprobs(stream, detok, lps, opts),
-    }
-    if opts.chat:
-        choice["message"] = {"role": "assistant", "content": detok.emitted}
-    else:
-        choice["text"] = (opts.echo or "") + detok.emitted
-        choice["token_ids"] = detok.tokens
-    body = {
-        "id": stream.rid,
-        "object": "chat.completion" if opts.chat else "text_completion",
-        "created": int(time.time()),
-        "model": core.model_id,
-        "choices": [choice],
-        "usage": usage(stream, len(detok.tokens)),
-        "pdd": stream.summary(),
-    }
-    return JSONResponse(body, headers=headers)
-
-
-def _body_logprobs(
-    stream: RequestStream, detok: Detokenizer, lps: Logprobs, opts: OutputOptions
-) -> dict | None:
-    if not opts.logprobs:
-        return None
-    fmt = LogprobsFormatter(detok.tokenizer, opts.chat)
-    if opts.echo is None:
-        return fmt(detok.tokens, lps)
-    return fmt(stream.prompt_ids + detok.tokens, echo_logprobs(stream) + lps)
-
-
 class SSEChunks:
     """Formats one stream's SSE chunks (completion or chat)."""
 
     def __init__(
-        self, stream: RequestStream, opts: OutputOptions, model: str, tokenizer, public_id: str | None = None
+        self,
+        stream: RequestStream,
+        opts: OutputOptions,
+        model: str,
+        tokenizer,
+        public_id: str | None = None,
+        index: int = 0,
     ):
-        self.stream, self.chat, self.model = stream, opts.chat, model
+        self.stream, self.chat, self.model, self.index = stream, opts.chat, model, index
         self.id = public_id or stream.rid  # a resumed stream keeps the id its client knows
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if opts.chat else "text_completion"
         self.logprobs = LogprobsFormatter(tokenizer, opts.chat) if opts.logprobs else None
+        tools = opts.tools if opts.chat and opts.tools is not None and opts.tools.parses else None
+        self.tools = tools  # a chat choice read for tool calls as it streams
+        self.tool_stream = (
+            ToolStream(tools.choice, tools.parser, tools.named, tools.parallel) if tools else None
+        )
 
     def _data(self, choices: list[dict], extra: dict | None = None) -> bytes:
         data = {
@@ -178,7 +121,7 @@ class SSEChunks:
         return f"data: {json.dumps(data)}\n\n".encode()
 
     def role(self) -> bytes:
-        return self._data([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
+        return self._data([{"index": self.index, "delta": {"role": "assistant"}, "finish_reason": None}])
 
     def tokens(
         self,
@@ -188,10 +131,18 @@ class SSEChunks:
         reason: str | None = None,
         extra: dict | None = None,
     ) -> bytes:
-        """A chunk of new text and the tokens (with their logprobs, when asked for) behind it."""
+        """A chunk of new text and the tokens (with their logprobs, when asked for) behind it;
+        b"" when a chat choice read for tool calls has nothing to say yet (a tag's start held)."""
         logprobs = self.logprobs(tokens, lps or [None] * len(tokens)) if self.logprobs and tokens else None
-        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
-        if self.chat:
+        choice: dict = {"index": self.index, "finish_reason": reason, "logprobs": logprobs}
+        if self.tool_stream is not None and self.tools is not None:
+            choice["delta"] = self.tool_stream.feed(text, final=reason is not None)
+            if reason is not None:
+                called = self.tool_stream.called
+                choice["finish_reason"] = finish_reason(self.tools.choice, called, reason, streamed=True)
+            elif not choice["delta"] and logprobs is None:
+                return b""
+        elif self.chat:
             choice["delta"] = {"content": text} if text or reason is None else {}
         else:
             choice["text"], choice["token_ids"] = text, tokens
@@ -203,7 +154,15 @@ class SSEChunks:
             self.logprobs(self.stream.prompt_ids, echo_logprobs(self.stream)) if self.logprobs else None
         )
         return self._data(
-            [{"index": 0, "finish_reason": None, "logprobs": logprobs, "text": text, "token_ids": []}]
+            [
+                {
+                    "index": self.index,
+                    "finish_reason": None,
+                    "logprobs": logprobs,
+                    "text": text,
+                    "token_ids": [],
+                }
+            ]
         )
 
     def usage(self, usage: dict) -> bytes:
@@ -250,13 +209,14 @@ async def sse(
     Last-Event-ID on when `resume` is given (the role chunk and the echo it had already)."""
     assert stream.params is not None and stream.params.seed is not None
     public_id = resume.rid if resume else stream.rid
-    chunks = SSEChunks(stream, opts, core.model_id, detok.tokenizer, public_id)
+    chunks = SSEChunks(stream, opts, core.served_model_name, detok.tokenizer, public_id)
     progress = Progress(public_id, stream.params.seed, stream.prompt_ids)
     replay = Replay(resume, progress, detok) if resume else None
 
     def with_id(event_id: EventId, chunk: bytes) -> bytes:
         return f"id: {event_id}\n".encode() + chunk if event_ids else chunk
 
+    counted = False
     try:
         if replay is not None:
             replay.check_start()
@@ -278,15 +238,21 @@ async def sse(
                     last = text, delta
                 elif text or delta.tokens:
                     progress.add(delta.tokens)
-                    yield with_id(progress.event_id(), chunks.tokens(text, delta.tokens, delta.logprobs))
+                    if chunk := chunks.tokens(text, delta.tokens, delta.logprobs):
+                        yield with_id(progress.event_id(), chunk)
         if role:
             yield with_id(progress.event_id(), chunks.role())
-        count(stream, "ok")
+        count(core, stream, "ok", openai_reason(reason))
+        counted = True
         for event_id, chunk in _end_events(stream, detok, opts, chunks, progress, reason, last):
             yield with_id(event_id, chunk)
     except APIError as e:
-        count(stream, "error")
+        count(core, stream, "error", "error")
+        counted = True
         yield f"data: {json.dumps(e.body())}\n\n".encode()
+    finally:
+        if not counted:  # the client left (the body is closed at a yield)
+            count(core, stream, "abort", "abort")
     yield b"data: [DONE]\n\n"
 
 

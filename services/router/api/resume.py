@@ -19,9 +19,9 @@ import re
 import struct
 from dataclasses import dataclass
 
+from ..core.errors import APIError
 from ..core.request_stream import Delta
 from .detokenizer import Detokenizer
-from .errors import APIError
 
 HEADER = "last-event-id"
 PHASES = ("", "end", "usage")  # tokens; the last chunk sent; the usage chunk sent too

@@ -11,10 +11,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import from_json
 
+from ..core.errors import APIError
 from .body import read_body
-from .errors import APIError
 from .openai_request import chat_prompt_ids, check_model, describe
 from .schemas import ChatMessage
+from .tool_request import ToolMode, check_tools, template_tools
 
 tokenize_api = APIRouter()
 
@@ -27,6 +28,10 @@ class TokenizeRequest(BaseModel):
     # Messages count as chat completions would run them: the template decides special tokens.
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True  # for a prompt, as in vLLM (the byte tokenizer has none to add)
+    # For messages, as chat completions take them (vLLM's /tokenize has both).
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None  # rendered by the template, as chat completions render them
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
@@ -59,7 +64,7 @@ async def _parse(request: Request, schema: type[BaseModel]) -> BaseModel:
         body = schema.model_validate(payload)
     except ValidationError as e:
         raise _bad(describe(e.errors())) from None
-    check_model(body.model, request.app.state.core.model_id)
+    check_model(body.model, request.app.state.core.served_model_name)
     return body
 
 
@@ -68,7 +73,8 @@ async def tokenize(request: Request) -> dict:
     body = await _parse(request, TokenizeRequest)
     tokenizer = request.app.state.tokenizer
     if body.messages is not None:
-        ids = chat_prompt_ids(body.messages, tokenizer)
+        tools = check_tools(body.tools) if body.tools is not None else None
+        ids = chat_prompt_ids(body, tokenizer, template_tools(ToolMode(tools, "none")) if tools else None)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {

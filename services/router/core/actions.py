@@ -34,6 +34,7 @@ class Deliver:
     stream: RequestStream
     item: Delta | Failure
     ttft_s: float | None = None  # set on the delta that carries the request's first token
+    gap_s: float | None = None  # on a later delta with tokens: the time since the previous one
 
 
 @dataclass(frozen=True)

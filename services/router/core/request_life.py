@@ -10,7 +10,15 @@ and in order, whichever instance (relay or MD, old attempt or new) sent it."""
 from __future__ import annotations
 
 from shared.bus import subjects
-from shared.bus.messages import AbortReason, LoadReport, MainDecodeLost, MDTarget, Outcome, Role, TokenEvent
+from shared.bus.messages import (
+    AbortReason,
+    LoadReport,
+    MainDecodeLost,
+    MainDecodeTarget,
+    Outcome,
+    Role,
+    TokenEvent,
+)
 from shared.bus.subjects import Req
 from shared.config import RouterSettings
 
@@ -45,7 +53,7 @@ class RequestLife:
     def opened(self, stream: RequestStream) -> None:
         self.streams[stream.rid] = self.attempts[stream.rid] = stream
 
-    def dispatched(self, stream: RequestStream, prefill: str, target: MDTarget) -> list[Action]:
+    def dispatched(self, stream: RequestStream, prefill: str, target: MainDecodeTarget) -> list[Action]:
         """P took the request and MD said which blocks it lacks: P learns where to send them."""
         if not stream.state.is_in(StreamState.DISPATCHING):
             return []  # an instance failed it meanwhile and it moved (or ended)
@@ -87,16 +95,20 @@ class RequestLife:
         )
         if ev.prompt_logprobs is not None and stream.prompt_logprobs is None:
             stream.prompt_logprobs = ev.prompt_logprobs
-        ttft = None
+        ttft = gap = None
         if merged.tokens and stream.first_token_at is None:
             stream.first_token_at = now
             ttft = now - stream.created
+        elif merged.tokens and stream.merged_at is not None:
+            gap = now - stream.merged_at
+        if merged.tokens:
+            stream.merged_at = now
         if merged.finished and not stream.state.is_in(StreamState.DISPATCHING):
             stream.finish()  # (while dispatching: once dispatched, see there)
         if not (merged.tokens or merged.finished):
             return []
         reason = stream.merger.finish_reason if merged.finished else None
-        return [Deliver(stream, Delta(merged.tokens, merged.finished, reason, merged.logprobs), ttft)]
+        return [Deliver(stream, Delta(merged.tokens, merged.finished, reason, merged.logprobs), ttft, gap)]
 
     def _unknown(self, ev: TokenEvent, now: float) -> list[Action]:
         if not ev.rid.startswith(self.rid_prefix):

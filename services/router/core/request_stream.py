@@ -86,7 +86,9 @@ class RequestStream:
     relay: RelayReport | None = None
     decode: DecodeReport | None = None
     created: float = field(default_factory=time.monotonic)
+    queued_s: float = 0.0  # how long it waited for admission before `created`
     first_token_at: float | None = None
+    merged_at: float | None = None  # when tokens were last merged for the client
     # Who must be holding the request now (listed in its heartbeat), and since when it was seen to.
     producer: tuple[Role, str] | None = None
     offered_to: tuple[Role, str] | None = None  # while moving: the instance asked to take it

@@ -49,6 +49,8 @@ class FleetView:
         # life's RequestLife.bound_for_relays): a prefill still running keeps a request out of
         # the relay's reports for longer than one report interval.
         self.bound_for_relays: Callable[[], dict[str, list[str]]] = dict
+        # Per role: the instances set aside (a peer refused their identity): never chosen.
+        self.set_aside: Callable[[Role], set[str]] = lambda role: set()
 
     def route(
         self, prompt_ids: list[int], forced: Pipeline | None
@@ -120,7 +122,10 @@ class FleetView:
         now = time.monotonic()
         loads = []
         bound = self.bound_for_relays() if role is Role.RELAY else {}
+        aside = self.set_aside(role)
         for load in self.registry.loads(role):
+            if load.instance in aside:
+                continue
             report = self.registry.get(role, load.instance)
             reported_at = now - self.registry.silent_for(role, load.instance)
             pending = self.assignments.pending((role, load.instance), reported_at)

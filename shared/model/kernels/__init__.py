@@ -3,8 +3,8 @@
 Three extensions: the paged attention kernel (paged_attention.cpp), the panel linear kernel
 (panel_linear.cpp) and a decoder layer's small ops fused (fused_ops.cpp). `make install`
 builds them (`python -m shared.model.kernels build`); at run time the same call finds them
-built and only loads them (torch's JIT extension loader with a fixed build directory, so a
-changed source is rebuilt). Where one cannot be built or
+built and only loads them (torch's JIT extension loader with a fixed build directory per
+checkout, so a changed source is rebuilt). Where one cannot be built or
 loaded (no compiler, no ninja, a read-only venv) its `*_ops()` is None and says why once, in
 the log, and the model runs the tensor code it replaces.
 """
@@ -53,7 +53,11 @@ def build_one(name: str, verbose: bool = False) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     source, flags = KERNELS[name]
-    where = build_dir() / name  # one directory each: each load writes its own build.ninja
+    # One directory per kernel and per checkout: each load writes its own build.ninja, whose
+    # commands name the source's path, so two checkouts sharing a venv would rebuild each
+    # other's copy on every load.
+    checkout = hashlib.sha1(str(source.resolve()).encode()).hexdigest()[:8]
+    where = build_dir() / f"{name}-{checkout}"
     where.mkdir(parents=True, exist_ok=True)
     return load(
         name=name,

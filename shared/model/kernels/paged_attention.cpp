@@ -196,6 +196,10 @@ struct Shape {
   float scale;
 };
 
+// Blocks per online-softmax group on the AVX-512 path (declared on every host: attend() sizes
+// its scratch with it).
+constexpr int kGroup = 4;
+
 #ifdef __AVX512F__
 inline __m512 exp_nonpos16(__m512 x) {  // exp_nonpos8, sixteen lanes
   const __m512 lo = _mm512_set1_ps(-87.0f);
@@ -261,7 +265,6 @@ inline void pv16_rows(const float* p, int ps, const float* v, int64_t stride, in
 // sharing each K load; the online softmax then takes one max, one sum and one rescale of the
 // row's accumulator per group rather than per block, and P.V shares each V row among the rows.
 // scratch: 4 * kGroup * 16 + kv_count * kGroup * D * 16 floats.
-constexpr int kGroup = 4;
 
 void blocks16(const Item& it, const Shape& sh, const float* k_cache, const float* v_cache, const int32_t* table,
               int64_t first_pos, const float* qs, float* acc, float* m, float* l, float* scratch) {
@@ -366,6 +369,7 @@ void attend(const Item& it, const Shape& sh, const T* q, const T* k_cache, const
   // The 16-lane blocks where they can run (a decode's one or two rows per kv head would not
   // pay for the transpose).
   bool wide16 = false;
+
 #ifdef __AVX512F__
   wide16 = kFloat && D % 16 == 0 && BS <= 16 && it.q_count * G >= 4;
 #endif
