@@ -159,8 +159,10 @@ async def serve_service(name: str, settings, factory) -> None:
         start_metrics_server(settings.metrics_port, settings.metrics_host)
     nc = await connect(settings.nats_url, name=f"{name}-{settings.instance}", **nats_options(settings))
     service = factory(settings, nc)
-    await service.start()  # announces it to nats.micro discovery with its endpoints
+    # Before the first heartbeat: the collection holds the GIL for a while, and a router that
+    # heard the heartbeat would take the silence that follows for a lost instance.
     freeze_startup_heap()
+    await service.start()  # announces it to nats.micro discovery with its endpoints
     log.info("%s %s ready (%s)", name, settings.instance, settings.datacenter)
     try:
         await live(service, shutdown, settings.drain_timeout_s)

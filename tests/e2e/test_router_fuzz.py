@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 
 from pdd.system import RunningSystem, start_system
 
-CASES = 600
+CASES = 400
 MAX_TOKENS = 48  # per generated completion: the fuzz run stays short
 MAX_N = 2  # choices per generated request, likewise
 
@@ -76,7 +76,7 @@ def test_generated_requests_never_get_a_5xx(system):
         max_examples=CASES,
         deadline=None,
         database=None,
-        derandomize=True,  # the same cases every run: the serving share below is a measured figure
+        derandomize=True,  # cases seeded from the test, not the clock
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
@@ -90,11 +90,11 @@ def test_generated_requests_never_get_a_5xx(system):
             )
 
     run()
-    assert len(statuses) >= 500
+    assert len(statuses) >= CASES * 5 // 6
     assert bad == []
-    # The fuzzing reached real serving, not only errors: 37 to 48 of the 600 fixed cases were
-    # served in runs so far (many positive cases are 400s by rules the schema cannot say: content
-    # null only on an assistant message with tool_calls, tool_choice only with tools, best_of
-    # equal to n). The floor is half that: this asserts reach, not a figure.
-    assert sum(s == 200 for s in statuses) >= 24, Counter(statuses)
+    # The fuzzing reached real serving, not only errors: 24 of these 400 fixed cases were served
+    # in the last run, 37 to 48 of 600 before (many positive cases are 400s by rules the schema
+    # cannot say: content null only on an assistant message with tool_calls, tool_choice only
+    # with tools, best_of equal to n). The floor is well under that: it asserts reach, not a figure.
+    assert sum(s == 200 for s in statuses) >= CASES // 40, Counter(statuses)
     assert greedy_tokens(system) == before
