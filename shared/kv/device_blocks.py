@@ -1,0 +1,199 @@
+"""Copies of KV blocks between a paged device cache (one tensor a layer) and host memory.
+
+Cache layouts, each layer's tensor as the engine hands it out (dim 0: K, then V):
+    NHD  [2, num_blocks, block_size, kv_heads, head_dim]  vLLM's FlashAttention backend (this shape
+         even where the memory is heads-first: vLLM hands out a permuted view)
+    HND  [2, num_blocks, kv_heads, block_size, head_dim]  vLLM's CPU backend
+
+The host buffer is the bulk channel's block group (shared/kv/frame.py), one contiguous tensor
+[L, 2, n, block_size, kv_heads, head_dim], layer-major: layer 0's K of the n blocks (in block_ids
+order), layer 0's V, then layer 1, ...; in a block its tokens in order, each token's heads, each
+head's values, whatever the cache layout. KVClient.send_blocks sends a gathered buffer as it is.
+
+On CUDA both copies run on side streams and return at once; neither stalls the forward:
+    gather   the side stream waits (on the device) for the work queued so far, selects the blocks
+             into a device staging tensor and copies that to a pinned buffer; the caller polls or
+             waits on the returned copy, reads the buffer, then releases it.
+    scatter  the buffer goes to the device and into the blocks on a side stream; the current stream
+             waits for it (on the device) before the work queued next, unless the caller orders
+             that itself (wait=False, then copy.order_before() before the blocks are read).
+The blocks must stay the caller's (not freed nor reused) until the copy is done. On the CPU both
+copies run at once and are done on return.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.kv.host_buffers import HostBuffer, HostBuffers
+
+LAYOUTS = ("NHD", "HND")
+STAGE_BYTES = 64 << 20  # device staging of one step of a copy: this many bytes of layers at most
+
+
+@dataclass(eq=False)
+class BlockCopy:
+    """One gather or scatter; `host` is the [L, 2, n, block_size, kv_heads, head_dim] buffer."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None = None  # None: done on return (CPU)
+    buffer: HostBuffer | None = None  # the pool's buffer behind host (a gather's)
+    device: torch.device | None = None  # the cache's (CUDA copies)
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block this thread (not any stream) until the copy is done."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def order_before(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Work queued on `stream` (the current one by default) from now on waits for the copy."""
+        if self.event is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
+
+    def release(self) -> None:
+        """The caller is done with a gather's buffer: the next copies may reuse it."""
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
+class DeviceBlocks:
+    def __init__(
+        self, layout: str = "NHD", buffers: HostBuffers | None = None, stage_bytes: int = STAGE_BYTES
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown KV cache layout {layout!r}; known: {', '.join(LAYOUTS)}")
+        self.layout = layout
+        self.buffers = buffers or HostBuffers()
+        self.stage_bytes = stage_bytes
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+    def gather(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> BlockCopy:
+        """The blocks `block_ids` of every layer into a host buffer (reused across calls)."""
+        block_ids = _host_ids(block_ids)
+        views, shape = self._views(layers, block_ids)
+        buf = self.buffers.take(math.prod(shape) * views[0].dtype.itemsize)
+        host = buf.view(shape, views[0].dtype)
+        device = views[0].device
+        if device.type != "cuda":
+            index = torch.tensor(block_ids, dtype=torch.long, device=device)
+            for i, view in enumerate(views):
+                torch.index_select(view, 1, index, out=host[i])
+            return BlockCopy(host, buffer=buf)
+        if not host.is_pinned():
+            raise ValueError("gather on CUDA needs pinned host buffers (HostBuffers(pin=True))")
+        side = self._stream(device, "gather")
+        side.wait_stream(torch.cuda.current_stream(device))  # the blocks' KV is written first
+        with torch.cuda.stream(side):
+            index = _device_index(block_ids, device)
+            for lo, hi in self._steps(shape, host.dtype):
+                stage = torch.empty((hi - lo, *shape[1:]), dtype=host.dtype, device=device)
+                for i in range(lo, hi):
+                    torch.index_select(views[i], 1, index, out=stage[i - lo])
+                host[lo:hi].copy_(stage, non_blocking=True)
+            event = _record(side)
+        buf.events.append(event)
+        return BlockCopy(host, event, buf, device)
+
+    def scatter(
+        self,
+        host: torch.Tensor,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        *,
+        wait: bool = True,
+    ) -> BlockCopy:
+        """A host buffer (as gather makes it) into the blocks `block_ids` of every layer. On CUDA
+        the caller leaves `host` untouched until the copy is done (a buffer that is not pinned is
+        first copied into a pinned one, and is the caller's again on return)."""
+        block_ids = _host_ids(block_ids)
+        views, shape = self._views(layers, block_ids)
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("scatter: a block id appears twice")
+        if tuple(host.shape) != shape or host.dtype != views[0].dtype or host.device.type != "cpu":
+            raise ValueError(
+                f"scatter: host buffer {tuple(host.shape)} {host.dtype} on {host.device} does not match "
+                f"the cache's {shape} {views[0].dtype} on the CPU"
+            )
+        device = views[0].device
+        if device.type != "cuda":
+            index = torch.tensor(block_ids, dtype=torch.long, device=device)
+            for i, view in enumerate(views):
+                view.index_copy_(1, index, host[i])
+            return BlockCopy(host)
+        staged = None
+        if not (host.is_pinned() and host.is_contiguous()):
+            staged = self.buffers.take(host.numel() * host.element_size())
+            host = staged.view(shape, host.dtype).copy_(host)
+        side = self._stream(device, "scatter")
+        side.wait_stream(torch.cuda.current_stream(device))  # earlier work on those blocks first
+        with torch.cuda.stream(side):
+            index = _device_index(block_ids, device)
+            for lo, hi in self._steps(shape, host.dtype):
+                stage = host[lo:hi].to(device, non_blocking=True)
+                for i in range(lo, hi):
+                    views[i].index_copy_(1, index, stage[i - lo])
+            event = _record(side)
+        self.buffers.note_use(host, event)
+        if staged is not None:
+            staged.release()  # reused once the copy has read it
+        copy = BlockCopy(host, event, device=device)
+        if wait:
+            copy.order_before()
+        return copy
+
+    def _views(
+        self, layers: Sequence[torch.Tensor], block_ids: Sequence[int]
+    ) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        """Each layer as [2, num_blocks, block_size, kv_heads, head_dim] and the group's shape."""
+        if not layers:
+            raise ValueError("no layers")
+        views = [t.transpose(2, 3) if self.layout == "HND" else t for t in layers]
+        first = views[0]
+        for t in views:
+            if t.dim() != 5 or t.shape[0] != 2:
+                raise ValueError(f"a layer's KV must be [2, num_blocks, ...], not {tuple(t.shape)}")
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError("every layer must have the same shape, dtype and device")
+        bad = [b for b in block_ids if not 0 <= b < first.shape[1]]
+        if bad:
+            raise ValueError(f"block ids {bad[:4]} out of range for {first.shape[1]} blocks")
+        _, _, block_size, heads, head_dim = first.shape
+        return views, (len(views), 2, len(block_ids), block_size, heads, head_dim)
+
+    def _steps(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, int]]:
+        """Layer ranges whose staging stays within stage_bytes (one layer at least)."""
+        per = max(1, self.stage_bytes // max(1, math.prod(shape[1:]) * dtype.itemsize))
+        return [(lo, min(lo + per, shape[0])) for lo in range(0, shape[0], per)]
+
+    def _stream(self, device: torch.device, role: str) -> torch.cuda.Stream:
+        if (device, role) not in self._streams:
+            self._streams[device, role] = torch.cuda.Stream(device=device)
+        return self._streams[device, role]
+
+
+def _host_ids(block_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.device.type != "cpu":
+            raise ValueError("block ids must be on the host (reading them off the device would wait)")
+        return block_ids.tolist()
+    return [int(b) for b in block_ids]
+
+
+def _device_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids on the device without a synchronizing copy: through pinned memory, which the
+    host allocator keeps until the copy on the current (side) stream has read it."""
+    return torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(blocking=True)  # wait() sleeps instead of spinning a core
+    event.record(stream)
+    return event
