@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
-from shared.config import EngineSettings
-
-PDD_BLOCK_SIZE: int = EngineSettings.model_fields["block_size"].default
+PDD_BLOCK_SIZE = 16  # the engine's block size (EngineSettings.block_size); kv/ reads no settings
 
 
 def block_ratio(vllm_block_size: int, pdd_block_size: int = PDD_BLOCK_SIZE) -> int:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from shared.config import EngineSettings
 from shared.engine.hashing import block_hashes
 from shared.kv.vllm_blocks import (
     PDD_BLOCK_SIZE,
@@ -28,7 +29,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def test_pdd_block_size_is_the_engine_default():
-    assert PDD_BLOCK_SIZE == 16
+    assert PDD_BLOCK_SIZE == EngineSettings.model_fields["block_size"].default == 16
 
 
 @pytest.mark.parametrize("size", [8, 24, 100, 0, -16])
