@@ -10,13 +10,14 @@ The host buffer is the bulk channel's block group (shared/kv/frame.py), one cont
 order), layer 0's V, then layer 1, ...; in a block its tokens in order, each token's heads, each
 head's values, whatever the cache layout. KVClient.send_blocks sends a gathered buffer as it is.
 
-On CUDA both copies run on side streams and return at once; neither stalls the forward:
+On CUDA both copies run on side streams and return at once; neither stalls the engine's stream
+(the forward's: the current one unless given) nor the calling thread:
     gather   the side stream waits (on the device) for the work queued so far, selects the blocks
              into a device staging tensor and copies that to a pinned buffer; the caller polls or
              waits on the returned copy, reads the buffer, then releases it.
-    scatter  the buffer goes to the device and into the blocks on a side stream; the current stream
-             waits for it (on the device) before the work queued next, unless the caller orders
-             that itself (wait=False, then copy.order_before() before the blocks are read).
+    scatter  the buffer goes to the device and into the blocks on a side stream; the engine's
+             stream waits for it (on the device) before the work queued next, unless the caller
+             orders that itself (wait=False, then copy.order_before() before the blocks are read).
 The blocks must stay the caller's (not freed nor reused) until the copy is done. On the CPU both
 copies run at once and are done on return.
 """
@@ -25,43 +26,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from shared.kv.host_buffers import HostBuffer, HostBuffers
+from shared.kv.block_copy import BlockCopy
+from shared.kv.host_buffers import HostBuffers
 
 LAYOUTS = ("NHD", "HND")
 STAGE_BYTES = 64 << 20  # device staging of one step of a copy: this many bytes of layers at most
-
-
-@dataclass(eq=False)
-class BlockCopy:
-    """One gather or scatter; `host` is the [L, 2, n, block_size, kv_heads, head_dim] buffer."""
-
-    host: torch.Tensor
-    event: torch.cuda.Event | None = None  # None: done on return (CPU)
-    buffer: HostBuffer | None = None  # the pool's buffer behind host (a gather's)
-    device: torch.device | None = None  # the cache's (CUDA copies)
-
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def wait(self) -> None:
-        """Block this thread (not any stream) until the copy is done."""
-        if self.event is not None:
-            self.event.synchronize()
-
-    def order_before(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Work queued on `stream` (the current one by default) from now on waits for the copy."""
-        if self.event is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(self.event)
-
-    def release(self) -> None:
-        """The caller is done with a gather's buffer: the next copies may reuse it."""
-        if self.buffer is not None:
-            self.buffer.release()
-            self.buffer = None
 
 
 class DeviceBlocks:
@@ -75,8 +47,16 @@ class DeviceBlocks:
         self.stage_bytes = stage_bytes
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
-    def gather(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> BlockCopy:
-        """The blocks `block_ids` of every layer into a host buffer (reused across calls)."""
+    def gather(
+        self,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> BlockCopy:
+        """The blocks `block_ids` of every layer into a host buffer (reused across calls). On CUDA
+        it is ordered after the work queued so far on `stream`: the engine's, by default this
+        thread's current stream."""
         block_ids = _host_ids(block_ids)
         views, shape = self._views(layers, block_ids)
         buf = self.buffers.take(math.prod(shape) * views[0].dtype.itemsize)
@@ -87,10 +67,9 @@ class DeviceBlocks:
             for i, view in enumerate(views):
                 torch.index_select(view, 1, index, out=host[i])
             return BlockCopy(host, buffer=buf)
-        if not host.is_pinned():
-            raise ValueError("gather on CUDA needs pinned host buffers (HostBuffers(pin=True))")
+        engine = stream or torch.cuda.current_stream(device)
         side = self._stream(device, "gather")
-        side.wait_stream(torch.cuda.current_stream(device))  # the blocks' KV is written first
+        side.wait_stream(engine)  # the blocks' KV is written first
         with torch.cuda.stream(side):
             index = _device_index(block_ids, device)
             for lo, hi in self._steps(shape, host.dtype):
@@ -100,7 +79,7 @@ class DeviceBlocks:
                 host[lo:hi].copy_(stage, non_blocking=True)
             event = _record(side)
         buf.events.append(event)
-        return BlockCopy(host, event, buf, device)
+        return BlockCopy(host, event, buf, engine)
 
     def scatter(
         self,
@@ -109,10 +88,12 @@ class DeviceBlocks:
         block_ids: Sequence[int],
         *,
         wait: bool = True,
+        stream: torch.cuda.Stream | None = None,
     ) -> BlockCopy:
         """A host buffer (as gather makes it) into the blocks `block_ids` of every layer. On CUDA
-        the caller leaves `host` untouched until the copy is done (a buffer that is not pinned is
-        first copied into a pinned one, and is the caller's again on return)."""
+        it is ordered after the work queued so far on `stream` (as gather's) and, with wait, before
+        the work queued on it next. The caller leaves `host` untouched until the copy is done (a
+        buffer that is not pinned is first copied into a pinned one, and is the caller's again)."""
         block_ids = _host_ids(block_ids)
         views, shape = self._views(layers, block_ids)
         if len(set(block_ids)) != len(block_ids):
@@ -132,8 +113,9 @@ class DeviceBlocks:
         if not (host.is_pinned() and host.is_contiguous()):
             staged = self.buffers.take(host.numel() * host.element_size())
             host = staged.view(shape, host.dtype).copy_(host)
+        engine = stream or torch.cuda.current_stream(device)
         side = self._stream(device, "scatter")
-        side.wait_stream(torch.cuda.current_stream(device))  # earlier work on those blocks first
+        side.wait_stream(engine)  # earlier work on those blocks first
         with torch.cuda.stream(side):
             index = _device_index(block_ids, device)
             for lo, hi in self._steps(shape, host.dtype):
@@ -144,7 +126,7 @@ class DeviceBlocks:
         self.buffers.note_use(host, event)
         if staged is not None:
             staged.release()  # reused once the copy has read it
-        copy = BlockCopy(host, event, device=device)
+        copy = BlockCopy(host, event, stream=engine)
         if wait:
             copy.order_before()
         return copy
@@ -162,6 +144,8 @@ class DeviceBlocks:
                 raise ValueError(f"a layer's KV must be [2, num_blocks, ...], not {tuple(t.shape)}")
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
                 raise ValueError("every layer must have the same shape, dtype and device")
+        if first.is_cuda and not self.buffers.pin:
+            raise ValueError("copies with a CUDA cache need pinned host buffers (HostBuffers(pin=True))")
         bad = [b for b in block_ids if not 0 <= b < first.shape[1]]
         if bad:
             raise ValueError(f"block ids {bad[:4]} out of range for {first.shape[1]} blocks")

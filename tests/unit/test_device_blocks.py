@@ -118,3 +118,27 @@ def test_bad_arguments_are_refused():
         copier.gather([], [0])
     with pytest.raises(ValueError, match="layout"):
         DeviceBlocks("NDH")
+
+
+class PendingCopy:
+    """An event as the pool sees one: finished or not."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+def test_a_buffer_a_copy_still_reads_is_not_reused_even_released():
+    pool = HostBuffers(pin=False)
+    buf = pool.take(10)
+    copy = PendingCopy()
+    pool.note_use(buf.view((2, 5), torch.uint8)[1], copy)  # a view into it counts
+    buf.release()
+    other = pool.take(10)
+    assert other is not buf
+    copy.finished = True
+    assert pool.take(10) is buf
+    pool.note_use(torch.zeros(3), PendingCopy())  # not the pool's: nothing noted
+    assert all(not b.events for b in pool.buffers)

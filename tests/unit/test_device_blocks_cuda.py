@@ -86,3 +86,25 @@ def test_block_ids_on_the_device_are_refused():
     layers = _cuda(cache("NHD", 1, 4, 16, 1, 64, torch.float16))
     with pytest.raises(ValueError, match="on the host"):
         DeviceBlocks().gather(layers, torch.tensor([1], device="cuda"))
+
+
+def test_copies_follow_the_engine_stream_given():
+    layers = _cuda(cache("NHD", 2, 8, 16, 2, 64, torch.float16))
+    copier = DeviceBlocks()
+    copier.gather(layers, [1]).wait()
+    engine = torch.cuda.Stream()
+    engine.wait_stream(torch.cuda.current_stream())  # the layers are written
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t in layers:
+            t[:, 2].fill_(3.0)
+    got = copier.gather(layers, [2], stream=engine)
+    assert not got.done()
+    got.wait()
+    assert (got.host == 3.0).all()
+    back = copier.scatter(got.host, layers, [6], stream=engine)  # engine waits for it
+    with torch.cuda.stream(engine):
+        read = layers[0][:, 6].clone()
+    back.wait()
+    engine.synchronize()
+    assert (read == 3.0).all()
