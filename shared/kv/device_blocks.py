@@ -9,6 +9,8 @@ The host buffer is the bulk channel's block group (shared/kv/frame.py), one cont
 [L, 2, n, block_size, kv_heads, head_dim], layer-major: layer 0's K of the n blocks (in block_ids
 order), layer 0's V, then layer 1, ...; in a block its tokens in order, each token's heads, each
 head's values, whatever the cache layout. KVClient.send_blocks sends a gathered buffer as it is.
+A group of vLLM blocks of r x 16 tokens is, as a view, the group of its r x n pdd blocks:
+host.view(L, 2, n * r, 16, kv_heads, head_dim), in the order of shared/kv/vllm_blocks.pdd_blocks_of.
 
 On CUDA both copies run on side streams and return at once; neither stalls the engine's stream
 (the forward's: the current one unless given) nor the calling thread:

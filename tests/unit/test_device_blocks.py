@@ -142,3 +142,13 @@ def test_a_buffer_a_copy_still_reads_is_not_reused_even_released():
     assert pool.take(10) is buf
     pool.note_use(torch.zeros(3), PendingCopy())  # not the pool's: nothing noted
     assert all(not b.events for b in pool.buffers)
+
+
+def test_a_group_of_vllm_blocks_is_a_view_of_its_pdd_blocks():
+    src = cache("NHD", 2, 6, 64, 2, 8, torch.bfloat16)  # vLLM blocks of 64 tokens: 4 pdd blocks each
+    host = DeviceBlocks().gather(src, [5, 2]).host
+    pdd = host.view(2, 2, 2 * 4, 16, 2, 8)  # no copy
+    assert pdd.data_ptr() == host.data_ptr()
+    for j, block in enumerate([5, 2]):
+        for k in range(4):  # pdd block 4j + k is tokens [16k, 16k + 16) of vLLM block `block`
+            assert same_bits(pdd[:, :, 4 * j + k], torch.stack(src)[:, :, block, 16 * k : 16 * (k + 1)])
