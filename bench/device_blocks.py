@@ -132,7 +132,9 @@ def gather_does_not_wait(layers: int) -> bool:
     """A gather returns while the current stream is still busy, and sees what it queued."""
     src = random_cache("NHD", torch.bfloat16, 16, layers, "cuda")
     copier = DeviceBlocks()
-    copier.gather(src, [1]).wait()
+    warm = copier.gather(src, [1])  # streams, buffer and staging made now: allocating may wait
+    warm.wait()
+    warm.release()
     torch.cuda._sleep(500_000_000)  # ~0.3 s of work on the current stream
     for t in src:
         t[:, 3].fill_(5.0)

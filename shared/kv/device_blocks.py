@@ -95,7 +95,8 @@ class DeviceBlocks:
         """A host buffer (as gather makes it) into the blocks `block_ids` of every layer. On CUDA
         it is ordered after the work queued so far on `stream` (as gather's) and, with wait, before
         the work queued on it next. The caller leaves `host` untouched until the copy is done (a
-        buffer that is not pinned is first copied into a pinned one, and is the caller's again)."""
+        buffer that is not pinned is first copied into a pinned one, and is the caller's again). A
+        buffer of a gather not done yet is read once the gather is (ordered on the device)."""
         block_ids = _host_ids(block_ids)
         views, shape = self._views(layers, block_ids)
         if len(set(block_ids)) != len(block_ids):
@@ -118,6 +119,9 @@ class DeviceBlocks:
         engine = stream or torch.cuda.current_stream(device)
         side = self._stream(device, "scatter")
         side.wait_stream(engine)  # earlier work on those blocks first
+        pooled = self.buffers.holding(host)
+        for earlier in pooled.events if pooled else []:
+            side.wait_event(earlier)  # a gather still writing the buffer
         with torch.cuda.stream(side):
             index = _device_index(block_ids, device)
             for lo, hi in self._steps(shape, host.dtype):
@@ -125,7 +129,8 @@ class DeviceBlocks:
                 for i in range(lo, hi):
                     views[i].index_copy_(1, index, stage[i - lo])
             event = _record(side)
-        self.buffers.note_use(host, event)
+        if pooled is not None:
+            pooled.events.append(event)
         if staged is not None:
             staged.release()  # reused once the copy has read it
         copy = BlockCopy(host, event, stream=engine)

@@ -67,10 +67,8 @@ class HostBuffers:
         buf.held = True
         return buf
 
-    def note_use(self, tensor: torch.Tensor, event: torch.cuda.Event) -> None:
-        """A copy (ending at `event`) reads or writes `tensor`: if one of the pool's buffers holds
-        it, that buffer is not reused before the copy has finished, released or not."""
+    def holding(self, tensor: torch.Tensor) -> HostBuffer | None:
+        """The pool's buffer that `tensor` lies in, if any: a copy that reads or writes it notes
+        its event there, so the buffer is not reused before the copy has finished."""
         start = tensor.untyped_storage().data_ptr()
-        for buf in self.buffers:
-            if buf.data.untyped_storage().data_ptr() == start:
-                buf.events.append(event)
+        return next((b for b in self.buffers if b.data.untyped_storage().data_ptr() == start), None)

@@ -134,14 +134,13 @@ def test_a_buffer_a_copy_still_reads_is_not_reused_even_released():
     pool = HostBuffers(pin=False)
     buf = pool.take(10)
     copy = PendingCopy()
-    pool.note_use(buf.view((2, 5), torch.uint8)[1], copy)  # a view into it counts
+    pool.holding(buf.view((2, 5), torch.uint8)[1]).events.append(copy)  # a view into it counts
     buf.release()
     other = pool.take(10)
     assert other is not buf
     copy.finished = True
     assert pool.take(10) is buf
-    pool.note_use(torch.zeros(3), PendingCopy())  # not the pool's: nothing noted
-    assert all(not b.events for b in pool.buffers)
+    assert pool.holding(torch.zeros(3)) is None
 
 
 def test_a_group_of_vllm_blocks_is_a_view_of_its_pdd_blocks():
