@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from pdd.benchkit.progress import add_quiet_option
 from pdd.benchkit.report import save_report
 from shared.kv.device_blocks import DeviceBlocks
 
@@ -163,8 +164,9 @@ def table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdd bench device_blocks", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="4 layers, fewer repetitions")
+    add_quiet_option(p)  # it draws no bars; accepted as every bench's
     a = p.parse_args(argv)
     layers = 4 if a.quick else LAYERS
     if not torch.cuda.is_available():

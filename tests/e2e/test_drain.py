@@ -40,7 +40,8 @@ from tests.engine_util import greedy, make_engine, run_all, tokens_of
 from tests.polling import until
 
 PROMPT = [(i * 5 + 3) % 250 for i in range(40)]
-WAIT_S = 30  # bound on every wait of the test
+WAIT_S = 30  # bound on every wait of the test but a service process's start
+START_S = 90  # a fresh interpreter importing torch: tens of seconds on a busy 2-core host
 
 
 def _md(nc, **kw) -> MainDecodeService:
@@ -62,8 +63,8 @@ async def _queue(nc, subject: str, cls) -> asyncio.Queue:
     return got
 
 
-async def _first(got: asyncio.Queue, accept) -> object:
-    async with asyncio.timeout(WAIT_S):
+async def _first(got: asyncio.Queue, accept, timeout_s: float = WAIT_S) -> object:
+    async with asyncio.timeout(timeout_s):
         while not accept(msg := await got.get()):
             pass
     return msg
@@ -198,7 +199,7 @@ async def test_sigterm_announces_the_drain_and_exits_zero(nats_server, nats_secu
     reports = await _queue(nc, subjects.load("main_decode", "0"), LoadReport)
     proc, log = await _md_process(nats_server, nats_security, tmp_path)
     try:
-        await _first(reports, lambda r: not r.draining)  # up and heartbeating
+        await _first(reports, lambda r: not r.draining, START_S)  # up and heartbeating
         proc.send_signal(signal.SIGTERM)
         await _first(reports, lambda r: r.draining)
         code = await asyncio.wait_for(proc.wait(), WAIT_S)
@@ -219,7 +220,7 @@ async def test_sigterm_after_nats_went_away_still_exits_zero_at_once(
     reports = await _queue(nc, subjects.load("main_decode", "0"), LoadReport)
     proc, log = await _md_process(nats_server, nats_security, tmp_path)
     try:
-        await _first(reports, lambda r: not r.draining)  # up and heartbeating
+        await _first(reports, lambda r: not r.draining, START_S)  # up and heartbeating
         await nc.close()
         await nats_server.stop()
         await until(lambda: "nats main_decode-0: disconnected" in log.read_text(), WAIT_S)

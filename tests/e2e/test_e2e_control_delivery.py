@@ -21,11 +21,11 @@ PRESET = "small"
 DROPPED = ("MainDecodeTarget", "HandoffBatch", "KVReady", "RelayStart")
 RESENT = "pdd_bus_control_resent_total"
 # The relay is paced (the PDD_RELAY_MIN_STEP_S test knob): a relayed request of RELAYED_TOKENS
-# cannot end on the relay in under RELAYED_TOKENS * RELAY_STEP_S = 10 s, on any host, while
+# cannot end on the relay in under RELAYED_TOKENS * RELAY_STEP_S = 20 s, on any host, while
 # the handoff the test repairs takes about two seconds (three lost messages, each sent again
 # after its ack timeout). Once MD takes over it decodes the rest unpaced.
 RELAY_STEP_S = 0.1
-RELAYED_TOKENS = 100
+RELAYED_TOKENS = 200
 
 
 @pytest.fixture(scope="module")

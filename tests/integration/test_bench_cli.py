@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHES = (
     "bandwidth",
     "chaos",
+    "device_blocks",
     "e2e",
     "engine",
     "handoff",
