@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
@@ -58,9 +58,25 @@ class ModelSettings(BaseModel):
     seed: int = 0  # seed of the preset's deterministic weights
 
 
-class EngineSettings(BaseModel):
-    """Paged KV pool and batching limits."""
+EngineKind = Literal["pdd", "vllm"]
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
+BUILT_ENGINES = ("pdd",)  # the kinds this build can run
 
+
+def engine_unavailable(kind: str) -> str | None:
+    """Why this build cannot run an engine of `kind`; None when it can."""
+    if kind in BUILT_ENGINES:
+        return None
+    name = "vLLM" if kind == "vllm" else repr(kind)
+    return f"the {name} engine is not available in this build (engines available: {', '.join(BUILT_ENGINES)})"
+
+
+class EngineSettings(BaseModel):
+    """Which engine, its paged KV pool and batching limits."""
+
+    # The engine behind the seam (shared/engine/seam.py): "pdd" (this package's own) or "vllm"
+    # (not in this build: a service that is given it exits 2 at start).
+    kind: EngineKind = "pdd"
     block_size: int = 16
     # The KV pool's size, as vLLM sizes its own: on the CPU kv_cache_space_gib (vLLM's
     # VLLM_CPU_KVCACHE_SPACE, 4 GiB unless set); on CUDA gpu_memory_utilization of the device's

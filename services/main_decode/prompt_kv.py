@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from opentelemetry import trace
 
-from shared.engine.block_exchange import BlockExchange
+from shared.engine import Engine
 from shared.engine.in_flight import BlocksInFlight
 from shared.kv.codec import wire_nbytes, wire_ratio
 from shared.serving.engine_loop import EngineLoop
@@ -46,12 +46,12 @@ class PromptKVIntake:
         self,
         jobs: Mapping[str, MainDecodeJob],
         engine_loop: EngineLoop,
-        exchange: BlockExchange,
+        engine: Engine,
         tracer: trace.Tracer,
         events: IntakeEvents,
         share_in_flight: bool = True,
     ):
-        self.jobs, self.engine_loop, self.exchange = jobs, engine_loop, exchange
+        self.jobs, self.engine_loop, self.engine = jobs, engine_loop, engine
         self.tracer, self.events, self.share_in_flight = tracer, events, share_in_flight
         self.in_flight = BlocksInFlight()
 
@@ -108,7 +108,7 @@ class PromptKVIntake:
         """Waiting requests got the blocks they waited for (`lost`: they will not come)."""
         for rid, hashes in resolved.items():
             landed, gone = ([], hashes) if lost else (hashes, [])
-            pinned = await self.engine_loop.call(self.exchange.share, rid, landed, gone, must_run=True)
+            pinned = await self.engine_loop.call(self.engine.share, rid, landed, gone, must_run=True)
             job = self.jobs.get(rid)
             if job is None:
                 continue
@@ -141,7 +141,7 @@ class PromptKVIntake:
         if len(fresh) < len(hashes):
             hashes, kv = [hashes[i] for i in fresh], kv[:, :, fresh]
         await self.events.take_back(job, hashes)  # sent over TCP instead of into their RDMA slots
-        await self.engine_loop.call(self.exchange.import_blocks, hashes, kv, pin=rid)
+        await self.engine_loop.call(self.engine.import_blocks, hashes, kv, pin=rid)
         await self.received(job, hashes, wire_nbytes(kv, ratio), traceparent, "tcp")
 
     async def on_done(self, rid: str, payload: bytes) -> None:

@@ -13,7 +13,7 @@ from typing import Protocol
 from shared.bus.connection import respond
 from shared.bus.messages import RdmaOffer, RdmaSlots, RdmaVerdict, RdmaWritten
 from shared.config import MainDecodeSettings
-from shared.engine.block_exchange import BlockExchange
+from shared.engine import Engine
 from shared.kv.checksum import ALGOS
 from shared.kv.rdma.engine import RdmaEngine
 from shared.kv.rdma.layout import region_of
@@ -49,17 +49,17 @@ class RdmaReceiver:
         settings: MainDecodeSettings,
         prompt_kv: PromptKV,
         engine_loop: EngineLoop,
-        exchange: BlockExchange,
+        llm_engine: Engine,
         life: Lifecycle,
         nc,
     ):
         self.settings = settings
         self.prompt_kv = prompt_kv
         self.engine_loop = engine_loop
-        self.exchange = exchange
+        self.llm_engine = llm_engine
         self.life, self.nc = life, nc
-        self.pool = exchange.kv_cache  # registered whole; prefill writes into its slots
-        self.engine: RdmaEngine | None = None
+        self.pool = llm_engine.slot_memory()  # registered whole; prefill writes into its slots
+        self.engine: RdmaEngine | None = None  # the transfer engine
         self.offered: dict[str, dict[int, int]] = {}  # rid -> hash -> slot given to prefill, not yet written
         self.quarantined: dict[str, dict[int, int]] = {}  # the same, of requests that ended
 
@@ -84,9 +84,9 @@ class RdmaReceiver:
             return refused
         hashes = [h for h in dict.fromkeys(msg.hashes) if h in job.missing and h not in job.received]
         loop = self.engine_loop
-        slots = await loop.call(self.exchange.take_spare, msg.rid, len(hashes))
+        slots = await loop.call(self.llm_engine.take_spare, msg.rid, len(hashes))
         if self.prompt_kv.receiving_job(msg.rid) is not job:  # dropped meanwhile: nothing was written yet
-            await loop.call(self.exchange.release_blocks, slots, must_run=True)
+            await loop.call(self.llm_engine.release_blocks, slots, must_run=True)
             refused.error = f"request {msg.rid} ended"
             return refused
         hashes = hashes[: len(slots)]
@@ -114,7 +114,7 @@ class RdmaReceiver:
         slots = [offered.pop(h) for h in msg.hashes]  # written: out of quarantine's reach
         job = self.prompt_kv.receiving_job(msg.rid)
         if job is None:
-            await self.engine_loop.call(self.exchange.release_blocks, slots, must_run=True)
+            await self.engine_loop.call(self.llm_engine.release_blocks, slots, must_run=True)
             return RdmaVerdict(ok=False, error=f"request {msg.rid} ended")
         checks = list(zip(msg.hashes, slots, msg.checksums, strict=True))
         good, corrupt = await self.engine_loop.call(self._verify, msg.rid, checks, msg.algo, must_run=True)
@@ -125,7 +125,7 @@ class RdmaReceiver:
         return RdmaVerdict(ok=True, corrupt=corrupt)
 
     def _verify(self, rid: str, checks: list[tuple[int, int, int]], algo: str) -> tuple[list[int], list[int]]:
-        return adopt_verified(self.exchange, rid, checks, algo)  # engine thread
+        return adopt_verified(self.llm_engine, rid, checks, algo)  # engine thread
 
     # ---- the request's other ends ---------------------------------------------------------
     async def take_back(self, rid: str, hashes: list[int]) -> None:
@@ -134,7 +134,7 @@ class RdmaReceiver:
         offered = self.offered.get(rid, {})
         slots = [offered.pop(h) for h in hashes if h in offered]
         for slot in slots:
-            await self.engine_loop.call(self.exchange.return_spare, rid, slot, must_run=True)
+            await self.engine_loop.call(self.llm_engine.return_spare, rid, slot, must_run=True)
 
     def forget(self, rid: str) -> None:
         """The request ended: slots still offered may yet be written by a late one-sided
@@ -155,7 +155,7 @@ class RdmaReceiver:
         if not held:
             self.quarantined.pop(rid, None)
         if slots:
-            await self.engine_loop.call(self.exchange.release_blocks, slots, must_run=True)
+            await self.engine_loop.call(self.llm_engine.release_blocks, slots, must_run=True)
 
     def close(self) -> None:
         if self.engine is not None:

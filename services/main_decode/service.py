@@ -22,7 +22,8 @@ from shared.bus.messages import (
     Role,
 )
 from shared.config import MainDecodeSettings
-from shared.engine import EngineError, InvalidRequestError, LLMEngine, Mode, StepOutput
+from shared.engine import Engine, EngineError, InvalidRequestError, Mode, StepOutput
+from shared.engine.factory import build_engine
 from shared.engine.kv_admission import Verdict
 from shared.kv.refusal import PeerRefused
 from shared.serving import identity_fault
@@ -45,17 +46,17 @@ class MainDecodeService(EngineService):
     publishes_cache = True
     jobs: dict[str, MainDecodeJob]
 
-    def __init__(self, settings: MainDecodeSettings, nc, engine: LLMEngine | None = None):
-        super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
+    def __init__(self, settings: MainDecodeSettings, nc, engine: Engine | None = None):
+        super().__init__(settings, nc, engine or build_engine(settings.model, settings.engine))
         self.kv_admission = KVAdmissionQueue(
             settings.admission_queue_max, settings.admission_wait_s, self.blocks_freed
         )
         self.core = MainDecodeCore(self.jobs, settings.instance)
-        loop, ex = self.engine_loop, self.engine.exchange
-        self.prompt_kv = PromptKVIntake(self.jobs, loop, ex, self.tracer, self, settings.share_in_flight)
+        loop, engine = self.engine_loop, self.engine
+        self.prompt_kv = PromptKVIntake(self.jobs, loop, engine, self.tracer, self, settings.share_in_flight)
         self.track("in_flight_blocks", lambda: len(self.prompt_kv.in_flight))
         self.track("in_flight_waiting", lambda: len(self.prompt_kv.in_flight.awaits))
-        self.rdma = RdmaReceiver(settings, self.prompt_kv, loop, ex, self.life, nc)
+        self.rdma = RdmaReceiver(settings, self.prompt_kv, loop, engine, self.life, nc)
         self.track("rdma_offered", lambda: len(self.rdma.offered))
         self.track("rdma_quarantined", lambda: len(self.rdma.quarantined))
 
@@ -63,6 +64,7 @@ class MainDecodeService(EngineService):
     async def preflight(cls, settings: MainDecodeSettings) -> None:
         """Exit 2 when the bulk address (or the RDMA host) MD would give prefill is loopback
         while its listener expects peers from other hosts (shared/advertise.py)."""
+        await super().preflight(settings)
         bound, ok = settings.bulk_address, settings.advertise_loopback_ok
         force = "PDD_MD_ADVERTISE_LOOPBACK_OK"
         bulk = await advertised(settings, bound)
@@ -126,7 +128,7 @@ class MainDecodeService(EngineService):
         while the pool is promised to others, wait in line. Returns how many prompt blocks
         are cached, or None if the request was aborted meanwhile."""
         need = self.engine.lifetime_blocks(len(msg.prompt_ids), msg.params)
-        pool_blocks = self.engine.pool.num_blocks
+        pool_blocks = self.engine_loop.stats.num_blocks
         if need > pool_blocks:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs up to {need} KV blocks ({need * self.engine.block_size} tokens) "
@@ -135,9 +137,7 @@ class MainDecodeService(EngineService):
             )
 
         async def attempt() -> int | None:
-            verdict, have = await self.engine_loop.call(
-                self.engine.exchange.reserve, msg.rid, msg.block_hashes, need
-            )
+            verdict, have = await self.engine_loop.call(self.engine.reserve, msg.rid, msg.block_hashes, need)
             return have if verdict is Verdict.ADMIT else None
 
         return await self.kv_admission.admit(msg.rid, attempt, lambda: self.unpin(msg.rid))
@@ -236,7 +236,7 @@ class MainDecodeService(EngineService):
         await self.free(job.rid)
 
 
-def apply_batch(engine: LLMEngine, req: PrepareRequest, batch: HandoffBatch, first: bool) -> None:
+def apply_batch(engine: Engine, req: PrepareRequest, batch: HandoffBatch, first: bool) -> None:
     """Engine thread: the first handoff batch adds the request (held until the final one),
     the next ones extend it."""
     if first:

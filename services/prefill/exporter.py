@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine import LLMEngine, Mode, SamplingParams
+from shared.engine import Engine, Mode, SamplingParams
 
 Blocks = tuple[list[int], torch.Tensor]  # block hashes, their KV [layers, 2, blocks, ...]
 
@@ -30,7 +30,7 @@ class BlockExport:
 
 
 class BlockExporter:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._plans: dict[str, ExportPlan] = {}
 
@@ -47,9 +47,9 @@ class BlockExporter:
         plan.md_missing = frozenset(missing)
         done = self.engine.computed_block_hashes(rid)[: plan.exported]
         wanted = [h for h in done if h in plan.md_missing]
-        return BlockExport(rid, wan=(wanted, self.engine.exchange.export_blocks(wanted))) if wanted else None
+        return BlockExport(rid, wan=(wanted, self.engine.export_blocks(wanted))) if wanted else None
 
-    def after_step(self, engine: LLMEngine) -> list[BlockExport]:
+    def after_step(self, engine: Engine) -> list[BlockExport]:
         """After each step: export the full blocks that just got computed."""
         out = []
         for rid, plan in self._plans.items():
@@ -67,10 +67,8 @@ class BlockExporter:
         idx = [i for i, h in enumerate(new) if h in md]
         if not plan.to_local:
             wanted = [new[i] for i in idx]
-            return (
-                BlockExport(rid, wan=(wanted, self.engine.exchange.export_blocks(wanted))) if wanted else None
-            )
-        kv = self.engine.exchange.export_blocks(new)
+            return BlockExport(rid, wan=(wanted, self.engine.export_blocks(wanted))) if wanted else None
+        kv = self.engine.export_blocks(new)
         wan = None
         if idx:
             wan = ([new[i] for i in idx], kv if len(idx) == len(new) else kv[:, :, idx].contiguous())

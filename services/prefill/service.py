@@ -22,7 +22,8 @@ from shared.bus.messages import (
     SubmitReply,
 )
 from shared.config import EngineSettings, PrefillSettings
-from shared.engine import EngineError, LLMEngine, StepOutput
+from shared.engine import Engine, EngineError, StepOutput
+from shared.engine.factory import build_engine
 from shared.kv import KVClientPool
 from shared.kv.rdma.link import rdma_host
 from shared.kv.tls import client_tls
@@ -54,8 +55,8 @@ class PrefillService(EngineService):
     publishes_backlog = True
     jobs: dict[str, PrefillJob]
 
-    def __init__(self, settings: PrefillSettings, nc, engine: LLMEngine | None = None):
-        engine = engine or LLMEngine(settings.model, chunked(settings.engine, settings.prefill_chunk))
+    def __init__(self, settings: PrefillSettings, nc, engine: Engine | None = None):
+        engine = engine or build_engine(settings.model, chunked(settings.engine, settings.prefill_chunk))
         self.exporter = BlockExporter(engine)
         super().__init__(settings, nc, engine, post_step=self.exporter.after_step)
         # One pool per path, each peer's certificate naming that path's role (checked instead of
@@ -84,6 +85,7 @@ class PrefillService(EngineService):
     async def preflight(cls, settings: PrefillSettings) -> None:
         """Exit 2 when the RDMA engine's host, taken from this host's name, is loopback: MD on
         another host would write to its own (shared/advertise.py). A host given is taken as is."""
+        await super().preflight(settings)
         if settings.kv_transport == "rdma" and not settings.rdma.host:
             host = await rdma_host(settings.rdma)
             fix, force = "PDD_PREFILL_RDMA__HOST", "PDD_PREFILL_ADVERTISE_LOOPBACK_OK"

@@ -7,14 +7,14 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from shared.engine.block_exchange import BlockExchange
+from shared.engine import Engine
 from shared.engine.errors import KVShortageError
 from shared.serving.engine_loop import EngineLoop
 
 
 async def import_when_room(
     loop: EngineLoop,
-    exchange: BlockExchange,
+    engine: Engine,
     freed: Callable[[], Awaitable[None]],
     wait_s: float,
     rid: str,
@@ -28,7 +28,7 @@ async def import_when_room(
         async with asyncio.timeout(wait_s):
             while True:
                 try:
-                    return await loop.call(exchange.import_blocks, hashes, kv, pin=rid)
+                    return await loop.call(engine.import_blocks, hashes, kv, pin=rid)
                 except KVShortageError:
                     await freed()
     except TimeoutError:

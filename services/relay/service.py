@@ -26,7 +26,8 @@ from shared.bus.messages import (
     TokenEvent,
 )
 from shared.config import RelaySettings
-from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
+from shared.engine import Engine, EngineError, EngineStats, StepOutput
+from shared.engine.factory import build_engine
 from shared.serving.engine_service import EngineService, advertised
 from shared.serving.state_machine import StateMachine
 from shared.serving.token_events import error_event, outcome_of, token_event
@@ -46,8 +47,8 @@ class RelayService(EngineService):
     role = Role.RELAY
     jobs: dict[str, RelayJob]
 
-    def __init__(self, settings: RelaySettings, nc, engine: LLMEngine | None = None):
-        super().__init__(settings, nc, engine or LLMEngine(settings.model, settings.engine))
+    def __init__(self, settings: RelaySettings, nc, engine: Engine | None = None):
+        super().__init__(settings, nc, engine or build_engine(settings.model, settings.engine))
         self.engine_loop.min_step_s = settings.min_step_s
         self.core = RelayCore(self.jobs, self.aborted, settings.catchup_threshold)
         self.early = self.core.early
@@ -57,6 +58,7 @@ class RelayService(EngineService):
     async def preflight(cls, settings: RelaySettings) -> None:
         """Exit 2 when the local path's address prefill would get is loopback while its listener
         expects prefill on another host (shared/advertise.py); a unix socket always passes."""
+        await super().preflight(settings)
         bound = settings.local_address
         address = await advertised(settings, bound)
         fix, force = "PDD_RELAY_ADVERTISE", "PDD_RELAY_ADVERTISE_LOOPBACK_OK"
@@ -79,8 +81,8 @@ class RelayService(EngineService):
 
     # ---- KV sink (local fast path from prefill) ----------------------------------------
     async def on_blocks(self, rid: str, hashes: list[int], kv: torch.Tensor, traceparent: str | None) -> None:
-        exchange, wait_s = self.engine.exchange, self.settings.kv_import_wait_s
-        await import_when_room(self.engine_loop, exchange, self.blocks_freed, wait_s, rid, hashes, kv)
+        wait_s = self.settings.kv_import_wait_s
+        await import_when_room(self.engine_loop, self.engine, self.blocks_freed, wait_s, rid, hashes, kv)
 
     async def on_done(self, rid: str, payload: bytes) -> None:
         """All prompt blocks are here: decode once prefill's RelayStart is in too."""

@@ -5,9 +5,12 @@ from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
 from shared.engine.outputs import EngineStats, FinishReason, StepOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.seam import BlockFormat, Engine
 from shared.engine.sequence import Mode
 
 __all__ = [
+    "BlockFormat",
+    "Engine",
     "EngineError",
     "EngineStats",
     "FinishReason",

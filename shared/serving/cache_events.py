@@ -16,7 +16,7 @@ import time
 from shared.bus import subjects
 from shared.bus.connection import publish, respond
 from shared.bus.messages import KVEvents, KVSnapshot, KVSnapshotRequest, Role
-from shared.engine.block_exchange import BlockExchange
+from shared.engine import Engine
 from shared.serving.engine_loop import EngineLoop
 from shared.serving.runtime import Lifecycle
 
@@ -31,11 +31,9 @@ def last_changes(events: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
 
 
 class CacheEvents:
-    def __init__(
-        self, role: Role, instance: str, nc, engine_loop: EngineLoop, exchange: BlockExchange
-    ) -> None:
+    def __init__(self, role: Role, instance: str, nc, engine_loop: EngineLoop, engine: Engine) -> None:
         self.role, self.instance, self.nc = role, instance, nc
-        self.engine_loop, self.exchange = engine_loop, exchange
+        self.engine_loop, self.engine = engine_loop, engine
         self.epoch = secrets.token_hex(8)  # this process: a router sees a restart by its change
         self.seq = 0  # the last message's number (engine thread)
         self._sent_at = -math.inf
@@ -46,14 +44,14 @@ class CacheEvents:
 
     # ---- engine thread -------------------------------------------------------------------
     def _take(self, tick: bool) -> tuple[int, list[tuple[str, int]]] | None:
-        events = self.exchange.drain_events()
+        events = self.engine.drain_block_events()
         if not events and not tick:
             return None
         self.seq += 1
         return self.seq, events
 
     def _snapshot(self) -> tuple[int, list[int]]:
-        return self.seq, self.exchange.cached_hashes()
+        return self.seq, self.engine.cached_hashes()
 
     # ---- event loop ----------------------------------------------------------------------
     async def publish(self) -> None:
@@ -69,7 +67,7 @@ class CacheEvents:
 
     async def drop(self) -> None:
         """Let the events go unsent (a cache nobody follows: they would only pile up)."""
-        await self.engine_loop.call(self.exchange.drain_events)
+        await self.engine_loop.call(self.engine.drain_block_events)
 
     async def answer(self, msg: KVSnapshotRequest, raw) -> None:
         seq, stored = await self.engine_loop.call(self._snapshot)

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from shared.engine import EngineStats, LLMEngine, StepOutput
+from shared.engine import Engine, EngineStats, StepOutput
 from shared.serving.host_share import GiveWay
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ CALL_TIMEOUT_S = 30.0  # default deadline of one call (services pass settings.en
 GIVE_WAY_POLL_S = 0.002  # how often a decoder giving way to prefill looks again
 
 # Called on the engine thread right after each step (e.g. to export freshly computed KV).
-PostStep = Callable[[LLMEngine], Any]
+PostStep = Callable[[Engine], Any]
 # Called on the event loop with the step's outputs and what PostStep returned.
 OnOutputs = Callable[[list[StepOutput], Any], Awaitable[None]]
 
@@ -49,7 +49,7 @@ def _log_late_end(name: str, future: Future) -> None:
 class EngineLoop:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         on_outputs: OnOutputs,
         post_step: PostStep | None = None,
         call_timeout_s: float = CALL_TIMEOUT_S,

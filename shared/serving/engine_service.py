@@ -12,7 +12,6 @@ import logging
 import time
 from typing import Any, ClassVar
 
-import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
@@ -29,7 +28,8 @@ from shared.bus.messages import (
     Role,
     TokenEvent,
 )
-from shared.engine import EngineError, EngineStats, LLMEngine, StepOutput
+from shared.engine import BlockFormat, Engine, EngineError, EngineStats, StepOutput
+from shared.engine.factory import require_available_engine
 from shared.engine.outputs import group_by_request
 from shared.kv import KVServer, KVSink, start_kv_server
 from shared.kv.tls import server_tls
@@ -73,9 +73,11 @@ class EngineService:
 
     @classmethod
     async def preflight(cls, settings: Any) -> None:
-        """Settings checks that exit 2 before the service connects anywhere; none by default."""
+        """Settings checks that exit 2 before the service connects anywhere: an engine this
+        build cannot run; a service adds its own."""
+        require_available_engine(settings.engine, cls.role.value)
 
-    def __init__(self, settings: Any, nc: Any, engine: LLMEngine, post_step: PostStep | None = None):
+    def __init__(self, settings: Any, nc: Any, engine: Engine, post_step: PostStep | None = None):
         self.settings = settings
         self.nc = nc
         self.engine = engine
@@ -105,15 +107,15 @@ class EngineService:
         self.presence = Presence(self.role, settings.instance, nc, settings.orphan_after_s)
         self.aborted = RecentAborts()
         self._freed = asyncio.Event()  # set when KV blocks went back to the pool
-        self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine.exchange)
+        self.cache_events = CacheEvents(self.role, settings.instance, nc, self.engine_loop, engine)
         # This host's spans, for the router's GET /v1/traces when the DCs are separate hosts.
         self.traces = TraceAnswers(self.role, settings.instance, settings.datacenter)
         self.admission = AdmissionGate(self.life, nc, self.jobs, self.aborted, self.on_abort_message)
         self.blocks_used = metrics.KV_BLOCKS_USED.labels(service=self.role.value, instance=settings.instance)
         self.vllm = EngineMetrics(served_name(settings.model, engine.model_id), settings.instance)
         self.track("jobs", lambda: len(self.jobs))
-        self.track("engine_requests", lambda: len(engine.seqs))
-        self.track("pins", lambda: len(engine.exchange.pins))
+        self.track("engine_requests", engine.num_requests)
+        self.track("pins", engine.num_pin_owners)
         self.track("routers", lambda: len(self.presence.routers))
         self.track("aborted", lambda: len(self.aborted))
 
@@ -176,7 +178,7 @@ class EngineService:
         """Receive KV on the bulk channel into `sink` (default: this service's on_blocks/on_done/on_abort);
         `on_refused`: told of a sender refused for its identity."""
         self.kv_server = await listen_for_kv(
-            self.settings, self.engine.kv_cache, address, sink or self, on_refused=on_refused
+            self.settings, self.engine.block_format(), address, sink or self, on_refused=on_refused
         )
         self.advertise_address = await advertised(self.settings, self.kv_server.address)
 
@@ -264,7 +266,7 @@ class EngineService:
     # ---- freeing ---------------------------------------------------------------------
     def _free_now(self, rid: str) -> None:  # engine thread
         self.engine.abort(rid)
-        self.engine.exchange.unpin(rid)
+        self.engine.unpin(rid)
 
     async def free(self, rid: str) -> None:
         """Drop the request's sequence and its pinned blocks (late or not: must_run)."""
@@ -272,7 +274,7 @@ class EngineService:
         self._freed.set()
 
     async def unpin(self, rid: str) -> None:
-        await self.engine_loop.call(self.engine.exchange.unpin, rid, must_run=True)
+        await self.engine_loop.call(self.engine.unpin, rid, must_run=True)
         self._freed.set()
 
     async def blocks_freed(self) -> None:
@@ -320,14 +322,13 @@ async def advertised(settings: Any, bound: str) -> str:
 
 
 async def listen_for_kv(
-    settings: Any, kv_cache: torch.Tensor, address: str, sink: KVSink, on_refused: OnRefused | None = None
+    settings: Any, fmt: BlockFormat, address: str, sink: KVSink, on_refused: OnRefused | None = None
 ) -> KVServer:
     """The bulk channel's listener into `sink`. TLS on tcp:// when the settings name
     certificates, and then only from a sender whose certificate names prefill (the local unix://
     path goes by the settings' secret); groups that are not this model's dtype and per-block
-    shape are refused before any memory is reserved for them."""
-    layers, two, _, *block = kv_cache.shape
-    expect = (kv_cache.dtype, (layers, two, *block))
+    shape (`fmt`) are refused before any memory is reserved for them."""
+    expect = (fmt.dtype, fmt.shape)
     tls = server_tls(settings)
     return await start_kv_server(
         address, settings.secret, sink, ssl=tls, expect=expect, peer_roles=KV_SENDERS, on_refused=on_refused

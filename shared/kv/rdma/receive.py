@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import torch
 
 from shared.config import RdmaSettings
-from shared.engine.block_exchange import BlockExchange
+from shared.engine import Engine
 from shared.kv.rdma.engine import RdmaEngine, RdmaError
 from shared.kv.rdma.layout import block_checksum
 from shared.telemetry import metrics
@@ -38,18 +38,18 @@ def start_engine(rdma: RdmaSettings, address: str, pool: torch.Tensor) -> RdmaEn
 
 
 def adopt_verified(
-    exchange: BlockExchange, rid: str, checks: list[tuple[int, int, int]], algo: str
+    engine: Engine, rid: str, checks: list[tuple[int, int, int]], algo: str
 ) -> tuple[list[int], list[int]]:
     """Engine thread: cache each block (hash, slot, expected checksum) whose slot holds what the
     sender wrote; hand back the others' slots to the request. Returns (good, corrupt) hashes."""
-    kv = exchange.kv_cache
+    kv = engine.slot_memory()
     good, corrupt = [], []
     for h, slot, expected in checks:
         if block_checksum(kv, slot, algo) == expected:
-            exchange.adopt(rid, h, slot)
+            engine.adopt(rid, h, slot)
             good.append(h)
         else:
-            exchange.return_spare(rid, slot)  # the TCP resend lands in it
+            engine.return_spare(rid, slot)  # the TCP resend lands in it
             corrupt.append(h)
     if corrupt:
         metrics.KV_RDMA_CORRUPT_BLOCKS.inc(len(corrupt))

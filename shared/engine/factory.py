@@ -1,0 +1,25 @@
+"""The one place a service's engine is built, by kind (EngineSettings.kind, PDD_ENGINE__KIND)."""
+
+from __future__ import annotations
+
+import sys
+
+from shared.config import EngineSettings, ModelSettings, engine_unavailable
+from shared.engine.engine import LLMEngine
+from shared.engine.errors import EngineError
+from shared.engine.seam import Engine
+
+
+def require_available_engine(engine: EngineSettings, service: str) -> None:
+    """Exit 2 before the service starts when this build cannot run the engine it is given."""
+    why = engine_unavailable(engine.kind)
+    if why is not None:
+        print(f"{service}: refusing to start: {why}; set PDD_ENGINE__KIND=pdd", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_engine(model: ModelSettings, engine: EngineSettings) -> Engine:
+    why = engine_unavailable(engine.kind)
+    if why is not None:
+        raise EngineError(why)
+    return LLMEngine(model, engine)
