@@ -19,7 +19,7 @@ from pdd import certs as certs_cli
 from pdd import serve_nats
 from pdd.benchkit.catalog import bench_names, benches, listing
 from pdd.launch import DTYPE_CHOICES, MAX_COUNT, PORT_BLOCK, SERVICES, UpOptions, with_base_port
-from shared.config import TOOL_CALL_PARSERS
+from shared.config import ENGINE_KINDS, TOOL_CALL_PARSERS
 
 ENV_FILE_HELP = (
     "KEY=VALUE lines (repeatable; a later file wins, the process environment over all); "
@@ -41,8 +41,10 @@ COUNT_HELP = {
     "dtype": "auto (float32 on the CPU; the checkpoint's on a GPU) | float32 | bfloat16 | float16; ",
     "kv_cache_space": "GiB of KV cache on this machine, split among the engines (vLLM's CPU default); ",
     "tool_call_parser": "the format of the model's tool calls; none: what its chat template teaches; ",
+    "engine": "the engine behind the seam (vllm: not in this build); ",
 }
 FIELD_TYPES = {"max_model_len": int}  # fields whose default (None) does not tell their type
+FIELD_CHOICES = {"dtype": DTYPE_CHOICES, "tool_call_parser": TOOL_CALL_PARSERS, "engine": ENGINE_KINDS}
 
 
 def _add_up_options(p: argparse.ArgumentParser) -> None:
@@ -56,7 +58,7 @@ def _add_up_options(p: argparse.ArgumentParser) -> None:
         flags = [f"--{f.name.replace('_', '-')}"] + (["--port"] if f.name == "router_port" else [])
         kind = FIELD_TYPES.get(f.name) or (type(value) if value is not None else str)
         what = COUNT_HELP.get(f.name, "")
-        choices = {"dtype": DTYPE_CHOICES, "tool_call_parser": TOOL_CALL_PARSERS}.get(f.name)
+        choices = FIELD_CHOICES.get(f.name)
         p.add_argument(
             *flags,
             dest=f.name,

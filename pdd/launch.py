@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import ENV_PREFIX, TOOL_CALL_PARSERS
+from shared.config import ENGINE_KINDS, ENV_PREFIX, TOOL_CALL_PARSERS, engine_unavailable
 from shared.security.credentials import LOCAL_KV_SERVICES, Credentials
 from shared.security.identity import NATS_DC, ROLE_DC
 
@@ -82,6 +82,7 @@ class UpOptions:
     # How the model writes tool calls (vLLM's --tool-call-parser): hermes | llama3_json; none:
     # what the model's chat template teaches (hermes unless it is Llama 3's).
     tool_call_parser: str | None = None
+    engine: str = "pdd"  # the engines' kind (PDD_ENGINE__KIND): pdd | vllm (not in this build)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -92,6 +93,10 @@ class UpOptions:
             raise ValueError(
                 f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine!r}")
+        if (why := engine_unavailable(self.engine)) is not None:
+            raise ValueError(f"--engine {self.engine}: {why}")
         if not self.kv_cache_space > 0:
             raise ValueError(f"--kv-cache-space must be > 0 GiB, got {self.kv_cache_space}")
         for name in (*COUNTS.values(), "nats_cluster"):
@@ -411,6 +416,7 @@ def _model_env(p: str, opts: UpOptions) -> dict[str, str]:
         "MODEL__SERVED_MODEL_NAME": opts.served_model_name,
         "MODEL__DTYPE": None if opts.dtype == "auto" else opts.dtype,
         "ENGINE__MAX_MODEL_LEN": opts.max_model_len,
+        "ENGINE__KIND": None if opts.engine == "pdd" else opts.engine,
     }
     return {f"{p}{k}": str(v) for k, v in given.items() if v is not None}
 
