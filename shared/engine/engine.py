@@ -4,8 +4,8 @@ The engine keeps the requests and drives the pieces: RequestIntake checks what c
 the Scheduler owns queues and block tables, the ModelRunner computes, the Sampler draws,
 finish_reason decides when a request ends, and BlockExchange (engine.exchange) moves and pins
 KV blocks by hash. Not thread-safe: the services call every method from one worker thread.
-The services see it through the engine seam (shared/engine/seam.py): the methods under
-"the seam's blocks" below pass its block calls on to the exchange.
+The services see it through the engine seam (shared/engine/seam.py): its block calls go to
+the exchange (ExchangeCalls, shared/engine/exchange_calls.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from shared.config import EngineSettings, ModelSettings
 from shared.engine.block_exchange import BlockExchange
 from shared.engine.block_pool import BlockPool
 from shared.engine.errors import EngineError, InvalidRequestError
+from shared.engine.exchange_calls import ExchangeCalls
 from shared.engine.grammar import Grammars
 from shared.engine.hashing import block_hashes
 from shared.engine.intake import RequestIntake
-from shared.engine.kv_admission import Verdict, request_blocks
+from shared.engine.kv_admission import request_blocks
 from shared.engine.kv_memory import available_bytes, kv_pool_bytes, vllm_pool_bytes
 from shared.engine.logprobs import sampled_logprobs
 from shared.engine.model_runner import ModelRunner
@@ -29,7 +30,6 @@ from shared.engine.outputs import EngineStats, FinishReason, StepOutput
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler
-from shared.engine.seam import BlockFormat
 from shared.engine.sequence import Mode, SeqStatus, Sequence
 from shared.engine.step_logits import collect_prompt_logprobs, processed_logits
 from shared.engine.stopping import finish_reason
@@ -41,7 +41,7 @@ from shared.model.packed_linear import choose_linear_backend
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(ExchangeCalls):
     def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
         self.model, self.model_config, self.tokenizer = load_model(model_settings)
         cfg, es = self.model_config, engine_settings
@@ -285,50 +285,6 @@ class LLMEngine:
 
     def num_requests(self) -> int:
         return len(self.seqs)
-
-    # ---- the seam's blocks: BlockExchange behind the engine ----------------------------
-    def block_format(self) -> BlockFormat:
-        layers, two, _, *block = self.kv_cache.shape
-        return BlockFormat(self.kv_cache.dtype, (layers, two, *block))
-
-    def num_pin_owners(self) -> int:
-        return len(self.exchange.pins)
-
-    def export_blocks(self, hashes: list[int]) -> torch.Tensor:
-        return self.exchange.export_blocks(hashes)
-
-    def import_blocks(self, hashes: list[int], kv: torch.Tensor, *, pin: str | None = None) -> int:
-        return self.exchange.import_blocks(hashes, kv, pin=pin)
-
-    def reserve(self, owner: str, hashes: list[int], blocks: int) -> tuple[Verdict, int]:
-        return self.exchange.reserve(owner, hashes, blocks)
-
-    def share(self, owner: str, landed: list[int], lost: list[int] = ()) -> list[int]:
-        return self.exchange.share(owner, landed, lost)
-
-    def unpin(self, owner: str) -> None:
-        self.exchange.unpin(owner)
-
-    def slot_memory(self) -> torch.Tensor:
-        return self.kv_cache  # slots are block ids of the pool
-
-    def take_spare(self, owner: str, n: int) -> list[int]:
-        return self.exchange.take_spare(owner, n)
-
-    def adopt(self, owner: str, h: int, slot: int) -> None:
-        self.exchange.adopt(owner, h, slot)
-
-    def return_spare(self, owner: str, slot: int) -> None:
-        self.exchange.return_spare(owner, slot)
-
-    def release_blocks(self, slots: list[int]) -> None:
-        self.exchange.release_blocks(slots)
-
-    def drain_block_events(self) -> list[tuple[str, int]]:
-        return self.exchange.drain_events()
-
-    def cached_hashes(self) -> list[int]:
-        return self.exchange.cached_hashes()
 
 
 def share_kernel_helpers(es: EngineSettings, linear_backend: str, attention: str, small_ops: str) -> None:

@@ -36,7 +36,7 @@ from shared.kv.tls import server_tls
 from shared.kv.transport import OnRefused, advertised_address
 from shared.model.source import served_name
 from shared.serving.engine_loop import EngineLoop, PostStep
-from shared.serving.host_share import GiveWay, PrefillBacklog
+from shared.serving.host_share import host_share
 from shared.serving.liveness import HEARTBEAT_S
 from shared.serving.runtime import Lifecycle
 from shared.telemetry import metrics
@@ -82,14 +82,8 @@ class EngineService:
         self.nc = nc
         self.engine = engine
         self.tokens = TokenOutbox(nc)
-        self.backlog: PrefillBacklog | None = None  # prefill on a host shared with decoders
-        self.give_way: GiveWay | None = None  # a decoder on a host shared with prefill
-        if settings.host_share_dir and self.publishes_backlog:
-            self.backlog = PrefillBacklog(settings.host_share_dir, settings.instance)
-        elif settings.host_share_dir:
-            self.give_way = GiveWay(
-                settings.host_share_dir, settings.give_way_max_s, settings.give_way_above_tokens
-            )
+        # prefill publishes its backlog, a decoder gives way to it, on a host they share
+        self.backlog, self.give_way = host_share(settings, self.publishes_backlog)
         self.engine_loop = EngineLoop(
             engine,
             self._on_step,

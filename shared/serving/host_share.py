@@ -119,3 +119,13 @@ class GiveWay:
         for m in self._maps.values():
             m.close()
         self._maps.clear()
+
+
+def host_share(settings, publishes_backlog: bool) -> tuple[PrefillBacklog | None, GiveWay | None]:
+    """What a service on a host shared by prefill and decoders (settings.host_share_dir) holds:
+    prefill its published backlog, a decoder the rule by which it gives way; neither without."""
+    if not settings.host_share_dir:
+        return None, None
+    if publishes_backlog:
+        return PrefillBacklog(settings.host_share_dir, settings.instance), None
+    return None, GiveWay(settings.host_share_dir, settings.give_way_max_s, settings.give_way_above_tokens)
