@@ -177,11 +177,24 @@ class CommonSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        own_env = _EngineKindEnv(settings_cls)
         # Built on CommonSettings, not settings_cls: PDD_<FIELD> never sets a service's own field.
-        common_env = EnvSettingsSource(
+        common_env = _EngineKindEnv(
             CommonSettings, env_prefix=COMMON_PREFIX, env_nested_delimiter=NESTED_DELIMITER
         )
-        return init_settings, env_settings, common_env, dotenv_settings, file_secret_settings
+        return init_settings, own_env, common_env, dotenv_settings, file_secret_settings
+
+
+class _EngineKindEnv(EnvSettingsSource):
+    """PDD_ENGINE=pdd|vllm (or PDD_<ROLE>_ENGINE) names the engine's kind: `engine` is also the
+    engine's nested settings (PDD_ENGINE__KV_MEMORY_MB), so a bare word there is engine.kind."""
+
+    def _load_env_vars(self) -> dict[str, str | None]:
+        env = dict(super()._load_env_vars())
+        key = f"{self.env_prefix}engine".lower()
+        if (value := env.get(key)) is not None and not value.lstrip().startswith("{"):
+            env[f"{key}{NESTED_DELIMITER}kind"] = env.pop(key)
+        return env
 
 
 class PrefillSettings(CommonSettings):

@@ -1,4 +1,4 @@
-"""The one place a service's engine is built, by kind (EngineSettings.kind, PDD_ENGINE__KIND)."""
+"""The one place a service's engine is built, by kind (EngineSettings.kind: PDD_ENGINE or PDD_ENGINE__KIND)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def require_available_engine(engine: EngineSettings, service: str) -> None:
     """Exit 2 before the service starts when this build cannot run the engine it is given."""
     why = engine_unavailable(engine.kind)
     if why is not None:
-        print(f"{service}: refusing to start: {why}; set PDD_ENGINE__KIND=pdd", file=sys.stderr)
+        print(f"{service}: refusing to start: {why}; set PDD_ENGINE=pdd", file=sys.stderr)
         raise SystemExit(2)
 
 

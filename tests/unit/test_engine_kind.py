@@ -42,6 +42,15 @@ def test_the_kind_is_a_setting_of_every_engine_service(monkeypatch: pytest.Monke
     assert row.env == ("PDD_RELAY_ENGINE__KIND", "PDD_ENGINE__KIND") and row.current == "vllm"
 
 
+def test_pdd_engine_alone_names_the_kind_beside_the_engines_other_settings(monkeypatch) -> None:
+    """`engine` is also the nested EngineSettings: a bare word there is its kind."""
+    monkeypatch.setenv("PDD_ENGINE", "vllm")
+    monkeypatch.setenv("PDD_ENGINE__KV_MEMORY_MB", "7")
+    monkeypatch.setenv("PDD_RELAY_ENGINE", "pdd")
+    md, relay = MainDecodeSettings().engine, RelaySettings().engine
+    assert (md.kind, md.kv_memory_mb) == ("vllm", 7) and (relay.kind, relay.kv_memory_mb) == ("pdd", 7)
+
+
 def test_the_factory_builds_pdds_engine_and_refuses_vllm() -> None:
     assert isinstance(build_engine(ModelSettings(preset="tiny"), EngineSettings(kv_memory_mb=1)), LLMEngine)
     with pytest.raises(EngineError, match=UNAVAILABLE):
@@ -55,7 +64,7 @@ async def test_a_service_given_vllm_exits_2_before_it_starts(service, settings, 
         await service.preflight(settings())
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert UNAVAILABLE in err and "PDD_ENGINE__KIND=pdd" in err
+    assert UNAVAILABLE in err and "PDD_ENGINE=pdd" in err
 
 
 def test_up_engine_flag(capsys) -> None:
