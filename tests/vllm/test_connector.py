@@ -1,0 +1,126 @@
+"""PddConnector in real vLLM engines (the CPU build): a producer saves a prompt's full blocks
+under pdd's hashes, a consumer in a fresh process (prefix caching off) loads them and gives
+exactly the greedy tokens of vLLM alone. Minutes: each engine starts in its own process.
+
+Runs only where vLLM imports (never under `make test`):
+    PYTHONPATH=$PWD ~/.cache/pdd/vllm-venv/bin/python -m pytest --noconftest tests/vllm -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import vllm  # noqa: F401
+
+    MISSING = None
+except Exception as e:  # not installed here, or its native parts do not load
+    MISSING = (
+        f"vLLM does not import here ({type(e).__name__}: {e}); run it with vLLM's CPU venv (docs/vllm.md)"
+    )
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_ID = "small-s0"
+BLOCK = 128  # vLLM's block size on the CPU backend
+
+
+def _env() -> dict[str, str]:
+    from bench.peer_venv import vllm_env
+
+    env = vllm_env(Path(sys.prefix), os.cpu_count() or 1)
+    return {**env, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _generate(tmp: Path, name: str, spec: dict) -> dict:
+    spec_path, out_path, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log, "w") as f:
+        rc = subprocess.run(
+            [sys.executable, "-m", "tests.vllm.llm_run", str(spec_path), str(out_path)],
+            cwd=ROOT,
+            env=_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        ).returncode
+    assert rc == 0, f"{name} run failed (exit {rc}):\n" + "\n".join(log.read_text().splitlines()[-30:])
+    return json.loads(out_path.read_text())
+
+
+def _export(out: Path) -> Path:
+    from shared.model.export_hf import save_hf
+    from shared.model.llama import LlamaForCausalLM
+    from shared.model.presets import init_preset_weights, preset_config
+
+    model = LlamaForCausalLM(preset_config("small", 0))  # head_dim 64: the CPU kernels want 32k
+    init_preset_weights(model, 0)
+    return save_hf(model, out, byte_tokenizer=True)
+
+
+def _layer0_kv(model_dir: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's keys (rotated) and values for tokens from position 0, from the checkpoint alone:
+    [T, kv_heads, head_dim] each."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(model_dir / "model.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    x = sd["model.embed_tokens.weight"][torch.tensor(tokens)]
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+    h = h * sd["model.layers.0.input_layernorm.weight"]
+    heads, dim = cfg["num_key_value_heads"], cfg["head_dim"]
+    k = (h @ sd["model.layers.0.self_attn.k_proj.weight"].T).view(len(tokens), heads, dim)
+    v = (h @ sd["model.layers.0.self_attn.v_proj.weight"].T).view(len(tokens), heads, dim)
+    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
+    angles = torch.arange(len(tokens)).float()[:, None] * inv_freq[None]
+    cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
+    k1, k2 = k.chunk(2, -1)
+    return k * cos + torch.cat((-k2, k1), -1) * sin, v
+
+
+def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Path) -> None:
+    from shared.vllm.block_store import BlockStore
+    from shared.vllm.plan import prompt_block_names
+
+    model = _export(tmp_path / "model")
+    store_dir = tmp_path / "store"
+    a = [(i * 7 + 3) % 250 + 1 for i in range(300)]  # 2 full vLLM blocks and 44 tokens
+    d = [(i * 11 + 5) % 250 + 1 for i in range(300)]  # as long, other tokens
+    e = [(i * 13 + 1) % 250 + 1 for i in range(200)]  # nothing of it is ever stored
+    f = a[:256]  # exactly 2 blocks: the last token's block is computed, so only 1 is loaded
+    common = {"model": str(model), "max_tokens": 16, "store": str(store_dir), "model_id": MODEL_ID}
+
+    alone = _generate(tmp_path, "alone", {**common, "prompts": [a, d, f]})
+    g_a, g_d, g_f = alone["outputs"]
+    assert alone["cached"] == [0, 0, 0]
+
+    produced = _generate(tmp_path, "producer", {**common, "kv_role": "kv_producer", "prompts": [a]})
+    assert produced["outputs"] == [g_a]  # saving changes nothing
+    store = BlockStore(store_dir)
+    names_a, names_d = prompt_block_names(a, BLOCK, MODEL_ID), prompt_block_names(d, BLOCK, MODEL_ID)
+    assert sorted(p.name for p in store_dir.iterdir()) == sorted(store.path(h).name for h in names_a)
+
+    # The stored group is pdd's layout: layer 0 of block 0 is the keys and values of tokens 0..127.
+    group = store.get(names_a[0])
+    assert tuple(group.shape) == (8, 2, 1, BLOCK, 4, 64)
+    k, v = _layer0_kv(model, a[:BLOCK])
+    torch.testing.assert_close(group[0, 1, 0], v, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(group[0, 0, 0], k, rtol=1e-4, atol=1e-4)
+
+    # d's names hold a's KV: a consumer that attends to what it loaded must go wrong on d.
+    for name_a, name_d in zip(names_a, names_d, strict=True):
+        store.put(name_d, store.get(name_a))
+
+    consumed = _generate(tmp_path, "consumer", {**common, "kv_role": "kv_consumer", "prompts": [a, d, e, f]})
+    assert consumed["cached"] == [2 * BLOCK, 2 * BLOCK, 0, BLOCK]
+    assert consumed["outputs"][0] == g_a
+    assert consumed["outputs"][3] == g_f
+    assert consumed["outputs"][1] != g_d
