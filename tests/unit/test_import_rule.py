@@ -43,6 +43,18 @@ def test_library_and_services_import_nothing_above_them():
     assert not broken, "imports against the layering rule:\n" + "\n".join(broken)
 
 
+def test_only_the_vllm_package_imports_vllm():
+    """vLLM is an engine pdd may run on, never a dependency: shared/vllm/ alone imports it."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for package in ("shared", "services", "pdd")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line, module in imported_modules(path, ROOT)
+        if module.split(".")[0] == "vllm" and path.parent != ROOT / "shared" / "vllm"
+    ]
+    assert not found, "vllm imported outside shared/vllm/:\n" + "\n".join(found)
+
+
 def test_the_rule_names_file_and_line_of_a_bad_import(tmp_path):
     (tmp_path / "shared" / "kv").mkdir(parents=True)
     (tmp_path / "services" / "relay").mkdir(parents=True)

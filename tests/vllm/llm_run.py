@@ -2,7 +2,8 @@
 prompts, with or without PddConnector.
 
     python -m tests.vllm.llm_run SPEC.json OUT.json
-SPEC: {model, prompts: [[ids]], max_tokens, kv_role?, store?, model_id?}
+SPEC: {model, prompts: [[ids]], max_tokens, kv_role?, store?, model_id?, chunk?}
+      (chunk: max_num_batched_tokens, so a long prompt is prefilled over several steps)
 OUT:  {outputs: [[ids]], cached: [prompt tokens vLLM did not compute, per prompt]}
 """
 
@@ -32,6 +33,7 @@ def run(spec: dict) -> dict:
         enforce_eager=True,
         enable_prefix_caching=False,  # only the connector may supply KV
         kv_transfer_config=kv,
+        **({"max_num_batched_tokens": spec["chunk"]} if spec.get("chunk") else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     done = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)

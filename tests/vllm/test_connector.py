@@ -102,7 +102,9 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     g_a, g_d, g_f = alone["outputs"]
     assert alone["cached"] == [0, 0, 0]
 
-    produced = _generate(tmp_path, "producer", {**common, "kv_role": "kv_producer", "prompts": [a]})
+    # prefilled in chunks of 160 tokens: block 0 is saved after the first step, block 1 after the second
+    producer = {**common, "kv_role": "kv_producer", "prompts": [a], "chunk": 160}
+    produced = _generate(tmp_path, "producer", producer)
     assert produced["outputs"] == [g_a]  # saving changes nothing
     store = BlockStore(store_dir)
     names_a, names_d = prompt_block_names(a, BLOCK, MODEL_ID), prompt_block_names(d, BLOCK, MODEL_ID)
