@@ -103,7 +103,9 @@ class PddConnector(KVConnectorBase_V1):
             return 0, False
         prompt = request.prompt_token_ids
         names = prompt_block_names(prompt, self.block_size, self.model_id)
-        matched = matched_tokens(names, self.store.held_run, len(prompt), self.block_size)
+        matched = matched_tokens(
+            names, self.store.held_run, len(prompt), self.block_size, num_computed_tokens
+        )
         self._matched[request.request_id] = (names, matched)
         return max(0, matched - num_computed_tokens), False
 

@@ -26,11 +26,17 @@ def prompt_block_names(prompt: Sequence[int], vllm_block_size: int, model_id: st
 
 
 def matched_tokens(
-    names: Sequence[int], held_run: Callable[[list[int]], int], num_prompt_tokens: int, vllm_block_size: int
+    names: Sequence[int],
+    held_run: Callable[[list[int]], int],
+    num_prompt_tokens: int,
+    vllm_block_size: int,
+    local_tokens: int = 0,
 ) -> int:
-    """Tokens of the prompt that the store's leading blocks cover, never its last token (vLLM
-    computes that one itself, for the logits of the first output token)."""
-    held = held_run(list(names))
+    """Tokens of the prompt that the engine's own leading blocks (local_tokens, whole blocks) and
+    the store's blocks right after them cover, never the prompt's last token (vLLM computes that
+    one itself, for the logits of the first output token)."""
+    local = local_tokens // vllm_block_size
+    held = local + held_run(list(names[local:]))
     return tokens_covered(
         num_prompt_tokens, held * block_ratio(vllm_block_size), vllm_block_size, leave_last=True
     )

@@ -52,6 +52,9 @@ def test_matched_tokens_never_cover_the_last_token(tmp_path) -> None:
     assert matched_tokens([11, 22, 33], store.held_run, 3 * BLOCK, BLOCK) == 2 * BLOCK
     assert matched_tokens([11, 44, 33], store.held_run, 3 * BLOCK + 1, BLOCK) == BLOCK  # a gap ends it
     assert matched_tokens([44, 22], store.held_run, 3 * BLOCK, BLOCK) == 0
+    # the engine's own first block, then the store's: a store need not hold what the engine has
+    assert matched_tokens([44, 22, 33], store.held_run, 3 * BLOCK + 1, BLOCK, local_tokens=BLOCK) == 3 * BLOCK
+    assert matched_tokens([44, 55, 33], store.held_run, 3 * BLOCK + 1, BLOCK, local_tokens=BLOCK) == BLOCK
 
 
 def test_load_span_is_the_matched_blocks_past_vllms_own_hit() -> None:

@@ -1,6 +1,7 @@
 """PddConnector in real vLLM engines (the CPU build): a producer saves a prompt's full blocks
 under pdd's hashes, a consumer in a fresh process (prefix caching off) loads them and gives
-exactly the greedy tokens of vLLM alone. Minutes: each engine starts in its own process.
+exactly the greedy tokens of vLLM alone; with vLLM's prefix cache on, the connector loads only
+the blocks past its hit. Minutes: each engine starts in its own process.
 
 Runs only where vLLM imports (never under `make test`):
     PYTHONPATH=$PWD ~/.cache/pdd/vllm-venv/bin/python -m pytest --noconftest tests/vllm -p no:cacheprovider
@@ -126,3 +127,19 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     assert consumed["outputs"][0] == g_a
     assert consumed["outputs"][3] == g_f
     assert consumed["outputs"][1] != g_d
+
+    # vLLM's own prefix cache holds block 0 (computed for a shorter prompt before), a store only
+    # block 1: the connector loads block 1 into its place.
+    only_block_1 = BlockStore(tmp_path / "store_block_1")
+    only_block_1.put(names_a[1], store.get(names_a[1]))
+    hit = {
+        **common,
+        "store": str(only_block_1.root),
+        "kv_role": "kv_consumer",
+        "prefix_caching": True,
+        "prompts": [a[:200]],
+        "then": [a],
+    }
+    both = _generate(tmp_path, "consumer_with_prefix_cache", hit)
+    assert both["cached"] == [0, 2 * BLOCK]
+    assert both["outputs"][1] == g_a
