@@ -2,7 +2,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test test-loaded lint bench clean compose-image compose-test
+.PHONY: install up test test-loaded test-vllm lint bench clean compose-image compose-test
 
 # CPU torch first, so the project's torch requirement is already met and no CUDA build is pulled.
 # The rdma extra (the RDMA path's transfer engine) when its libraries are there or can be
@@ -41,6 +41,14 @@ test: $(STAMP) lint
 # The same suite with one CPU core kept busy by a spin loop (docs/testing.md).
 test-loaded: $(STAMP) lint
 	$(PY) -m tests.busy_core $(PYTEST)
+
+# pdd's KV connector in real vLLM engines (docs/vllm.md), in vLLM's CPU build's own virtualenv
+# (installed on first use: minutes, ~3.4 GB; it wants libtcmalloc-minimal4). Not part of `test`.
+VLLM_VENV ?= $(HOME)/.cache/pdd/vllm-venv
+test-vllm: $(STAMP)
+	$(PY) -c "from bench.peer_venv import find_vllm; find_vllm()"
+	$(VLLM_VENV)/bin/python -m pip install -q msgpack xxhash pytest
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest --noconftest tests/vllm -p no:cacheprovider
 
 # The image compose runs, online or offline (deploy/build-image.sh says how it chooses).
 compose-image: $(STAMP)
