@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from shared.config import EngineSettings, ModelSettings
-from shared.engine import LLMEngine, SamplingParams, StepOutput
+from shared.engine import Engine, LLMEngine, SamplingParams, StepOutput
 
 
 def make_engine(kv_memory_mb: float = 1.0, **engine_kw) -> LLMEngine:
@@ -16,7 +16,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
+def run_all(engine: Engine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
     """Step until idle; every output, grouped by request."""
     outs: dict[str, list[StepOutput]] = {}
     for _ in range(max_steps):

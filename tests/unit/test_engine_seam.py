@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shared.config import EngineSettings, ModelSettings
-from shared.engine import Engine, EngineError, FinishReason, Mode, StepOutput
+from shared.engine import Engine, EngineError, FinishReason, Mode
 from shared.engine.factory import build_engine
 from shared.engine.kv_admission import Verdict
-from tests.engine_util import greedy, random_prompt
+from tests.engine_util import greedy, random_prompt, run_all, tokens_of
 
 MakeEngine = Callable[[float], Engine]  # KV memory in MB -> a fresh engine of the tiny model
 ENGINES: dict[str, MakeEngine] = {
@@ -27,30 +27,16 @@ def make(request: pytest.FixtureRequest) -> MakeEngine:
     return ENGINES[request.param]
 
 
-def run(engine: Engine, max_steps: int = 2_000) -> dict[str, list[StepOutput]]:
-    outs: dict[str, list[StepOutput]] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return outs
-        for o in engine.step():
-            outs.setdefault(o.rid, []).append(o)
-    raise AssertionError("engine did not go idle")
-
-
-def tokens(outs: list[StepOutput]) -> list[int]:
-    return [o.token_id for o in outs if o.token_id is not None]
-
-
 def one_engine_tokens(make: MakeEngine, prompt: list[int], n: int) -> list[int]:
     engine = make(1.0)
     engine.add_request("ref", prompt, greedy(n))
-    return tokens(run(engine)["ref"])
+    return tokens_of(run_all(engine)["ref"])
 
 
 def prefill(engine: Engine, rid: str, prompt: list[int], n: int) -> tuple[int, list[int], torch.Tensor]:
     """Prefill's use: first token, then the prompt's computed full blocks exported."""
     engine.add_request(rid, prompt, greedy(n), mode=Mode.PREFILL)
-    (out,) = run(engine)[rid]
+    (out,) = run_all(engine)[rid]
     assert out.finish_reason is FinishReason.PREFILLED and out.index == 0 and out.ends is None
     hashes = engine.computed_block_hashes(rid)
     return out.token_id, hashes, engine.export_blocks(hashes)
@@ -85,9 +71,9 @@ def test_prefill_export_import_decode_equals_one_engine(make: MakeEngine) -> Non
     assert d.import_blocks(hashes, kv) == 0  # cached already: idempotent by hash
     d.add_request("r", prompt + [first], greedy(20), num_prompt_tokens=len(prompt))
     d.unpin("r")  # the request references its blocks now
-    outs = run(d)["r"]
+    outs = run_all(d)["r"]
     assert [o.index for o in outs] == list(range(1, 20)) and outs[-1].finish_reason is FinishReason.LENGTH
-    assert [first, *tokens(outs)] == one_engine_tokens(make, prompt, 20)
+    assert [first, *tokens_of(outs)] == one_engine_tokens(make, prompt, 20)
     assert d.stats().prefix_hit_tokens == 32  # the imported blocks were used, not recomputed
     assert p.abort("r") and p.num_requests() == 0  # prefill keeps the blocks until released
 
@@ -97,13 +83,13 @@ def test_extend_by_token_ids_continues_as_one_engine(make: MakeEngine) -> None:
     ref = one_engine_tokens(make, prompt, 16)
     md = make(1.0)
     md.add_request("r", prompt + ref[:3], greedy(16), num_prompt_tokens=len(prompt), mode=Mode.HOLD)
-    assert [(o.computed, o.token_id) for o in run(md)["r"]] == [(True, None)]  # computed, then held
+    assert [(o.computed, o.token_id) for o in run_all(md)["r"]] == [(True, None)]  # computed, then held
     md.extend("r", ref[3:6], final=False)
-    assert [(o.computed, o.token_id) for o in run(md)["r"]] == [(True, None)]
+    assert [(o.computed, o.token_id) for o in run_all(md)["r"]] == [(True, None)]
     assert md.generated_token_ids("r") == ref[:6]
     md.extend("r", ref[6:8], final=True)
-    outs = run(md)["r"]
-    assert outs[0].index == 8 and tokens(outs) == ref[8:]
+    outs = run_all(md)["r"]
+    assert outs[0].index == 8 and tokens_of(outs) == ref[8:]
     assert md.num_requests() == 0  # finished: forgotten
 
 
@@ -171,13 +157,13 @@ def test_block_events_tell_what_the_cache_gained_and_lost(make: MakeEngine) -> N
     first, second = random_prompt(rng, 48), random_prompt(rng, 80)
     assert engine.drain_block_events() == []
     engine.add_request("a", first, greedy(1))
-    run(engine)
+    run_all(engine)
     gained = engine.block_hashes(first)
     assert engine.drain_block_events() == [("stored", h) for h in gained]
     assert engine.drain_block_events() == []  # drained
     assert set(engine.cached_hashes()) == set(gained)
     engine.add_request("b", second, greedy(1))  # five blocks: evicts from the first prompt's
-    run(engine)
+    run_all(engine)
     events = engine.drain_block_events()
     evicted = [h for kind, h in events if kind == "evicted"]
     assert evicted and set(evicted) <= set(gained)
