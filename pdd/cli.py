@@ -41,7 +41,7 @@ COUNT_HELP = {
     "dtype": "auto (float32 on the CPU; the checkpoint's on a GPU) | float32 | bfloat16 | float16; ",
     "kv_cache_space": "GiB of KV cache on this machine, split among the engines (vLLM's CPU default); ",
     "tool_call_parser": "the format of the model's tool calls; none: what its chat template teaches; ",
-    "engine": "the engine behind the seam (vllm: not in this build); ",
+    "engine": "the engine behind the seam (vllm: where vLLM is installed, docs/vllm.md); ",
 }
 FIELD_TYPES = {"max_model_len": int}  # fields whose default (None) does not tell their type
 FIELD_CHOICES = {"dtype": DTYPE_CHOICES, "tool_call_parser": TOOL_CALL_PARSERS, "engine": ENGINE_KINDS}

@@ -82,7 +82,7 @@ class UpOptions:
     # How the model writes tool calls (vLLM's --tool-call-parser): hermes | llama3_json; none:
     # what the model's chat template teaches (hermes unless it is Llama 3's).
     tool_call_parser: str | None = None
-    engine: str = "pdd"  # the engines' kind (PDD_ENGINE__KIND): pdd | vllm (not in this build)
+    engine: str = "pdd"  # the engines' kind (PDD_ENGINE__KIND): pdd | vllm (where vLLM is installed)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -403,7 +403,9 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
     if helpers and f"{p}HOST_SHARE_DIR" not in os.environ:
         env[f"{p}HOST_SHARE_DIR"] = str(opts.workdir.resolve() / "host")
     if local and "LD_PRELOAD" not in os.environ and (lib := tcmalloc_path()):
-        env["LD_PRELOAD"] = lib
+        # vLLM's CPU build also wants the OpenMP runtime it ships (libiomp5, in its environment)
+        iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+        env["LD_PRELOAD"] = f"{lib}:{iomp}" if opts.engine == "vllm" and os.path.exists(iomp) else lib
     return env
 
 

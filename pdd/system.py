@@ -96,6 +96,7 @@ def start_system(
     nats_cluster: int = 1,
     model_path: str | None = None,
     api_keys: tuple[str, ...] = (),
+    engine: str = "pdd",
 ) -> RunningSystem:
     counts = dict(prefill=prefill, relay=relay, md=md, routers=routers, nats_cluster=nats_cluster)
     base = free_port_block(PORT_BLOCK)
@@ -130,6 +131,7 @@ def start_system(
     args += ["--model-preset", model_preset] if model_preset else []
     args += ["--model", model_path] if model_path else []
     args += [a for key in api_keys for a in ("--api-key", key)]
+    args += ["--engine", engine] if engine != "pdd" else []
     out = open(workdir / "pdd-up.log", "wb")
     proc = subprocess.Popen(
         args, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

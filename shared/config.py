@@ -11,6 +11,8 @@ double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 import socket
 from typing import Any, Literal, get_args
@@ -60,22 +62,29 @@ class ModelSettings(BaseModel):
 
 EngineKind = Literal["pdd", "vllm"]
 ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
-BUILT_ENGINES = ("pdd",)  # the kinds this build can run
 
 
 def engine_unavailable(kind: str) -> str | None:
-    """Why this build cannot run an engine of `kind`; None when it can."""
-    if kind in BUILT_ENGINES:
+    """Why this environment cannot run an engine of `kind`; None when it can. vLLM is an
+    optional extra: its engine runs where `vllm` imports (pip install 'pdd[vllm]')."""
+    if kind == "pdd":
         return None
-    name = "vLLM" if kind == "vllm" else repr(kind)
-    return f"the {name} engine is not available in this build (engines available: {', '.join(BUILT_ENGINES)})"
+    if kind == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            return (
+                "the vLLM engine needs vLLM, which is not installed in this environment "
+                "(pip install 'pdd[vllm]', or run pdd in vLLM's own virtualenv: docs/vllm.md)"
+            )
+        return None
+    return f"unknown engine {kind!r} (engines: {', '.join(ENGINE_KINDS)})"
 
 
 class EngineSettings(BaseModel):
     """Which engine, its paged KV pool and batching limits."""
 
     # The engine behind the seam (shared/engine/seam.py): "pdd" (this package's own) or "vllm"
-    # (not in this build: a service that is given it exits 2 at start).
+    # (vLLM's v1 engine, shared/vllm/engine.py; where vLLM is not installed a service given it
+    # exits 2 at start).
     kind: EngineKind = "pdd"
     block_size: int = 16
     # The KV pool's size, as vLLM sizes its own: on the CPU kv_cache_space_gib (vLLM's

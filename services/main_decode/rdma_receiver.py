@@ -58,7 +58,7 @@ class RdmaReceiver:
         self.engine_loop = engine_loop
         self.llm_engine = llm_engine
         self.life, self.nc = life, nc
-        self.pool = llm_engine.slot_memory()  # registered whole; prefill writes into its slots
+        self.pool = None  # the engine's slot memory, registered whole when the path is on
         self.engine: RdmaEngine | None = None  # the transfer engine
         self.offered: dict[str, dict[int, int]] = {}  # rid -> hash -> slot given to prefill, not yet written
         self.quarantined: dict[str, dict[int, int]] = {}  # the same, of requests that ended
@@ -68,6 +68,7 @@ class RdmaReceiver:
         (a refusal at once sends prefill to the TCP channel). address: this MD's bulk address,
         which names its subjects."""
         if self.settings.kv_transport == "rdma":
+            self.pool = self.llm_engine.slot_memory()  # prefill writes into its slots
             self.engine = await asyncio.to_thread(start_engine, self.settings.rdma, address, self.pool)
 
     # ---- offers: slots for exactly the blocks the request lacks -------------------------

@@ -22,4 +22,8 @@ def build_engine(model: ModelSettings, engine: EngineSettings) -> Engine:
     why = engine_unavailable(engine.kind)
     if why is not None:
         raise EngineError(why)
+    if engine.kind == "vllm":
+        from shared.vllm.engine import VllmEngine  # vLLM is imported only where it runs
+
+        return VllmEngine(model, engine)
     return LLMEngine(model, engine)

@@ -1,7 +1,8 @@
-"""A directory of KV blocks keyed by pdd chained hash: one file per vLLM block, written
-atomically (a temporary file renamed into place), so a reader sees a whole block or none.
+"""A directory of KV blocks keyed by pdd chained hash, for engines in separate processes: one
+file per pdd block, written atomically (a temporary file renamed into place), so a reader sees
+a whole block or none.
 
-A block is the bulk channel's group of one vLLM block, [L, 2, 1, block_size, kv_heads, head_dim]
+A block is the bulk channel's group of one pdd block, [L, 2, 1, 16, kv_heads, head_dim]
 (shared/kv/frame.py), stored as a small JSON header (dtype, shape) and the raw bytes.
 """
 

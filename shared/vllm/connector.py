@@ -1,15 +1,18 @@
-"""PddConnector: a vLLM v1 KV connector (KVConnectorBase_V1) that moves a prompt's KV as pdd
-block groups named by pdd's chained hashes.
+"""PddConnector: a vLLM v1 KV connector (KVConnectorBase_V1) that moves a prompt's KV as pdd's
+16-token block groups named by pdd's chained hashes.
 
-    kv_producer  saves every full vLLM block of each prompt once its KV is computed
-    kv_consumer  finds the leading blocks of a new prompt that the store holds and loads them into
-                 the blocks vLLM allocated, so vLLM computes only the rest
-    kv_both      both
+    kv_producer  saves every full pdd block of each prompt once its KV is computed
+    kv_consumer  finds the leading vLLM blocks of a new prompt whose pdd blocks the store holds
+                 and loads them into the blocks vLLM allocated, so vLLM computes only the rest
+    kv_both      both (what pdd's roles run: shared/vllm/engine.py)
 
 Named in vLLM's KVTransferConfig as
     kv_connector="PddConnector", kv_connector_module_path="shared.vllm.connector",
-    kv_role=..., kv_connector_extra_config={"pdd_store_dir": DIR, "pdd_model_id": ID}
-(pdd_model_id enters every hash, so producer and consumer must agree; by default the model path.)
+    kv_role=..., kv_connector_extra_config={"pdd_store": NAME or "pdd_store_dir": DIR,
+                                            "pdd_model_id": ID}
+pdd_store names a MemoryStore of this process (the engine's: the bulk channel fills and drains
+it), pdd_store_dir a directory shared by engines of separate processes. pdd_model_id enters
+every hash, so producer and consumer must agree (by default the model path).
 
 Scheduler side (vLLM's engine core): get_num_new_matched_tokens, update_state_after_alloc,
 build_connector_meta, request_finished. Worker side: register_kv_caches, start_load_kv,
@@ -33,14 +36,19 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
 from shared.kv.device_blocks import DeviceBlocks
+from shared.kv.vllm_blocks import PDD_BLOCK_SIZE
 from shared.vllm.block_store import BlockStore
 from shared.vllm.cache_layout import KNOWN_ISAS, keys_from_pdd, keys_to_pdd, nhd_view
+from shared.vllm.memory_store import MemoryStore, lookup
 from shared.vllm.plan import (
-    BlockTransfer,
-    blocks_to_save,
+    BlockLoad,
+    BlockSave,
+    load_hashes,
     load_span,
     matched_tokens,
-    prompt_block_names,
+    pdd_blocks_to_save,
+    prompt_hashes,
+    save_places,
 )
 
 if TYPE_CHECKING:
@@ -60,16 +68,17 @@ class PddConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker: blocks to fill from the store before the forward, blocks
     to write to it after."""
 
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
+    loads: list[BlockLoad] = field(default_factory=list)
+    saves: list[BlockSave] = field(default_factory=list)
 
 
 @dataclass
 class _Prompt:
-    """A producer's view of one running request: its prompt, block names and blocks so far."""
+    """A producer's view of one running request: its prompt, pdd block hashes, vLLM blocks so
+    far and pdd blocks saved."""
 
     num_tokens: int
-    names: list[int]
+    hashes: list[int]
     block_ids: list[int]
     saved: int = 0
 
@@ -78,17 +87,18 @@ class PddConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
+        name = cfg.get_from_extra_config("pdd_store", None)
         store_dir = cfg.get_from_extra_config("pdd_store_dir", None)
-        if not store_dir:
-            raise ValueError("PddConnector needs kv_connector_extra_config['pdd_store_dir']")
-        self.store = BlockStore(store_dir)
+        if not (name or store_dir):
+            raise ValueError("PddConnector needs kv_connector_extra_config 'pdd_store' or 'pdd_store_dir'")
+        self.store: MemoryStore | BlockStore = lookup(name) if name else BlockStore(store_dir)
         self.model_id = str(cfg.get_from_extra_config("pdd_model_id", vllm_config.model_config.model))
         self.block_size = vllm_config.cache_config.block_size
         self.producer = cfg.is_kv_producer
         self.consumer = cfg.is_kv_consumer
         # scheduler side
-        self._matched: dict[str, tuple[list[int], int]] = {}  # req -> (block names, tokens matched)
-        self._loads: list[BlockTransfer] = []
+        self._matched: dict[str, tuple[list[int], int]] = {}  # req -> (pdd block hashes, tokens matched)
+        self._loads: list[BlockLoad] = []
         self._prompts: dict[str, _Prompt] = {}
         # worker side
         self._layers: list[torch.Tensor] = []
@@ -102,21 +112,23 @@ class PddConnector(KVConnectorBase_V1):
         if not self.consumer or not request.prompt_token_ids:
             return 0, False
         prompt = request.prompt_token_ids
-        names = prompt_block_names(prompt, self.block_size, self.model_id)
+        hashes = prompt_hashes(prompt, self.model_id)
         matched = matched_tokens(
-            names, self.store.held_run, len(prompt), self.block_size, num_computed_tokens
+            hashes, self.store.held_run, len(prompt), self.block_size, num_computed_tokens
         )
-        self._matched[request.request_id] = (names, matched)
+        self._matched[request.request_id] = (hashes, matched)
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if num_external_tokens <= 0:
             return
-        names, matched = self._matched[request.request_id]
+        hashes, matched = self._matched[request.request_id]
         span = load_span(matched, num_external_tokens, self.block_size)
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(
-            BlockTransfer(request.request_id, [block_ids[j] for j in span], [names[j] for j in span])
+            BlockLoad(
+                request.request_id, [block_ids[j] for j in span], load_hashes(hashes, span, self.block_size)
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -127,8 +139,8 @@ class PddConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             if not new.prompt_token_ids:
                 continue
-            names = prompt_block_names(new.prompt_token_ids, self.block_size, self.model_id)
-            self._prompts[new.req_id] = _Prompt(len(new.prompt_token_ids), names, list(new.block_ids[0]))
+            hashes = prompt_hashes(new.prompt_token_ids, self.model_id)
+            self._prompts[new.req_id] = _Prompt(len(new.prompt_token_ids), hashes, list(new.block_ids[0]))
             self._plan_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -148,13 +160,19 @@ class PddConnector(KVConnectorBase_V1):
     ) -> None:
         prompt = self._prompts[req_id]
         after = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-        span = blocks_to_save(len(prompt.names), prompt.num_tokens, after, prompt.saved, self.block_size)
+        span = pdd_blocks_to_save(len(prompt.hashes), prompt.num_tokens, after, prompt.saved)
         if span:
+            places = save_places(span, self.block_size)
             meta.saves.append(
-                BlockTransfer(req_id, [prompt.block_ids[j] for j in span], [prompt.names[j] for j in span])
+                BlockSave(
+                    req_id,
+                    [prompt.block_ids[j] for j, _ in places],
+                    [sub for _, sub in places],
+                    [prompt.hashes[i] for i in span],
+                )
             )
             prompt.saved = span.stop
-        if prompt.saved == len(prompt.names):  # the whole prompt is out: nothing more to follow
+        if prompt.saved == len(prompt.hashes):  # the whole prompt is out: nothing more to follow
             del self._prompts[req_id]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -179,7 +197,7 @@ class PddConnector(KVConnectorBase_V1):
             len(self._layers),
             tuple(ordered[0][1].shape),
             tuple(self._layers[0].shape),
-            self.store.root,
+            getattr(self.store, "root", None) or getattr(self.store, "name", "?"),
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -187,11 +205,13 @@ class PddConnector(KVConnectorBase_V1):
         assert isinstance(meta, PddConnectorMetadata)
         for load in meta.loads:
             try:
-                host = torch.cat([self.store.get(h) for h in load.hashes], dim=2)
+                pieces = torch.cat([self.store.get(h) for h in load.hashes], dim=3)  # [L, 2, 1, tokens, ...]
             except (KeyError, ValueError) as e:  # gone or unreadable since it was matched
                 logger.warning("PddConnector: request %s cannot load its blocks: %s", load.req_id, e)
                 self._load_errors.update(load.block_ids)
                 continue
+            layers, two, _, _, heads, dim = pieces.shape
+            host = pieces.view(layers, two, len(load.block_ids), self.block_size, heads, dim)
             self._copies.scatter(keys_from_pdd(host), self._layers, load.block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -208,15 +228,22 @@ class PddConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PddConnectorMetadata)
         for save in meta.saves:
-            todo = [(b, h) for b, h in zip(save.block_ids, save.hashes, strict=True) if not self.store.has(h)]
+            todo = [
+                (b, sub, h)
+                for b, sub, h in zip(save.block_ids, save.subs, save.hashes, strict=True)
+                if not self.store.has(h)
+            ]
             if not todo:
                 continue
-            copy = self._copies.gather(self._layers, [b for b, _ in todo])
+            ids = list(dict.fromkeys(b for b, _, _ in todo))  # each vLLM block once, in order
+            at = {b: i for i, b in enumerate(ids)}
+            copy = self._copies.gather(self._layers, ids)
             copy.wait()
             try:
-                keys_to_pdd(copy.host)
-                for i, (_, h) in enumerate(todo):
-                    self.store.put(h, copy.host[:, :, i : i + 1])
+                keys_to_pdd(copy.host)  # whole vLLM blocks: a head's keys are transposed per block
+                for b, sub, h in todo:
+                    tokens = slice(sub * PDD_BLOCK_SIZE, (sub + 1) * PDD_BLOCK_SIZE)
+                    self.store.put(h, copy.host[:, :, at[b] : at[b] + 1, tokens])
             finally:
                 copy.release()
 

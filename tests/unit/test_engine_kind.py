@@ -22,7 +22,7 @@ SERVICES = [
     (RelayService, RelaySettings),
     (MainDecodeService, MainDecodeSettings),
 ]
-UNAVAILABLE = "the vLLM engine is not available in this build"
+UNAVAILABLE = "the vLLM engine needs vLLM, which is not installed in this environment"
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,14 @@ from shared.engine.hashing import block_hashes
 from shared.kv.device_blocks import DeviceBlocks
 from shared.vllm.block_store import BlockStore
 from shared.vllm.cache_layout import keys_from_pdd, keys_to_pdd, nhd_view
-from shared.vllm.plan import blocks_to_save, load_span, matched_tokens, prompt_block_names
+from shared.vllm.plan import (
+    load_hashes,
+    load_span,
+    matched_tokens,
+    pdd_blocks_to_save,
+    prompt_hashes,
+    save_places,
+)
 
 BLOCK = 128
 
@@ -35,26 +42,32 @@ def test_store_keeps_the_first_copy_of_a_block(tmp_path) -> None:
     assert torch.equal(store.get(1), torch.ones(3))
 
 
-def test_a_vllm_block_is_named_by_its_last_pdd_block() -> None:
+def test_prompt_hashes_are_pdds_chained_hashes() -> None:
     prompt = list(range(1, 300))
-    pdd = block_hashes(prompt, 16, "m")
-    assert prompt_block_names(prompt, BLOCK, "m") == [pdd[7], pdd[15]]
-    assert prompt_block_names(prompt, BLOCK, "other") != [pdd[7], pdd[15]]
-    with pytest.raises(ValueError):
-        prompt_block_names(prompt, 40, "m")
+    assert prompt_hashes(prompt, "m") == block_hashes(prompt, 16, "m")
+    assert prompt_hashes(prompt, "other") != prompt_hashes(prompt, "m")
 
 
-def test_matched_tokens_never_cover_the_last_token(tmp_path) -> None:
+def test_matched_tokens_are_whole_vllm_blocks_of_held_pdd_blocks(tmp_path) -> None:
     store = BlockStore(tmp_path)
-    for name in (11, 22, 33):
-        store.put(name, torch.zeros(1))
-    assert matched_tokens([11, 22, 33], store.held_run, 3 * BLOCK + 1, BLOCK) == 3 * BLOCK
-    assert matched_tokens([11, 22, 33], store.held_run, 3 * BLOCK, BLOCK) == 2 * BLOCK
-    assert matched_tokens([11, 44, 33], store.held_run, 3 * BLOCK + 1, BLOCK) == BLOCK  # a gap ends it
-    assert matched_tokens([44, 22], store.held_run, 3 * BLOCK, BLOCK) == 0
-    # the engine's own first block, then the store's: a store need not hold what the engine has
-    assert matched_tokens([44, 22, 33], store.held_run, 3 * BLOCK + 1, BLOCK, local_tokens=BLOCK) == 3 * BLOCK
-    assert matched_tokens([44, 55, 33], store.held_run, 3 * BLOCK + 1, BLOCK, local_tokens=BLOCK) == BLOCK
+    hashes = list(range(100, 124))  # 24 pdd blocks: 3 vLLM blocks of 8
+    for h in hashes[:20]:
+        store.put(h, torch.zeros(1))
+    # 20 pdd blocks held: 2 whole vLLM blocks
+    assert matched_tokens(hashes, store.held_run, 3 * BLOCK + 1, BLOCK) == 2 * BLOCK
+    store.put(hashes[20], torch.zeros(1))
+    for h in hashes[21:]:
+        store.put(h, torch.zeros(1))
+    assert matched_tokens(hashes, store.held_run, 3 * BLOCK + 1, BLOCK) == 3 * BLOCK
+    # never the last token: an exactly 3-block prompt leaves its last block to vLLM
+    assert matched_tokens(hashes, store.held_run, 3 * BLOCK, BLOCK) == 2 * BLOCK
+    gap = [*hashes[:3], 999, *hashes[4:]]
+    assert matched_tokens(gap, store.held_run, 3 * BLOCK + 1, BLOCK) == 0  # a gap ends the run
+    # the engine's own first vLLM block, then the store's: the store need not hold what vLLM has
+    own = [*range(900, 908), *hashes[8:]]
+    assert matched_tokens(own, store.held_run, 3 * BLOCK + 1, BLOCK, local_tokens=BLOCK) == 3 * BLOCK
+    with pytest.raises(ValueError):
+        matched_tokens(hashes, store.held_run, 3 * BLOCK, 40)
 
 
 def test_load_span_is_the_matched_blocks_past_vllms_own_hit() -> None:
@@ -62,13 +75,17 @@ def test_load_span_is_the_matched_blocks_past_vllms_own_hit() -> None:
     assert load_span(2 * BLOCK, 2 * BLOCK, BLOCK) == range(0, 2)
     with pytest.raises(ValueError):
         load_span(2 * BLOCK, 100, BLOCK)
+    hashes = list(range(24))
+    assert load_hashes(hashes, range(1, 3), BLOCK) == hashes[8:24]
 
 
-def test_blocks_to_save_follow_the_computed_prompt() -> None:
-    # a 300-token prompt (2 full blocks) prefilled in chunks of 200, then decoded
-    assert blocks_to_save(2, 300, 200, 0, BLOCK) == range(0, 1)
-    assert blocks_to_save(2, 300, 300, 1, BLOCK) == range(1, 2)
-    assert not blocks_to_save(2, 300, 301, 2, BLOCK)
+def test_pdd_blocks_to_save_follow_the_computed_prompt() -> None:
+    # a 300-token prompt (18 full pdd blocks) prefilled in chunks of 200, then decoded
+    assert pdd_blocks_to_save(18, 300, 200, 0) == range(0, 12)
+    assert pdd_blocks_to_save(18, 300, 300, 12) == range(12, 18)
+    assert not pdd_blocks_to_save(18, 300, 301, 18)
+    # the partial last vLLM block's full pdd blocks are saved, at their places in it
+    assert save_places(range(12, 18), BLOCK) == [(1, 4), (1, 5), (1, 6), (1, 7), (2, 0), (2, 1)]
 
 
 def _vllm_vec_cache(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,396 @@
+"""VllmEngine: vLLM's v1 engine behind pdd's engine seam (shared/engine/seam.py), so prefill,
+relay and main decode run on it unchanged (`--engine vllm`, PDD_ENGINE=vllm).
+
+vLLM runs in this process (its engine core in process, one worker) with PddConnector as kv_both
+on a MemoryStore of pdd's 16-token blocks (shared/vllm/memory_store.py):
+- a prompt vLLM computes is saved to the store block by block (the connector), so P exports it
+  from there, and a block the bulk channel brings (import_blocks) lands there, so RLD and MD
+  load it into vLLM's paged cache when their request is scheduled (vLLM's own prefix cache
+  first; the connector fills the whole vLLM blocks after its hit, vLLM computes the rest);
+- every request is one or more vLLM requests over the request's whole token list: PREFILL and
+  a HOLD batch's compute are requests of one output token (the token is kept for PREFILL and
+  dropped for HOLD), GENERATE the rest of the output. A handoff's MD request is the prompt plus
+  RLD's tokens: the prompt's blocks come from the store, vLLM computes the handed-over tokens.
+- the store's LRU, pins and events are the decode-side prefix cache as the services and the
+  routers see it.
+
+What it does not do (pdd's engine does): the RDMA path's slots, structured outputs and
+presence/frequency penalties across a handoff (vLLM counts them over its output only),
+per-token logprobs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from shared.config import EngineSettings, ModelSettings
+from shared.engine.errors import EngineError, InvalidRequestError
+from shared.engine.hashing import block_hashes
+from shared.engine.kv_admission import Verdict, request_blocks
+from shared.engine.outputs import EngineStats, FinishReason, StepOutput
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.seam import BlockFormat
+from shared.engine.sequence import Mode
+from shared.kv.vllm_blocks import PDD_BLOCK_SIZE
+from shared.model.config import context_limit
+from shared.model.describe import describe_model
+from shared.vllm.checkpoint import vllm_checkpoint
+from shared.vllm.memory_store import MemoryStore
+from shared.vllm.sampling import to_vllm_sampling_params
+
+log = logging.getLogger(__name__)
+
+NO_RDMA = "the RDMA path writes into pdd's engine's KV memory; with vLLM engines KV goes over TCP"
+
+
+@dataclass
+class _Request:
+    rid: str
+    tokens: list[int]  # prompt, then every output token so far (handed over ones included)
+    num_prompt: int
+    params: SamplingParams
+    mode: Mode
+    hashes: list[int]  # the prompt's pdd block hashes
+    running: str | None = None  # the vLLM request computing it now
+    running_mode: Mode = Mode.GENERATE  # what that vLLM request is for
+    sent: int = 0  # len(tokens) when that vLLM request was made
+    prefilled: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+class VllmEngine:
+    def __init__(self, model: ModelSettings, settings: EngineSettings) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        info = describe_model(model)
+        cfg = info.config
+        self.model_id = info.model_id
+        self.block_size = PDD_BLOCK_SIZE
+        self.max_model_len = context_limit(cfg, settings.max_model_len)
+        self.eos = set(cfg.eos_token_ids)
+        self.dtype = torch.float32 if model.dtype in ("auto", "float32") else getattr(torch, model.dtype)
+        self._format = BlockFormat(
+            self.dtype, (cfg.num_layers, 2, PDD_BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        )
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
+        # vLLM's paged cache and the store each get the engine's KV space
+        space = int(settings.kv_cache_space_gib * 2**30)
+        self.store = MemoryStore(max(1, space // (self.kv_bytes_per_token * PDD_BLOCK_SIZE)))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the store is this process's
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_space_gib))))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # pdd's launcher shares the cores
+        args = EngineArgs(
+            model=str(vllm_checkpoint(model, info)),
+            served_model_name=self.model_id,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=max(settings.max_batched_tokens, self.max_model_len),
+            seed=model.seed,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="PddConnector",
+                kv_connector_module_path="shared.vllm.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"pdd_store": self.store.name, "pdd_model_id": self.model_id},
+            ),
+        )
+        self.llm = LLMEngine.from_engine_args(args)
+        # vLLM's CPU attention plans for the torch threads it set here; OpenMP's count is per
+        # thread, and steps run on the service's engine thread
+        self._threads = torch.get_num_threads()
+        self._requests: dict[str, _Request] = {}
+        self._by_vllm: dict[str, _Request] = {}
+        self._outbox: list[StepOutput] = []
+        self._ids = itertools.count()
+        self._computed_tokens = self._hit_tokens = self._query_tokens = 0
+
+    def block_format(self) -> BlockFormat:
+        return self._format
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        rid: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        num_prompt_tokens: int | None = None,
+        mode: Mode = Mode.GENERATE,
+    ) -> None:
+        if rid in self._requests:
+            raise InvalidRequestError(f"request {rid!r} exists already")
+        num_prompt = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        if not 0 < num_prompt <= len(token_ids):
+            raise InvalidRequestError(f"{num_prompt} prompt tokens of {len(token_ids)}")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{len(token_ids)} tokens leave no room under max_model_len {self.max_model_len}"
+            )
+        if len(token_ids) > num_prompt and (
+            params.structured or params.presence_penalty or params.frequency_penalty
+        ):
+            raise InvalidRequestError(
+                "a request continued on a vLLM engine cannot carry structured outputs or presence/"
+                "frequency penalties (vLLM counts them over its own output): serve it with pdd's engine"
+            )
+        hashes = block_hashes(token_ids[:num_prompt], PDD_BLOCK_SIZE, self.model_id)
+        req = _Request(rid, list(token_ids), num_prompt, params, mode, hashes)
+        self._submit(req)  # raises before the request is known when vLLM refuses it
+        self._requests[rid] = req
+
+    def extend(self, rid: str, token_ids: list[int], *, final: bool) -> None:
+        req = self._known(rid)
+        if req.mode is not Mode.HOLD:
+            raise InvalidRequestError(f"request {rid!r} is not held: it cannot be extended")
+        if len(req.tokens) + len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"extending {rid!r} passes max_model_len {self.max_model_len}")
+        req.tokens += token_ids
+        if final:
+            req.mode = Mode.GENERATE
+        if req.running is None:
+            if token_ids or final:
+                self._submit(req)
+            else:
+                self._outbox.append(StepOutput(rid=rid, computed=True))
+
+    def abort(self, rid: str) -> bool:
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return False
+        self._stop(req)
+        return True
+
+    def generated_token_ids(self, rid: str) -> list[int]:
+        req = self._known(rid)
+        return req.tokens[req.num_prompt :]
+
+    def computed_block_hashes(self, rid: str) -> list[int]:
+        req = self._requests.get(rid)
+        return [] if req is None else req.hashes[: self.store.held_run(req.hashes)]
+
+    def block_hashes(self, token_ids: list[int]) -> list[int]:
+        return block_hashes(token_ids, PDD_BLOCK_SIZE, self.model_id)
+
+    def lifetime_blocks(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        return request_blocks(num_prompt_tokens, params.max_tokens, self.max_model_len, PDD_BLOCK_SIZE)
+
+    # ---- stepping ---------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._outbox) or self.llm.has_unfinished_requests()
+
+    def step(self) -> list[StepOutput]:
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        outputs, self._outbox = self._outbox, []
+        for out in self.llm.step():
+            req = self._by_vllm.get(out.request_id)
+            if req is None:
+                continue
+            if out.num_cached_tokens is not None and out.outputs and out.outputs[0].token_ids:
+                self._count(req, out.num_cached_tokens)
+            outputs += self._outputs(req, out)
+        for req in self._requests.values():  # a prefill's saved blocks wait for its export
+            if req.mode is Mode.PREFILL and req.running is not None:
+                self.store.pin(_prefill_owner(req.rid), req.hashes)
+        return outputs
+
+    def _outputs(self, req: _Request, out) -> list[StepOutput]:
+        kind = req.running_mode
+        completion = out.outputs[0] if out.outputs else None
+        tokens = list(completion.token_ids) if completion else []
+        if not out.finished:
+            return self._tokens(req, tokens, None) if kind is Mode.GENERATE else []
+        self._by_vllm.pop(out.request_id, None)
+        req.running = None
+        reason = completion.finish_reason if completion else None
+        if reason in (None, "abort"):
+            self._requests.pop(req.rid, None)
+            return [StepOutput(rid=req.rid, finished=True, finish_reason=FinishReason.ABORT)]
+        if kind is Mode.HOLD:  # a batch's KV is computed; the token vLLM sampled is dropped
+            if len(req.tokens) > req.sent or req.mode is Mode.GENERATE:
+                self._submit(req)  # tokens (or the final extend) came while it ran: they join it
+                return []
+            return [StepOutput(rid=req.rid, computed=True)]
+        if kind is Mode.PREFILL:
+            tok = tokens[0]
+            req.tokens.append(tok)
+            req.prefilled = True
+            self.store.pin(_prefill_owner(req.rid), req.hashes)
+            return [
+                StepOutput(
+                    rid=req.rid,
+                    token_id=tok,
+                    index=0,
+                    finished=True,
+                    finish_reason=FinishReason.PREFILLED,
+                    ends=self._first_token_ends(req, reason),
+                )
+            ]
+        self._requests.pop(req.rid, None)
+        return self._tokens(req, tokens, FinishReason.STOP if reason == "stop" else FinishReason.LENGTH)
+
+    def _tokens(self, req: _Request, tokens: list[int], done: FinishReason | None) -> list[StepOutput]:
+        outs = []
+        for k, tok in enumerate(tokens):
+            req.tokens.append(tok)
+            last = done is not None and k == len(tokens) - 1
+            outs.append(
+                StepOutput(
+                    rid=req.rid,
+                    token_id=tok,
+                    index=req.generated - 1,
+                    finished=last,
+                    finish_reason=done if last else None,
+                )
+            )
+        if done is not None and not tokens:
+            outs.append(StepOutput(rid=req.rid, finished=True, finish_reason=done))
+        return outs
+
+    def _first_token_ends(self, req: _Request, reason: str) -> FinishReason | None:
+        if reason == "stop":
+            return FinishReason.STOP
+        if req.params.max_tokens <= 1 or len(req.tokens) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _submit(self, req: _Request) -> None:
+        """A vLLM request over the request's tokens: one output token for PREFILL and HOLD, the
+        rest of the output for GENERATE."""
+        from vllm.sampling_params import RequestOutputKind
+
+        generated = len(req.tokens) - req.num_prompt
+        try:
+            params = to_vllm_sampling_params(req.params, generated=generated)
+        except EngineError:
+            raise
+        except Exception as e:  # vLLM's own checks of the parameters
+            raise InvalidRequestError(f"vLLM refuses the sampling parameters: {e}") from None
+        params.max_tokens = min(params.max_tokens, self.max_model_len - len(req.tokens))
+        if req.mode is not Mode.GENERATE:
+            params.max_tokens = 1
+            params.min_tokens = min(params.min_tokens, 1)
+        params.output_kind = RequestOutputKind.DELTA
+        vid = f"{req.rid}@{next(self._ids)}"
+        try:
+            self.llm.add_request(vid, {"prompt_token_ids": list(req.tokens)}, params)
+        except Exception as e:  # vLLM validates the prompt (vocabulary, length) and the params
+            raise InvalidRequestError(f"vLLM refuses the request: {e}") from None
+        self._by_vllm[vid] = req
+        req.running, req.running_mode, req.sent = vid, req.mode, len(req.tokens)
+
+    def _stop(self, req: _Request) -> None:
+        if req.running is not None:
+            self.llm.abort_request([req.running])
+            self._by_vllm.pop(req.running, None)
+            req.running = None
+        self.store.unpin(_prefill_owner(req.rid))
+
+    def _count(self, req: _Request, cached: int) -> None:
+        if req.sent and cached <= req.sent:
+            self._query_tokens += req.sent
+            self._hit_tokens += cached
+            self._computed_tokens += req.sent - cached
+
+    def _known(self, rid: str) -> _Request:
+        try:
+            return self._requests[rid]
+        except KeyError:
+            raise EngineError(f"unknown request {rid!r}") from None
+
+    def stats(self) -> EngineStats:
+        reqs = list(self._requests.values())
+        held = len(self.store)
+        return EngineStats(
+            num_blocks=self.store.capacity,
+            free_blocks=self.store.capacity - held,
+            used_blocks=held,
+            cached_blocks=held,
+            running=sum(r.running is not None and r.mode is Mode.GENERATE for r in reqs),
+            waiting=0,
+            held=sum(r.mode is Mode.HOLD for r in reqs),
+            prefilled=sum(r.prefilled for r in reqs),
+            pinned_blocks=self.store.pinned_blocks,
+            preemptions=0,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            computed_tokens=self._computed_tokens,
+            prefix_hit_tokens=self._hit_tokens,
+            prefix_query_tokens=self._query_tokens,
+            pending_tokens=sum(r.sent for r in reqs if r.running is not None and r.generated == 0),
+        )
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def num_pin_owners(self) -> int:
+        return self.store.pin_owners
+
+    # ---- blocks in and out, pins ------------------------------------------------------------
+    def export_blocks(self, hashes: list[int]) -> torch.Tensor:
+        try:
+            return torch.cat([self.store.get(h) for h in hashes], dim=2)
+        except KeyError as e:
+            raise EngineError(f"block {e.args[0]:016x} is not cached") from None
+
+    def import_blocks(self, hashes: list[int], kv: torch.Tensor, *, pin: str | None = None) -> int:
+        if kv.dim() != 6 or kv.shape[2] != len(hashes) or tuple(kv[:, :, 0].shape) != self._format.shape:
+            raise EngineError(
+                f"KV {tuple(kv.shape)} does not hold {len(hashes)} blocks of {self._format.shape}"
+            )
+        new = self.store.put_all(hashes, [kv[:, :, i : i + 1].to(self.dtype) for i in range(len(hashes))])
+        if pin is not None:
+            self.store.pin(pin, hashes)
+        return new
+
+    def reserve(self, owner: str, hashes: list[int], blocks: int) -> tuple[Verdict, int]:
+        if blocks > self.store.capacity:
+            return Verdict.NEVER, 0
+        have = self.store.held_run(hashes)
+        self.store.pin(owner, hashes[:have])
+        return Verdict.ADMIT, have
+
+    def share(self, owner: str, landed: list[int], lost: list[int] = ()) -> list[int]:
+        return self.store.pin(owner, landed)
+
+    def unpin(self, owner: str) -> None:
+        self.store.unpin(owner)
+
+    # ---- the RDMA path's slots: not with vLLM -------------------------------------------------
+    def slot_memory(self) -> torch.Tensor:
+        raise EngineError(NO_RDMA)
+
+    def take_spare(self, owner: str, n: int) -> list[int]:
+        raise EngineError(NO_RDMA)
+
+    def adopt(self, owner: str, h: int, slot: int) -> None:
+        raise EngineError(NO_RDMA)
+
+    def return_spare(self, owner: str, slot: int) -> None:
+        raise EngineError(NO_RDMA)
+
+    def release_blocks(self, slots: list[int]) -> None:
+        raise EngineError(NO_RDMA)
+
+    # ---- the prefix cache as the routers follow it ---------------------------------------------
+    def drain_block_events(self) -> list[tuple[str, int]]:
+        return self.store.drain_events()
+
+    def cached_hashes(self) -> list[int]:
+        return self.store.hashes()
+
+
+def _prefill_owner(rid: str) -> str:
+    return f"{rid}#prefill"
