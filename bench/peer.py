@@ -7,13 +7,15 @@ byte tokenizer), and both serve those same files:
   1. engine: bench/engine.py's mixed workload (32 requests, greedy fp32, EOS ignored), pdd's
      engine vs vLLM's `LLM.generate`: useful tokens/s each, the ratio, and output equality.
   2. serving: `vllm bench serve` with identical flags (random dataset, completions and chat)
-     against `vllm serve` and against `pdd up` (WAN emulator uncapped, no delay): requests/s,
-     TPOT p50, ITL p99, TTFT p50/p99, failures, output lengths, ratios.
+     against `vllm serve` and against `pdd up` (WAN emulator uncapped, no delay), greedy:
+     requests/s, TPOT p50, ITL p99, TTFT p50/p99, failures, output lengths, ratios, and how
+     many outputs equal vLLM's. --engine pdd,vllm serves `pdd up` twice: with pdd's engines and
+     with vLLM's engines behind its roles (`pdd up --engine vllm`, run in vLLM's environment).
 vLLM lives in its own virtualenv outside the project (--venv; installed there on first use).
 Where it cannot be had the bench says why and skips (exit 0; the JSON records the skip).
 Writes bench/out/peer.json and peer.png.
 
-    pdd bench peer [--quick] [--venv DIR] [--no-install]
+    pdd bench peer [--quick] [--venv DIR] [--no-install] [--engine pdd,vllm]
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=32, help="requests of the engine's mixed workload")
     ap.add_argument("--repeat", type=int, default=2, help="timed passes of the engine workload, best kept")
     ap.add_argument("--parts", default="engine,serve", help="which halves to run (engine, serve)")
+    ap.add_argument(
+        "--engine",
+        default="pdd",
+        help="the engines behind `pdd up`'s roles in the serving half, comma-separated: pdd, vllm "
+        "(vLLM's v1 engine, run from --venv), or both: pdd,vllm",
+    )
     ap.add_argument(
         "--kv-space-gib", type=float, default=2.0, help="vLLM's CPU KV space (VLLM_CPU_KVCACHE_SPACE)"
     )
@@ -155,16 +163,40 @@ def engine_half(args, ckpt: Path, vllm: Vllm) -> dict:
 
 
 # ---- 2. serving (bench/peer_serve.py: the servers and one `vllm bench serve` run) -----------
-def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
-    from bench.client import service_env
-    from pdd.system import start_system
+BACKENDS = ("openai", "openai-chat")
 
+
+def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
     shape = serve_shape(args.quick)
     max_len = 2048
     runs: dict[str, dict] = {}
     with vllm_server(vllm, args, ckpt, model_id, max_len) as url:
-        for backend in ("openai", "openai-chat"):
+        for backend in BACKENDS:
             runs[f"vllm/{backend}"] = bench_serve(vllm, args, url, backend, model_id, ckpt, f"vllm-{backend}")
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    for engine in engines:
+        runs.update(_pdd_runs(args, ckpt, model_id, vllm, engine, shape))
+    ratios = {}
+    for engine in engines:
+        for backend in BACKENDS:
+            ours, theirs = runs[f"{_name(engine)}/{backend}"], runs[f"vllm/{backend}"]
+            if "error" not in ours and "error" not in theirs:
+                ratio = {m: ours[m] / theirs[m] for m in METRICS if ours.get(m) and theirs.get(m)}
+                ratio["outputs_equal"] = sum(
+                    a == b for a, b in zip(ours["texts"], theirs["texts"], strict=False)
+                ) / max(len(theirs["texts"]), 1)
+                ratios[f"{_name(engine)}/{backend}"] = ratio
+    return {"shape": shape, "max_concurrency": 8, "max_model_len": max_len, "runs": runs, "ratios": ratios}
+
+
+def _name(engine: str) -> str:
+    return "pdd" if engine == "pdd" else f"pdd+{engine}"
+
+
+def _pdd_runs(args, ckpt: Path, model_id: str, vllm: Vllm, engine: str, shape: dict) -> dict[str, dict]:
+    """`pdd up` on the checkpoint with `engine` behind its roles, one bench run per backend."""
+    from bench.client import service_env
+    from pdd.system import start_system
     from shared.config import ModelSettings
     from shared.model.describe import describe_model
 
@@ -173,10 +205,16 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
         8 * (shape["input_len"] * 2 + shape["output_len"]) * kv_token * 4 / 2**20 + 64
     )  # 8 in flight, slack
     env = service_env(0, kv_mb, kv_mb, kv_mb, extra={"PDD_ROUTER_MAX_TOKENS_DEFAULT": "16"})
-    (args.workdir / "pdd-up").mkdir(exist_ok=True)
-    with progress("serve: starting pdd up"):
+    python = None
+    if engine == "vllm":  # pdd itself runs in vLLM's environment; each engine binds no cores
+        env = {**{k: v for k, v in vllm.env.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}, **env}
+        env["PDD_ENGINE__KV_CACHE_SPACE_GIB"] = f"{args.kv_space_gib / 3:g}"
+        python = str(vllm.python)
+    workdir = args.workdir / f"pdd-up-{engine}"
+    workdir.mkdir(exist_ok=True)
+    with progress(f"serve: starting pdd up --engine {engine}"):
         system = start_system(
-            args.workdir / "pdd-up",
+            workdir,
             env,
             delay_ms=0,
             jitter_ms=0,
@@ -184,20 +222,19 @@ def serve_half(args, ckpt: Path, model_id: str, vllm: Vllm) -> dict:
             model_path=str(ckpt),
             api_keys=(API_KEY,),
             timeout_s=600,
+            engine=engine,
+            python=python,
         )
+    runs = {}
     try:
-        for backend in ("openai", "openai-chat"):
-            runs[f"pdd/{backend}"] = bench_serve(
-                vllm, args, system.router_url, backend, model_id, ckpt, f"pdd-{backend}"
+        for backend in BACKENDS:
+            name = _name(engine)
+            runs[f"{name}/{backend}"] = bench_serve(
+                vllm, args, system.router_url, backend, model_id, ckpt, f"{name.replace('+', '_')}-{backend}"
             )
     finally:
         system.stop()
-    ratios = {}
-    for backend in ("openai", "openai-chat"):
-        ours, theirs = runs[f"pdd/{backend}"], runs[f"vllm/{backend}"]
-        if "error" not in ours and "error" not in theirs:
-            ratios[backend] = {m: ours[m] / theirs[m] for m in METRICS if ours.get(m) and theirs.get(m)}
-    return {"shape": shape, "max_concurrency": 8, "max_model_len": max_len, "runs": runs, "ratios": ratios}
+    return runs
 
 
 def run(args) -> dict:
@@ -264,8 +301,9 @@ def _print(result: dict) -> None:
                 f"  {name:18s} {r['request_throughput']:7.2f} {r['median_tpot_ms']:8.1f}ms {r['p99_itl_ms']:7.1f}ms "
                 f"{r['median_ttft_ms']:8.1f}ms {r['p99_ttft_ms']:8.1f}ms {r['failed']:6d} {r['exact_output_lens']:9d}"
             )
-        for backend, ratio in s["ratios"].items():
-            print(f"  pdd/vLLM {backend:12s} " + "  ".join(f"{m} {v:.2f}x" for m, v in ratio.items()))
+        for name, ratio in s["ratios"].items():
+            figures = "  ".join(f"{m} {v:.2f}x" for m, v in ratio.items() if m != "outputs_equal")
+            print(f"  {name:22s}/vLLM {figures}  outputs equal {ratio['outputs_equal']:.0%}")
 
 
 def _figure(result: dict):
@@ -275,16 +313,18 @@ def _figure(result: dict):
     if e := result.get("engine"):
         names.append("engine tok/s")
         values.append(e["ratio"])
-    for backend, ratio in (result.get("serve") or {}).get("ratios", {}).items():
+    for run, ratio in (result.get("serve") or {}).get("ratios", {}).items():
         for m, v in ratio.items():
+            if m == "outputs_equal":
+                continue
             names.append(
-                f"{backend}\n{m.replace('_ms', '').replace('median', 'p50').replace('request_throughput', 'req/s')}"
+                f"{run}\n{m.replace('_ms', '').replace('median', 'p50').replace('request_throughput', 'req/s')}"
             )
             values.append(v)
     ax.bar(
         range(len(values)),
         values,
-        color=["C0" if n.startswith(("engine", "openai\nreq", "openai-chat\nreq")) else "C1" for n in names],
+        color=["C0" if n.startswith("engine") or "req/s" in n else "C1" for n in names],
     )
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(names)), names, fontsize=7)

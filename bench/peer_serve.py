@@ -120,6 +120,8 @@ def bench_serve(vllm: Vllm, args, url: str, backend: str, model_id: str, ckpt: P
         "--random-output-len",
         str(shape["output_len"]),
         "--ignore-eos",
+        "--temperature",
+        "0",  # greedy on both servers: their outputs compare
         "--seed",
         str(args.seed),
         "--percentile-metrics",
@@ -153,5 +155,6 @@ def bench_serve(vllm: Vllm, args, url: str, backend: str, model_id: str, ckpt: P
         "first_errors": errors[:3],
         "output_tokens": r.get("total_output_tokens"),
         "exact_output_lens": sum(n == shape["output_len"] for n in lens),
+        "texts": r.get("generated_texts") or [],
         "duration_s": r.get("duration"),
     }

@@ -97,7 +97,9 @@ def start_system(
     model_path: str | None = None,
     api_keys: tuple[str, ...] = (),
     engine: str = "pdd",
+    python: str | None = None,
 ) -> RunningSystem:
+    """`pdd up` under `python` (default: this interpreter; vLLM engines want vLLM's environment)."""
     counts = dict(prefill=prefill, relay=relay, md=md, routers=routers, nats_cluster=nats_cluster)
     base = free_port_block(PORT_BLOCK)
     opts = with_base_port(
@@ -112,7 +114,7 @@ def start_system(
         base,
     )
     args = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "pdd.cli",
         "up",

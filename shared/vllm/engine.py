@@ -311,19 +311,26 @@ class VllmEngine:
         except KeyError:
             raise EngineError(f"unknown request {rid!r}") from None
 
+    def vllm_blocks_in_use(self) -> int:
+        """Blocks of vLLM's paged cache that running requests hold (cached free ones are not)."""
+        pool = self.llm.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # less its null block
+
     def stats(self) -> EngineStats:
+        """In pdd's 16-token blocks: the store's room, its pinned blocks and vLLM's blocks in use."""
         reqs = list(self._requests.values())
-        held = len(self.store)
+        ratio = self.llm.vllm_config.cache_config.block_size // PDD_BLOCK_SIZE
+        pinned = self.store.pinned_blocks
         return EngineStats(
             num_blocks=self.store.capacity,
-            free_blocks=self.store.capacity - held,
-            used_blocks=held,
-            cached_blocks=held,
+            free_blocks=self.store.capacity - pinned,
+            used_blocks=pinned + self.vllm_blocks_in_use() * ratio,
+            cached_blocks=len(self.store),
             running=sum(r.running is not None and r.mode is Mode.GENERATE for r in reqs),
             waiting=0,
             held=sum(r.mode is Mode.HOLD for r in reqs),
             prefilled=sum(r.prefilled for r in reqs),
-            pinned_blocks=self.store.pinned_blocks,
+            pinned_blocks=pinned,
             preemptions=0,
             kv_bytes_per_token=self.kv_bytes_per_token,
             computed_tokens=self._computed_tokens,
