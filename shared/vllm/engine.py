@@ -46,6 +46,7 @@ from shared.vllm.sampling import to_vllm_sampling_params
 log = logging.getLogger(__name__)
 
 NO_RDMA = "the RDMA path writes into pdd's engine's KV memory; with vLLM engines KV goes over TCP"
+_built = False  # vLLM keeps one KV connector per process: a second engine would share the first's
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Request:
     running: str | None = None  # the vLLM request computing it now
     running_mode: Mode = Mode.GENERATE  # what that vLLM request is for
     sent: int = 0  # len(tokens) when that vLLM request was made
+    counted: bool = False  # its prompt entered the stats
     prefilled: bool = False
 
     @property
@@ -72,6 +74,10 @@ class VllmEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        global _built
+        if _built:
+            raise EngineError("one vLLM engine per process: vLLM keeps one KV connector per process")
+        _built = True
         info = describe_model(model)
         cfg = info.config
         self.model_id = info.model_id
@@ -199,7 +205,7 @@ class VllmEngine:
             req = self._by_vllm.get(out.request_id)
             if req is None:
                 continue
-            if out.num_cached_tokens is not None and out.outputs and out.outputs[0].token_ids:
+            if not req.counted and out.num_cached_tokens is not None:
                 self._count(req, out.num_cached_tokens)
             outputs += self._outputs(req, out)
         for req in self._requests.values():  # a prefill's saved blocks wait for its export
@@ -290,7 +296,7 @@ class VllmEngine:
         except Exception as e:  # vLLM validates the prompt (vocabulary, length) and the params
             raise InvalidRequestError(f"vLLM refuses the request: {e}") from None
         self._by_vllm[vid] = req
-        req.running, req.running_mode, req.sent = vid, req.mode, len(req.tokens)
+        req.running, req.running_mode, req.sent, req.counted = vid, req.mode, len(req.tokens), False
 
     def _stop(self, req: _Request) -> None:
         if req.running is not None:
@@ -300,10 +306,11 @@ class VllmEngine:
         self.store.unpin(_prefill_owner(req.rid))
 
     def _count(self, req: _Request, cached: int) -> None:
-        if req.sent and cached <= req.sent:
-            self._query_tokens += req.sent
-            self._hit_tokens += cached
-            self._computed_tokens += req.sent - cached
+        """A vLLM request's prompt, once: what its prefix cache and the store gave, what it computed."""
+        req.counted = True
+        self._query_tokens += req.sent
+        self._hit_tokens += min(cached, req.sent)
+        self._computed_tokens += req.sent - min(cached, req.sent)
 
     def _known(self, rid: str) -> _Request:
         try:
@@ -392,6 +399,11 @@ class VllmEngine:
         raise EngineError(NO_RDMA)
 
     # ---- the prefix cache as the routers follow it ---------------------------------------------
+    def forget_cached(self) -> None:
+        """Drop every cached block nobody pins: vLLM's prefix cache and the store's."""
+        self.llm.reset_prefix_cache()
+        self.store.clear()
+
     def drain_block_events(self) -> list[tuple[str, int]]:
         return self.store.drain_events()
 

@@ -136,6 +136,11 @@ class MemoryStore:
                 if self._pinned[h] <= 0:
                     del self._pinned[h]
 
+    def clear(self) -> None:
+        """Evict every block nothing pins."""
+        with self._lock:
+            self._evict(len(self._blocks))
+
     def drain_events(self) -> list[tuple[str, int]]:
         with self._lock:
             events, self._events = self._events, []
