@@ -12,7 +12,6 @@ double underscore. E.g. `PDD_NATS_URL=nats://...` (every service), `PDD_MD_NATS_
 from __future__ import annotations
 
 import importlib.util
-
 import os
 import socket
 from typing import Any, Literal, get_args
