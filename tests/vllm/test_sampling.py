@@ -1,0 +1,160 @@
+"""pdd's sampling params on a real vLLM engine (the CPU build; shared/vllm/sampling.py): vLLM
+takes a request using every field at once, a logit bias forces its token, and a choice
+constraint gives one of the choices. One engine start (about a minute), in its own process.
+
+Runs only where vLLM imports (never under `make test`):
+    PYTHONPATH=$PWD ~/.cache/pdd/vllm-venv/bin/python -m pytest --noconftest tests/vllm -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shared.engine.sampling_params import SamplingParams
+from shared.vllm.sampling import to_vllm_sampling_params
+from tests.vllm.llm_run import export_small, generate
+
+try:
+    import vllm  # noqa: F401
+
+    MISSING = None
+except Exception as e:  # not installed here, or its native parts do not load
+    MISSING = (
+        f"vLLM does not import here ({type(e).__name__}: {e}); run it with vLLM's CPU venv (docs/vllm.md)"
+    )
+
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+PROMPT = list(b"The answer, in one word: ")
+FORCED = ord("Q")
+STOP_TOKEN = ord("!")
+
+
+def every_field() -> SamplingParams:
+    """Each of pdd's fields off its default; the constraint keeps the output to lowercase letters
+    (so the stop token and the stop string can only end it if the grammar allowed them)."""
+    return SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        max_tokens=12,
+        stop=["zz"],
+        seed=1234,
+        ignore_eos=False,
+        logprobs=5,
+        prompt_logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        min_tokens=2,
+        logit_bias={ord("q"): 2.0, ord("x"): -5.0},
+        stop_token_ids=[STOP_TOKEN],
+        structured={"kind": "regex", "spec": "[a-z]{3,8}"},
+    )
+
+
+def test_vllm_takes_every_field_as_pdd_means_it():
+    vp = to_vllm_sampling_params(every_field())
+    assert (vp.temperature, vp.top_p, vp.top_k, vp.min_p) == (0.7, 0.9, 40, 0.05)
+    assert (vp.max_tokens, vp.min_tokens) == (12, 2)
+    assert (vp.stop, vp.stop_token_ids, vp.ignore_eos, vp.seed) == (["zz"], [STOP_TOKEN], False, 1234)
+    assert (vp.logprobs, vp.prompt_logprobs) == (5, 2)
+    assert (vp.presence_penalty, vp.frequency_penalty, vp.repetition_penalty) == (0.5, -0.25, 1.3)
+    assert vp.logit_bias == {ord("q"): 2.0, ord("x"): -5.0}
+    assert vp.structured_outputs.regex == "[a-z]{3,8}"
+    assert vp.structured_outputs.json is None and vp.structured_outputs.choice is None
+    continued = to_vllm_sampling_params(continued_greedy(), generated=3)
+    assert (continued.max_tokens, continued.min_tokens, continued.repetition_penalty) == (5, 2, 1.2)
+    greedy = to_vllm_sampling_params(SamplingParams(structured={"kind": "json_object"}))
+    assert greedy.temperature == 0.0 and greedy.structured_outputs.json is not None
+
+
+def processed_greedy() -> SamplingParams:
+    """Greedy with everything that changes the logits: deterministic, so both engines' tokens
+    can be compared one for one."""
+    return SamplingParams(
+        max_tokens=12,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.3,
+        min_tokens=2,
+        logit_bias={ord("q"): 2.0, ord("b"): -1.5},
+        stop_token_ids=[STOP_TOKEN],
+        structured={"kind": "regex", "spec": "[a-z]{3,8}"},
+    )
+
+
+def continued_greedy() -> SamplingParams:
+    """Greedy, continuable on vLLM (no presence or frequency penalty, no constraint)."""
+    return SamplingParams(max_tokens=8, repetition_penalty=1.2, min_tokens=5, logit_bias={ord("e"): 1.0})
+
+
+def pdd_tokens(requests: dict[str, tuple[list[int], SamplingParams, int]]) -> dict[str, list[int]]:
+    """pdd's engine on the same model (the small preset, seed 0, float32): each request's output
+    tokens (its prompt's last `generated` tokens counted as output already)."""
+    from shared.config import EngineSettings, ModelSettings
+    from shared.engine import LLMEngine
+    from tests.engine_util import run_all, tokens_of
+
+    engine = LLMEngine(ModelSettings(preset="small", dtype="float32"), EngineSettings(kv_memory_mb=64))
+    for rid, (tokens, params, generated) in requests.items():
+        engine.add_request(rid, tokens, params, num_prompt_tokens=len(tokens) - generated)
+    outs = run_all(engine)
+    return {rid: tokens_of(outs[rid]) for rid in requests}
+
+
+@pytest.mark.e2e
+def test_requests_mean_on_vllm_what_they_mean_on_pdds_engine(tmp_path: Path):
+    pdd = pdd_tokens(
+        {
+            "plain": (PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), 0),
+            "forced": (PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={FORCED: 100.0}), 0),
+            "processed": (PROMPT, processed_greedy(), 0),
+            "continued": (PROMPT, continued_greedy(), 0),
+        }
+    )
+    assert pdd["plain"] != [FORCED] * 6 and pdd["forced"] == [FORCED] * 6
+    head = pdd["continued"][:3]  # generated by pdd's engine, the rest by vLLM
+
+    model = export_small(tmp_path / "model")
+    choices = ["alpha", "beta", "gamma"]
+    requests = [
+        (PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), 0),
+        (PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={FORCED: 100.0}), 0),
+        (PROMPT, processed_greedy(), 0),
+        (PROMPT + head, continued_greedy(), len(head)),
+        (
+            PROMPT,
+            SamplingParams(
+                temperature=1.0, seed=7, max_tokens=16, structured={"kind": "choice", "spec": choices}
+            ),
+            0,
+        ),
+        (PROMPT, every_field(), 0),
+    ]
+    done = generate(
+        tmp_path,
+        "sampling",
+        {
+            "model": str(model),
+            "prompts": [tokens for tokens, _, _ in requests],
+            "sampling": [params.to_dict() for _, params, _ in requests],
+            "generated": [generated for _, _, generated in requests],
+        },
+    )
+    plain, forced, processed, continued, chosen, every = done["outputs"]
+    assert plain == pdd["plain"]
+    assert forced == [FORCED] * 6 == pdd["forced"]
+    assert processed == pdd["processed"]
+    assert head + continued == pdd["continued"]
+
+    assert done["texts"][4] in choices and done["finish_reasons"][4] == "stop"
+
+    # every field at once: accepted, constrained, and its logprobs reported
+    assert re.fullmatch("[a-z]{0,8}", done["texts"][5]), done["texts"][5]
+    assert done["logprobs"][5] == len(every)
+    assert done["prompt_logprobs"][5] == len(PROMPT)
