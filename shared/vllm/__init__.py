@@ -1,7 +1,6 @@
 """vLLM engines in pdd's roles: a KV connector (vLLM v1's KVConnectorBase_V1) that moves KV as
 pdd's block groups, named by pdd's chained hashes, and pdd's sampling params as vLLM's
-(sampling.py). vLLM is imported only in this package (in connector.py, and in sampling.py when
-its objects are built), so nothing else in pdd needs it.
+(sampling.py). vLLM is imported only in this package, so nothing else in pdd needs it.
 
 What there is: a local block store (block_store.py, one file per vLLM block) between a vLLM
 producer, which saves each prompt's full blocks, and a vLLM consumer, which loads the leading
