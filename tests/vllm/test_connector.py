@@ -54,7 +54,7 @@ def _layer0_kv(model_dir: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.
 
 def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Path) -> None:
     from shared.vllm.block_store import BlockStore
-    from shared.vllm.plan import prompt_block_names
+    from shared.vllm.plan import prompt_hashes
 
     model = export_small(tmp_path / "model")
     store_dir = tmp_path / "store"
@@ -68,24 +68,27 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     g_a, g_d, g_f = alone["outputs"]
     assert alone["cached"] == [0, 0, 0]
 
-    # prefilled in chunks of 160 tokens: block 0 is saved after the first step, block 1 after the second
+    # prefilled in chunks of 160 tokens: pdd blocks 0-9 are saved after the first step, 10-17
+    # (the partial last vLLM block's two full pdd blocks included) after the second
     producer = {**common, "kv_role": "kv_producer", "prompts": [a], "chunk": 160}
     produced = generate(tmp_path, "producer", producer)
     assert produced["outputs"] == [g_a]  # saving changes nothing
     store = BlockStore(store_dir)
-    names_a, names_d = prompt_block_names(a, BLOCK, MODEL_ID), prompt_block_names(d, BLOCK, MODEL_ID)
-    assert sorted(p.name for p in store_dir.iterdir()) == sorted(store.path(h).name for h in names_a)
+    hashes_a, hashes_d = prompt_hashes(a, MODEL_ID), prompt_hashes(d, MODEL_ID)
+    assert len(hashes_a) == 18
+    assert sorted(p.name for p in store_dir.iterdir()) == sorted(store.path(h).name for h in hashes_a)
 
-    # The stored group is pdd's layout: layer 0 of block 0 is the keys and values of tokens 0..127.
-    group = store.get(names_a[0])
+    # The stored groups are pdd's layout: layer 0 of pdd blocks 0..7 is the keys and values of
+    # tokens 0..127.
+    group = torch.cat([store.get(h) for h in hashes_a[:8]], dim=3)
     assert tuple(group.shape) == (8, 2, 1, BLOCK, 4, 64)
     k, v = _layer0_kv(model, a[:BLOCK])
     torch.testing.assert_close(group[0, 1, 0], v, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(group[0, 0, 0], k, rtol=1e-4, atol=1e-4)
 
     # d's names hold a's KV: a consumer that attends to what it loaded must go wrong on d.
-    for name_a, name_d in zip(names_a, names_d, strict=True):
-        store.put(name_d, store.get(name_a))
+    for h_a, h_d in zip(hashes_a, hashes_d, strict=True):
+        store.put(h_d, store.get(h_a))
 
     consumed = generate(tmp_path, "consumer", {**common, "kv_role": "kv_consumer", "prompts": [a, d, e, f]})
     assert consumed["cached"] == [2 * BLOCK, 2 * BLOCK, 0, BLOCK]
@@ -96,7 +99,8 @@ def test_consumer_loads_the_producers_blocks_and_gives_vllms_tokens(tmp_path: Pa
     # vLLM's own prefix cache holds block 0 (computed for a shorter prompt before), a store only
     # block 1: the connector loads block 1 into its place.
     only_block_1 = BlockStore(tmp_path / "store_block_1")
-    only_block_1.put(names_a[1], store.get(names_a[1]))
+    for h in hashes_a[8:16]:
+        only_block_1.put(h, store.get(h))
     hit = {
         **common,
         "store": str(only_block_1.root),
