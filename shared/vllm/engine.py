@@ -24,15 +24,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from shared.config import EngineSettings, ModelSettings
 from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.hashing import block_hashes
-from shared.engine.kv_admission import Verdict, request_blocks
-from shared.engine.outputs import EngineStats, FinishReason, StepOutput
+from shared.engine.kv_admission import request_blocks
+from shared.engine.outputs import EngineStats, StepOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.seam import BlockFormat
 from shared.engine.sequence import Mode
@@ -41,34 +40,19 @@ from shared.model.config import context_limit
 from shared.model.describe import describe_model
 from shared.vllm.checkpoint import vllm_checkpoint
 from shared.vllm.memory_store import MemoryStore
+from shared.vllm.requests import Next, VllmRequest, on_output, output_budget
 from shared.vllm.sampling import to_vllm_sampling_params
+from shared.vllm.store_calls import StoreCalls
 
 log = logging.getLogger(__name__)
 
-NO_RDMA = "the RDMA path writes into pdd's engine's KV memory; with vLLM engines KV goes over TCP"
+# vLLM's blocks on the CPU: the smallest its attention kernels take (128 is its default). A
+# handed-over prompt's tail short of a whole vLLM block is computed again where it lands.
+CPU_BLOCK_SIZE = 32
 _built = False  # vLLM keeps one KV connector per process: a second engine would share the first's
 
 
-@dataclass
-class _Request:
-    rid: str
-    tokens: list[int]  # prompt, then every output token so far (handed over ones included)
-    num_prompt: int
-    params: SamplingParams
-    mode: Mode
-    hashes: list[int]  # the prompt's pdd block hashes
-    running: str | None = None  # the vLLM request computing it now
-    running_mode: Mode = Mode.GENERATE  # what that vLLM request is for
-    sent: int = 0  # len(tokens) when that vLLM request was made
-    counted: bool = False  # its prompt entered the stats
-    prefilled: bool = False
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-
-class VllmEngine:
+class VllmEngine(StoreCalls):
     def __init__(self, model: ModelSettings, settings: EngineSettings) -> None:
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
@@ -83,7 +67,6 @@ class VllmEngine:
         self.model_id = info.model_id
         self.block_size = PDD_BLOCK_SIZE
         self.max_model_len = context_limit(cfg, settings.max_model_len)
-        self.eos = set(cfg.eos_token_ids)
         self.dtype = torch.float32 if model.dtype in ("auto", "float32") else getattr(torch, model.dtype)
         self._format = BlockFormat(
             self.dtype, (cfg.num_layers, 2, PDD_BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
@@ -100,6 +83,7 @@ class VllmEngine:
             served_model_name=self.model_id,
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
+            block_size=CPU_BLOCK_SIZE if model.device == "cpu" else None,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=max(settings.max_batched_tokens, self.max_model_len),
             seed=model.seed,
@@ -117,8 +101,8 @@ class VllmEngine:
         # vLLM's CPU attention plans for the torch threads it set here; OpenMP's count is per
         # thread, and steps run on the service's engine thread
         self._threads = torch.get_num_threads()
-        self._requests: dict[str, _Request] = {}
-        self._by_vllm: dict[str, _Request] = {}
+        self._requests: dict[str, VllmRequest] = {}
+        self._by_vllm: dict[str, VllmRequest] = {}
         self._outbox: list[StepOutput] = []
         self._ids = itertools.count()
         self._computed_tokens = self._hit_tokens = self._query_tokens = 0
@@ -153,7 +137,7 @@ class VllmEngine:
                 "frequency penalties (vLLM counts them over its own output): serve it with pdd's engine"
             )
         hashes = block_hashes(token_ids[:num_prompt], PDD_BLOCK_SIZE, self.model_id)
-        req = _Request(rid, list(token_ids), num_prompt, params, mode, hashes)
+        req = VllmRequest(rid, list(token_ids), num_prompt, params, mode, hashes)
         self._submit(req)  # raises before the request is known when vLLM refuses it
         self._requests[rid] = req
 
@@ -207,73 +191,23 @@ class VllmEngine:
                 continue
             if not req.counted and out.num_cached_tokens is not None:
                 self._count(req, out.num_cached_tokens)
-            outputs += self._outputs(req, out)
+            completion = out.outputs[0] if out.outputs else None
+            tokens = list(completion.token_ids) if completion else []
+            reason = completion.finish_reason if completion else None
+            outs, then = on_output(req, tokens, out.finished, reason, self.max_model_len)
+            outputs += outs
+            if out.finished:
+                self._by_vllm.pop(out.request_id, None)
+            if then is Next.SUBMIT:
+                self._submit(req)
+            elif then is Next.FORGET:
+                self._requests.pop(req.rid, None)
         for req in self._requests.values():  # a prefill's saved blocks wait for its export
-            if req.mode is Mode.PREFILL and req.running is not None:
+            if req.mode is Mode.PREFILL and (req.running is not None or req.prefilled):
                 self.store.pin(_prefill_owner(req.rid), req.hashes)
         return outputs
 
-    def _outputs(self, req: _Request, out) -> list[StepOutput]:
-        kind = req.running_mode
-        completion = out.outputs[0] if out.outputs else None
-        tokens = list(completion.token_ids) if completion else []
-        if not out.finished:
-            return self._tokens(req, tokens, None) if kind is Mode.GENERATE else []
-        self._by_vllm.pop(out.request_id, None)
-        req.running = None
-        reason = completion.finish_reason if completion else None
-        if reason in (None, "abort"):
-            self._requests.pop(req.rid, None)
-            return [StepOutput(rid=req.rid, finished=True, finish_reason=FinishReason.ABORT)]
-        if kind is Mode.HOLD:  # a batch's KV is computed; the token vLLM sampled is dropped
-            if len(req.tokens) > req.sent or req.mode is Mode.GENERATE:
-                self._submit(req)  # tokens (or the final extend) came while it ran: they join it
-                return []
-            return [StepOutput(rid=req.rid, computed=True)]
-        if kind is Mode.PREFILL:
-            tok = tokens[0]
-            req.tokens.append(tok)
-            req.prefilled = True
-            self.store.pin(_prefill_owner(req.rid), req.hashes)
-            return [
-                StepOutput(
-                    rid=req.rid,
-                    token_id=tok,
-                    index=0,
-                    finished=True,
-                    finish_reason=FinishReason.PREFILLED,
-                    ends=self._first_token_ends(req, reason),
-                )
-            ]
-        self._requests.pop(req.rid, None)
-        return self._tokens(req, tokens, FinishReason.STOP if reason == "stop" else FinishReason.LENGTH)
-
-    def _tokens(self, req: _Request, tokens: list[int], done: FinishReason | None) -> list[StepOutput]:
-        outs = []
-        for k, tok in enumerate(tokens):
-            req.tokens.append(tok)
-            last = done is not None and k == len(tokens) - 1
-            outs.append(
-                StepOutput(
-                    rid=req.rid,
-                    token_id=tok,
-                    index=req.generated - 1,
-                    finished=last,
-                    finish_reason=done if last else None,
-                )
-            )
-        if done is not None and not tokens:
-            outs.append(StepOutput(rid=req.rid, finished=True, finish_reason=done))
-        return outs
-
-    def _first_token_ends(self, req: _Request, reason: str) -> FinishReason | None:
-        if reason == "stop":
-            return FinishReason.STOP
-        if req.params.max_tokens <= 1 or len(req.tokens) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _submit(self, req: _Request) -> None:
+    def _submit(self, req: VllmRequest) -> None:
         """A vLLM request over the request's tokens: one output token for PREFILL and HOLD, the
         rest of the output for GENERATE."""
         from vllm.sampling_params import RequestOutputKind
@@ -285,10 +219,9 @@ class VllmEngine:
             raise
         except Exception as e:  # vLLM's own checks of the parameters
             raise InvalidRequestError(f"vLLM refuses the sampling parameters: {e}") from None
-        params.max_tokens = min(params.max_tokens, self.max_model_len - len(req.tokens))
-        if req.mode is not Mode.GENERATE:
-            params.max_tokens = 1
-            params.min_tokens = min(params.min_tokens, 1)
+        params.max_tokens, params.min_tokens = output_budget(
+            req, params.max_tokens, params.min_tokens, self.max_model_len
+        )
         params.output_kind = RequestOutputKind.DELTA
         vid = f"{req.rid}@{next(self._ids)}"
         try:
@@ -298,21 +231,21 @@ class VllmEngine:
         self._by_vllm[vid] = req
         req.running, req.running_mode, req.sent, req.counted = vid, req.mode, len(req.tokens), False
 
-    def _stop(self, req: _Request) -> None:
+    def _stop(self, req: VllmRequest) -> None:
         if req.running is not None:
             self.llm.abort_request([req.running])
             self._by_vllm.pop(req.running, None)
             req.running = None
         self.store.unpin(_prefill_owner(req.rid))
 
-    def _count(self, req: _Request, cached: int) -> None:
+    def _count(self, req: VllmRequest, cached: int) -> None:
         """A vLLM request's prompt, once: what its prefix cache and the store gave, what it computed."""
         req.counted = True
         self._query_tokens += req.sent
         self._hit_tokens += min(cached, req.sent)
         self._computed_tokens += req.sent - min(cached, req.sent)
 
-    def _known(self, rid: str) -> _Request:
+    def _known(self, rid: str) -> VllmRequest:
         try:
             return self._requests[rid]
         except KeyError:
@@ -349,66 +282,11 @@ class VllmEngine:
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def num_pin_owners(self) -> int:
-        return self.store.pin_owners
-
-    # ---- blocks in and out, pins ------------------------------------------------------------
-    def export_blocks(self, hashes: list[int]) -> torch.Tensor:
-        try:
-            return torch.cat([self.store.get(h) for h in hashes], dim=2)
-        except KeyError as e:
-            raise EngineError(f"block {e.args[0]:016x} is not cached") from None
-
-    def import_blocks(self, hashes: list[int], kv: torch.Tensor, *, pin: str | None = None) -> int:
-        if kv.dim() != 6 or kv.shape[2] != len(hashes) or tuple(kv[:, :, 0].shape) != self._format.shape:
-            raise EngineError(
-                f"KV {tuple(kv.shape)} does not hold {len(hashes)} blocks of {self._format.shape}"
-            )
-        new = self.store.put_all(hashes, [kv[:, :, i : i + 1].to(self.dtype) for i in range(len(hashes))])
-        if pin is not None:
-            self.store.pin(pin, hashes)
-        return new
-
-    def reserve(self, owner: str, hashes: list[int], blocks: int) -> tuple[Verdict, int]:
-        if blocks > self.store.capacity:
-            return Verdict.NEVER, 0
-        have = self.store.held_run(hashes)
-        self.store.pin(owner, hashes[:have])
-        return Verdict.ADMIT, have
-
-    def share(self, owner: str, landed: list[int], lost: list[int] = ()) -> list[int]:
-        return self.store.pin(owner, landed)
-
-    def unpin(self, owner: str) -> None:
-        self.store.unpin(owner)
-
-    # ---- the RDMA path's slots: not with vLLM -------------------------------------------------
-    def slot_memory(self) -> torch.Tensor:
-        raise EngineError(NO_RDMA)
-
-    def take_spare(self, owner: str, n: int) -> list[int]:
-        raise EngineError(NO_RDMA)
-
-    def adopt(self, owner: str, h: int, slot: int) -> None:
-        raise EngineError(NO_RDMA)
-
-    def return_spare(self, owner: str, slot: int) -> None:
-        raise EngineError(NO_RDMA)
-
-    def release_blocks(self, slots: list[int]) -> None:
-        raise EngineError(NO_RDMA)
-
     # ---- the prefix cache as the routers follow it ---------------------------------------------
     def forget_cached(self) -> None:
         """Drop every cached block nobody pins: vLLM's prefix cache and the store's."""
         self.llm.reset_prefix_cache()
         self.store.clear()
-
-    def drain_block_events(self) -> list[tuple[str, int]]:
-        return self.store.drain_events()
-
-    def cached_hashes(self) -> list[int]:
-        return self.store.hashes()
 
 
 def _prefill_owner(rid: str) -> str:

@@ -109,7 +109,8 @@ def test_prefill_export_import_decode_equals_one_engine(engines) -> None:
     d.unpin("r")
     outs = run_all(d)["r"]
     assert [o.index for o in outs] == list(range(1, 20)) and outs[-1].finish_reason is FinishReason.LENGTH
-    assert d.stats().prefix_hit_tokens - before == 256  # two whole vLLM blocks came from the store
+    # the whole vLLM blocks of the imported pdd blocks came from the store (all 18: 288 tokens)
+    assert d.stats().prefix_hit_tokens - before == 288
     assert [out.token_id, *tokens_of(outs)] == ref
     assert idle(p) and idle(d)
 
