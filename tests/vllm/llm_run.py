@@ -92,6 +92,11 @@ def export_small(out: Path) -> Path:
 
 def generate(tmp: Path, name: str, spec: dict) -> dict:
     """run(spec) in a process of its own (vLLM's environment), its log kept in tmp/name.log."""
+    return run_module(tmp, name, "tests.vllm.llm_run", spec)
+
+
+def run_module(tmp: Path, name: str, module: str, spec) -> dict:
+    """`python -m module SPEC.json OUT.json` in vLLM's environment; OUT's contents."""
     from bench.peer_venv import vllm_env
 
     env = {**vllm_env(Path(sys.prefix), os.cpu_count() or 1), "PYTHONPATH": str(ROOT)}
@@ -100,7 +105,7 @@ def generate(tmp: Path, name: str, spec: dict) -> dict:
     spec_path.write_text(json.dumps(spec))
     with open(log, "w") as f:
         rc = subprocess.run(
-            [sys.executable, "-m", "tests.vllm.llm_run", str(spec_path), str(out_path)],
+            [sys.executable, "-m", module, str(spec_path), str(out_path)],
             cwd=ROOT,
             env=env,
             stdout=f,

@@ -12,21 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.vllm.llm_run import export_small, generate
+from tests.vllm.needs_vllm import needs_vllm
 
-try:
-    import vllm  # noqa: F401
-
-    MISSING = None
-except Exception as e:  # not installed here, or its native parts do not load
-    MISSING = (
-        f"vLLM does not import here ({type(e).__name__}: {e}); run it with vLLM's CPU venv (docs/vllm.md)"
-    )
-
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
+pytestmark = needs_vllm
 
 MODEL_ID = "small-s0"
 BLOCK = 128  # vLLM's block size on the CPU backend

@@ -12,16 +12,9 @@ import random
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
+from tests.vllm.needs_vllm import needs_vllm
 
-    MISSING = None
-except Exception as e:  # not installed here, or its native parts do not load
-    MISSING = (
-        f"vLLM does not import here ({type(e).__name__}: {e}); run it with `make test-vllm` (docs/vllm.md)"
-    )
-
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
+pytestmark = needs_vllm
 
 KV_GIB = 0.25  # the store's room: 1024 blocks of the small preset (256 KiB each)
 

@@ -9,26 +9,15 @@ Runs only where vLLM imports (`make test-vllm`); minutes: a system of three vLLM
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-try:
-    import vllm  # noqa: F401
+from tests.vllm.llm_run import run_module
+from tests.vllm.needs_vllm import needs_vllm
 
-    MISSING = None
-except Exception as e:  # not installed here, or its native parts do not load
-    MISSING = (
-        f"vLLM does not import here ({type(e).__name__}: {e}); run it with `make test-vllm` (docs/vllm.md)"
-    )
+pytestmark = needs_vllm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
-
-ROOT = Path(__file__).resolve().parents[2]
 PRESET = "small"
 MD_READY_TIMEOUT_S = 5.0
 RELAY_STEP_S = 0.04  # the paced relay (PDD_RELAY_MIN_STEP_S): the relay runs ahead of MD on any host
@@ -65,33 +54,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def alone(checkpoint, tmp_path_factory) -> dict[str, list[int]]:
-    from bench.peer_venv import vllm_env
-
-    tmp = tmp_path_factory.mktemp("alone")
-    (tmp / "spec.json").write_text(json.dumps(list(CASES.values())))
-    env = {
-        **vllm_env(Path(sys.prefix), os.cpu_count() or 1),
-        "PYTHONPATH": str(ROOT),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    with open(tmp / "log", "w") as log:
-        rc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.vllm.alone",
-                str(checkpoint),
-                str(tmp / "spec.json"),
-                str(tmp / "out.json"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=600,
-        ).returncode
-    assert rc == 0, (tmp / "log").read_text()[-3000:]
-    return dict(zip(CASES, json.loads((tmp / "out.json").read_text()), strict=True))
+    spec = {"model": str(checkpoint), "cases": list(CASES.values())}
+    outs = run_module(tmp_path_factory.mktemp("alone"), "alone", "tests.vllm.alone", spec)
+    return dict(zip(CASES, outs, strict=True))
 
 
 @pytest.fixture(scope="module")

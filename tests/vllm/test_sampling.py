@@ -16,17 +16,9 @@ import pytest
 from shared.engine.sampling_params import SamplingParams
 from shared.vllm.sampling import to_vllm_sampling_params
 from tests.vllm.llm_run import export_small, generate
+from tests.vllm.needs_vllm import needs_vllm
 
-try:
-    import vllm  # noqa: F401
-
-    MISSING = None
-except Exception as e:  # not installed here, or its native parts do not load
-    MISSING = (
-        f"vLLM does not import here ({type(e).__name__}: {e}); run it with vLLM's CPU venv (docs/vllm.md)"
-    )
-
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+pytestmark = needs_vllm
 
 PROMPT = list(b"The answer, in one word: ")
 FORCED = ord("Q")
