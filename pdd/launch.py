@@ -393,7 +393,8 @@ def _service_env(name: str, instance: int, opts: UpOptions, h: Hosts, dc: str) -
     ):
         env[threads] = str(torch_threads_share(opts, h.shared_cores))
     local = name in KV_SERVICES and h.shared_cores  # processes on this host, not containers
-    helpers = helper_threads(opts, h.shared_cores) if local else 0
+    # pdd's engine only: vLLM's engines have no helper threads to take a core a decoder leaves
+    helpers = helper_threads(opts, h.shared_cores) if local and opts.engine == "pdd" else 0
     if local and f"{p}ENGINE__HELPER_THREADS" not in os.environ:
         env[f"{p}ENGINE__HELPER_THREADS"] = str(helpers)
         nice = f"{p}ENGINE__HELPER_NICE"
