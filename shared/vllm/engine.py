@@ -15,8 +15,7 @@ on a MemoryStore of pdd's 16-token blocks (shared/vllm/memory_store.py):
   routers see it.
 
 What it does not do (pdd's engine does): the RDMA path's slots, structured outputs and
-presence/frequency penalties across a handoff (vLLM counts them over its output only),
-per-token logprobs.
+presence/frequency penalties across a handoff (vLLM counts them over its output only).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from shared.model.config import context_limit
 from shared.model.describe import describe_model
 from shared.vllm.checkpoint import vllm_checkpoint
 from shared.vllm.memory_store import MemoryStore
-from shared.vllm.requests import Next, VllmRequest, on_output, output_budget
+from shared.vllm.requests import Logprobs, Next, VllmRequest, on_output, output_budget
 from shared.vllm.sampling import to_vllm_sampling_params
 from shared.vllm.store_calls import StoreCalls
 
@@ -194,7 +193,8 @@ class VllmEngine(StoreCalls):
             completion = out.outputs[0] if out.outputs else None
             tokens = list(completion.token_ids) if completion else []
             reason = completion.finish_reason if completion else None
-            outs, then = on_output(req, tokens, out.finished, reason, self.max_model_len)
+            lps = Logprobs(completion.logprobs if completion else None, out.prompt_logprobs)
+            outs, then = on_output(req, tokens, out.finished, reason, self.max_model_len, lps)
             outputs += outs
             if out.finished:
                 self._by_vllm.pop(out.request_id, None)

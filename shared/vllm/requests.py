@@ -7,9 +7,12 @@ GENERATE the rest of the output."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.outputs import FinishReason, StepOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Mode
@@ -40,14 +43,38 @@ class Next(Enum):
     FORGET = auto()  # the request ended
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """What a vLLM output says of probabilities: per new token, and (first output only) per
+    prompt token, vLLM's {token id: Logprob(logprob, rank)} (None where it has none)."""
+
+    tokens: Sequence[Mapping[int, Any]] | None = None
+    prompt: Sequence[Mapping[int, Any] | None] | None = None
+
+
+def token_logprobs(entry: Mapping[int, Any], chosen: int, k: int) -> TokenLogprobs:
+    """vLLM's logprobs of one position (the chosen token and the top k, each with its rank) as pdd's."""
+    top = sorted(
+        (lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k
+    )
+    mine = entry[chosen]
+    return TokenLogprobs(mine.logprob, [t for _, t, _ in top], [lp for _, _, lp in top], mine.rank or 0)
+
+
 def on_output(
-    req: VllmRequest, tokens: list[int], finished: bool, reason: str | None, max_model_len: int
+    req: VllmRequest,
+    tokens: list[int],
+    finished: bool,
+    reason: str | None,
+    max_model_len: int,
+    logprobs: Logprobs = Logprobs(),
 ) -> tuple[list[StepOutput], Next]:
     """One RequestOutput of the request's running vLLM request (tokens: the new ones; reason:
     vLLM's finish reason once finished) as pdd's outputs, and what the engine does next."""
     kind = req.running_mode
+    lps = _token_lps(req, tokens, logprobs)
     if not finished:
-        return (_tokens(req, tokens, None) if kind is Mode.GENERATE else []), Next.WAIT
+        return (_tokens(req, tokens, None, lps) if kind is Mode.GENERATE else []), Next.WAIT
     req.running = None
     if reason in (None, "abort"):
         return [StepOutput(rid=req.rid, finished=True, finish_reason=FinishReason.ABORT)], Next.FORGET
@@ -66,13 +93,33 @@ def on_output(
             finished=True,
             finish_reason=FinishReason.PREFILLED,
             ends=ends,
+            logprobs=lps[0],
+            prompt_logprobs=_prompt_lps(req, logprobs),
         )
         return [out], Next.WAIT  # its blocks stay until prefill releases it
     done = FinishReason.STOP if reason == "stop" else FinishReason.LENGTH
-    return _tokens(req, tokens, done), Next.FORGET
+    return _tokens(req, tokens, done, lps), Next.FORGET
 
 
-def _tokens(req: VllmRequest, tokens: list[int], done: FinishReason | None) -> list[StepOutput]:
+def _token_lps(req: VllmRequest, tokens: list[int], logprobs: Logprobs) -> list[TokenLogprobs | None]:
+    k = req.params.logprobs
+    if k is None or logprobs.tokens is None:
+        return [None] * len(tokens)
+    return [token_logprobs(entry, tok, k) for entry, tok in zip(logprobs.tokens, tokens, strict=True)]
+
+
+def _prompt_lps(req: VllmRequest, logprobs: Logprobs) -> list[TokenLogprobs] | None:
+    """Prompt tokens 1.. (vLLM gives the first None), when the request asked for them."""
+    k = req.params.prompt_logprobs
+    if k is None or logprobs.prompt is None:
+        return None
+    prompt = req.tokens[: req.num_prompt]
+    return [token_logprobs(entry, tok, k) for entry, tok in zip(logprobs.prompt[1:], prompt[1:], strict=True)]
+
+
+def _tokens(
+    req: VllmRequest, tokens: list[int], done: FinishReason | None, lps: list[TokenLogprobs | None]
+) -> list[StepOutput]:
     outs = []
     for k, tok in enumerate(tokens):
         req.tokens.append(tok)
@@ -84,6 +131,7 @@ def _tokens(req: VllmRequest, tokens: list[int], done: FinishReason | None) -> l
                 index=req.generated - 1,
                 finished=last,
                 finish_reason=done if last else None,
+                logprobs=lps[k],
             )
         )
     if done is not None and not tokens:

@@ -3,6 +3,8 @@ the seam's block calls over the in-memory store (shared/vllm/store_calls.py): no
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -10,7 +12,15 @@ from shared.engine import EngineError, FinishReason, Mode, SamplingParams
 from shared.engine.kv_admission import Verdict
 from shared.engine.seam import BlockFormat
 from shared.vllm.memory_store import MemoryStore
-from shared.vllm.requests import Next, VllmRequest, first_token_ends, on_output, output_budget
+from shared.vllm.requests import (
+    Logprobs,
+    Next,
+    VllmRequest,
+    first_token_ends,
+    on_output,
+    output_budget,
+    token_logprobs,
+)
 from shared.vllm.store_calls import StoreCalls
 
 MAX_LEN = 1000
@@ -61,6 +71,28 @@ def test_an_aborted_vllm_request_ends_the_request() -> None:
     outs, then = on_output(request(Mode.GENERATE), [], True, "abort", MAX_LEN)
     assert [(o.finished, o.finish_reason) for o in outs] == [(True, FinishReason.ABORT)]
     assert then is Next.FORGET
+
+
+class Lp(NamedTuple):  # vLLM's Logprob, as far as the translation reads it
+    logprob: float
+    rank: int | None
+
+
+def test_vllms_logprobs_become_pdds() -> None:
+    # the sampled token 9 ranks 3rd; vLLM also lists the top 2
+    entry = {4: Lp(-0.1, 1), 7: Lp(-2.5, 2), 9: Lp(-3.0, 3)}
+    lp = token_logprobs(entry, 9, 2)
+    assert (lp.logprob, lp.top_ids, lp.top_logprobs, lp.rank) == (-3.0, [4, 7], [-0.1, -2.5], 3)
+    req = request(Mode.GENERATE)
+    req.params.logprobs = 2
+    outs, _ = on_output(req, [9], False, None, MAX_LEN, Logprobs([entry]))
+    assert outs[0].logprobs == lp
+    req = request(Mode.PREFILL, tokens=3, prompt=3)
+    req.params.prompt_logprobs = 1
+    prompt = [None, {1: Lp(-1.0, 1)}, {2: Lp(-2.0, 2), 5: Lp(-0.5, 1)}]
+    (out,), _ = on_output(req, [4], True, "length", MAX_LEN, Logprobs([entry], prompt))
+    assert out.logprobs is None  # not asked for
+    assert [(p.logprob, p.top_ids, p.rank) for p in out.prompt_logprobs] == [(-1.0, [1], 1), (-2.0, [5], 2)]
 
 
 def test_output_budget() -> None:

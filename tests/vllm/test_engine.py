@@ -178,3 +178,21 @@ def test_block_events_and_slots(engines) -> None:
     assert p.drain_block_events() == []
     with pytest.raises(EngineError, match="RDMA"):
         p.slot_memory()
+
+
+def test_logprobs_come_with_the_tokens(engines) -> None:
+    from shared.engine import Mode
+    from shared.engine.sampling_params import SamplingParams
+
+    p, _ = engines
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    prompt = prompt_of(8, 40)
+    p.add_request("lp", prompt, params, mode=Mode.PREFILL)
+    (first,) = run_all(p)["lp"]
+    assert first.logprobs.rank == 1 and first.logprobs.top_ids[0] == first.token_id  # greedy: the best
+    assert len(first.logprobs.top_ids) == 3 and first.logprobs.logprob == first.logprobs.top_logprobs[0]
+    assert len(first.prompt_logprobs) == len(prompt) - 1 and len(first.prompt_logprobs[0].top_ids) == 2
+    assert p.abort("lp")
+    p.add_request("lp2", prompt, params)
+    outs = run_all(p)["lp2"]
+    assert [o.logprobs.top_ids[0] for o in outs] == tokens_of(outs)
