@@ -93,6 +93,7 @@ class VllmEngine(StoreCalls):
                 kv_connector="PddConnector",
                 kv_connector_module_path="shared.vllm.connector",
                 kv_role="kv_both",
+                kv_load_failure_policy="recompute",  # a block gone since it matched is computed
                 kv_connector_extra_config={"pdd_store": self.store.name, "pdd_model_id": self.model_id},
             ),
         )

@@ -196,3 +196,33 @@ def test_logprobs_come_with_the_tokens(engines) -> None:
     p.add_request("lp2", prompt, params)
     outs = run_all(p)["lp2"]
     assert [o.logprobs.top_ids[0] for o in outs] == tokens_of(outs)
+
+
+def test_a_block_gone_between_match_and_load_is_recomputed(engines, monkeypatch) -> None:
+    """A fault this test fakes (a store that loses a block after vLLM matched it, which no
+    real sequence of calls produces on one thread): vLLM recomputes it, the tokens stay exact."""
+    from shared.engine import Mode
+
+    p, md = engines
+    prompt = prompt_of(9, 200)
+    p.add_request("src", prompt, greedy(1), mode=Mode.PREFILL)
+    (first,) = run_all(p)["src"]
+    hashes = p.computed_block_hashes("src")
+    kv = p.export_blocks(hashes)
+    assert p.abort("src")
+    ref = alone(p, prompt, 8)
+    md.forget_cached()
+    md.import_blocks(hashes, kv)
+    real_get, lost = md.store.get, []
+
+    def get(h: int):
+        if not lost:
+            lost.append(h)
+            raise KeyError(h)
+        return real_get(h)
+
+    monkeypatch.setattr(md.store, "get", get)
+    md.add_request("r", prompt + [first.token_id], greedy(8), num_prompt_tokens=len(prompt))
+    outs = run_all(md)["r"]
+    assert lost and [first.token_id, *tokens_of(outs)] == ref
+    assert idle(md)
