@@ -21,7 +21,6 @@ presence/frequency penalties across a handoff (vLLM counts them over its output 
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 
 import torch
@@ -42,8 +41,6 @@ from shared.vllm.memory_store import MemoryStore
 from shared.vllm.requests import Logprobs, Next, VllmRequest, on_output, output_budget
 from shared.vllm.sampling import to_vllm_sampling_params
 from shared.vllm.store_calls import StoreCalls
-
-log = logging.getLogger(__name__)
 
 # vLLM's blocks on the CPU: the smallest its attention kernels take (128 is its default). A
 # handed-over prompt's tail short of a whole vLLM block is computed again where it lands.
@@ -128,13 +125,6 @@ class VllmEngine(StoreCalls):
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(token_ids)} tokens leave no room under max_model_len {self.max_model_len}"
-            )
-        if len(token_ids) > num_prompt and (
-            params.structured or params.presence_penalty or params.frequency_penalty
-        ):
-            raise InvalidRequestError(
-                "a request continued on a vLLM engine cannot carry structured outputs or presence/"
-                "frequency penalties (vLLM counts them over its own output): serve it with pdd's engine"
             )
         hashes = block_hashes(token_ids[:num_prompt], PDD_BLOCK_SIZE, self.model_id)
         req = VllmRequest(rid, list(token_ids), num_prompt, params, mode, hashes)
