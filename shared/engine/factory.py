@@ -10,12 +10,27 @@ from shared.engine.errors import EngineError
 from shared.engine.seam import Engine
 
 
-def require_available_engine(engine: EngineSettings, service: str) -> None:
-    """Exit 2 before the service starts when this build cannot run the engine it is given."""
+def require_available_engine(
+    engine: EngineSettings, service: str, model: ModelSettings | None = None
+) -> None:
+    """Exit 2 before the service starts when this environment cannot run the engine it is
+    given, or that engine cannot load the model."""
     why = engine_unavailable(engine.kind)
+    if why is None and engine.kind == "vllm" and model is not None:
+        why = vllm_refuses(model)
     if why is not None:
         print(f"{service}: refusing to start: {why}; set PDD_ENGINE=pdd", file=sys.stderr)
         raise SystemExit(2)
+
+
+def vllm_refuses(model: ModelSettings) -> str | None:
+    """Why vLLM's engine cannot load this model here (it takes a checkpoint directory or a preset)."""
+    from shared.model.source import resolve_source
+
+    source = resolve_source(model)
+    if source.kind == "gguf":
+        return f"{source.path}: vLLM engines load Hugging Face checkpoint directories, not a GGUF file"
+    return None
 
 
 def build_engine(model: ModelSettings, engine: EngineSettings) -> Engine:

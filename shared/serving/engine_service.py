@@ -75,7 +75,7 @@ class EngineService:
     async def preflight(cls, settings: Any) -> None:
         """Settings checks that exit 2 before the service connects anywhere: an engine this
         build cannot run; a service adds its own."""
-        require_available_engine(settings.engine, cls.role.value)
+        require_available_engine(settings.engine, cls.role.value, settings.model)
 
     def __init__(self, settings: Any, nc: Any, engine: Engine, post_step: PostStep | None = None):
         self.settings = settings

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shared.config import ModelSettings
 from shared.engine.errors import EngineError
+from shared.engine.factory import vllm_refuses
 from shared.model.describe import ModelInfo
 from shared.model.source import resolve_source
 
@@ -22,10 +23,7 @@ def vllm_checkpoint(model: ModelSettings, info: ModelInfo) -> Path:
     if source.kind == "hf":
         return Path(source.path)
     if source.kind == "gguf":
-        raise EngineError(
-            f"{source.path}: vLLM engines here load Hugging Face checkpoint directories; give the model "
-            "as a directory (a GGUF file runs on pdd's engine)"
-        )
+        raise EngineError(vllm_refuses(model))
     return _preset_checkpoint(model, info)
 
 

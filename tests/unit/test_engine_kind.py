@@ -80,3 +80,17 @@ def test_up_engine_flag(capsys) -> None:
     engine_envs = {k: v for s in service_specs(opts) for k, v in s.env.items() if k.endswith("ENGINE__KIND")}
     assert {"PDD_PREFILL_ENGINE__KIND", "PDD_RELAY_ENGINE__KIND", "PDD_MD_ENGINE__KIND"} <= set(engine_envs)
     assert set(engine_envs.values()) == {"vllm"}
+
+
+def test_vllm_given_a_gguf_file_exits_2_naming_it(monkeypatch, capsys) -> None:
+    from shared.engine import factory
+
+    assert factory.vllm_refuses(ModelSettings(preset="tiny")) is None
+    assert "GGUF" in factory.vllm_refuses(ModelSettings())  # the default model is a GGUF file
+    monkeypatch.setattr(factory, "engine_unavailable", lambda kind: None)  # as where vLLM imports
+    factory.require_available_engine(
+        EngineSettings(kind="vllm"), "main_decode", ModelSettings(preset="small")
+    )
+    with pytest.raises(SystemExit) as e:
+        factory.require_available_engine(EngineSettings(kind="vllm"), "main_decode", ModelSettings())
+    assert e.value.code == 2 and "not a GGUF file" in capsys.readouterr().err
