@@ -87,6 +87,12 @@ class PddConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp > 1:  # each rank holds its share of the KV heads: under one name they would collide
+            raise NotImplementedError(
+                f"PddConnector stores whole blocks (every KV head) under one name: tensor parallel {tp} "
+                "is not supported yet; run the engine with tensor_parallel_size=1"
+            )
         name = cfg.get_from_extra_config("pdd_store", None)
         store_dir = cfg.get_from_extra_config("pdd_store_dir", None)
         if not (name or store_dir):
