@@ -4,7 +4,8 @@
 The shared timeline: P's step ends at 0.01; the relay's copy lands at T = 0.01 + IN_DC_S and
 it decodes a token every 10 ms from there. MD's prepare reply is back at 0.095, its 512 B
 serialise until 0.607 and land at 0.6545; kv_ready reaches the relay at 0.702, whose step
-in progress ends at T + 0.70 (71 tokens then, prefill's first included)."""
+in progress ends at T + 0.70 (71 tokens then, prefill's first included): the relay reads them
+then, its load at T + 0.71 (a second command), and picks the mode."""
 
 import pytest
 
@@ -33,24 +34,26 @@ def _one(output: int, relay: RelaySettings):
 
 def test_one_shot_handoff():
     r = _one(200, RelaySettings(catchup_threshold=1000))
-    # The final batch (71 tokens) reaches MD at T + 0.7475; one extend step samples token 72,
-    # at the router T + 0.805; MD's 128 more tokens take 1.28 s.
+    # One-shot at T + 0.71; the final batch is read (73 tokens) and decoding stopped by one more
+    # command, at T + 0.72. It reaches MD at T + 0.7675; one extend step samples token 74, at the
+    # router T + 0.825; MD's 126 more tokens take 1.26 s.
     assert (r.pipeline, r.handoff_mode, r.filtered) == ("p-rld-md", "one-shot", False)
-    assert (r.rld_tokens, r.md_tokens) == (70, 129)
+    assert (r.rld_tokens, r.md_tokens) == (72, 127)
     assert r.tt2t_s == pytest.approx(T + 0.01, abs=EXACT)
     assert r.max_gap_s == pytest.approx(0.105, abs=EXACT)  # the handoff: one crossing, one step, one crossing
-    assert r.e2e_s == pytest.approx(T + 0.805 + 1.28, abs=EXACT)
+    assert r.e2e_s == pytest.approx(T + 0.825 + 1.26, abs=EXACT)
     assert r.wan_bytes == 512
 
 
 def test_catch_up_handoff():
     r = _one(200, RelaySettings(catchup_threshold=10, catchup_load=4, catchup_max_rounds=4))
-    # Batches of 70, 11, 11, 11 (each round trip takes 10.5 steps, the relay waits for its step
-    # to end: 12 new tokens a round, above the threshold), then after round 4 the final one of
-    # 12: the relay stops at T + 1.14 with 115 tokens; MD samples token 116 at T + 1.1975.
-    assert (r.handoff_mode, r.rld_tokens, r.md_tokens) == ("catch-up", 114, 85)
+    # Batches of 70 (the tokens read at T + 0.70, sent at T + 0.71), 12, 11, 11 (each round trip
+    # takes 10.5 steps, the relay waits for its step to end: 11 new tokens a round, above the
+    # threshold), then after round 4 the final one of 13: read, and the relay stopped, at
+    # T + 1.16 with 117 tokens; MD samples token 118 at T + 1.2175.
+    assert (r.handoff_mode, r.rld_tokens, r.md_tokens) == ("catch-up", 116, 83)
     assert r.max_gap_s == pytest.approx(0.105, abs=EXACT)
-    assert r.e2e_s == pytest.approx(T + 1.1975 + 0.84 + 0.0475, abs=EXACT)
+    assert r.e2e_s == pytest.approx(T + 1.2175 + 0.82 + 0.0475, abs=EXACT)
 
 
 def test_the_relay_finishing_first_stops_the_wan_transfer():

@@ -1,7 +1,12 @@
 """The relay's half of a P→RLD→MD request: decode as soon as the local KV lands, hand over to
 MD by token IDs on MD's kv_ready (one-shot or catch-up, by the relay's own policy:
 services/relay/handoff_policy.py), and the anomalous-traffic filter: a request the relay
-finishes before handing over ends there, and its WAN transfer stops."""
+finishes before handing over ends there, and its WAN transfer stops.
+
+The relay asks its engine as services/relay/handoff.py does, each question a command that runs
+when the step in progress ends: on kv_ready the output so far, then (one step later) how many
+requests it runs, and picks the mode from both; the final batch's tokens are read, and decoding
+stopped, by one more command."""
 
 from __future__ import annotations
 
@@ -78,18 +83,23 @@ class Relaying:
 
     def _begin_handoff(self, job: Job) -> None:
         job.handing = True
-        job.relay.at_boundary(lambda: self._decide(job))
+        job.relay.at_boundary(lambda: self._snapshot(job))
 
-    def _decide(self, job: Job) -> None:
+    def _snapshot(self, job: Job) -> None:
+        """The output so far (prefill's token first); the relay's load is the next command's."""
+        if not job.done:
+            tokens = 1 + job.rld_seq.produced
+            job.relay.at_boundary(lambda: self._decide(job, tokens))
+
+    def _decide(self, job: Job, tokens: int) -> None:
         if job.done:
             return
-        tokens = 1 + job.rld_seq.produced  # the relay's output so far (prefill's token first)
         s = self.settings
         job.mode = choose_handoff_mode(
             tokens - job.handed, job.relay.busy, s.catchup_threshold, s.catchup_load
         )
         if job.mode is HandoffMode.ONE_SHOT:
-            self._send_final(job, tokens)
+            self._stop(job)
         else:
             self._send_batch(job, tokens)
 
@@ -97,7 +107,7 @@ class Relaying:
         """A catch-up batch (the relay's own rule for what it carries); none left: the final one."""
         batch = catchup_batch_size(tokens, job.handed)
         if batch <= 0:
-            self._send_final(job, tokens)
+            self._stop(job)
             return
         job.handed += batch
         job.rounds += 1
@@ -123,9 +133,13 @@ class Relaying:
         tokens = 1 + job.rld_seq.produced
         s = self.settings
         if catchup_is_final(tokens - job.handed, job.rounds, s.catchup_threshold, s.catchup_max_rounds):
-            self._send_final(job, tokens)
+            self._stop(job)
         else:
             self._send_batch(job, tokens)
+
+    def _stop(self, job: Job) -> None:
+        """The final batch: its tokens read, and decoding stopped, by a command of its own."""
+        job.relay.at_boundary(lambda: job.done or self._send_final(job, 1 + job.rld_seq.produced))
 
     def _send_final(self, job: Job, tokens: int) -> None:
         """The relay stops (at this step boundary) and MD takes the rest."""
