@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from pdd.sim.fleet.events import EventLoop
+from pdd.sim.fleet.give_way import GiveWay
 from pdd.sim.fleet.instance import Instance
 from pdd.sim.hardware.chip import Chip
 
@@ -67,6 +68,8 @@ class DecodeInstance(Instance):
         self._context0 = 0  # the running sequences' context sum at the run's start
         self._chunks: list[tuple[Extend, int]] = []  # the mixed step's extend work
         self._in_boundary = False
+        self.give_way: GiveWay | None = None  # on a host shared with prefill (give_way.py)
+        self._giving_way = False  # no step until the current event (give_way.py)
 
     # ---- what others ask -----------------------------------------------------------------
     def join(self, seq: Seq) -> None:
@@ -94,9 +97,21 @@ class DecodeInstance(Instance):
         self.at_boundary(imported)
 
     def at_boundary(self, fn: Callable[[], None]) -> None:
-        """Run fn once the step in progress ends (at once if idle), the batch settled."""
+        """Run fn once the step in progress ends (at once if idle or giving way), the batch settled."""
+        if self._giving_way:
+            fn()
+            return
         self.actions.append(fn)
         self._poke()
+
+    def backlog_changed(self) -> None:
+        """Prefill's backlog moved: a decoder giving way looks again now; one decoding stops at
+        its next step boundary if it may have to give way."""
+        if self._giving_way:
+            self.loop.cancel(self._event)
+            self._event = self.loop.at(self.loop.now, self._boundary)
+        elif self._steps > 1 and self.give_way.may_wait(self.loop.now):
+            self._cut()
 
     def remove(self, seq: Seq) -> None:
         """Stop a sequence (only from an at_boundary action)."""
@@ -140,7 +155,7 @@ class DecodeInstance(Instance):
             self._event = self.loop.at(self._t0 + step.run_s(lines, cut), self._boundary)
 
     def _boundary(self) -> None:
-        self._event = None
+        self._event, self._giving_way = None, False
         self._in_boundary = True
         self._settle()
         for seq in [s for s in self.running if s.remaining <= 0]:
@@ -160,6 +175,12 @@ class DecodeInstance(Instance):
 
     def _plan(self) -> None:
         self._t0 = self.loop.now
+        if self.give_way and (self.running or self.extending):
+            until = self.give_way.wait_until(self.loop.now)
+            if until is not None:  # no step before then (unless the backlog moves first)
+                self._steps, self._giving_way = 0, True
+                self._event = self.loop.at(until, self._boundary)
+                return
         self._context0 = sum(map(_context, self.running))
         if self.extending:
             self._steps, self._chunks = 0, self._extend_chunks()

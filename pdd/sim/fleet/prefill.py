@@ -24,6 +24,7 @@ class PrefillWork:
     on_done: Callable[[], None]  # the prompt is computed and the first token sampled
     computed: int = 0
     blocks: Blocks | None = None
+    stepped: bool = False  # a step of it has ended (the engine has looked up its cached prefix)
 
 
 class PrefillInstance(Instance):
@@ -45,6 +46,8 @@ class PrefillInstance(Instance):
         self.on_cache_events = on_cache_events
         self.active: list[PrefillWork] = []  # holding their blocks, in arrival order
         self.queued = 0  # submitted, waiting for blocks
+        self.queued_tokens = 0  # ... their prompts' tokens
+        self.on_backlog: Callable[[], None] | None = None  # told after each step and submission
         self._event: int | None = None
         self._chunks: list[tuple[PrefillWork, int]] = []
         self._started = 0.0
@@ -53,12 +56,23 @@ class PrefillInstance(Instance):
         """(running, waiting) as the instance reports them."""
         return len(self.active), self.queued
 
+    def pending_tokens(self) -> int:
+        """Prompt tokens not computed yet, as the engine counts them (EngineStats.pending_tokens):
+        a prompt whole until a step of it has ended, the running step's tokens included."""
+        return self.queued_tokens + sum(
+            w.input_tokens - w.computed if w.stepped else w.input_tokens for w in self.active
+        )
+
     def submit(self, work: PrefillWork) -> None:
         self.queued += 1
+        self.queued_tokens += work.input_tokens
         self.reserve(work.hashes, work.input_tokens, lambda blocks: self._admitted(work, blocks))
+        if self.on_backlog is not None:
+            self.on_backlog()
 
     def _admitted(self, work: PrefillWork, blocks: Blocks) -> None:
         self.queued -= 1
+        self.queued_tokens -= work.input_tokens
         work.blocks = blocks
         # The last prompt token is always computed: its logits give the first token.
         work.computed = min(blocks.hits * self.block_size, work.input_tokens - 1)
@@ -74,6 +88,7 @@ class PrefillInstance(Instance):
         chunks, self._chunks = self._chunks, []
         for work, k in chunks:
             work.computed += k
+            work.stepped = True
             self.register(work.blocks, work.hashes, work.computed // self.block_size)
         self._publish_cache_events()
         for work, _ in chunks:
@@ -84,6 +99,8 @@ class PrefillInstance(Instance):
                 work.on_done()
         self._publish_cache_events()
         self._plan()
+        if self.on_backlog is not None and chunks:
+            self.on_backlog()
 
     def _plan(self) -> None:
         budget = self.max_batched_tokens

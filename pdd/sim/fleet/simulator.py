@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdd.sim.fleet.decoder import DecodeInstance
 from pdd.sim.fleet.deployment import Deployment, RoleSpec
 from pdd.sim.fleet.events import EventLoop
+from pdd.sim.fleet.give_way import GiveWayRule, share_host
 from pdd.sim.fleet.instance import Instance
 from pdd.sim.fleet.job import Job
 from pdd.sim.fleet.link import Link
@@ -48,6 +49,9 @@ class SimSettings:
     # The user's first token from P at once (pdd's router) instead of from the decoder that
     # holds the request (RLD, or MD a crossing later: PD systems and the paper's TTFT).
     first_token_at_prefill: bool = False
+    # Every engine on one host (`pdd up` on one machine, as `pdd bench e2e` runs): the decoders
+    # give way to prefill's backlog by this rule (give_way.py). None: hosts of their own.
+    give_way: GiveWayRule | None = None
 
 
 def simulate(
@@ -134,6 +138,8 @@ class _Simulation:
         decodes = make("md" if cross_dc else "d", d.decode, DecodeInstance, cap(d.decode))
         relays = make("rld", d.relay, DecodeInstance, cap(d.relay)) if d.relay else []
         self.roles = {"prefill": prefills, "relay": relays, "decode": decodes}
+        if s.give_way is not None:
+            share_host(s.give_way, prefills, decodes + relays)
         by_name: dict[str, Instance] = {i.name: i for group in self.roles.values() for i in group}
         for inst in by_name.values() if s.busy_spells else ():
             inst.busy_spells = []
