@@ -235,3 +235,19 @@ def test_the_simulator_knows_every_built_in_preset():
     from shared.model.presets import PRESETS
 
     assert set(PRESET_NAMES) == set(PRESETS)
+
+
+def test_the_helpers_speedup_is_the_median_of_one_thread_over_helped():
+    load = decode_load(1, 64)
+    alone = [calibrate.Point("decode", 1, c, load, s) for c, s in ((64, 0.02), (512, 0.03), (1536, 0.06))]
+    helped = [calibrate.Point("decode", 1, c, load, s) for c, s in ((64, 0.016), (512, 0.02), (1536, 0.03))]
+    figures = calibrate.helper_figures(1, 10, alone, helped)
+    assert (figures["threads"], figures["nice"]) == (1, 10)
+    assert figures["speedup"] == pytest.approx(1.5)  # the median of 1.25, 1.5 and 2.0
+    assert figures["points"][2] == {
+        "kind": "decode",
+        "size": 1,
+        "context": 1536,
+        "one_thread_s": 0.06,
+        "helped_s": 0.03,
+    }

@@ -27,6 +27,19 @@ def test_engine_cores_are_what_the_background_leaves():
     assert HostCpu(2.0, 2.5).engine_cores == 0.05  # a guard, not a model: the engines always got some
 
 
+def test_helpers_speed_an_engine_up_only_on_cores_nobody_else_wants():
+    host = HostCpu(cores=2.0, background_cores=0.0, helper_speedup=1.6)
+    assert host.factor(1.0) == pytest.approx(1 / 1.6)  # alone on an idle host: the calibrated speedup
+    assert host.factor(2.0) == 1.0  # two engines, a core each: one thread's speed
+    assert host.factor(4.0) == 2.0  # half a core each: as without helpers
+    # 1.5 cores each: the second core free half the time, the step that much faster then
+    assert host.factor(2.0 / 1.5) == pytest.approx(1 / 1.3)
+    assert HostCpu(2.0, 0.5, 1.6).factor(1.0) == pytest.approx(1 / 1.3)  # the background takes its share
+    assert HostCpu(4.0, 0.0, 1.6).factor(1.0) == pytest.approx(1 / 1.6)  # one helper: two cores at most
+    assert HostCpu(2.0, 0.0).factor(1.0) == 1.0  # no helpers: never faster than calibrated
+    assert from_account({"wall_s": 1.0, "host_busy_s": 1.0, "engines_s": 1.0}, 2, 1.6).helper_speedup == 1.6
+
+
 def test_background_is_the_host_busy_time_less_the_engines():
     account = {"wall_s": 100.0, "host_busy_s": 170.0, "engines_s": 120.0}
     assert from_account(account, 2) == HostCpu(2, 0.5)

@@ -207,6 +207,18 @@ class Timer:
         self.rng = random.Random(0)
         self.next_id = 0
 
+    def with_helpers(self, threads: int, nice: int) -> None:
+        """The kernels' low-priority helper threads from now on, as `pdd up` gives an engine held
+        to one thread on a host it shares (pdd/launch.py). Their CPU time is the process's too:
+        with them only the wall clock says what a step took."""
+        from shared.config import EngineSettings
+        from shared.engine.engine import share_kernel_helpers
+
+        e = self.engine
+        settings = EngineSettings(helper_threads=threads, helper_nice=nice)
+        share_kernel_helpers(settings, e.linear_backend, e.runner.backend.name, e.small_ops)
+        self.clock = time.perf_counter
+
     def timed_step(self) -> float:
         if self.cuda:
             self.torch.cuda.synchronize()
@@ -310,6 +322,8 @@ def machine(device: str) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
+        # `pdd up` preloads tcmalloc where it is installed (pdd/launch.py): time steps with it too
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
@@ -406,6 +420,28 @@ def profile_json(
     }
 
 
+def helper_figures(threads: int, nice: int, alone: list[Point], helped: list[Point]) -> dict:
+    """What `threads` helper threads buy a step on an otherwise idle host: per grid point the
+    one-thread time over the helped one (the wall clock's), and their median."""
+    points = [
+        {
+            "kind": a.kind,
+            "size": a.size,
+            "context": a.context,
+            "one_thread_s": a.seconds,
+            "helped_s": h.seconds,
+        }
+        for a, h in zip(alone, helped, strict=True)
+    ]
+    return {
+        "threads": threads,
+        "nice": nice,
+        "clock": "wall clock (time.perf_counter)",
+        "speedup": statistics.median(p["one_thread_s"] / p["helped_s"] for p in points),
+        "points": points,
+    }
+
+
 def report(points: list[Point], step: StepCost) -> str:
     lines = [f"{'kind':<7}{'size':>6}{'context':>9}{'measured ms':>13}{'fitted ms':>11}{'error':>8}"]
     for p, e in zip(points, relative_errors(step, points), strict=True):
@@ -447,6 +483,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "runs each engine (with 1 thread, steps are timed in CPU time: a busy host does not skew them)",
     )
     ap.add_argument(
+        "--helper-threads",
+        type=int,
+        default=0,
+        help="then time the grid again with this many of the kernels' low-priority helper threads "
+        "(as `pdd up` runs an engine held to one thread on a shared host), by the wall clock: the "
+        "profile's helpers.speedup",
+    )
+    ap.add_argument("--helper-nice", type=int, default=10, help="the helpers' niceness (a decoder's)")
+    ap.add_argument(
         "--wall-clock", action="store_true", help="time steps by the wall clock even with 1 CPU thread"
     )
     ap.add_argument(
@@ -486,10 +531,22 @@ def main(argv: list[str] | None = None) -> int:
         points = measure(timer, grid, advance)
     busy, own, wall = host_busy_s() - busy0, time.process_time() - own0, time.monotonic() - wall0
     clock = "process CPU time (time.process_time)" if timer.cpu_clock else "wall clock (time.perf_counter)"
+    helpers = None
+    if args.helper_threads:
+        timer.with_helpers(args.helper_threads, args.helper_nice)
+        with progress("calibrate with helpers", total=total) as advance:
+            helpers = helper_figures(
+                args.helper_threads, args.helper_nice, points, measure(timer, grid, advance)
+            )
     step = fit_step_cost([p.load for p in points], [p.seconds for p in points])
     print(report(points, step))
     profile = profile_json(args, grid, points, step, clock)
     profile["machine"]["background_cores"] = round(background_cores(busy, own, wall), 3)
+    if helpers:
+        profile["helpers"] = helpers
+        print(
+            f"with {helpers['threads']} helper thread(s) on an idle core: steps x{1 / helpers['speedup']:.2f}"
+        )
     print(
         f"other processes took {profile['machine']['background_cores']:.2f} cores meanwhile (a quiet host: ~0)"
     )

@@ -8,7 +8,17 @@ engine processes' CPU) / wall seconds. Short bursts of such work wake up ahead o
 engine step (the kernel favours tasks that slept), so the engines share what is left:
 
     engine cores = cores - background cores
-    step-time factor = max(1, engines a step sees busy / engine cores)
+    cores a busy engine gets = engine cores / engines a step sees busy
+    step-time factor = 1 / its speed on them
+
+An engine held to one torch thread computes on one core at the calibrated (one-thread) speed;
+fewer cores slow it in proportion. `pdd up` also gives it low-priority helper threads that take
+a core nobody else wants (shared/model/kernels/helpers.h), so on more than one core it is
+faster, up to the calibrated helper speedup on two: in between, the helper finds the second
+core for the share of the time it is free, and the step goes that much faster then:
+
+    speed = cores          (at most one core)
+    speed = 1 + (helper speedup - 1) * min(cores - 1, 1)   (more)
 
 where "engines a step sees busy" comes from the simulation at full speed: when each engine
 computed (its steps), and, weighted by computing time, how many engines computed at that
@@ -28,6 +38,7 @@ MIN_ENGINE_CORES = 0.05  # a guard against dividing by ~0 (the measured engines 
 class HostCpu:
     cores: float
     background_cores: float  # the non-engine work's CPU rate over the run (CPU s per wall s)
+    helper_speedup: float = 1.0  # a step alone on an idle host, its helpers on a second core (calibrated)
 
     @property
     def engine_cores(self) -> float:
@@ -35,15 +46,18 @@ class HostCpu:
 
     def factor(self, engines_busy: float) -> float:
         """Step-time factor for engines that see `engines_busy` engines computing (themselves included)."""
-        return max(1.0, engines_busy / self.engine_cores)
+        cores = self.engine_cores / engines_busy if engines_busy > 0 else self.cores
+        if cores <= 1.0:
+            return 1.0 / cores
+        return 1.0 / (1.0 + (self.helper_speedup - 1.0) * min(cores - 1.0, 1.0))
 
 
-def from_account(account: dict, cores: float) -> HostCpu:
+def from_account(account: dict, cores: float, helper_speedup: float = 1.0) -> HostCpu:
     """From one deployment's pdd/benchkit/cpu.py account: background = (host busy - engines) / wall."""
     background = (
         (account["host_busy_s"] - account["engines_s"]) / account["wall_s"] if account["wall_s"] > 0 else 0.0
     )
-    return HostCpu(cores, max(0.0, background))
+    return HostCpu(cores, max(0.0, background), helper_speedup)
 
 
 def engines_seen_busy(spells: list[list[tuple[float, float]]]) -> float:

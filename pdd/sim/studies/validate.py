@@ -33,11 +33,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdd.sim.fleet.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
+from pdd.sim.fleet.give_way import GiveWayRule
 from pdd.sim.fleet.records import RequestRecord, SimResult, percentile
 from pdd.sim.fleet.simulator import SimSettings, simulate
 from pdd.sim.hardware.chip import Chip
 from pdd.sim.hardware.model_spec import ModelSpec
-from pdd.sim.hardware.profiles import chip, model_spec
+from pdd.sim.hardware.profiles import chip, load_profile, model_spec
 from pdd.sim.hardware.step_cost import Linear, StepCost
 from pdd.sim.studies.host_cpu import HostCpu, engines_seen_busy, from_account
 from pdd.sim.workloads.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
@@ -98,6 +99,9 @@ def sim_settings(
         max_num_seqs=ENGINE_MAX_SEQS,
         seed=config.get("seed", 0),
         first_token_at_prefill=True,  # pdd's prefill service sends its token to the router at once
+        # One `pdd up` on this host: its decoders give way to prefill's backlog (with the kernels'
+        # helper threads, which `pdd up` gives engines held to one thread on a shared host).
+        give_way=GiveWayRule(),
     )
 
 
@@ -242,13 +246,13 @@ def resolve_share(knob: str, report: dict) -> float | None:
     return float(knob)
 
 
-def measured_hosts(knob: str, report: dict, cores: float) -> dict[str, HostCpu]:
+def measured_hosts(knob: str, report: dict, cores: float, helper_speedup: float = 1.0) -> dict[str, HostCpu]:
     """--cpu-share measured: each deployment's (variant's) host CPU from the run's CPU accounts;
     none where the run did not record them (then auto's load average, else engines)."""
     if knob != "measured" or "cpu" not in report:
         return {}
     cores = report["cpu"].get("cores", cores)
-    return {d: from_account(a, cores) for d, a in report["cpu"]["accounts"].items()}
+    return {d: from_account(a, cores, helper_speedup) for d, a in report["cpu"]["accounts"].items()}
 
 
 def measured_spells(result: SimResult, warm: int) -> tuple[list[list[tuple[float, float]]], float]:
@@ -400,14 +404,16 @@ def print_orderings(scenario: str, orders: dict[str, tuple[str, str, bool]]) -> 
         )
 
 
-def validate_scenario(report: dict, model: ModelSpec, base: Chip, knob: str, cores: float) -> dict:
+def validate_scenario(
+    report: dict, model: ModelSpec, base: Chip, knob: str, cores: float, helper_speedup: float = 1.0
+) -> dict:
     """Simulate the scenario of one bench report; its rows, orderings, CPU-share factors and
     (measured) the host CPU each deployment's factor came from."""
     scenario = report["scenario"]
     if knob == "measured" and "cpu" not in report:
         knob = "auto"  # a run from before the bench recorded CPU seconds
     share, cores = resolve_share(knob, report), report.get("host", {}).get("cores", cores)
-    hosts = measured_hosts(knob, report, cores)
+    hosts = measured_hosts(knob, report, cores, helper_speedup)
     cases = SCENARIOS[scenario](report["config"], base)
     simulated, shares, engines = {}, {}, {}
     for d, case in cases.items():
@@ -436,6 +442,7 @@ def host_inputs(account: dict, host: HostCpu, engines: float, factor: float) -> 
         "engine_cores": host.engine_cores,
         "engines_measured": account["engines_s"] / account["wall_s"],
         "engines_seen_busy": engines,
+        "helper_speedup": host.helper_speedup,
         "factor": factor,
     }
 
@@ -446,14 +453,15 @@ def print_host_cpu(scenario: str, inputs: dict[str, dict[str, float]]) -> None:
         return
     print(
         f"  {scenario} host CPU (cores, measured): background = router + nats + wan + up + client + idle systems "
-        f"+ other tenants; engines get cores - background; factor = max(1, engines a step sees busy / that)"
+        f"+ other tenants; engines get cores - background; factor = 1 / an engine's speed on that / engines "
+        f"a step sees busy (its helpers' speedup on a second core)"
     )
     for d, x in inputs.items():
         print(
             f"    {d:20s} background {x['background']:.2f} = {x['router']:.2f} + {x['nats']:.2f} + {x['wan']:.2f} + "
             f"{x['up']:.2f} + {x['client']:.2f} + {x['idle_systems']:.2f} + {x['other_tenants']:.2f}; "
             f"engines get {x['engine_cores']:.2f} of {x['cores']:g} (used {x['engines_measured']:.2f}); "
-            f"a step sees {x['engines_seen_busy']:.2f} busy: x{x['factor']:.2f}"
+            f"a step sees {x['engines_seen_busy']:.2f} busy (helpers x{x['helper_speedup']:.2f}): x{x['factor']:.2f}"
         )
 
 
@@ -492,6 +500,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     model = model_spec(MODEL)
     base = chip(args.profile, model)
+    helper_speedup = load_profile(args.profile).get("helpers", {}).get("speedup", 1.0)
     results = {}
     for scenario in ("agentic", "single") if args.scenario == "both" else (args.scenario,):
         path = args.measured / f"e2e_{scenario}.json"
@@ -501,7 +510,7 @@ def main(argv: list[str]) -> int:
             print(f"no measured run at {path} (run `pdd bench e2e --scenario {scenario}` or pass --run)")
             return 2
         results[scenario] = validate_scenario(
-            json.loads(path.read_text()), model, base, args.cpu_share, args.cores
+            json.loads(path.read_text()), model, base, args.cpu_share, args.cores, helper_speedup
         )
     rows = [r for res in results.values() for r in res["rows"]]
     print_table(rows, {d: f for res in results.values() for d, f in res["shares"].items()})
