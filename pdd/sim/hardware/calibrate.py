@@ -534,10 +534,13 @@ def main(argv: list[str] | None = None) -> int:
     helpers = None
     if args.helper_threads:
         timer.with_helpers(args.helper_threads, args.helper_nice)
+        hbusy0, hown0, hwall0 = host_busy_s(), time.process_time(), time.monotonic()
         with progress("calibrate with helpers", total=total) as advance:
-            helpers = helper_figures(
-                args.helper_threads, args.helper_nice, points, measure(timer, grid, advance)
-            )
+            helped = measure(timer, grid, advance)
+        helpers = helper_figures(args.helper_threads, args.helper_nice, points, helped)
+        # (the process's CPU time counts its helpers: the rest is the other processes')
+        hbusy, hown, hwall = host_busy_s() - hbusy0, time.process_time() - hown0, time.monotonic() - hwall0
+        helpers["background_cores"] = round(background_cores(hbusy, hown, hwall), 3)
     step = fit_step_cost([p.load for p in points], [p.seconds for p in points])
     print(report(points, step))
     profile = profile_json(args, grid, points, step, clock)
@@ -545,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     if helpers:
         profile["helpers"] = helpers
         print(
-            f"with {helpers['threads']} helper thread(s) on an idle core: steps x{1 / helpers['speedup']:.2f}"
+            f"with {helpers['threads']} helper thread(s): steps x{1 / helpers['speedup']:.2f} (other processes "
+            f"took {helpers['background_cores']:.2f} cores meanwhile)"
         )
     print(
         f"other processes took {profile['machine']['background_cores']:.2f} cores meanwhile (a quiet host: ~0)"
