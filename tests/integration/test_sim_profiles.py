@@ -251,3 +251,13 @@ def test_the_helpers_speedup_is_the_median_of_one_thread_over_helped():
         "one_thread_s": 0.06,
         "helped_s": 0.03,
     }
+
+
+def test_decode_points_read_kv_of_their_own():
+    """Sequences sharing one cached prefix would read the same KV blocks, from the CPU's caches."""
+    timer = calibrate.Timer(calibrate._parse(["--preset", "tiny", "--quick"]), calibrate.QUICK_GRID)
+    hits = timer.engine.scheduler.num_hit_tokens
+    timed = timer.decode(4, 64, 3)
+    assert timer.engine.scheduler.num_hit_tokens == hits  # nothing came from the prefix cache
+    assert len(timed) == 3 and all(load.seqs == 4 and load.kv_read >= 4 * 65 for load, _ in timed)
+    assert not timer.engine.has_unfinished()  # the sequences are dropped after the timed steps

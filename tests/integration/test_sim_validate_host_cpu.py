@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdd.benchkit.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
+from pdd.sim.hardware.profiles import load_profile
 from pdd.sim.studies import validate as v
 from pdd.sim.studies.host_cpu import HostCpu, engines_seen_busy, from_account
 from tests.unit.test_sim_validate import AGENTIC, SINGLE, _rows
@@ -168,7 +169,11 @@ def test_validate_takes_each_deployments_measured_host(tmp_path, capsys):
     same = host["same-dc"]
     assert (same["background"], same["engine_cores"], same["engines_measured"]) == (1.5, 0.5, 0.5)
     assert same["factor"] == pytest.approx(max(1.0, same["engines_seen_busy"] / 0.5)) and same["factor"] > 1.9
-    assert host["naive"]["engine_cores"] == 1.5 and host["naive"]["factor"] == 1.0  # 0.5 background
+    naive = host["naive"]  # 0.5 background: more than a core each, the helpers' speedup in part
+    speedup = load_profile("cpu-calibrated")["helpers"]["speedup"]
+    assert naive["engine_cores"] == 1.5 and naive["helper_speedup"] == speedup > 1.0
+    assert naive["factor"] == pytest.approx(HostCpu(2, 0.5, speedup).factor(naive["engines_seen_busy"]))
+    assert naive["factor"] < 1.0
     assert host["pdd"]["background"] == pytest.approx(0.7)
     # The load-average model is still there, and a run without CPU accounts falls back to it.
     assert (

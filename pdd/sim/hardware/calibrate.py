@@ -189,18 +189,18 @@ class Timer:
         # runs on this host (the wall clock would time the neighbours too).
         self.cpu_clock = not self.cuda and args.threads == 1 and not args.wall_clock
         self.clock = time.process_time if self.cpu_clock else time.perf_counter
-        longest = max(
-            max(grid.decode_contexts) + 16 + grid.warmup + grid.repeats,
-            max(grid.chunk_contexts) + max(grid.chunks),
-        )
-        tokens = 4 * (longest + max(grid.batches) * (32 + grid.warmup + grid.repeats))
+        b, c = max(grid.batches), max(grid.decode_contexts)
+        self.step_tokens = max(*grid.chunks, *grid.batches)
+        slack = decode_slack(b, c, self.step_tokens)
+        longest = max(c + 1 + slack + grid.warmup + grid.repeats, max(grid.chunk_contexts) + max(grid.chunks))
+        tokens = 2 * (longest + b * longest)
         kv_bytes = model_spec(args.model, args.dtype).kv_bytes_per_token
         self.engine = LLMEngine(
             model_settings(args.model, args.dtype, args.device),
             EngineSettings(
                 kv_memory_mb=tokens * kv_bytes / 2**20 + 1,
                 max_num_seqs=max(grid.batches),
-                max_batched_tokens=max(*grid.chunks, *grid.batches),
+                max_batched_tokens=self.step_tokens,
                 max_model_len=longest + 64,
             ),
         )
@@ -251,21 +251,25 @@ class Timer:
         return tokens
 
     def decode(self, batch: int, context: int, steps: int) -> list[tuple[StepLoad, float]]:
-        """`steps` pure decode steps of `batch` sequences after `context` shared tokens."""
-        prefix = self.prefix(context)
-        for i in range(batch):  # one own token each, then `steps` decode steps
-            self.add(prefix + [(self.next_id * 7 + i) % 256], 1 + steps)
+        """`steps` pure decode steps of `batch` sequences, each after `context` tokens of its own
+        (a server's requests read KV of their own: sequences sharing one prefix would read the
+        same blocks `batch` times, from the CPU's caches, and time a cheaper step)."""
+        rids = []
+        for _ in range(batch):  # each decodes as soon as its prompt is computed: room for that
+            slack = decode_slack(batch, context, self.step_tokens)
+            self.add([self.rng.randrange(256) for _ in range(context + 1)], slack + steps)
+            rids.append(f"cal{self.next_id}")
         sched = self.engine.scheduler
-        for _ in range(batch + 10):  # until every own token is computed: then each decodes
-            if not sched.waiting and all(s.num_tokens - s.num_computed_tokens == 1 for s in sched.running):
-                break
-            self.engine.step()
+        while sched.waiting or any(s.num_tokens - s.num_computed_tokens != 1 for s in sched.running):
+            self.engine.step()  # until every prompt is computed: then each decodes
         out = []
-        while self.engine.has_unfinished():
+        for _ in range(steps):
             running = sched.running
             assert len(running) == batch and all(s.num_tokens - s.num_computed_tokens == 1 for s in running)
             load = decode_load(batch, sum(s.num_computed_tokens for s in running))
             out.append((load, self.timed_step()))
+        for rid in rids:
+            self.engine.abort(rid)
         return out
 
     def chunk(self, new_tokens: int, context: int, repeats: int) -> list[tuple[StepLoad, float]]:
@@ -282,6 +286,12 @@ class Timer:
                 )
             out.append((chunk_load(new_tokens, context), seconds))
         return out
+
+
+def decode_slack(batch: int, context: int, step_tokens: int) -> int:
+    """Tokens a sequence may decode while the others' prompts are still computed (steps of up
+    to step_tokens tokens, the decoding sequences' own among them), before the timed steps."""
+    return -(-batch * (context + 1) // max(1, step_tokens - batch)) + batch + 8
 
 
 def _median_point(kind: str, size: int, context: int, timed: list[tuple[StepLoad, float]]) -> Point:
