@@ -12,8 +12,11 @@ one torch thread each, while cpu-calibrated times one engine alone on a core. St
 multiplied by one CPU-share factor per deployment (`--cpu-share`). By default (measured) it
 comes from the CPU seconds the bench recorded per deployment (pdd/sim/studies/host_cpu.py): the
 non-engine work (router, NATS, WAN emulator, the client, other tenants) takes its measured cores
-first, and the engines share the rest: max(1, engines a step sees busy / (cores - background)),
-"engines a step sees busy" from the engines' busy spells in a first simulation at full speed.
+first, and the engines share the rest: a busy engine's step is as fast as the cores it gets,
+(cores - background) / engines a step sees busy, up to one, and past one up to the profile's
+helper speedup (pdd up's low-priority kernel helper on a second core); "engines a step sees
+busy" from the engines' busy spells in a first simulation at full speed. All of a system's
+engines share this host, so its decoders give way to prefill's backlog (SimSettings.give_way).
 For a run that did not record CPU seconds: `auto`, max(1, the host's load average at the run's
 end / cores); with neither, or with `engines`, max(1, engines busy at once in the simulation /
 cores) (a lower bound).
