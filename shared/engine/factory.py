@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from shared.config import EngineSettings, ModelSettings, engine_unavailable
 from shared.engine.engine import LLMEngine
@@ -24,13 +25,14 @@ def require_available_engine(
 
 
 def vllm_refuses(model: ModelSettings) -> str | None:
-    """Why vLLM's engine cannot load this model here (it takes a checkpoint directory or a preset)."""
-    from shared.model.source import resolve_source
-
-    source = resolve_source(model)
-    if source.kind == "gguf":
-        return f"{source.path}: vLLM engines load Hugging Face checkpoint directories, not a GGUF file"
-    return None
+    """Why vLLM's engine cannot load this model (it takes a checkpoint directory or a preset)."""
+    if model.path is None and model.preset is None:
+        gguf = "the default model"
+    elif model.path is not None and Path(model.path).suffix == ".gguf":
+        gguf = model.path
+    else:
+        return None
+    return f"{gguf}: vLLM engines load Hugging Face checkpoint directories or presets, not a GGUF file"
 
 
 def build_engine(model: ModelSettings, engine: EngineSettings) -> Engine:
