@@ -27,6 +27,9 @@ class BlockStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
+    def __repr__(self) -> str:
+        return f"directory store {self.root}"
+
     def path(self, block_hash: int) -> Path:
         return self.root / f"{block_hash:016x}.kv"
 

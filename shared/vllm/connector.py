@@ -203,7 +203,7 @@ class PddConnector(KVConnectorBase_V1):
             len(self._layers),
             tuple(ordered[0][1].shape),
             tuple(self._layers[0].shape),
-            getattr(self.store, "root", None) or getattr(self.store, "name", "?"),
+            self.store,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

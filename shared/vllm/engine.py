@@ -175,6 +175,7 @@ class VllmEngine(StoreCalls):
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
         outputs, self._outbox = self._outbox, []
+        stepped = [req for req in self._by_vllm.values() if req.running_mode is Mode.PREFILL]
         for out in self.llm.step():
             req = self._by_vllm.get(out.request_id)
             if req is None:
@@ -193,8 +194,10 @@ class VllmEngine(StoreCalls):
                 self._submit(req)
             elif then is Next.FORGET:
                 self._requests.pop(req.rid, None)
-        for req in self._requests.values():  # a prefill's saved blocks wait for its export
-            if req.mode is Mode.PREFILL and (req.running is not None or req.prefilled):
+        # the blocks this step saved for a prefill wait for its export (only a running
+        # prefill's step saves any)
+        for req in stepped:
+            if req.rid in self._requests:
                 self.store.pin(_prefill_owner(req.rid), req.hashes)
         return outputs
 

@@ -47,6 +47,9 @@ class MemoryStore:
         self._lock = threading.Lock()  # vLLM's worker side may run off the engine thread
         _STORES[self.name] = self
 
+    def __repr__(self) -> str:
+        return f"memory store {self.name}"
+
     def close(self) -> None:
         _STORES.pop(self.name, None)
 
