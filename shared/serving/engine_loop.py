@@ -15,6 +15,8 @@ told each new figure on the engine thread (prefill publishes its backlog from it
 on a host shared with prefill waits before a step while `give_way` says so (host_share.py).
 `min_step_s` (a test knob, 0 = off) makes each step take at least that long: the loop waits out
 the rest after the step, so a test can hold a decoder mid-output whatever the host's speed.
+Each step's time and, while busy, the time from one step's end to the next one's start (less
+give-way waits) go to pdd_engine_step_seconds / pdd_engine_between_steps_seconds{service}.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 
 from shared.engine import Engine, EngineStats, StepOutput
 from shared.serving.host_share import GiveWay
+from shared.telemetry import metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +58,7 @@ class EngineLoop:
         call_timeout_s: float = CALL_TIMEOUT_S,
         on_stats: Callable[[EngineStats], None] | None = None,
         give_way: GiveWay | None = None,
+        service: str = "engine",
     ):
         self.engine = engine
         self._on_stats = on_stats
@@ -67,6 +71,10 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self.stats: EngineStats = engine.stats()
         self.min_step_s = 0.0  # a floor on each step's time (a test knob; 0 = off)
+        self._step_seconds = metrics.ENGINE_STEP_SECONDS.labels(service=service)
+        self._between_steps = metrics.ENGINE_BETWEEN_STEPS_SECONDS.labels(service=service)
+        self._last_step_end: float | None = None  # engine thread: None after the loop idled
+        self._gave_way_s = 0.0  # give-way wait before the next step (set before it is submitted)
 
     async def call(
         self,
@@ -147,10 +155,18 @@ class EngineLoop:
             self._snapshot()
 
     def _tick(self) -> tuple[list[StepOutput], Any, bool]:
+        began = time.monotonic()
+        if self._last_step_end is not None:
+            self._between_steps.observe(max(0.0, began - self._last_step_end - self._gave_way_s))
+            self._last_step_end = None  # (a step that raises starts the count afresh)
         outputs = self.engine.step()
         extra = self._post_step(self.engine) if self._post_step else None
         self._snapshot()
-        return outputs, extra, self.engine.has_unfinished()
+        busy = self.engine.has_unfinished()
+        ended = time.monotonic()
+        self._step_seconds.observe(ended - began)
+        self._last_step_end = ended if busy else None
+        return outputs, extra, busy
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -162,9 +178,11 @@ class EngineLoop:
                 self._wake.clear()
                 await self._sleep(0.5)
                 continue
+            waiting = time.monotonic()
             while self._give_way and self._give_way.should_wait():  # noqa: ASYNC110 - another process writes it
                 await asyncio.sleep(GIVE_WAY_POLL_S)
             began = time.monotonic()
+            self._gave_way_s = began - waiting
             try:
                 outputs, extra, busy = await loop.run_in_executor(self._executor, self._tick)
             except Exception:  # a failing step must not kill the service; it is logged and retried

@@ -91,6 +91,7 @@ class EngineService:
             settings.engine_call_timeout_s,
             on_stats=self.backlog.after_step if self.backlog else None,
             give_way=self.give_way,
+            service=self.role.value,
         )
         self.tracer = get_tracer(self.role.value, settings.instance, settings.datacenter)
         discovery = {"instance": settings.instance, "datacenter": settings.datacenter}

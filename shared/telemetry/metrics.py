@@ -48,6 +48,22 @@ TPOT = Histogram(
     ["pipeline"],
     buckets=ITL_BUCKETS,
 )
+# An engine's steps, and a busy engine's time from one step's end to the next step's start
+# (output handling, commands, thread hops; a decoder's give-way waits excluded): what the
+# serving loop adds to every step (`pdd sim validate` charges it).
+LOOP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+ENGINE_STEP_SECONDS = Histogram(
+    "pdd_engine_step_seconds",
+    "Engine steps (the forward and its post-step work)",
+    ["service"],
+    buckets=ITL_BUCKETS,
+)
+ENGINE_BETWEEN_STEPS_SECONDS = Histogram(
+    "pdd_engine_between_steps_seconds",
+    "A busy engine's time between one step's end and the next step's start",
+    ["service"],
+    buckets=LOOP_BUCKETS,
+)
 KV_BYTES = Counter("pdd_kv_bytes", "KV bytes sent, by path", ["path"])
 HANDOFF_BATCHES = Counter("pdd_handoff_batches", "RLD->MD handoff batches by mode", ["mode"])
 HANDOFF_SECONDS = Histogram(  # relay: from MD's kv_ready to the final batch sent

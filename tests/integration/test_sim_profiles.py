@@ -23,6 +23,7 @@ from pdd.sim.hardware.profiles import (
     model_names,
     model_spec,
     profile_names,
+    step_cost_from_json,
 )
 from pdd.sim.hardware.step_cost import Linear, StepCost, chunk_load, decode_load
 
@@ -244,6 +245,12 @@ def test_the_helpers_speedup_is_the_median_of_one_thread_over_helped():
     figures = calibrate.helper_figures(1, 10, alone, helped)
     assert (figures["threads"], figures["nice"]) == (1, 10)
     assert figures["speedup"] == pytest.approx(1.5)  # the median of 1.25, 1.5 and 2.0
+    # the helped steps' own fit (a helper buys a big step more than a small one): a line here
+    lines = [
+        calibrate.Point("decode", 1, c, decode_load(1, c), 0.004 + 1e-5 * c) for c in (64, 512, 1536, 3072)
+    ]
+    step = step_cost_from_json(calibrate.helper_figures(1, 10, lines, lines)["step"])
+    assert step.step_s(decode_load(1, 1000)) == pytest.approx(0.004 + 1e-5 * 1000, rel=0.01)
     assert figures["points"][2] == {
         "kind": "decode",
         "size": 1,

@@ -12,33 +12,51 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from pdd.benchkit.cpu import Account, Meter, busy_ticks, is_engine, process_cpu_s
-from pdd.sim.hardware.profiles import load_profile
+from pdd.sim.hardware.profiles import helped_step
+from pdd.sim.hardware.step_cost import Linear, StepCost, chunk_load, decode_load
 from pdd.sim.studies import validate as v
 from pdd.sim.studies.host_cpu import HostCpu, engines_seen_busy, from_account
 from tests.unit.test_sim_validate import AGENTIC, SINGLE, _rows
+
+ONE = StepCost(0.002, Linear(per_token=0.001), Linear(per_kv_read=1e-6))
+HELPED = StepCost(0.002, Linear(per_token=0.0005), Linear(per_kv_read=0.9e-6))  # chunks 2x, decodes ~1.1x
+CHUNK, DECODE = chunk_load(512, 0), decode_load(1, 3000)
 
 
 def test_engine_cores_are_what_the_background_leaves():
     host = HostCpu(cores=2.0, background_cores=0.5)
     assert host.engine_cores == 1.5
-    assert host.factor(3.0) == 2.0  # 3 engines wanting a core each on 1.5 cores
-    assert host.factor(1.2) == 1.0  # fewer than the cores left: full speed
+    assert host.step(ONE, 3.0).step_s(CHUNK) == pytest.approx(2 * ONE.step_s(CHUNK))  # 3 engines on 1.5 cores
+    assert host.step(ONE, 1.2) == ONE  # fewer than the cores left: full speed
     assert HostCpu(2.0, 2.5).engine_cores == 0.05  # a guard, not a model: the engines always got some
 
 
 def test_helpers_speed_an_engine_up_only_on_cores_nobody_else_wants():
-    host = HostCpu(cores=2.0, background_cores=0.0, helper_speedup=1.6)
-    assert host.factor(1.0) == pytest.approx(1 / 1.6)  # alone on an idle host: the calibrated speedup
-    assert host.factor(2.0) == 1.0  # two engines, a core each: one thread's speed
-    assert host.factor(4.0) == 2.0  # half a core each: as without helpers
-    # 1.5 cores each: the second core free half the time, the step that much faster then
-    assert host.factor(2.0 / 1.5) == pytest.approx(1 / 1.3)
-    assert HostCpu(2.0, 0.5, 1.6).factor(1.0) == pytest.approx(1 / 1.3)  # the background takes its share
-    assert HostCpu(4.0, 0.0, 1.6).factor(1.0) == pytest.approx(1 / 1.6)  # one helper: two cores at most
-    assert HostCpu(2.0, 0.0).factor(1.0) == 1.0  # no helpers: never faster than calibrated
-    assert from_account({"wall_s": 1.0, "host_busy_s": 1.0, "engines_s": 1.0}, 2, 1.6).helper_speedup == 1.6
+    host = HostCpu(cores=2.0, background_cores=0.0, helped=HELPED)
+    for load in (CHUNK, DECODE):  # alone on an idle host: the calibrated helped steps
+        assert host.step(ONE, 1.0).step_s(load) == pytest.approx(HELPED.step_s(load))
+        assert host.step(ONE, 2.0).step_s(load) == pytest.approx(
+            ONE.step_s(load)
+        )  # a core each: one thread's
+        assert host.step(ONE, 4.0).step_s(load) == pytest.approx(
+            2 * ONE.step_s(load)
+        )  # half a core: as without
+        # 1.5 cores each: the second core free half the time, the step half way to the helped time
+        half = (ONE.step_s(load) + HELPED.step_s(load)) / 2
+        assert host.step(ONE, 2.0 / 1.5).step_s(load) == pytest.approx(half)
+        assert HostCpu(2.0, 0.5, HELPED).step(ONE, 1.0).step_s(load) == pytest.approx(
+            half
+        )  # the background's share
+        assert HostCpu(4.0, 0.0, HELPED).step(ONE, 1.0).step_s(load) == pytest.approx(HELPED.step_s(load))
+    # What a helper buys depends on the step: a prefill chunk far more than a small decode.
+    assert ONE.step_s(CHUNK) / host.step(ONE, 1.0).step_s(CHUNK) > 1.9
+    assert ONE.step_s(DECODE) / host.step(ONE, 1.0).step_s(DECODE) < 1.2
+    assert (host.helper_core(1.0), host.helper_core(2.0 / 1.5), host.helper_core(3.0)) == (1.0, 0.5, 0.0)
+    assert HostCpu(2.0, 0.0).step(ONE, 1.0) == ONE and HostCpu(2.0, 0.0).helper_core(1.0) == 0.0  # no helpers
+    assert from_account({"wall_s": 1.0, "host_busy_s": 1.0, "engines_s": 1.0}, 2, HELPED).helped == HELPED
 
 
 def test_background_is_the_host_busy_time_less_the_engines():
@@ -105,24 +123,39 @@ def test_an_account_splits_the_driven_system_from_the_idle_ones():
 
 
 def test_a_meter_reads_real_processes(tmp_path: Path):
-    """A busy child named as an engine in a `pdd up`-like run directory, the bench's own loop."""
+    """A busy child named as an engine in a `pdd up`-like run directory, the bench's own loop,
+    and the engine's loop figures from its metrics over HTTP (a registry served here)."""
     child = subprocess.Popen(
         [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"]
     )
     idle = subprocess.Popen(["sleep", "30"])
+    registry = CollectorRegistry()
+    steps = Histogram("pdd_engine_step_seconds", "steps", ["service"], registry=registry)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    urls = {
+        "prefill": f"http://127.0.0.1:{server.server_port}/metrics",
+        "router": "http://127.0.0.1:9/metrics",
+    }
     try:
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "prefill.pid").write_text(f"{child.pid}\n")
-        meter = Meter({"x": SimpleNamespace(workdir=tmp_path, proc=SimpleNamespace(pid=idle.pid))})
+        system = SimpleNamespace(
+            workdir=tmp_path, proc=SimpleNamespace(pid=idle.pid), metrics_urls=lambda: urls
+        )
+        meter = Meter({"x": system})
+        steps.labels(service="prefill").observe(1.0)  # before the stretch: not counted
         with meter.measure("x", "x"):
+            steps.labels(service="prefill").observe(0.25)
             deadline = time.monotonic() + 10
             while process_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
                 sum(range(10_000))
         j = meter.as_json()["accounts"]["x"]
+        assert j["engine_loops"] == {"prefill": {"steps": 1.0, "step_s": 0.25, "gaps": 0.0, "between_s": 0.0}}
         assert j["processes"]["prefill"] > 0.2 and j["engines_s"] == j["processes"]["prefill"]
         assert j["processes"]["up"] < 0.05  # a sleeping supervisor
         assert j["bench_s"] > 0 and j["host_busy_s"] >= j["engines_s"] + j["bench_s"] - 0.05
     finally:
+        server.shutdown()
         for p in (child, idle):
             p.kill()
             p.wait(timeout=10)
@@ -169,11 +202,12 @@ def test_validate_takes_each_deployments_measured_host(tmp_path, capsys):
     same = host["same-dc"]
     assert (same["background"], same["engine_cores"], same["engines_measured"]) == (1.5, 0.5, 0.5)
     assert same["factor"] == pytest.approx(max(1.0, same["engines_seen_busy"] / 0.5)) and same["factor"] > 1.9
-    naive = host["naive"]  # 0.5 background: more than a core each, the helpers' speedup in part
-    speedup = load_profile("cpu-calibrated")["helpers"]["speedup"]
-    assert naive["engine_cores"] == 1.5 and naive["helper_speedup"] == speedup > 1.0
-    assert naive["factor"] == pytest.approx(HostCpu(2, 0.5, speedup).factor(naive["engines_seen_busy"]))
-    assert naive["factor"] < 1.0
+    naive = host["naive"]  # 0.5 background: more than a core each, the helpers have part of a second
+    helped = helped_step("cpu-calibrated")
+    assert naive["engine_cores"] == 1.5 and helped is not None
+    cores_each = 1.5 / naive["engines_seen_busy"]
+    assert naive["factor"] == 1.0 and naive["helper_core"] == pytest.approx(cores_each - 1.0)
+    assert naive["helper_core"] > 0.0
     assert host["pdd"]["background"] == pytest.approx(0.7)
     # The load-average model is still there, and a run without CPU accounts falls back to it.
     assert (
@@ -182,11 +216,15 @@ def test_validate_takes_each_deployments_measured_host(tmp_path, capsys):
         )
         == 0
     )
-    assert set(json.loads(out.read_text())["scenarios"]["agentic"]["shares"].values()) == {1.5}
+    assert {
+        h["factor"] for h in json.loads(out.read_text())["scenarios"]["agentic"]["hostings"].values()
+    } == {1.5}
     report.pop("cpu")
     (tmp_path / "e2e_agentic.json").write_text(json.dumps(report))
     assert v.main(["--measured", str(tmp_path), "--out", str(out), "--scenario", "agentic"]) == 0
-    assert set(json.loads(out.read_text())["scenarios"]["agentic"]["shares"].values()) == {1.5}
+    assert {
+        h["factor"] for h in json.loads(out.read_text())["scenarios"]["agentic"]["hostings"].values()
+    } == {1.5}
 
 
 def test_single_accounts_are_per_variant():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from prometheus_client import REGISTRY
+
 from shared.serving.engine_loop import EngineLoop
 from tests.engine_util import greedy, make_engine
 
@@ -39,3 +41,35 @@ async def test_each_step_takes_at_least_min_step_s() -> None:
     # The k-th step starts no sooner than k paces after the first: the last output comes at
     # least (steps - 1) paces after the request went in.
     assert steps[-1] - began >= (len(steps) - 1) * PACE_S
+
+
+def _sample(name: str, service: str) -> float:
+    return REGISTRY.get_sample_value(name, {"service": service}) or 0.0
+
+
+async def test_the_loop_reports_its_steps_and_the_time_between_them() -> None:
+    """pdd_engine_step_seconds and pdd_engine_between_steps_seconds: one busy spell of paced
+    steps, so every step but the first follows a gap, and steps plus gaps span the spell."""
+    service = "loop-metrics-test"
+    finished = asyncio.Event()
+
+    async def on_outputs(outputs, extra) -> None:
+        if any(o.finished for o in outputs):
+            finished.set()
+
+    loop = EngineLoop(make_engine(), on_outputs, call_timeout_s=30, service=service)
+    loop.min_step_s = PACE_S  # the pacing wait falls between steps
+    loop.start()
+    try:
+        await loop.call(loop.engine.add_request, "r", [1, 2, 3], greedy(TOKENS))
+        await asyncio.wait_for(finished.wait(), 30)
+    finally:
+        await loop.stop()
+    steps = _sample("pdd_engine_step_seconds_count", service)
+    gaps = _sample("pdd_engine_between_steps_seconds_count", service)
+    stepped = _sample("pdd_engine_step_seconds_sum", service)
+    between = _sample("pdd_engine_between_steps_seconds_sum", service)
+    assert steps >= TOKENS - 1 and gaps == steps - 1
+    # From the first step's start to the last one's: at least a pace per gap.
+    assert stepped + between >= (steps - 1) * PACE_S - 0.01
+    assert between > stepped  # the tiny engine's steps are far shorter than the pace

@@ -116,6 +116,25 @@ def test_single_scenario_from_the_recorded_config(base):
     assert not set(reqs[0].block_hashes) & set(reqs[1].block_hashes)  # uncached, round after round
 
 
+def test_each_role_is_charged_its_measured_time_between_steps(base):
+    loop = {"steps": 0.0, "step_s": 0.0}
+    account = {
+        "engine_loops": {
+            "prefill": {**loop, "gaps": 8.0, "between_s": 0.016},
+            "main_decode-1": {**loop, "gaps": 100.0, "between_s": 0.05},  # two MDs: one mean
+            "main_decode-2": {**loop, "gaps": 100.0, "between_s": 0.15},
+            "relay": {**loop, "gaps": 0.0, "between_s": 0.0},  # never busy twice in a row: nothing known
+        }
+    }
+    assert v.loop_gaps(account) == pytest.approx({"prefill": 0.002, "decode": 0.001})
+    assert v.loop_gaps({"wall_s": 1.0}) == {}  # a run from before the bench recorded them
+    d = v.agentic_cases(AGENTIC, base)["pdd"].deployment
+    charged = v.with_gaps(d, {"decode": 0.001})
+    load = decode_load(4, 1000)
+    assert charged.decode.chip.step.step_s(load) == pytest.approx(d.decode.chip.step.step_s(load) + 0.001)
+    assert (charged.prefill, charged.relay) == (d.prefill, d.relay)
+
+
 def test_cpu_share_factor(base):
     assert v.share_factor(3.0, 2.0) == 1.5 and v.share_factor(1.4, 2.0) == 1.0
     load = decode_load(4, 1000)
@@ -219,8 +238,8 @@ def test_main_against_a_hand_made_measured_run(tmp_path, capsys):
         for k, r in rows.items()
         if k[1] != "max_gap_p99"
     )
-    assert set(res["agentic"]["shares"].values()) == {1.5}
-    assert all(f >= 1.0 for f in res["single"]["shares"].values())
+    assert {h["factor"] for h in res["agentic"]["hostings"].values()} == {1.5}
+    assert all(h["factor"] >= 1.0 for h in res["single"]["hostings"].values())
 
 
 def test_main_says_when_a_measured_run_is_missing(tmp_path, capsys):
@@ -233,11 +252,11 @@ def test_main_says_when_a_measured_run_is_missing(tmp_path, capsys):
 def test_the_warm_up_is_not_measured(base):
     model = model_spec("small")
     case = v.agentic_cases(AGENTIC, base)["pdd"]
-    result, share, engines = v.run_case(case, model, None, 2.0)
+    result, hosting = v.run_case(case, model, None, 2.0)
     mean, seen = v.full_speed_engines(case, model)  # engines: the mean over the measured part
     assert (
-        engines == mean
-        and share == max(1.0, engines / 2.0)
+        hosting.engines == mean
+        and hosting.factor == max(1.0, mean / 2.0)
         and sorted(r.kind for r in result.records).count("warm") == 1
     )
     assert 1.0 <= seen <= 3.0 and mean < seen  # a step sees itself and some of the others

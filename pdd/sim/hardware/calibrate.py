@@ -36,6 +36,7 @@ from pdd.sim.hardware.profiles import (
     load_profile,
     model_spec,
     profile_dir_for_writing,
+    step_cost_from_json,
     step_cost_to_json,
 )
 from pdd.sim.hardware.step_cost import Linear, StepCost, StepLoad, chunk_load, decode_load
@@ -432,7 +433,8 @@ def profile_json(
 
 def helper_figures(threads: int, nice: int, alone: list[Point], helped: list[Point]) -> dict:
     """What `threads` helper threads buy a step on an otherwise idle host: per grid point the
-    one-thread time over the helped one (the wall clock's), and their median."""
+    one-thread time and the helped one (the wall clock's), their median ratio, and the helped
+    steps' own fit (`step`): a helper buys a large prefill chunk more than a small decode."""
     points = [
         {
             "kind": a.kind,
@@ -448,6 +450,7 @@ def helper_figures(threads: int, nice: int, alone: list[Point], helped: list[Poi
         "nice": nice,
         "clock": "wall clock (time.perf_counter)",
         "speedup": statistics.median(p["one_thread_s"] / p["helped_s"] for p in points),
+        "step": step_cost_to_json(fit_step_cost([h.load for h in helped], [h.seconds for h in helped])),
         "points": points,
     }
 
@@ -548,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         with progress("calibrate with helpers", total=total) as advance:
             helped = measure(timer, grid, advance)
         helpers = helper_figures(args.helper_threads, args.helper_nice, points, helped)
+        print(report(helped, step_cost_from_json(helpers["step"])))
         # (the process's CPU time counts its helpers: the rest is the other processes')
         hbusy, hown, hwall = host_busy_s() - hbusy0, time.process_time() - hown0, time.monotonic() - hwall0
         helpers["background_cores"] = round(background_cores(hbusy, hown, hwall), 3)

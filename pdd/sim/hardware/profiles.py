@@ -202,6 +202,13 @@ def chip(profile_name: str, model: ModelSpec, tp: int = 1, ep: int = 1) -> Chip:
     return Chip(profile_name, step, kv, tp * float(profile["price_per_hour"]), tp)
 
 
+def helped_step(profile_name: str) -> StepCost | None:
+    """A calibrated profile's steps with the kernels' helper threads on an idle host
+    (`pdd sim calibrate --helper-threads`); None where it was not timed so."""
+    step = load_profile(profile_name).get("helpers", {}).get("step")
+    return step_cost_from_json(step) if step else None
+
+
 def roofline_step_cost(profile: dict, model: ModelSpec, tp: int = 1, weights: int | None = None) -> StepCost:
     """compute: FLOPs over effective peak; memory: the weights plus every KV byte read or
     written over effective bandwidth (each step reads all weights once: a decode batch of an

@@ -41,9 +41,9 @@ from pdd.sim.fleet.records import RequestRecord, SimResult, percentile
 from pdd.sim.fleet.simulator import SimSettings, simulate
 from pdd.sim.hardware.chip import Chip
 from pdd.sim.hardware.model_spec import ModelSpec
-from pdd.sim.hardware.profiles import chip, load_profile, model_spec
-from pdd.sim.hardware.step_cost import Linear, StepCost
-from pdd.sim.studies.host_cpu import HostCpu, engines_seen_busy, from_account
+from pdd.sim.hardware.profiles import chip, helped_step, model_spec
+from pdd.sim.hardware.step_cost import StepCost
+from pdd.sim.studies.host_cpu import HostCpu, engines_seen_busy, from_account, scaled
 from pdd.sim.workloads.agentic import AgenticParams, agentic_closed_loop, closed_loop_shared_prefix
 from pdd.sim.workloads.workload import SimRequest, Workload
 from shared.config import PrefillSettings, RelaySettings, RouterSettings
@@ -206,20 +206,48 @@ SIDE = {"agentic": "deployment", "single": "variant"}  # the measured rows' key 
 
 
 # ---- the host: a CPU-share factor on step times ------------------------------------------------
-def scaled(step: StepCost, factor: float) -> StepCost:
-    def lin(x: Linear) -> Linear:
-        return Linear(*(factor * v for v in (x.const, x.per_token, x.per_attn, x.per_kv_read, x.per_seq)))
+def on_host(d: Deployment, step_of: Callable[[StepCost], StepCost]) -> Deployment:
+    """Every engine's steps as `step_of` makes them of its one-thread steps."""
 
-    return StepCost(step.overhead_s * factor, lin(step.compute), lin(step.memory))
+    def role(r: RoleSpec | None) -> RoleSpec | None:
+        return r and replace(r, chip=replace(r.chip, step=step_of(r.chip.step)))
+
+    return replace(d, prefill=role(d.prefill), decode=role(d.decode), relay=role(d.relay))
 
 
 def with_share(d: Deployment, factor: float) -> Deployment:
     """Every engine's steps `factor` times as long (engines sharing too few cores)."""
+    return on_host(d, lambda step: scaled(step, factor))
 
-    def role(r: RoleSpec | None) -> RoleSpec | None:
-        return r and replace(r, chip=replace(r.chip, step=scaled(r.chip.step, factor)))
 
-    return replace(d, prefill=role(d.prefill), decode=role(d.decode), relay=role(d.relay))
+# The bench's engine processes by the deployment's role they play (pdd/benchkit/cpu.py names).
+ROLE_OF_PROCESS = {"prefill": "prefill", "main_decode": "decode", "relay": "relay"}
+
+
+def loop_gaps(account: dict) -> dict[str, float]:
+    """Per role, the mean seconds its busy engines spent between steps (the serving loop's output
+    handling, commands and thread hops) over a deployment's timed runs; none where the run did
+    not record them."""
+    sums: dict[str, list[float]] = {}
+    for name, loop in account.get("engine_loops", {}).items():
+        role = ROLE_OF_PROCESS.get(name.rsplit("-", 1)[0] if name[-1].isdigit() else name)
+        if role:
+            total = sums.setdefault(role, [0.0, 0.0])
+            total[0], total[1] = total[0] + loop["between_s"], total[1] + loop["gaps"]
+    return {role: s / n for role, (s, n) in sums.items() if n > 0}
+
+
+def with_gaps(d: Deployment, gaps: dict[str, float]) -> Deployment:
+    """Each role's steps followed by its measured time between steps."""
+
+    def role(name: str) -> RoleSpec | None:
+        r = getattr(d, name)
+        if r is None or name not in gaps:
+            return r
+        step = r.chip.step
+        return replace(r, chip=replace(r.chip, step=replace(step, overhead_s=step.overhead_s + gaps[name])))
+
+    return replace(d, prefill=role("prefill"), decode=role("decode"), relay=role("relay"))
 
 
 def share_factor(engines: float, cores: float) -> float:
@@ -249,13 +277,15 @@ def resolve_share(knob: str, report: dict) -> float | None:
     return float(knob)
 
 
-def measured_hosts(knob: str, report: dict, cores: float, helper_speedup: float = 1.0) -> dict[str, HostCpu]:
+def measured_hosts(
+    knob: str, report: dict, cores: float, helped: StepCost | None = None
+) -> dict[str, HostCpu]:
     """--cpu-share measured: each deployment's (variant's) host CPU from the run's CPU accounts;
     none where the run did not record them (then auto's load average, else engines)."""
     if knob != "measured" or "cpu" not in report:
         return {}
     cores = report["cpu"].get("cores", cores)
-    return {d: from_account(a, cores, helper_speedup) for d, a in report["cpu"]["accounts"].items()}
+    return {d: from_account(a, cores, helped) for d, a in report["cpu"]["accounts"].items()}
 
 
 def measured_spells(result: SimResult, warm: int) -> tuple[list[list[tuple[float, float]]], float]:
@@ -275,17 +305,33 @@ def full_speed_engines(case: Case, model: ModelSpec) -> tuple[float, float]:
     return (busy / span if span > 0 else 0.0), engines_seen_busy(spells)
 
 
+@dataclass(frozen=True)
+class Hosting:
+    """How a case's engines ran on the measured host: its steps' slowdown factor, the share of a
+    second core their helpers had, and the engines a step saw busy (NaN for a given factor)."""
+
+    factor: float
+    helper_core: float = 0.0
+    engines: float = math.nan
+
+
 def run_case(
     case: Case, model: ModelSpec, share: float | None, cores: float, host: HostCpu | None = None
-) -> tuple[SimResult, float, float]:
+) -> tuple[SimResult, Hosting]:
     """Simulate a case at a CPU share (None: from its engines' concurrency in a first run at full
     speed: as a step sees it on the measured host's engine cores if `host`, else the mean on all
-    `cores`). Returns the result, the share and that concurrency (NaN for a given share)."""
-    engines = math.nan
-    if share is None:
-        mean, seen = full_speed_engines(case, model)
-        engines, share = (seen, host.factor(seen)) if host else (mean, share_factor(mean, cores))
-    return simulate(with_share(case.deployment, share), case.workload, model, case.settings), share, engines
+    `cores`)."""
+    if share is not None:
+        hosting, deployment = Hosting(share), with_share(case.deployment, share)
+    elif host is None:
+        mean, _ = full_speed_engines(case, model)
+        hosting = Hosting(share_factor(mean, cores), engines=mean)
+        deployment = with_share(case.deployment, hosting.factor)
+    else:
+        _, seen = full_speed_engines(case, model)
+        hosting = Hosting(max(1.0, 1.0 / host.cores_each(seen)), host.helper_core(seen), seen)
+        deployment = on_host(case.deployment, lambda step: host.step(step, seen))
+    return simulate(deployment, case.workload, model, case.settings), hosting
 
 
 # ---- side by side ------------------------------------------------------------------------------
@@ -384,17 +430,19 @@ def _cell(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 1000:.0f} ms"
 
 
-def print_table(rows: list[Row], shares: dict[str, float]) -> None:
+def print_table(rows: list[Row], hostings: dict[str, Hosting]) -> None:
     print(
-        f"{'scenario':9s} {'deployment':26s} {'metric':14s} {'simulated':>10s} {'measured':>10s} "
+        f"{'scenario':9s} {'deployment':32s} {'metric':14s} {'simulated':>10s} {'measured':>10s} "
         f"{'error':>7s}  ±25%"
     )
     for r in rows:
         judged = {True: "yes", False: "NO", None: "(info)"}[r.within]
-        name = f"{r.deployment} (x{shares[r.deployment]:.2f})" if r.metric == "ttft_p50" else ""
+        h = hostings[r.deployment]
+        helper = f" +{h.helper_core:.2f}h" if h.helper_core else ""
+        name = f"{r.deployment} (x{h.factor:.2f}{helper})" if r.metric == "ttft_p50" else ""
         label = f"{METRICS[r.metric[:-4]]} {r.metric[-3:]}"
         print(
-            f"{r.scenario:9s} {name:26s} {label:14s} {_cell(r.simulated):>10s} {_cell(r.measured):>10s} "
+            f"{r.scenario:9s} {name:32s} {label:14s} {_cell(r.simulated):>10s} {_cell(r.measured):>10s} "
             f"{r.error:+7.0%}  {judged}"
         )
 
@@ -408,28 +456,31 @@ def print_orderings(scenario: str, orders: dict[str, tuple[str, str, bool]]) -> 
 
 
 def validate_scenario(
-    report: dict, model: ModelSpec, base: Chip, knob: str, cores: float, helper_speedup: float = 1.0
+    report: dict, model: ModelSpec, base: Chip, knob: str, cores: float, helped: StepCost | None = None
 ) -> dict:
-    """Simulate the scenario of one bench report; its rows, orderings, CPU-share factors and
-    (measured) the host CPU each deployment's factor came from."""
+    """Simulate the scenario of one bench report; its rows, orderings, how each deployment's
+    engines ran on the host and (measured) the host CPU and loop gaps that came from."""
     scenario = report["scenario"]
     if knob == "measured" and "cpu" not in report:
         knob = "auto"  # a run from before the bench recorded CPU seconds
     share, cores = resolve_share(knob, report), report.get("host", {}).get("cores", cores)
-    hosts = measured_hosts(knob, report, cores, helper_speedup)
+    hosts = measured_hosts(knob, report, cores, helped)
+    accounts = report.get("cpu", {}).get("accounts", {})
+    gaps = {d: loop_gaps(a) for d, a in accounts.items()}
     cases = SCENARIOS[scenario](report["config"], base)
-    simulated, shares, engines = {}, {}, {}
+    simulated, hostings = {}, {}
     for d, case in cases.items():
-        result, shares[d], engines[d] = run_case(case, model, share, cores, hosts.get(d))
+        case = replace(case, deployment=with_gaps(case.deployment, gaps.get(d, {})))
+        result, hostings[d] = run_case(case, model, share, cores, hosts.get(d))
         simulated[d] = simulated_stats(result.records)
     rows = compare(scenario, simulated, measured_stats(report))
-    accounts = report.get("cpu", {}).get("accounts", {})
-    inputs = {d: host_inputs(accounts[d], hosts[d], engines[d], shares[d]) for d in cases if d in hosts}
-    return {"rows": rows, "orderings": orderings(rows), "shares": shares, "host_cpu": inputs}
+    inputs = {d: host_inputs(accounts[d], hosts[d], hostings[d], gaps[d]) for d in cases if d in hosts}
+    return {"rows": rows, "orderings": orderings(rows), "hostings": hostings, "host_cpu": inputs}
 
 
-def host_inputs(account: dict, host: HostCpu, engines: float, factor: float) -> dict[str, float]:
-    """What a measured factor came from, in cores (CPU seconds per wall second of the run)."""
+def host_inputs(account: dict, host: HostCpu, hosting: Hosting, gaps: dict[str, float]) -> dict[str, float]:
+    """What a measured hosting came from, in cores (CPU seconds per wall second of the run),
+    and each role's measured seconds between steps."""
     per = {n: s / account["wall_s"] for n, s in account["processes"].items()}
     nats = sum(c for n, c in per.items() if n.startswith("nats"))
     return {
@@ -444,27 +495,35 @@ def host_inputs(account: dict, host: HostCpu, engines: float, factor: float) -> 
         "background": host.background_cores,
         "engine_cores": host.engine_cores,
         "engines_measured": account["engines_s"] / account["wall_s"],
-        "engines_seen_busy": engines,
-        "helper_speedup": host.helper_speedup,
-        "factor": factor,
+        "engines_seen_busy": hosting.engines,
+        "helper_core": hosting.helper_core,
+        "factor": hosting.factor,
+        **{f"between_steps_{role}_s": g for role, g in gaps.items()},
     }
 
 
 def print_host_cpu(scenario: str, inputs: dict[str, dict[str, float]]) -> None:
-    """The measured CPU model's inputs, per deployment, in cores."""
+    """The measured CPU model's inputs, per deployment, in cores; the loop gaps in ms."""
     if not inputs:
         return
     print(
         f"  {scenario} host CPU (cores, measured): background = router + nats + wan + up + client + idle systems "
-        f"+ other tenants; engines get cores - background; factor = 1 / an engine's speed on that / engines "
-        f"a step sees busy (its helpers' speedup on a second core)"
+        f"+ other tenants; engines get cores - background, shared by the engines a step sees busy: past one core "
+        f"each, their helpers get the rest of a second (+h, the step that far from one thread's to the helped "
+        f"time); under one, x = 1 / cores; between steps (ms): each role's measured loop gap, added to its steps"
     )
     for d, x in inputs.items():
+        gaps = ", ".join(
+            f"{k.removeprefix('between_steps_').removesuffix('_s')} {v * 1e3:.2f}"
+            for k, v in x.items()
+            if k.startswith("between_steps_")
+        )
         print(
             f"    {d:20s} background {x['background']:.2f} = {x['router']:.2f} + {x['nats']:.2f} + {x['wan']:.2f} + "
             f"{x['up']:.2f} + {x['client']:.2f} + {x['idle_systems']:.2f} + {x['other_tenants']:.2f}; "
             f"engines get {x['engine_cores']:.2f} of {x['cores']:g} (used {x['engines_measured']:.2f}); "
-            f"a step sees {x['engines_seen_busy']:.2f} busy (helpers x{x['helper_speedup']:.2f}): x{x['factor']:.2f}"
+            f"a step sees {x['engines_seen_busy']:.2f} busy: x{x['factor']:.2f} +{x['helper_core']:.2f}h; "
+            f"between steps {gaps or '-'}"
         )
 
 
@@ -503,7 +562,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     model = model_spec(MODEL)
     base = chip(args.profile, model)
-    helper_speedup = load_profile(args.profile).get("helpers", {}).get("speedup", 1.0)
+    helped = helped_step(args.profile)
     results = {}
     for scenario in ("agentic", "single") if args.scenario == "both" else (args.scenario,):
         path = args.measured / f"e2e_{scenario}.json"
@@ -513,10 +572,10 @@ def main(argv: list[str]) -> int:
             print(f"no measured run at {path} (run `pdd bench e2e --scenario {scenario}` or pass --run)")
             return 2
         results[scenario] = validate_scenario(
-            json.loads(path.read_text()), model, base, args.cpu_share, args.cores, helper_speedup
+            json.loads(path.read_text()), model, base, args.cpu_share, args.cores, helped
         )
     rows = [r for res in results.values() for r in res["rows"]]
-    print_table(rows, {d: f for res in results.values() for d, f in res["shares"].items()})
+    print_table(rows, {d: h for res in results.values() for d, h in res["hostings"].items()})
     for scenario, res in results.items():
         print_orderings(scenario, res["orderings"])
         print_host_cpu(scenario, res["host_cpu"])
@@ -538,7 +597,7 @@ def save(path: Path, results: dict, args: argparse.Namespace) -> None:
         "tolerance": TOLERANCE,
         "scenarios": {
             s: {
-                "shares": res["shares"],
+                "hostings": {d: vars(h) for d, h in res["hostings"].items()},
                 "host_cpu": res["host_cpu"],
                 "orderings": res["orderings"],
                 "rows": [{**vars(r), "error": r.error, "within": r.within} for r in res["rows"]],
