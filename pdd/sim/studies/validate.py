@@ -8,18 +8,20 @@ deployment, the medians (and p99s) of TTFT, 2nd token, max gap and TPOT: simulat
 error, within ±25%; and per metric whether the deployments come in the same order.
 
 The host: the bench runs the engines of one deployment at a time on a shared 2-core machine,
-one torch thread each, while cpu-calibrated times one engine alone on a core. Step times are
-multiplied by one CPU-share factor per deployment (`--cpu-share`). By default (measured) it
-comes from the CPU seconds the bench recorded per deployment (pdd/sim/studies/host_cpu.py): the
+one torch thread each, while cpu-calibrated times one engine alone on a core. Each deployment's
+steps are made what they are on its share of the host (`--cpu-share`). By default (measured)
+from the CPU seconds the bench recorded per deployment (pdd/sim/studies/host_cpu.py): the
 non-engine work (router, NATS, WAN emulator, the client, other tenants) takes its measured cores
 first, and the engines share the rest: a busy engine's step is as fast as the cores it gets,
-(cores - background) / engines a step sees busy, up to one, and past one up to the profile's
-helper speedup (pdd up's low-priority kernel helper on a second core); "engines a step sees
-busy" from the engines' busy spells in a first simulation at full speed. All of a system's
-engines share this host, so its decoders give way to prefill's backlog (SimSettings.give_way).
-For a run that did not record CPU seconds: `auto`, max(1, the host's load average at the run's
-end / cores); with neither, or with `engines`, max(1, engines busy at once in the simulation /
-cores) (a lower bound).
+(cores - background) / engines a step sees busy: under one, one thread's step that much slower;
+past one, that far towards the profile's helped step (pdd up's low-priority kernel helper on a
+second core); "engines a step sees busy" from the engines' busy spells in a first simulation at
+full speed. Each role's steps are followed by the time its engine loop spent between steps in
+the run (the services' pdd_engine_between_steps_seconds, as the bench recorded it). All of a
+system's engines share this host, so its decoders give way to prefill's backlog
+(SimSettings.give_way). For a run that did not record CPU seconds: `auto`, max(1, the host's
+load average at the run's end / cores); with neither, or with `engines`, max(1, engines busy at
+once in the simulation / cores) (a lower bound).
 """
 
 from __future__ import annotations
@@ -545,8 +547,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="measured",
         help="step-time factor of the measured host's CPU sharing: a number; engines: max(1, engines "
         "busy at once in the simulation / cores); auto: max(1, the host's load average recorded "
-        "by the bench / its cores), else as engines; measured: max(1, engines a step sees busy / "
-        "(cores - the non-engine CPU the bench measured per deployment)), else as auto",
+        "by the bench / its cores), else as engines; measured: the cores each busy engine gets of "
+        "what the non-engine CPU the bench measured per deployment leaves (under one: steps that "
+        "much slower; over one: that far towards the profile's helped steps), else as auto",
     )
     p.add_argument(
         "--cores",
