@@ -6,7 +6,7 @@ A Meter takes a snapshot before and after each timed stretch of one deployment a
 difference to that deployment's account: wall seconds, the host's busy CPU seconds (/proc/stat),
 and CPU seconds per process of every running system, named as `pdd up` names them (prefill,
 relay, main_decode, router, wan, nats-a, ...; "up": the supervisor; "bench": this process), and
-what its own system's engine loops did meanwhile (engine_steps.py)."""
+what its own system's engines did meanwhile (engine_figures.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdd.benchkit import engine_steps
+from pdd.benchkit import engine_figures
 from pdd.supervisor import RUN_DIR
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -61,20 +61,20 @@ def system_pids(workdir: Path, supervisor_pid: int) -> dict[str, int]:
 
 
 def snapshot(systems: dict) -> dict:
-    """{"t", "host_busy_s", "bench_s", "procs": {system: {name: (pid, cpu_s)}}, "loops": {system:
-    {engine: its loop's figures (engine_steps.py)}}} now."""
-    procs, loops = {}, {}
+    """{"t", "host_busy_s", "bench_s", "procs": {system: {name: (pid, cpu_s)}}, "figures": {system:
+    {engine: its figures (engine_figures.py)}}} now."""
+    procs, engines = {}, {}
     for d, s in systems.items():
         pids = system_pids(s.workdir, s.proc.pid)
         procs[d] = {n: (pid, cpu) for n, pid in pids.items() if (cpu := process_cpu_s(pid)) is not None}
-        loops[d] = engine_steps.scrape({n: u for n, u in s.metrics_urls().items() if is_engine(n)})
+        engines[d] = engine_figures.scrape({n: u for n, u in s.metrics_urls().items() if is_engine(n)})
     t = os.times()
     return {
         "t": time.monotonic(),
         "host_busy_s": host_busy_s(),
         "bench_s": t.user + t.system,
         "procs": procs,
-        "loops": loops,
+        "figures": engines,
     }
 
 
@@ -87,8 +87,8 @@ class Account:
     bench_s: float = 0.0  # this process: the streaming clients (and the bench's bookkeeping)
     processes: dict[str, float] = field(default_factory=dict)  # its own system's processes
     other_systems_s: float = 0.0  # the other (idle) systems of the run, all processes
-    # its own engines' loops: steps, step_s, gaps, between_s (engine_steps.py)
-    engine_loops: dict[str, dict[str, float]] = field(default_factory=dict)
+    # its own engines' figures: steps, step_s, gaps, between_s, KV tails (engine_figures.py)
+    engine_figures: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, before: dict, after: dict, own: str) -> None:
         self.wall_s += after["t"] - before["t"]
@@ -102,13 +102,13 @@ class Account:
                     self.processes[name] = self.processes.get(name, 0.0) + used
                 else:
                     self.other_systems_s += used
-        loops = engine_steps.difference(
-            before.get("loops", {}).get(own, {}), after.get("loops", {}).get(own, {})
+        engines = engine_figures.difference(
+            before.get("figures", {}).get(own, {}), after.get("figures", {}).get(own, {})
         )
-        for name, figures in loops.items():
-            mine = self.engine_loops.setdefault(name, dict.fromkeys(figures, 0.0))
+        for name, figures in engines.items():
+            mine = self.engine_figures.setdefault(name, {})
             for k, v in figures.items():
-                mine[k] += v
+                mine[k] = mine.get(k, 0.0) + v
 
     def as_json(self) -> dict:
         engines = sum(v for n, v in self.processes.items() if is_engine(n))
@@ -122,7 +122,7 @@ class Account:
             "engines_s": engines,
             "non_engine_s": ours - engines,
             "other_tenants_s": max(0.0, self.host_busy_s - ours),
-            "engine_loops": dict(sorted(self.engine_loops.items())),
+            "engine_figures": dict(sorted(self.engine_figures.items())),
         }
 
 

@@ -110,10 +110,13 @@ class KVStreamer:
         sender = job.transfers[path] = self.senders.open(address, job.rid, missing)
         try:
             tp = traceparent_of(span)
-            sent, kv_bytes, t_first = await self._stream(job, path, sender, queue, tp)
+            sent, kv_bytes, t_first, tail = await self._stream(job, path, sender, queue, tp)
             again = await sender.finish()
             sent += again
             self._count(job, path, again)
+            if tail is not None:  # (the last blocks: handed over at tail[0], tail[1] KV bytes)
+                metrics.KV_TAIL_SECONDS.labels(path=path.value).observe(time.monotonic() - tail[0])
+                metrics.KV_TAIL_BYTES.labels(path=path.value).inc(tail[1])
             if path is KVPath.WAN and sender.client is not None and not sender.reconnects:
                 # In KV bytes, as the router prices a transfer: a lossy WAN codec makes the
                 # line carry them faster than its wire rate.
@@ -145,21 +148,23 @@ class KVStreamer:
 
     async def _stream(
         self, job: PrefillJob, path: KVPath, sender: KVSender, queue: asyncio.Queue, tp: str | None
-    ) -> tuple[int, int, float | None]:
+    ) -> tuple[int, int, float | None, tuple[float, int] | None]:
         """Send queued blocks until the end marker: (bytes sent, KV bytes they carry, time of
-        the first block)."""
+        the first block, (when the last blocks were handed to the sender, their bytes))."""
         timeout = self.settings.request_timeout_s
-        sent, kv_bytes, t_first = 0, 0, None
+        sent, kv_bytes, t_first, tail = 0, 0, None, None
         while (item := await asyncio.wait_for(queue.get(), timeout=timeout)) is not END:
             hashes, kv = item
-            t_first = t_first or time.monotonic()
+            now = time.monotonic()
+            t_first = t_first or now
             n = await sender.send(hashes, kv, tp)
+            tail = (now, kv.numel() * kv.element_size())
             sent += n
-            kv_bytes += kv.numel() * kv.element_size()
+            kv_bytes += tail[1]
             if path is KVPath.WAN:
                 job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
             self._count(job, path, n)
-        return sent, kv_bytes, t_first
+        return sent, kv_bytes, t_first, tail
 
     @staticmethod
     def _count(job: PrefillJob, path: KVPath, n: int) -> None:

@@ -64,6 +64,15 @@ ENGINE_BETWEEN_STEPS_SECONDS = Histogram(
     ["service"],
     buckets=LOOP_BUCKETS,
 )
+# A prompt's KV tail: from its last blocks handed to the sender to the peer's ack, by path (what
+# a decoder waits after prefill's last step; `pdd sim validate` reads this host's KV path from it).
+KV_TAIL_SECONDS = Histogram(
+    "pdd_kv_tail_seconds",
+    "A prompt's last KV blocks: handed to the sender to acked",
+    ["path"],
+    buckets=ITL_BUCKETS,
+)
+KV_TAIL_BYTES = Counter("pdd_kv_tail_bytes", "KV bytes of the blocks pdd_kv_tail_seconds times", ["path"])
 KV_BYTES = Counter("pdd_kv_bytes", "KV bytes sent, by path", ["path"])
 HANDOFF_BATCHES = Counter("pdd_handoff_batches", "RLD->MD handoff batches by mode", ["mode"])
 HANDOFF_SECONDS = Histogram(  # relay: from MD's kv_ready to the final batch sent

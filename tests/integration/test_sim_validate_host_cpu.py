@@ -150,7 +150,9 @@ def test_a_meter_reads_real_processes(tmp_path: Path):
             while process_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
                 sum(range(10_000))
         j = meter.as_json()["accounts"]["x"]
-        assert j["engine_loops"] == {"prefill": {"steps": 1.0, "step_s": 0.25, "gaps": 0.0, "between_s": 0.0}}
+        assert j["engine_figures"] == {
+            "prefill": {"steps": 1.0, "step_s": 0.25, "gaps": 0.0, "between_s": 0.0}
+        }
         assert j["processes"]["prefill"] > 0.2 and j["engines_s"] == j["processes"]["prefill"]
         assert j["processes"]["up"] < 0.05  # a sleeping supervisor
         assert j["bench_s"] > 0 and j["host_busy_s"] >= j["engines_s"] + j["bench_s"] - 0.05

@@ -119,7 +119,7 @@ def test_single_scenario_from_the_recorded_config(base):
 def test_each_role_is_charged_its_measured_time_between_steps(base):
     loop = {"steps": 0.0, "step_s": 0.0}
     account = {
-        "engine_loops": {
+        "engine_figures": {
             "prefill": {**loop, "gaps": 8.0, "between_s": 0.016},
             "main_decode-1": {**loop, "gaps": 100.0, "between_s": 0.05},  # two MDs: one mean
             "main_decode-2": {**loop, "gaps": 100.0, "between_s": 0.15},
@@ -133,6 +133,20 @@ def test_each_role_is_charged_its_measured_time_between_steps(base):
     load = decode_load(4, 1000)
     assert charged.decode.chip.step.step_s(load) == pytest.approx(d.decode.chip.step.step_s(load) + 0.001)
     assert (charged.prefill, charged.relay) == (d.prefill, d.relay)
+
+
+def test_the_hosts_unshaped_kv_paths_move_kv_at_their_measured_rates(base):
+    figures = {"tails_wan": 2.0, "tail_s_wan": 0.02, "tail_bytes_wan": 8e6, "tails_local": 0.0}
+    account = {"engine_figures": {"prefill": figures, "main_decode": {"steps": 1.0}}}
+    rates = v.kv_path_rates(account)
+    assert rates == pytest.approx({"wan": 4e8}) and v.kv_path_rates({}) == {}
+    cases = v.agentic_cases(AGENTIC, base)
+    same = v.on_kv_paths(cases["same-dc"].deployment, {"wan": 4e8, "local": 1e9})
+    assert same.wan.bandwidth_Bps == 4e8  # the emulator, lifted: this host's path, not RDMA's
+    pdd = v.on_kv_paths(cases["pdd"].deployment, {"wan": 4e8, "local": 1e9})
+    assert pdd.wan == cases["pdd"].deployment.wan and pdd.local.bandwidth_Bps == 1e9  # a shaped WAN stays
+    naive = cases["naive"].deployment
+    assert v.on_kv_paths(naive, {"wan": 4e8}) == naive
 
 
 def test_cpu_share_factor(base):

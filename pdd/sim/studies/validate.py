@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdd.sim.fleet.deployment import Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
+from pdd.sim.fleet.deployment import IN_DC, Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
 from pdd.sim.fleet.give_way import GiveWayRule
 from pdd.sim.fleet.records import RequestRecord, SimResult, percentile
 from pdd.sim.fleet.simulator import SimSettings, simulate
@@ -231,7 +231,7 @@ def loop_gaps(account: dict) -> dict[str, float]:
     handling, commands and thread hops) over a deployment's timed runs; none where the run did
     not record them."""
     sums: dict[str, list[float]] = {}
-    for name, loop in account.get("engine_loops", {}).items():
+    for name, loop in account.get("engine_figures", {}).items():
         role = ROLE_OF_PROCESS.get(name.rsplit("-", 1)[0] if name[-1].isdigit() else name)
         if role:
             total = sums.setdefault(role, [0.0, 0.0])
@@ -250,6 +250,34 @@ def with_gaps(d: Deployment, gaps: dict[str, float]) -> Deployment:
         return replace(r, chip=replace(r.chip, step=replace(step, overhead_s=step.overhead_s + gaps[name])))
 
     return replace(d, prefill=role("prefill"), decode=role("decode"), relay=role("relay"))
+
+
+KV_PATHS = ("wan", "local")  # prefill's KV paths: to MD (through the WAN emulator), to the relay
+
+
+def kv_path_rates(account: dict) -> dict[str, float]:
+    """Per KV path, the rate (bytes/s) at which a prompt's last KV blocks reached their peer in
+    the run: their KV bytes over the seconds from handing them to the sender to the ack
+    (pdd_kv_tail_seconds); none where the run did not record it."""
+    sums: dict[str, tuple[float, float]] = {}
+    for figures in account.get("engine_figures", {}).values():
+        for path in KV_PATHS:
+            if figures.get(f"tails_{path}"):
+                b, t = sums.get(path, (0.0, 0.0))
+                sums[path] = (b + figures[f"tail_bytes_{path}"], t + figures[f"tail_s_{path}"])
+    return {path: b / t for path, (b, t) in sums.items() if t > 0}
+
+
+def on_kv_paths(d: Deployment, rates: dict[str, float]) -> Deployment:
+    """The host's unshaped KV paths at their measured rates, where the simulator's in-DC path
+    (400 Gbit/s, RDMA-class) stood: P→D in one DC (the bench runs it through the WAN emulator,
+    delay and cap lifted: TLS at both ends, the emulator's copy between) and P→RLD (the local
+    path). A shaped WAN stays the emulator's settings."""
+    if d.kind == "same-dc" and "wan" in rates:
+        d = replace(d, wan=LinkSpec(rates["wan"], IN_DC.one_way_s))
+    if d.relay is not None and "local" in rates:
+        d = replace(d, local=LinkSpec(rates["local"], IN_DC.one_way_s))
+    return d
 
 
 def share_factor(engines: float, cores: float) -> float:
@@ -469,20 +497,26 @@ def validate_scenario(
     hosts = measured_hosts(knob, report, cores, helped)
     accounts = report.get("cpu", {}).get("accounts", {})
     gaps = {d: loop_gaps(a) for d, a in accounts.items()}
+    paths = {d: kv_path_rates(a) for d, a in accounts.items()}
     cases = SCENARIOS[scenario](report["config"], base)
     simulated, hostings = {}, {}
     for d, case in cases.items():
-        case = replace(case, deployment=with_gaps(case.deployment, gaps.get(d, {})))
+        deployment = on_kv_paths(with_gaps(case.deployment, gaps.get(d, {})), paths.get(d, {}))
+        case = replace(case, deployment=deployment)
         result, hostings[d] = run_case(case, model, share, cores, hosts.get(d))
         simulated[d] = simulated_stats(result.records)
     rows = compare(scenario, simulated, measured_stats(report))
-    inputs = {d: host_inputs(accounts[d], hosts[d], hostings[d], gaps[d]) for d in cases if d in hosts}
+    inputs = {
+        d: host_inputs(accounts[d], hosts[d], hostings[d], gaps[d], paths[d]) for d in cases if d in hosts
+    }
     return {"rows": rows, "orderings": orderings(rows), "hostings": hostings, "host_cpu": inputs}
 
 
-def host_inputs(account: dict, host: HostCpu, hosting: Hosting, gaps: dict[str, float]) -> dict[str, float]:
+def host_inputs(
+    account: dict, host: HostCpu, hosting: Hosting, gaps: dict[str, float], paths: dict[str, float]
+) -> dict[str, float]:
     """What a measured hosting came from, in cores (CPU seconds per wall second of the run),
-    and each role's measured seconds between steps."""
+    each role's measured seconds between steps and each KV path's measured rate (bytes/s)."""
     per = {n: s / account["wall_s"] for n, s in account["processes"].items()}
     nats = sum(c for n, c in per.items() if n.startswith("nats"))
     return {
@@ -501,6 +535,7 @@ def host_inputs(account: dict, host: HostCpu, hosting: Hosting, gaps: dict[str, 
         "helper_core": hosting.helper_core,
         "factor": hosting.factor,
         **{f"between_steps_{role}_s": g for role, g in gaps.items()},
+        **{f"kv_{path}_Bps": r for path, r in paths.items()},
     }
 
 
@@ -512,7 +547,8 @@ def print_host_cpu(scenario: str, inputs: dict[str, dict[str, float]]) -> None:
         f"  {scenario} host CPU (cores, measured): background = router + nats + wan + up + client + idle systems "
         f"+ other tenants; engines get cores - background, shared by the engines a step sees busy: past one core "
         f"each, their helpers get the rest of a second (+h, the step that far from one thread's to the helped "
-        f"time); under one, x = 1 / cores; between steps (ms): each role's measured loop gap, added to its steps"
+        f"time); under one, x = 1 / cores; between steps (ms): each role's measured loop gap, added to its steps; "
+        f"KV tails: each path's rate for a prompt's last blocks (used for the unshaped paths)"
     )
     for d, x in inputs.items():
         gaps = ", ".join(
@@ -520,12 +556,13 @@ def print_host_cpu(scenario: str, inputs: dict[str, dict[str, float]]) -> None:
             for k, v in x.items()
             if k.startswith("between_steps_")
         )
+        paths = ", ".join(f"{k[3:-4]} {v / 1e9:.2f} GB/s" for k, v in x.items() if k.startswith("kv_"))
         print(
             f"    {d:20s} background {x['background']:.2f} = {x['router']:.2f} + {x['nats']:.2f} + {x['wan']:.2f} + "
             f"{x['up']:.2f} + {x['client']:.2f} + {x['idle_systems']:.2f} + {x['other_tenants']:.2f}; "
             f"engines get {x['engine_cores']:.2f} of {x['cores']:g} (used {x['engines_measured']:.2f}); "
             f"a step sees {x['engines_seen_busy']:.2f} busy: x{x['factor']:.2f} +{x['helper_core']:.2f}h; "
-            f"between steps {gaps or '-'}"
+            f"between steps {gaps or '-'}; KV tails {paths or '-'}"
         )
 
 
