@@ -162,7 +162,7 @@ class KVStreamer:
             sent += n
             kv_bytes += tail[1]
             if path is KVPath.WAN:
-                job.wan_queued = max(job.wan_queued - kv.numel() * kv.element_size(), 0)
+                job.wan_queued = max(job.wan_queued - tail[1], 0)
             self._count(job, path, n)
         return sent, kv_bytes, t_first, tail
 

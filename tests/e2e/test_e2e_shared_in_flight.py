@@ -54,6 +54,10 @@ def md_samples(system: RunningSystem):
     return scrape(system.metrics_urls()["main_decode"])
 
 
+def prefill_samples(system: RunningSystem):
+    return scrape(system.metrics_urls()["prefill"])
+
+
 def pair(salt: int) -> tuple[list[int], list[int]]:
     base = prompt_of(16 * BASE_BLOCKS, salt=salt)
     return base, base + prompt_of(16 * SUFFIX_BLOCKS, salt=salt + 1)
@@ -89,15 +93,23 @@ def settled(system) -> None:
 
 def test_a_prefix_in_flight_crosses_the_wan_once(system, reference):
     base, longer = pair(salt=41)
-    before = md_samples(system)
+    before, p_before = md_samples(system), prefill_samples(system)
     first = lambda: complete(system, base, max_tokens=8, ignore_eos=True, pdd={"pipeline": "p-md"})  # noqa: E731
     b, a = second_while_first_in_flight(system, first, longer)
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
     per_block = a.json()["pdd"]["wan_bytes"] / BASE_BLOCKS
     assert per_block > 0
     assert b.json()["pdd"]["wan_bytes"] == SUFFIX_BLOCKS * per_block  # only its own blocks crossed
-    after = md_samples(system)
+    after, p_after = md_samples(system), prefill_samples(system)
     assert moved(before, after, SHARED, outcome="landed") > 0  # it waited for the first's copy
+    # Each transfer's last blocks were timed from hand-over to MD's ack (pdd_kv_tail_seconds).
+    assert moved(p_before, p_after, "pdd_kv_tail_seconds_count", path="wan") == 2
+    assert 0 < moved(p_before, p_after, "pdd_kv_tail_seconds_sum", path="wan") < 60
+    assert (
+        0
+        < moved(p_before, p_after, "pdd_kv_tail_bytes_total", path="wan")
+        <= (BASE_BLOCKS + SUFFIX_BLOCKS) * PER_BLOCK
+    )
     assert a.json()["choices"][0]["token_ids"] == ref_tokens(reference, base, max_tokens=8, ignore_eos=True)
     assert b.json()["choices"][0]["token_ids"] == ref_tokens(reference, longer, max_tokens=8, ignore_eos=True)
     settled(system)
