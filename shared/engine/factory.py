@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from shared.config import EngineSettings, ModelSettings, engine_unavailable
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import EngineError
 from shared.engine.seam import Engine
+from shared.vllm.checkpoint import vllm_refuses
 
 
 def require_available_engine(
@@ -22,17 +22,6 @@ def require_available_engine(
     if why is not None:
         print(f"{service}: refusing to start: {why}; set PDD_ENGINE=pdd", file=sys.stderr)
         raise SystemExit(2)
-
-
-def vllm_refuses(model: ModelSettings) -> str | None:
-    """Why vLLM's engine cannot load this model (it takes a checkpoint directory or a preset)."""
-    if model.path is None and model.preset is None:
-        gguf = "the default model"
-    elif model.path is not None and Path(model.path).suffix == ".gguf":
-        gguf = model.path
-    else:
-        return None
-    return f"{gguf}: vLLM engines load Hugging Face checkpoint directories or presets, not a GGUF file"
 
 
 def build_engine(model: ModelSettings, engine: EngineSettings) -> Engine:

@@ -11,11 +11,21 @@ from pathlib import Path
 
 from shared.config import ModelSettings
 from shared.engine.errors import EngineError
-from shared.engine.factory import vllm_refuses
 from shared.model.describe import ModelInfo
 from shared.model.source import resolve_source
 
 CHECKPOINTS = Path(os.environ.get("PDD_CHECKPOINT_DIR", Path.home() / ".cache" / "pdd" / "checkpoints"))
+
+
+def vllm_refuses(model: ModelSettings) -> str | None:
+    """Why vLLM's engine cannot load this model (it takes a checkpoint directory or a preset)."""
+    if model.path is None and model.preset is None:
+        gguf = "the default model"
+    elif model.path is not None and Path(model.path).suffix == ".gguf":
+        gguf = model.path
+    else:
+        return None
+    return f"{gguf}: vLLM engines load Hugging Face checkpoint directories or presets, not a GGUF file"
 
 
 def vllm_checkpoint(model: ModelSettings, info: ModelInfo) -> Path:

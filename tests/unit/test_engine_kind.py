@@ -16,6 +16,7 @@ from services.relay.service import RelayService
 from shared.config import EngineSettings, MainDecodeSettings, ModelSettings, PrefillSettings, RelaySettings
 from shared.engine import EngineError, LLMEngine
 from shared.engine.factory import build_engine
+from shared.vllm.checkpoint import vllm_refuses
 
 SERVICES = [
     (PrefillService, PrefillSettings),
@@ -85,8 +86,8 @@ def test_up_engine_flag(capsys) -> None:
 def test_vllm_given_a_gguf_file_exits_2_naming_it(monkeypatch, capsys) -> None:
     from shared.engine import factory
 
-    assert factory.vllm_refuses(ModelSettings(preset="tiny")) is None
-    assert "GGUF" in factory.vllm_refuses(ModelSettings())  # the default model is a GGUF file
+    assert vllm_refuses(ModelSettings(preset="tiny")) is None
+    assert "GGUF" in vllm_refuses(ModelSettings())  # the default model is a GGUF file
     monkeypatch.setattr(factory, "engine_unavailable", lambda kind: None)  # as where vLLM imports
     factory.require_available_engine(
         EngineSettings(kind="vllm"), "main_decode", ModelSettings(preset="small")
