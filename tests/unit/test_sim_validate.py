@@ -133,6 +133,11 @@ def test_each_role_is_charged_its_measured_time_between_steps(base):
     load = decode_load(4, 1000)
     assert charged.decode.chip.step.step_s(load) == pytest.approx(d.decode.chip.step.step_s(load) + 0.001)
     assert (charged.prefill, charged.relay) == (d.prefill, d.relay)
+    # Charged after the host's share, in full: the gap is wall time the run measured.
+    case = v.single_cases(SINGLE, base)["no-wan"]
+    one = v.run_case(case, model_spec("small"), 2.0, 2.0)[0].records[0].tpot_s
+    gap = v.run_case(case, model_spec("small"), 2.0, 2.0, gaps={"decode": 0.005})[0].records[0].tpot_s
+    assert gap == pytest.approx(one + 0.005, rel=0.02)
 
 
 def test_the_hosts_unshaped_kv_paths_move_kv_at_their_measured_rates(base):

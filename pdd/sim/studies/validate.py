@@ -346,11 +346,17 @@ class Hosting:
 
 
 def run_case(
-    case: Case, model: ModelSpec, share: float | None, cores: float, host: HostCpu | None = None
+    case: Case,
+    model: ModelSpec,
+    share: float | None,
+    cores: float,
+    host: HostCpu | None = None,
+    gaps: dict[str, float] | None = None,
 ) -> tuple[SimResult, Hosting]:
     """Simulate a case at a CPU share (None: from its engines' concurrency in a first run at full
     speed: as a step sees it on the measured host's engine cores if `host`, else the mean on all
-    `cores`)."""
+    `cores`), each role's steps followed by its measured time between steps (`gaps`: wall time
+    in the run, added after the host's share)."""
     if share is not None:
         hosting, deployment = Hosting(share), with_share(case.deployment, share)
     elif host is None:
@@ -361,7 +367,7 @@ def run_case(
         _, seen = full_speed_engines(case, model)
         hosting = Hosting(max(1.0, 1.0 / host.cores_each(seen)), host.helper_core(seen), seen)
         deployment = on_host(case.deployment, lambda step: host.step(step, seen))
-    return simulate(deployment, case.workload, model, case.settings), hosting
+    return simulate(with_gaps(deployment, gaps or {}), case.workload, model, case.settings), hosting
 
 
 # ---- side by side ------------------------------------------------------------------------------
@@ -501,9 +507,8 @@ def validate_scenario(
     cases = SCENARIOS[scenario](report["config"], base)
     simulated, hostings = {}, {}
     for d, case in cases.items():
-        deployment = on_kv_paths(with_gaps(case.deployment, gaps.get(d, {})), paths.get(d, {}))
-        case = replace(case, deployment=deployment)
-        result, hostings[d] = run_case(case, model, share, cores, hosts.get(d))
+        case = replace(case, deployment=on_kv_paths(case.deployment, paths.get(d, {})))
+        result, hostings[d] = run_case(case, model, share, cores, hosts.get(d), gaps.get(d))
         simulated[d] = simulated_stats(result.records)
     rows = compare(scenario, simulated, measured_stats(report))
     inputs = {
