@@ -38,18 +38,14 @@ def test_helpers_speed_an_engine_up_only_on_cores_nobody_else_wants():
     host = HostCpu(cores=2.0, background_cores=0.0, helped=HELPED)
     for load in (CHUNK, DECODE):  # alone on an idle host: the calibrated helped steps
         assert host.step(ONE, 1.0).step_s(load) == pytest.approx(HELPED.step_s(load))
-        assert host.step(ONE, 2.0).step_s(load) == pytest.approx(
-            ONE.step_s(load)
-        )  # a core each: one thread's
-        assert host.step(ONE, 4.0).step_s(load) == pytest.approx(
-            2 * ONE.step_s(load)
-        )  # half a core: as without
-        # 1.5 cores each: the second core free half the time, the step half way to the helped time
+        # a core each: one thread's speed; half a core each: as without helpers
+        assert host.step(ONE, 2.0).step_s(load) == pytest.approx(ONE.step_s(load))
+        assert host.step(ONE, 4.0).step_s(load) == pytest.approx(2 * ONE.step_s(load))
+        # 1.5 cores each (or the background's share taken): the second core free half the
+        # time, the step half way to the helped time
         half = (ONE.step_s(load) + HELPED.step_s(load)) / 2
         assert host.step(ONE, 2.0 / 1.5).step_s(load) == pytest.approx(half)
-        assert HostCpu(2.0, 0.5, HELPED).step(ONE, 1.0).step_s(load) == pytest.approx(
-            half
-        )  # the background's share
+        assert HostCpu(2.0, 0.5, HELPED).step(ONE, 1.0).step_s(load) == pytest.approx(half)
         assert HostCpu(4.0, 0.0, HELPED).step(ONE, 1.0).step_s(load) == pytest.approx(HELPED.step_s(load))
     # What a helper buys depends on the step: a prefill chunk far more than a small decode.
     assert ONE.step_s(CHUNK) / host.step(ONE, 1.0).step_s(CHUNK) > 1.9

@@ -72,4 +72,3 @@ async def test_the_loop_reports_its_steps_and_the_time_between_them() -> None:
     assert steps >= TOKENS - 1 and gaps == steps - 1
     # From the first step's start to the last one's: at least a pace per gap.
     assert stepped + between >= (steps - 1) * PACE_S - 0.01
-    assert between > stepped  # the tiny engine's steps are far shorter than the pace
