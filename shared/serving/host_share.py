@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from shared.engine.outputs import EngineStats
+from shared.serving.backlog_wait import BacklogWait
 
 # When it was written (time.monotonic, one clock for the whole host on Linux) and the prompt
 # tokens queued. A reader may see a record half written: one wrong read, for one poll, that
@@ -67,15 +68,13 @@ class PrefillBacklog:
 
 
 class GiveWay:
-    """A decoder's side: whether to wait before its next step."""
+    """A decoder's side: whether to wait before its next step (backlog_wait.py)."""
 
     def __init__(self, directory: str | Path, max_s: float, above_tokens: int = 0):
         self.directory = Path(directory)
-        self.max_s = max_s
-        self.above_tokens = above_tokens
+        self.rule = BacklogWait(max_s, above_tokens)
         self._maps: dict[tuple[Path, int], mmap.mmap] = {}  # by path and inode (a restart replaces it)
         self._scanned = -RESCAN_S
-        self._since: float | None = None  # when the backlog given way to now began
 
     def backlog(self) -> int:
         """Prompt tokens queued by the prefills of this host whose records are fresh."""
@@ -90,18 +89,9 @@ class GiveWay:
         return total
 
     def should_wait(self) -> bool:
-        """True from when the backlog goes above above_tokens (a burst, not two prompts that
-        came together) until it is gone, for at most max_s in a row."""
-        backlog = self.backlog()
-        if backlog <= 0:
-            self._since = None
-            return False
-        now = time.monotonic()
-        if self._since is None:
-            if backlog <= self.above_tokens:
-                return False
-            self._since = now
-        return now - self._since < self.max_s
+        """True from when the backlog goes above above_tokens until it is gone, for at most
+        max_s in a row."""
+        return self.rule.wait_until(self.backlog(), time.monotonic()) is not None
 
     def _rescan(self, now: float) -> None:
         self._scanned = now

@@ -1,5 +1,5 @@
 """Decoders that give way to prefill's backlog on a host they share with it, as `pdd up` runs
-engines on one machine (shared/serving/host_share.py, the rule it keeps):
+engines on one machine (shared/serving/host_share.py; the rule itself is theirs, shared/serving/backlog_wait.py):
 
 Prefill publishes the prompt tokens it has not computed yet after each step and command (a
 prompt just added counts whole until the step that takes it has ended: the engine looks up
@@ -10,11 +10,11 @@ above `above_tokens` until it is gone, the decoder takes no step, for at most `m
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from shared.config import CommonSettings
+from shared.serving.backlog_wait import BacklogWait
 
 _DEFAULTS = CommonSettings.model_fields
 
@@ -30,11 +30,11 @@ class Backlog(Protocol):
 
 
 class GiveWay:
-    """One decoder's side (shared/serving/host_share.py GiveWay): whether to wait before a step."""
+    """One decoder's side: the rule `pdd up`'s decoders keep (shared/serving/backlog_wait.py)
+    over the simulated prefills' backlog."""
 
     def __init__(self, rule: GiveWayRule, prefills: list[Backlog]):
-        self.rule, self.prefills = rule, prefills
-        self.since: float | None = None  # when the backlog given way to began
+        self.rule, self.prefills = BacklogWait(rule.max_s, rule.above_tokens), prefills
 
     def backlog(self) -> int:
         return sum(p.pending_tokens() for p in self.prefills)
@@ -42,27 +42,11 @@ class GiveWay:
     def wait_until(self, now: float) -> float | None:
         """None: step now; else the time the decoder may step anyway (unless asked again on a
         change of the backlog)."""
-        backlog = self.backlog()
-        if backlog <= 0:
-            self.since = None
-            return None
-        if self.since is None:
-            if backlog <= self.rule.above_tokens:
-                return None
-            self.since = now
-        end = self.since + self.rule.max_s
-        return end if now < end else None
+        return self.rule.wait_until(self.backlog(), now)
 
     def may_wait(self, now: float) -> bool:
-        """Whether a decoder stepping now should stop at its next step boundary to ask: a
-        burst it has not given way to yet, or one whose max_s has not run out."""
-        backlog = self.backlog()
-        if backlog <= 0:
-            self.since = None  # (it reads the backlog before each step: it sees it gone)
-            return False
-        if self.since is None:
-            return backlog > self.rule.above_tokens
-        return now < self.since + self.rule.max_s
+        """Whether a decoder stepping now should stop at its next step boundary to ask."""
+        return self.rule.would_wait(self.backlog(), now)
 
 
 def share_host(rule: GiveWayRule, prefills: list, decoders: list) -> None:
@@ -70,6 +54,10 @@ def share_host(rule: GiveWayRule, prefills: list, decoders: list) -> None:
     told (DecodeInstance.backlog_changed)."""
     for d in decoders:
         d.give_way = GiveWay(rule, prefills)
-    told: list[Callable[[], None]] = [d.backlog_changed for d in decoders]
+
+    def tell_decoders() -> None:
+        for d in decoders:
+            d.backlog_changed()
+
     for p in prefills:
-        p.on_backlog = lambda: [tell() for tell in told]
+        p.on_backlog = tell_decoders
