@@ -22,9 +22,14 @@ TICK = os.sysconf("SC_CLK_TCK")
 ENGINE_ROLES = ("prefill", "relay", "main_decode")  # the services that run an engine in-process
 
 
+def service_of(name: str) -> str:
+    """A process's service as `pdd up` names it: relay-1 -> relay, router -> router."""
+    return name.rsplit("-", 1)[0] if name[-1].isdigit() else name
+
+
 def is_engine(name: str) -> bool:
     """prefill, relay-1, main_decode-2, ...: a process running an engine."""
-    return name.rsplit("-", 1)[0] in ENGINE_ROLES if name[-1].isdigit() else name in ENGINE_ROLES
+    return service_of(name) in ENGINE_ROLES
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -60,14 +65,17 @@ def system_pids(workdir: Path, supervisor_pid: int) -> dict[str, int]:
     return out
 
 
-def snapshot(systems: dict) -> dict:
-    """{"t", "host_busy_s", "bench_s", "procs": {system: {name: (pid, cpu_s)}}, "figures": {system:
-    {engine: its figures (engine_figures.py)}}} now."""
-    procs, engines = {}, {}
+def snapshot(systems: dict, own: str | None = None) -> dict:
+    """{"t", "host_busy_s", "bench_s", "procs": {system: {name: (pid, cpu_s)}}, "figures": {own:
+    {engine: its figures (engine_figures.py)}}} now (the figures of the driven system only)."""
+    procs = {}
     for d, s in systems.items():
         pids = system_pids(s.workdir, s.proc.pid)
         procs[d] = {n: (pid, cpu) for n, pid in pids.items() if (cpu := process_cpu_s(pid)) is not None}
-        engines[d] = engine_figures.scrape({n: u for n, u in s.metrics_urls().items() if is_engine(n)})
+    engines = {}
+    if own is not None:
+        urls = systems[own].metrics_urls()
+        engines[own] = engine_figures.scrape({n: u for n, u in urls.items() if is_engine(n)})
     t = os.times()
     return {
         "t": time.monotonic(),
@@ -146,8 +154,8 @@ class _Measured:
         self.meter, self.name, self.system = meter, name, system
 
     def __enter__(self) -> None:
-        self.before = snapshot(self.meter.systems)
+        self.before = snapshot(self.meter.systems, self.system)
 
     def __exit__(self, *exc) -> None:
-        after = snapshot(self.meter.systems)
+        after = snapshot(self.meter.systems, self.system)
         self.meter.accounts.setdefault(self.name, Account()).add(self.before, after, self.system)

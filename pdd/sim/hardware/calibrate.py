@@ -256,8 +256,8 @@ class Timer:
         (a server's requests read KV of their own: sequences sharing one prefix would read the
         same blocks `batch` times, from the CPU's caches, and time a cheaper step)."""
         rids = []
+        slack = decode_slack(batch, context, self.step_tokens)
         for _ in range(batch):  # each decodes as soon as its prompt is computed: room for that
-            slack = decode_slack(batch, context, self.step_tokens)
             self.add([self.rng.randrange(256) for _ in range(context + 1)], slack + steps)
             rids.append(f"cal{self.next_id}")
         sched = self.engine.scheduler

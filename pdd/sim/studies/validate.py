@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pdd.benchkit.cpu import service_of
 from pdd.sim.fleet.deployment import IN_DC, Deployment, LinkSpec, RoleSpec, naive, pdd, same_dc
 from pdd.sim.fleet.give_way import GiveWayRule
 from pdd.sim.fleet.records import RequestRecord, SimResult, percentile
@@ -222,8 +223,8 @@ def with_share(d: Deployment, factor: float) -> Deployment:
     return on_host(d, lambda step: scaled(step, factor))
 
 
-# The bench's engine processes by the deployment's role they play (pdd/benchkit/cpu.py names).
-ROLE_OF_PROCESS = {"prefill": "prefill", "main_decode": "decode", "relay": "relay"}
+# The bench's engine services by the deployment's role they play (pdd/benchkit/cpu.py names).
+ROLE_OF_SERVICE = {"prefill": "prefill", "main_decode": "decode", "relay": "relay"}
 
 
 def loop_gaps(account: dict) -> dict[str, float]:
@@ -232,7 +233,7 @@ def loop_gaps(account: dict) -> dict[str, float]:
     not record them."""
     sums: dict[str, list[float]] = {}
     for name, loop in account.get("engine_figures", {}).items():
-        role = ROLE_OF_PROCESS.get(name.rsplit("-", 1)[0] if name[-1].isdigit() else name)
+        role = ROLE_OF_SERVICE.get(service_of(name))
         if role:
             total = sums.setdefault(role, [0.0, 0.0])
             total[0], total[1] = total[0] + loop["between_s"], total[1] + loop["gaps"]
